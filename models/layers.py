@@ -1,0 +1,168 @@
+"""Building blocks shared by every family: norms, rotary embeddings, masked attention, MLPs."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import axes
+from models.config import ModelConfig, ModelConfigError
+
+
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...], init, dtype):
+    return module.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+    """LLaMA RMSNorm: x / rms(x) * scale, computed in float32."""
+
+    eps: float
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = _param(self, "scale", (x.shape[-1],), (axes.EMBED,), nn.initializers.ones, self.dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """OPT LayerNorm with scale and bias, computed in float32."""
+
+    eps: float = 1e-5
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = x.shape[-1]
+        scale = _param(self, "scale", (d,), (axes.EMBED,), nn.initializers.ones, self.dtype)
+        bias = _param(self, "bias", (d,), (axes.EMBED,), nn.initializers.zeros, self.dtype)
+        xf = x.astype(jnp.float32)
+        mean = xf.mean(-1, keepdims=True)
+        var = jnp.square(xf - mean).mean(-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+class Dense(nn.Module):
+    """x @ W (+ b) with an explicit, named kernel shape (in_shape + out_shape)."""
+
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    in_names: tuple[str, ...]
+    out_names: tuple[str, ...]
+    use_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        init = nn.initializers.normal(0.02)
+        kernel = _param(self, "kernel", self.in_shape + self.out_shape, self.in_names + self.out_names, init, self.dtype)
+        n_in = len(self.in_shape)
+        y = jax.lax.dot_general(
+            x, kernel.astype(x.dtype), ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
+        )
+        if self.use_bias:
+            bias = _param(self, "bias", self.out_shape, self.out_names, nn.initializers.zeros, self.dtype)
+            y = y + bias.astype(y.dtype)
+        return y
+
+
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies [H/2] of the rotary embedding, with HF's rope_scaling variants."""
+    h = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    scaling = cfg.rope_scaling_dict
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = jnp.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        return jnp.where(is_mid, mid, scaled)
+    raise ModelConfigError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates x [B, T, N, H] by its positions [B, T] (HF rotate_half convention)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query dot-product attention of q [B,T,N,H] over k, v [B,S,K,H] under mask [B,T,S]."""
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, n // kv, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(h)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(b, t, n, h)
+
+
+class Attention(nn.Module):
+    """Self-attention that writes its new K/V into this layer's cache, then attends under a mask."""
+
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, positions, mask, k_all, v_all, layer, write_at):
+        # x [B, T, D]; positions [B, T]; mask [B, T, S]; k_all, v_all [L, B, S, K, H]; write_at [B]
+        cfg = self.cfg
+        d, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        proj = lambda name, heads, hname: Dense(  # noqa: E731
+            (d,), (heads, h), (axes.EMBED,), (hname, axes.HEAD_DIM), cfg.attention_bias, self.dtype, name=name
+        )
+        q = proj("q", n, axes.HEADS)(x)  # [B, T, N, H]
+        k = proj("k", kv, axes.KV_HEADS)(x)  # [B, T, K, H]
+        val = proj("v", kv, axes.KV_HEADS)(x)  # [B, T, K, H]
+        if cfg.arch != "opt":
+            inv = rope_frequencies(cfg)
+            q, k = apply_rope(q, positions, inv), apply_rope(k, positions, inv)
+        b, t = x.shape[:2]
+        slots = write_at[:, None] + jnp.arange(t, dtype=write_at.dtype)  # [B, T]
+        rows = jnp.arange(b)[:, None]
+        k_all = k_all.at[layer, rows, slots].set(k.astype(k_all.dtype), mode="drop")
+        v_all = v_all.at[layer, rows, slots].set(val.astype(v_all.dtype), mode="drop")
+        k_l = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)  # [B, S, K, H]
+        v_l = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
+        out = masked_attention(q, k_l.astype(q.dtype), v_l.astype(q.dtype), mask)
+        o = Dense((n, h), (d,), (axes.HEADS, axes.HEAD_DIM), (axes.EMBED,), cfg.arch == "opt", self.dtype, name="o")
+        return o(out), k_all, v_all
+
+
+class MLP(nn.Module):
+    """SwiGLU (LLaMA/Qwen2) or fc1-act-fc2 (OPT) feed-forward block."""
+
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d, f = self.cfg.hidden_size, self.cfg.intermediate_size
+        up = lambda name, bias: Dense((d,), (f,), (axes.EMBED,), (axes.MLP,), bias, self.dtype, name=name)  # noqa: E731
+        down = lambda name, bias: Dense((f,), (d,), (axes.MLP,), (axes.EMBED,), bias, self.dtype, name=name)  # noqa: E731
+        if self.cfg.arch == "opt":
+            act = {"relu": jax.nn.relu, "gelu": jax.nn.gelu}[self.cfg.activation]
+            return down("fc2", True)(act(up("fc1", True)(x)))
+        return down("down", False)(jax.nn.silu(up("gate", False)(x)) * up("up", False)(x))

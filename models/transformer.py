@@ -1,0 +1,169 @@
+"""The decoder-only transformer for every supported family, and its one forward signature.
+
+``forward(params, tokens, positions, cache, mask) -> (logits, cache)`` serves prefill,
+SSM draft steps and tree verification alike: the T new tokens' keys/values are written
+to cache slots ``[cache.length, cache.length + T)`` and every query attends to the cache
+slots its mask row allows. ``cache.length`` is not advanced here; committing is the
+engine's job (``jaxspec.kv_cache.commit``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import axes
+from models.config import ModelConfig
+from models.layers import MLP, Attention, Dense, LayerNorm, RMSNorm
+
+OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys/values of every layer for B slots of capacity S, plus each slot's committed length."""
+
+    k: jax.Array  # [L, B, S, K, H]
+    v: jax.Array  # [L, B, S, K, H]
+    length: jax.Array  # [B] int32: slots [0, length) hold committed tokens
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
+        shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+class Block(nn.Module):
+    """One pre-norm (or OPT post-norm) transformer block, scanned over the layer axis."""
+
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, carry, positions, mask, write_at):
+        x, k_all, v_all, layer = carry
+        cfg = self.cfg
+        if cfg.arch == "opt":
+            norm = lambda name: LayerNorm(1e-5, self.dtype, name=name)  # noqa: E731
+        else:
+            norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, name=name)  # noqa: E731
+        attn = Attention(cfg, self.dtype, name="attn")
+        mlp = MLP(cfg, self.dtype, name="mlp")
+        pre = cfg.arch != "opt" or cfg.do_layer_norm_before
+        attn_norm, mlp_norm = norm("attn_norm"), norm("mlp_norm")
+        h = attn_norm(x) if pre else x
+        a, k_all, v_all = attn(h, positions, mask, k_all, v_all, layer, write_at)
+        x = x + a
+        if not pre:
+            x = attn_norm(x)
+        x = x + mlp(mlp_norm(x) if pre else x)
+        if not pre:
+            x = mlp_norm(x)
+        return (x, k_all, v_all, layer + 1), None
+
+
+class Transformer(nn.Module):
+    """Embeddings, L scanned blocks, final norm and LM head."""
+
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens, positions, cache: KVCache, mask, select=None):
+        # tokens, positions [B, T]; mask [B, T, S]; select [B, T'] indices into T (or None: all)
+        cfg = self.cfg
+        embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.proj_dim,
+            dtype=self.dtype,
+            param_dtype=self.dtype,
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), (axes.VOCAB, axes.EMBED)),
+            name="embed",
+        )
+        x = embed(tokens)  # [B, T, P]
+        if cfg.arch == "opt":
+            if cfg.proj_dim != cfg.hidden_size:
+                x = Dense((cfg.proj_dim,), (cfg.hidden_size,), (axes.EMBED,), (axes.EMBED,), False, self.dtype,
+                          name="project_in")(x)
+            pos_table = nn.Embed(
+                cfg.max_position_embeddings + OPT_POSITION_OFFSET,
+                cfg.hidden_size,
+                dtype=self.dtype,
+                param_dtype=self.dtype,
+                embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, axes.EMBED)),
+                name="pos_embed",
+            )
+            x = x + pos_table(positions + OPT_POSITION_OFFSET)
+        blocks = nn.scan(
+            Block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_layers,
+            metadata_params={nn.PARTITION_NAME: axes.LAYERS},
+        )(cfg, self.dtype, name="layers")
+        carry = (x, cache.k, cache.v, jnp.zeros((), jnp.int32))
+        (x, k_all, v_all, _), _ = blocks(carry, positions, mask, cache.length)
+        if select is not None:
+            x = jnp.take_along_axis(x, select[:, :, None], axis=1)  # [B, T', D]
+        if cfg.arch == "opt":
+            if cfg.final_layer_norm:
+                x = LayerNorm(1e-5, self.dtype, name="final_norm")(x)
+            if cfg.proj_dim != cfg.hidden_size:
+                x = Dense((cfg.hidden_size,), (cfg.proj_dim,), (axes.EMBED,), (axes.EMBED,), False, self.dtype,
+                          name="project_out")(x)
+        else:
+            x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = Dense((cfg.hidden_size,), (cfg.vocab_size,), (axes.EMBED,), (axes.VOCAB,), False, self.dtype,
+                           name="lm_head")(x)
+        return logits.astype(jnp.float32), cache.replace(k=k_all, v=v_all)
+
+
+Forward = Callable[..., tuple[jax.Array, KVCache]]
+
+
+def make_forward(cfg: ModelConfig, dtype=jnp.float32) -> Forward:
+    """Returns ``forward(params, tokens, positions, cache, mask, select=None) -> (logits, cache)``."""
+    model = Transformer(cfg, dtype)
+
+    def forward(params, tokens, positions, cache, mask, select=None):
+        return model.apply({"params": params}, tokens, positions, cache, mask, select)
+
+    return forward
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):
+    """Randomly initialised parameters (unboxed) with the exact tree a loader must produce."""
+    model = Transformer(cfg, dtype)
+    cache = KVCache.create(cfg, 1, 4, dtype)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    mask = jnp.ones((1, 1, 4), bool)
+    variables = model.init(jax.random.PRNGKey(seed), tokens, tokens, cache, mask)
+    return nn.meta.unbox(variables["params"])
+
+
+def param_shapes(cfg: ModelConfig, dtype=jnp.float32):
+    """ShapeDtypeStructs of the parameter tree, without allocating it."""
+    return jax.eval_shape(lambda: init_params(cfg, 0, dtype))
+
+
+def logical_axes(cfg: ModelConfig):
+    """The tree of logical axis-name tuples, one per parameter (for sharding rules)."""
+    model = Transformer(cfg)
+    cache = KVCache.create(cfg, 1, 4)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    abstract = jax.eval_shape(
+        lambda: model.init(jax.random.PRNGKey(0), tokens, tokens, cache, jnp.ones((1, 1, 4), bool))
+    )
+    return nn.get_partition_spec(abstract)["params"]
