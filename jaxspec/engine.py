@@ -1,0 +1,274 @@
+"""The host side of decoding: buckets, compiled steps, the generation loop and stopping.
+
+The host schedules and streams; the device runs one jitted ``decode_step`` per
+iteration. Shapes are bucketed (prompt length, cache capacity) so a generation never
+recompiles after its first step; ``Engine.compilations`` counts traces to prove it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import sampling
+from jaxspec.step import DecodeConfig, DecodeState, decode_step, prefill
+from jaxspec.tree import Topology, expansion_topology
+from models.config import ModelConfig
+from models.transformer import Forward, KVCache, make_forward
+
+CAPACITY_BUCKETS = tuple(256 * 2**i for i in range(9))  # 256 … 65536 slots
+MIN_PROMPT_BUCKET = 16
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (prompt too long, bad parameters)."""
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model ready to run: config, parameters, its forward and (optionally) tokenizer."""
+
+    name: str
+    cfg: ModelConfig
+    params: dict
+    dtype: jnp.dtype = jnp.float32
+    tokenizer: object | None = None
+
+    @property
+    def forward(self) -> Forward:
+        return _forward_for(self.cfg, jnp.dtype(self.dtype))
+
+
+_FORWARDS: dict = {}
+
+
+def _forward_for(cfg: ModelConfig, dtype) -> Forward:
+    key = (cfg, dtype)
+    if key not in _FORWARDS:
+        _FORWARDS[key] = make_forward(cfg, dtype)
+    return _FORWARDS[key]
+
+
+@dataclasses.dataclass
+class Generation:
+    """One finished generation and its counters."""
+
+    token_ids: list[int]
+    llm_steps: int  # LLM verification passes after the prefill
+    ssm_steps: int  # SSM draft forwards (all SSMs, all levels)
+    seconds: float
+    finish_reason: str  # "eos" | "stop" | "length"
+    step_tokens: list[int] = dataclasses.field(default_factory=list)  # tokens emitted by each LLM step
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens verified per LLM decoding step (prefill's first token excluded)."""
+        return float(np.mean(self.step_tokens)) if self.step_tokens else 0.0
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise RequestError(f"needs {n} cache slots, more than the largest bucket {buckets[-1]}")
+
+
+def prompt_bucket(n: int) -> int:
+    return max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length())
+
+
+class Engine:
+    """Speculative decoding with one LLM and zero or more SSMs (incremental / sequence / tree)."""
+
+    def __init__(
+        self,
+        llm: LoadedModel,
+        ssms: Sequence[LoadedModel] = (),
+        expansion: Sequence[int] | Sequence[Sequence[int]] = (),
+        tree_budget: int | None = None,
+        verify: str = "greedy",
+    ) -> None:
+        for ssm in ssms:
+            check_vocab(llm, ssm)
+        expansions = _per_ssm(expansion, len(ssms))
+        self.llm = llm
+        self.ssms = tuple(ssms) if expansions else ()
+        self.topologies = tuple(expansion_topology(e) for e in expansions)
+        self.tree_budget = tree_budget
+        self.verify = verify
+        self.compilations = 0
+        self._compiled: dict = {}
+        DecodeConfig(self.topologies, verify="greedy", tree_budget=tree_budget)  # validates early
+
+    # -- compiled functions -------------------------------------------------------------
+    def _decode_config(self, params: sampling.SamplingParams) -> DecodeConfig:
+        warp = sampling.WarpSpec.of(params)
+        verify = "greedy" if warp.greedy else (self.verify if self.verify != "greedy" else "mss")
+        return DecodeConfig(self.topologies, warp, verify, self.tree_budget)
+
+    def _functions(self, cfg: DecodeConfig) -> tuple[Callable, Callable]:
+        if cfg not in self._compiled:
+            llm_fwd = self.llm.forward
+            ssm_fwds = tuple(s.forward for s in self.ssms)
+
+            def step(llm_params, ssm_params, state):
+                self.compilations += 1  # runs once per trace, i.e. per compilation
+                return decode_step(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state)
+
+            def pre(llm_params, ssm_params, state, tokens, lengths):
+                self.compilations += 1
+                return prefill(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state, tokens, lengths)
+
+            self._compiled[cfg] = (jax.jit(step, donate_argnums=(2,)), jax.jit(pre, donate_argnums=(2,)))
+        return self._compiled[cfg]
+
+    # -- state ------------------------------------------------------------------------
+    def capacity_for(self, prompt_len: int, max_new_tokens: int) -> int:
+        cfg = DecodeConfig(self.topologies, tree_budget=self.tree_budget)
+        need = max(prompt_len + max_new_tokens + cfg.num_nodes + cfg.max_emit, prompt_bucket(prompt_len))
+        return bucket(need, CAPACITY_BUCKETS)
+
+    def check_request(self, prompt_len: int, max_new_tokens: int, params: sampling.SamplingParams) -> None:
+        if prompt_len < 1:
+            raise RequestError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise RequestError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        limit = self.llm.cfg.max_position_embeddings
+        if prompt_len + max_new_tokens > limit:
+            raise RequestError(
+                f"prompt of {prompt_len} tokens plus {max_new_tokens} new tokens exceeds the model's "
+                f"context of {limit} tokens"
+            )
+        if self.verify != "greedy" and params.greedy:
+            raise RequestError(f"--verify {self.verify} needs stochastic decoding (--temperature > 0)")
+
+    def init_state(self, batch: int, capacity: int, params: sampling.SamplingParams) -> DecodeState:
+        dt = self.llm.dtype
+        return DecodeState(
+            llm_cache=KVCache.create(self.llm.cfg, batch, capacity, dt),
+            ssm_caches=tuple(KVCache.create(s.cfg, batch, capacity, s.dtype) for s in self.ssms),
+            history=jnp.zeros((batch, capacity), jnp.int32),
+            root=jnp.zeros((batch,), jnp.int32),
+            key=jax.random.PRNGKey(params.seed),
+            values=sampling.warp_arrays(params, batch),
+        )
+
+    # -- generation -------------------------------------------------------------------
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        params: sampling.SamplingParams = sampling.SamplingParams(),
+        stop_ids: Sequence[int] | None = None,
+        stop: Callable[[list[int]], int | None] | None = None,
+    ) -> Iterator[tuple[list[int], Generation]]:
+        """Yields (new token ids, running Generation) after every LLM step.
+
+        ``stop_ids`` defaults to the LLM's EOS ids. ``stop`` maps the generated ids to a
+        cut index when a stop string matched (None otherwise).
+        """
+        prompt_ids = list(prompt_ids)
+        self.check_request(len(prompt_ids), max_new_tokens, params)
+        stop_ids = set(self.llm.cfg.eos_token_ids if stop_ids is None else stop_ids)
+        cfg = self._decode_config(params)
+        step_fn, prefill_fn = self._functions(cfg)
+        capacity = self.capacity_for(len(prompt_ids), max_new_tokens)
+        tp = prompt_bucket(len(prompt_ids))
+        tokens = np.zeros((1, tp), np.int32)
+        tokens[0, : len(prompt_ids)] = prompt_ids
+        ssm_params = tuple(s.params for s in self.ssms)
+        draft_levels = sum(t.max_depth for t in self.topologies)
+
+        start = time.perf_counter()
+        state = self.init_state(1, capacity, params)
+        state, first = prefill_fn(self.llm.params, ssm_params, state, jnp.asarray(tokens),
+                                  jnp.asarray([len(prompt_ids)], jnp.int32))
+        gen = Generation([], 0, 0, 0.0, "length")
+        new = [int(jax.device_get(first)[0])]
+        while True:
+            new, reason = self._cut(gen.token_ids, new, max_new_tokens, stop_ids, stop)
+            gen.token_ids.extend(new)
+            gen.seconds = time.perf_counter() - start
+            if reason:
+                gen.finish_reason = reason
+                yield new, gen
+                return
+            yield new, gen
+            state, out = step_fn(self.llm.params, ssm_params, state)
+            emitted, num = jax.device_get((out.tokens, out.num))
+            gen.llm_steps += 1
+            gen.ssm_steps += draft_levels
+            gen.step_tokens.append(int(num[0]))
+            new = [int(t) for t in emitted[0, : int(num[0])]]
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                 params: sampling.SamplingParams = sampling.SamplingParams(), **kw) -> Generation:
+        """Runs ``stream`` to the end and returns the Generation."""
+        gen = None
+        for _, gen in self.stream(prompt_ids, max_new_tokens, params, **kw):
+            pass
+        return gen
+
+    @staticmethod
+    def _cut(done: list[int], new: list[int], limit: int, stop_ids: set[int], stop) -> tuple[list[int], str | None]:
+        """Truncates this step's tokens at EOS, a stop string or the token limit."""
+        for i, t in enumerate(new):
+            if t in stop_ids:
+                return new[: i + 1], "eos"
+        if len(done) + len(new) >= limit:
+            new = new[: limit - len(done)]
+            reason = "length"
+        else:
+            reason = None
+        if stop is not None:
+            cut = stop(done + new)
+            if cut is not None:
+                return (done + new)[len(done): max(cut, len(done))], "stop"
+        return new, reason
+
+
+def _per_ssm(expansion, num_ssms: int) -> tuple[tuple[int, ...], ...]:
+    """One expansion config per SSM (a single config is shared by all)."""
+    if num_ssms == 0:
+        return ()
+    if not expansion:
+        raise RequestError("an SSM was given but the expansion config is empty")
+    if isinstance(expansion[0], int):
+        return tuple(tuple(expansion) for _ in range(num_ssms))
+    if len(expansion) != num_ssms:
+        raise RequestError(f"{len(expansion)} expansion configs for {num_ssms} SSMs")
+    return tuple(tuple(e) for e in expansion)
+
+
+class VocabularyMismatch(ValueError):
+    """The SSM's tokenizer or vocabulary differs from the LLM's."""
+
+
+def check_vocab(llm: LoadedModel, ssm: LoadedModel) -> None:
+    """Refuses an SSM whose vocabulary (size or tokenizer) differs from the LLM's."""
+    if llm.cfg.vocab_size != ssm.cfg.vocab_size:
+        raise VocabularyMismatch(
+            f"SSM {ssm.name!r} has a vocabulary of {ssm.cfg.vocab_size} tokens but the LLM {llm.name!r} has "
+            f"{llm.cfg.vocab_size}: an SSM must share the LLM's tokenizer"
+        )
+    if llm.tokenizer is not None and ssm.tokenizer is not None and llm.tokenizer is not ssm.tokenizer:
+        if llm.tokenizer.get_vocab() != ssm.tokenizer.get_vocab():
+            raise VocabularyMismatch(
+                f"SSM {ssm.name!r} uses a different tokenizer from the LLM {llm.name!r}: an SSM must share "
+                "the LLM's tokenizer"
+            )
+
+
+def early_exit(llm: LoadedModel, num_layers: int) -> LoadedModel:
+    """An SSM made of the LLM's first layers plus its final norm and head (``layers:N``)."""
+    if not 1 <= num_layers < llm.cfg.num_layers:
+        raise RequestError(f"layers:{num_layers} must be between 1 and {llm.cfg.num_layers - 1} for this LLM")
+    params = dict(llm.params)
+    params["layers"] = jax.tree_util.tree_map(lambda x: x[:num_layers], llm.params["layers"])
+    return LoadedModel(f"{llm.name}[layers:{num_layers}]", llm.cfg.replace(num_layers=num_layers), params,
+                       llm.dtype, llm.tokenizer)

@@ -1,0 +1,143 @@
+"""Speculate: each SSM extends the root into an expansion tree, one batched forward per level.
+
+Per SSM and iteration the draft costs ``m`` forwards inside one ``fori_loop``:
+  * step 0 re-feeds the last ``m + 1`` committed tokens plus the root. That keeps the
+    SSM cache exact whatever path the LLM accepted last time (even a leaf the SSM never
+    fed), so the SSM needs no commit of its own.
+  * step i (1 ≤ i < m) feeds the nodes of level i (padded to the widest level) under the
+    tree mask; their children are the SSM's top-k (greedy) or i.i.d. draws from its
+    warped distribution (stochastic decoding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import sampling
+from jaxspec.kv_cache import causal_mask, tree_mask
+from jaxspec.tree import Topology, TokenTree, ancestor_mask
+from models.transformer import Forward, KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelTables:
+    """Static index tables that let one loop body handle every level of a topology."""
+
+    fed: np.ndarray  # [m, W] node index fed at level i (padded with the level's first node)
+    child: np.ndarray  # [m, C] node index of level-(i+1) children (padded with N = trash)
+    child_parent: np.ndarray  # [m, C] position of the child's parent within fed[i]
+    child_rank: np.ndarray  # [m, C] which of the parent's k draws the child is
+
+    @classmethod
+    def of(cls, topo: Topology) -> "LevelTables":
+        m, n = topo.max_depth, topo.num_nodes
+        w = topo.max_width
+        c = max(topo.level_size(i) for i in range(1, m + 1))
+        fed = np.zeros((m, w), np.int32)
+        child = np.full((m, c), n, np.int32)
+        child_parent = np.zeros((m, c), np.int32)
+        child_rank = np.zeros((m, c), np.int32)
+        for i in range(m):
+            lo, hi = topo.level_offsets[i], topo.level_offsets[i + 1]
+            fed[i, : hi - lo] = np.arange(lo, hi)
+            fed[i, hi - lo :] = lo
+            clo, chi = topo.level_offsets[i + 1], topo.level_offsets[i + 2]
+            for j, node in enumerate(range(clo, chi)):
+                child[i, j] = node
+                child_parent[i, j] = topo.parent[node] - lo
+                child_rank[i, j] = j % topo.expansion[i]
+        return cls(fed, child, child_parent, child_rank)
+
+
+def propose(key: jax.Array, logits: jax.Array, k: int, spec: sampling.WarpSpec, values) -> tuple[jax.Array, jax.Array]:
+    """k children per row of logits [B, W, V]: top-k (greedy) or k i.i.d. warped draws.
+
+    Returns (tokens [B, W, k], draft probabilities [B, W, V]; zeros under greedy).
+    """
+    if spec.greedy:
+        return jax.lax.top_k(logits, k)[1].astype(jnp.int32), jnp.zeros((), jnp.float32)
+    logp = sampling.warp_logits(logits, spec, values)  # [B, W, V]
+    draws = jax.random.categorical(key, logp[..., None, :], axis=-1, shape=logp.shape[:-1] + (k,))
+    return draws.astype(jnp.int32), jnp.exp(logp)
+
+
+def speculate(
+    forward: Forward,
+    params,
+    cache: KVCache,
+    topo: Topology,
+    history: jax.Array,
+    length: jax.Array,
+    root: jax.Array,
+    key: jax.Array,
+    spec: sampling.WarpSpec,
+    values,
+    ssm_id: int = 0,
+) -> tuple[TokenTree, jax.Array, KVCache]:
+    """Drafts one expansion tree per row.
+
+    history [B, S] holds committed tokens, length [B] their count (= the LLM cache
+    length), root [B] the pending token. Returns (tree [B, N], draft_probs [B, N, V] or a
+    scalar zero under greedy, new SSM cache with length == length).
+    """
+    b = root.shape[0]
+    m, n = topo.max_depth, topo.num_nodes
+    cap = cache.capacity
+    tables = LevelTables.of(topo)
+    kmax = max(topo.expansion)
+    parent = jnp.broadcast_to(jnp.asarray(topo.parent, jnp.int32), (b, n))
+    anc = ancestor_mask(parent, m)  # [B, N, N]
+    keys = jax.random.split(key, m)
+
+    # Step 0: re-feed the last m+1 committed tokens and the root.
+    window = m + 1
+    start = jnp.maximum(length - window, 0)
+    idx = start[:, None] + jnp.arange(window + 1)  # [B, W0]
+    hist = jnp.take_along_axis(history, jnp.minimum(idx, history.shape[1] - 1), axis=1)
+    toks0 = jnp.where(idx < length[:, None], hist, jnp.where(idx == length[:, None], root[:, None], 0))
+    logits0, cache = forward(
+        params, toks0, idx, cache.replace(length=start), causal_mask(start, window + 1, cap), (length - start)[:, None]
+    )  # logits0 [B, 1, V]
+    cache = cache.replace(length=length)
+
+    tokens = jnp.zeros((b, n + 1), jnp.int32).at[:, 0].set(root)  # slot N is trash
+    vocab = logits0.shape[-1]
+    stochastic = not spec.greedy
+    probs = jnp.zeros((b, n + 1, vocab) if stochastic else (), jnp.float32)
+
+    def expand(i, logits, tokens, probs, key):
+        draws, q = propose(key, logits, kmax, spec, values)  # [B, W, kmax]
+        child = jnp.asarray(tables.child)[i]
+        picked = draws[:, jnp.asarray(tables.child_parent)[i], jnp.asarray(tables.child_rank)[i]]  # [B, C]
+        tokens = tokens.at[:, child].set(picked)
+        if stochastic:
+            fed = jnp.asarray(tables.fed)[i]
+            probs = probs.at[:, fed[: logits.shape[1]]].set(q)
+        return tokens, probs
+
+    tokens, probs = expand(0, logits0, tokens, probs, keys[0])
+
+    def level(i, carry):
+        tokens, probs, cache = carry
+        fed = jnp.asarray(tables.fed)[i]  # [W]
+        rows = jnp.broadcast_to(fed, (b, fed.shape[0]))
+        toks = jnp.take_along_axis(tokens, rows, axis=1)
+        first = jnp.asarray(topo.level_offsets)[i]
+        write_at = length + first
+        positions = jnp.broadcast_to(length[:, None] + i, rows.shape)
+        mask = tree_mask(length, anc, rows, cap)
+        logits, cache = forward(params, toks, positions, cache.replace(length=write_at), mask)
+        tokens, probs = expand(i, logits, tokens, probs, keys[i])
+        return tokens, probs, cache.replace(length=length)
+
+    if m > 1:
+        tokens, probs, cache = jax.lax.fori_loop(1, m, level, (tokens, probs, cache))
+
+    depth = jnp.broadcast_to(jnp.asarray(topo.depth, jnp.int32), (b, n))
+    ssm = jnp.where(parent >= 0, ssm_id, -1).astype(jnp.int32)
+    tree = TokenTree(tokens[:, :n], parent, depth, jnp.ones((b, n), bool), ssm, parent)
+    return tree, (probs[:, :n] if stochastic else probs), cache

@@ -1,0 +1,196 @@
+"""One decoding iteration: speculate → merge → verify in one LLM pass → accept → commit.
+
+Incremental decoding (no SSM, empty tree), sequence speculation ⟨1,…,1⟩ and tree
+speculation ⟨1,1,3,…⟩ are configurations of this one function. The whole iteration is
+a single jitted executable: SSM levels run inside ``fori_loop``, nothing returns to the
+host but the few emitted tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from jaxspec import sampling
+from jaxspec.kv_cache import KVCache, causal_mask, commit, tree_mask
+from jaxspec.speculate import speculate
+from jaxspec.tree import Topology, TokenTree, ancestor_mask, merge, single_root
+from jaxspec.verify import Verdict, verify_greedy
+from models.transformer import Forward
+
+VERIFIERS = ("greedy", "mss", "naive")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Static settings of the compiled step (hashable: one executable per value)."""
+
+    topologies: tuple[Topology, ...] = ()  # one per SSM; empty = incremental decoding
+    warp: sampling.WarpSpec = sampling.WarpSpec()
+    verify: str = "greedy"  # greedy | mss | naive (the last two need a stochastic warp)
+    tree_budget: int | None = None  # pad the merged tree to this many nodes
+
+    def __post_init__(self) -> None:
+        if self.verify not in VERIFIERS:
+            raise ValueError(f"--verify must be one of {', '.join(VERIFIERS)}, got {self.verify!r}")
+        if self.tree_budget is not None and self.natural_nodes > self.tree_budget:
+            raise ValueError(
+                f"the token tree needs {self.natural_nodes} nodes (root included) but --tree-budget is "
+                f"{self.tree_budget}; shrink --expansion or raise the budget"
+            )
+
+    @property
+    def max_depth(self) -> int:
+        return max((t.max_depth for t in self.topologies), default=0)
+
+    @property
+    def natural_nodes(self) -> int:
+        return 1 + sum(t.num_nodes - 1 for t in self.topologies)
+
+    @property
+    def num_nodes(self) -> int:
+        """N: tree nodes fed to the LLM per iteration (root included)."""
+        return self.tree_budget or self.natural_nodes
+
+    @property
+    def max_emit(self) -> int:
+        """Most tokens one iteration can emit: the deepest path plus the bonus token."""
+        return self.max_depth + 1
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Everything that changes between iterations, for B slots."""
+
+    llm_cache: KVCache  # length [B] = committed tokens (prompt + emitted, minus the root)
+    ssm_caches: tuple[KVCache, ...]
+    history: jax.Array  # [B, S] committed token ids (slot i holds the token whose K/V is at i)
+    root: jax.Array  # [B] last emitted token, not yet fed to the LLM
+    key: jax.Array  # PRNG key
+    values: dict  # traced sampling values, each [B]
+
+
+@flax.struct.dataclass
+class StepOutput:
+    tokens: jax.Array  # [B, max_emit] emitted ids, -1 padding
+    num: jax.Array  # [B] how many of them are real
+
+
+def pad_tree(tree: TokenTree, n: int) -> TokenTree:
+    """Pads a tree with invalid nodes (parent 0) to n nodes."""
+    extra = n - tree.num_nodes
+    if extra <= 0:
+        return tree
+    pad = lambda x, v: jnp.pad(x, ((0, 0), (0, extra)), constant_values=v)  # noqa: E731
+    return TokenTree(
+        pad(tree.tokens, 0), pad(tree.parent, 0), pad(tree.depth, 1), pad(tree.valid, False),
+        pad(tree.ssm, -1), pad(tree.proposer, 0),
+    )
+
+
+def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key):
+    """Speculate with every SSM and merge; returns (tree, draft_probs or None, ssm caches)."""
+    length = state.llm_cache.length
+    trees, probs, caches = [], [], []
+    keys = jax.random.split(key, max(len(cfg.topologies), 1))
+    for j, (fwd, params, cache, topo) in enumerate(zip(ssm_forwards, ssm_params, state.ssm_caches, cfg.topologies)):
+        tree, q, cache = speculate(
+            fwd, params, cache, topo, state.history, length, state.root, keys[j], cfg.warp, state.values, j
+        )
+        trees.append(tree)
+        probs.append(q)
+        caches.append(cache)
+    if not trees:
+        return single_root(state.root), None, ()
+    tree = merge(trees, cfg.max_depth, dedup=cfg.warp.greedy)
+    draft_probs = None
+    if not cfg.warp.greedy:
+        draft_probs = jnp.concatenate([q if j == 0 else q[:, 1:] for j, q in enumerate(probs)], axis=1)
+    return tree, draft_probs, tuple(caches)
+
+
+def accept(cfg: DecodeConfig, tree: TokenTree, logits, draft_probs, state: DecodeState, key) -> Verdict:
+    """Runs the configured verifier on the LLM's logits [B, N, V]."""
+    if cfg.warp.greedy:
+        return verify_greedy(tree, logits, cfg.max_depth)
+    from jaxspec import verify_stochastic  # noqa: PLC0415 (kept apart: stochastic decoding)
+
+    return verify_stochastic.verify(cfg.verify, tree, logits, draft_probs, key, cfg.warp, state.values, cfg.max_depth)
+
+
+def decode_step(
+    cfg: DecodeConfig,
+    llm_forward: Forward,
+    ssm_forwards: tuple[Forward, ...],
+    llm_params,
+    ssm_params: tuple,
+    state: DecodeState,
+) -> tuple[DecodeState, StepOutput]:
+    """One SpecInfer iteration for all B slots (pure; jit it with cfg and forwards static)."""
+    key, k_draft, k_verify = jax.random.split(state.key, 3)
+    tree, draft_probs, ssm_caches = draft(cfg, ssm_forwards, ssm_params, state, k_draft)
+    tree = pad_tree(tree, cfg.num_nodes)
+    n = tree.num_nodes
+    length = state.llm_cache.length
+    cap = state.llm_cache.capacity
+    anc = ancestor_mask(tree.parent, cfg.max_depth)  # [B, N, N]
+    rows = jnp.broadcast_to(jnp.arange(n), tree.tokens.shape)
+    mask = tree_mask(length, anc, rows, cap)
+    logits, llm_cache = llm_forward(llm_params, tree.tokens, length[:, None] + tree.depth, state.llm_cache, mask)
+    verdict = accept(cfg, tree, logits, draft_probs, state, k_verify)
+
+    llm_cache = commit(llm_cache, verdict.path, verdict.num)
+    b, p = verdict.path.shape
+    path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(verdict.path, 0), axis=1)  # [B, P]
+    real = jnp.arange(p)[None, :] < verdict.num[:, None]
+    dst = jnp.where(real, length[:, None] + jnp.arange(p), state.history.shape[1])
+    history = state.history.at[jnp.arange(b)[:, None], dst].set(path_tokens, mode="drop")
+    # Emitted: accepted tokens (path minus the root), then the bonus/recovered token.
+    shifted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(jnp.arange(p)[None, :] < verdict.num[:, None] - 1, shifted, -1)
+    emitted = jnp.where(jnp.arange(p)[None, :] == verdict.num[:, None] - 1, verdict.next_token[:, None], emitted)
+    new_state = state.replace(
+        llm_cache=llm_cache, ssm_caches=ssm_caches, history=history, root=verdict.next_token, key=key
+    )
+    return new_state, StepOutput(emitted.astype(jnp.int32), verdict.num)
+
+
+def prefill_model(forward: Forward, params, cache: KVCache, tokens, lengths) -> tuple[jax.Array, KVCache]:
+    """Feeds padded prompts tokens [B, Tp] (true lengths [B]); returns last-token logits [B, V]."""
+    b, tp = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(tp), (b, tp))
+    start = jnp.zeros((b,), jnp.int32)
+    mask = causal_mask(start, tp, cache.capacity)
+    logits, cache = forward(params, tokens, positions, cache.replace(length=start), mask, (lengths - 1)[:, None])
+    return logits[:, 0], cache.replace(length=lengths.astype(jnp.int32))
+
+
+def prefill(
+    cfg: DecodeConfig,
+    llm_forward: Forward,
+    ssm_forwards: tuple[Forward, ...],
+    llm_params,
+    ssm_params: tuple,
+    state: DecodeState,
+    tokens: jax.Array,
+    lengths: jax.Array,
+) -> tuple[DecodeState, jax.Array]:
+    """Prefills the LLM and every SSM with the prompts and samples the first token [B]."""
+    logits, llm_cache = prefill_model(llm_forward, llm_params, state.llm_cache, tokens, lengths)
+    ssm_caches = tuple(
+        prefill_model(f, p, c, tokens, lengths)[1] for f, p, c in zip(ssm_forwards, ssm_params, state.ssm_caches)
+    )
+    key, sub = jax.random.split(state.key)
+    first = sampling.sample(sub, logits, cfg.warp, state.values)
+    s = state.history.shape[1]
+    tp = tokens.shape[1]
+    history = state.history.at[:, :tp].set(tokens) if tp <= s else state.history
+    new_state = state.replace(llm_cache=llm_cache, ssm_caches=ssm_caches, history=history, root=first, key=key)
+    return new_state, first
+
+
+StepFn = Callable[..., tuple[DecodeState, StepOutput]]
