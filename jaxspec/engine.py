@@ -257,7 +257,9 @@ def check_vocab(llm: LoadedModel, ssm: LoadedModel) -> None:
             f"{llm.cfg.vocab_size}: an SSM must share the LLM's tokenizer"
         )
     if llm.tokenizer is not None and ssm.tokenizer is not None and llm.tokenizer is not ssm.tokenizer:
-        if llm.tokenizer.get_vocab() != ssm.tokenizer.get_vocab():
+        from models.tokenizer import same_vocabulary  # noqa: PLC0415 (transformers import is slow)
+
+        if not same_vocabulary(llm.tokenizer, ssm.tokenizer):
             raise VocabularyMismatch(
                 f"SSM {ssm.name!r} uses a different tokenizer from the LLM {llm.name!r}: an SSM must share "
                 "the LLM's tokenizer"

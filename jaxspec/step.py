@@ -109,7 +109,14 @@ def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key):
     tree = merge(trees, cfg.max_depth, dedup=cfg.warp.greedy)
     draft_probs = None
     if not cfg.warp.greedy:
-        draft_probs = jnp.concatenate([q if j == 0 else q[:, 1:] for j, q in enumerate(probs)], axis=1)
+        # merge() keeps one root, so row 0 is SSM 0's q at the root; SSM j > 0 drew its
+        # depth-1 children from its own q at the root: append those rows and point SSM
+        # j's depth-1 nodes at them (MSS must divide by the q a child was drawn from).
+        body = [q if j == 0 else q[:, 1:] for j, q in enumerate(probs)]
+        base = sum(q.shape[1] for q in body)
+        draft_probs = jnp.concatenate(body + [q[:, :1] for q in probs[1:]], axis=1)
+        own_root = (tree.proposer == 0) & (tree.ssm > 0)
+        tree = tree.replace(proposer=jnp.where(own_root, base + tree.ssm - 1, tree.proposer))
     return tree, draft_probs, tuple(caches)
 
 

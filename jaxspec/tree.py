@@ -141,9 +141,7 @@ def merge(trees: Sequence[TokenTree], max_depth: int, dedup: bool = True) -> Tok
         offset += t.num_nodes - (0 if j == 0 else 1)
     cat = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
     tree = TokenTree(cat(parts_tok), cat(parts_par), cat(parts_dep), cat(parts_val), cat(parts_ssm), cat(parts_prop))
-    if not dedup or len(trees) == 1:
-        return tree
-    return deduplicate(tree, max_depth)
+    return deduplicate(tree, max_depth) if dedup else tree
 
 
 def deduplicate(tree: TokenTree, max_depth: int) -> TokenTree:

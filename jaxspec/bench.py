@@ -1,0 +1,240 @@
+"""``jaxspec bench``: incremental decoding vs transformers, and speculative decoding by tree width.
+
+Numbers are measured, never asserted: every run writes a CSV and, where a picture helps,
+a PNG next to it (the paper's Figures 9 and 10, Tables 2 and 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    from jaxspec import cli
+
+    bench = sub.add_parser("bench", help="benchmarks (CSV + PNG)")
+    kinds = bench.add_subparsers(dest="kind", required=True)
+
+    inc = kinds.add_parser("incremental", help="ms/token of jaxspec vs transformers generate()")
+    _common(inc, cli)
+    inc.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    inc.set_defaults(func=cmd_incremental)
+
+    spec = kinds.add_parser("speculative", help="tokens/step and ms/token by tree width (Fig. 9/10, Tables 2/3)")
+    _common(spec, cli)
+    spec.add_argument("--widths", default="1,2,3,4,5", help="tree widths w: expansion <1,1,w,1,1,1,1,1>")
+    spec.add_argument("--ssm", action="append", default=None, metavar="PATH_OR_SPEC")
+    spec.add_argument("--verify", default="mss", help="stochastic verifiers to compare, e.g. mss,naive")
+    spec.add_argument("--depth", type=int, default=8, help="tree depth m of <1,1,w,1,...>")
+    spec.set_defaults(func=cmd_speculative)
+
+
+def _common(p: argparse.ArgumentParser, cli) -> None:
+    p.add_argument("--prompt-file", required=True)
+    p.add_argument("--limit", type=int, default=10, help="first N prompts")
+    p.add_argument("--model")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--no-chat", action="store_true")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="out/bench.csv", help="CSV path (PNG files are written beside it)")
+
+
+def _encode_all(llm, rows, no_chat: bool) -> list[list[int]]:
+    from models.tokenizer import encode_prompt
+
+    return [encode_prompt(llm.tokenizer, r["prompt"], chat=not no_chat) for r in rows]
+
+
+def _write_csv(path: str, rows: list[dict]) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(rows)
+    return out
+
+
+def _timed_generate(engine, ids, n, params):
+    engine.generate(ids, n, params)  # warm-up: compiles for this bucket
+    t0 = time.perf_counter()
+    gen = engine.generate(ids, n, params)
+    return gen, time.perf_counter() - t0
+
+
+def cmd_incremental(args) -> int:
+    from tqdm import tqdm
+
+    from jaxspec import cli
+    from jaxspec.engine import Engine
+    from jaxspec.resolve import load_llm
+
+    params = cli.sampling_params(args)
+    rows = cli.read_prompts(args.prompt_file, args.limit)
+    llm = load_llm(args.model, args.dtype)
+    engine = Engine(llm)
+    prompts = _encode_all(llm, rows, args.no_chat)
+    hf = None if args.no_transformers else _load_transformers(args)
+    results = []
+    for row, ids in tqdm(list(zip(rows, prompts)), desc="bench incremental", unit="prompt", file=sys.stderr):
+        gen, secs = _timed_generate(engine, ids, args.max_new_tokens, params)
+        n = len(gen.token_ids)
+        results.append({"system": "jaxspec", "id": row["id"], "prompt_tokens": len(ids), "new_tokens": n,
+                        "seconds": round(secs, 4), "ms_per_token": round(1000 * secs / n, 3)})
+        if hf is not None:
+            n_hf, secs_hf = _hf_generate(hf, ids, args.max_new_tokens, params)
+            results.append({"system": "transformers", "id": row["id"], "prompt_tokens": len(ids),
+                            "new_tokens": n_hf, "seconds": round(secs_hf, 4),
+                            "ms_per_token": round(1000 * secs_hf / n_hf, 3)})
+    out = _write_csv(args.output, results)
+    print(f"{'system':<14}{'ms/token':>10}{'tokens/s':>10}")
+    for system in ("jaxspec", "transformers"):
+        sel = [r for r in results if r["system"] == system]
+        if sel:
+            secs = sum(r["seconds"] for r in sel)
+            toks = sum(r["new_tokens"] for r in sel)
+            print(f"{system:<14}{1000 * secs / toks:>10.2f}{toks / secs:>10.1f}")
+    print(f"CSV: {out}")
+    return 0
+
+
+def _load_transformers(args):
+    """The same checkpoint in transformers (PyTorch, float32), for the baseline."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.loading import default_model_path
+
+    path = Path(args.model or default_model_path())
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    if path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    return model.eval()
+
+
+def _hf_generate(model, ids, n, params) -> tuple[int, float]:
+    import torch
+
+    x = torch.tensor([ids])
+    kw = {"do_sample": not params.greedy, "max_new_tokens": n, "min_new_tokens": n, "pad_token_id": 0}
+    if not params.greedy:
+        kw.update(temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p)
+    with torch.inference_mode():
+        model.generate(x, **kw)  # warm-up
+        t0 = time.perf_counter()
+        out = model.generate(x, **kw)
+    return out.shape[1] - len(ids), time.perf_counter() - t0
+
+
+def cmd_speculative(args) -> int:
+    from tqdm import tqdm
+
+    from jaxspec import cli
+    from jaxspec.engine import Engine
+    from jaxspec.resolve import default_ssm_spec, load_llm, load_ssms
+
+    params = cli.sampling_params(args)
+    rows = cli.read_prompts(args.prompt_file, args.limit)
+    widths = [int(w) for w in args.widths.split(",") if w]
+    llm = load_llm(args.model, args.dtype)
+    ssms = load_ssms(args.ssm or [default_ssm_spec()], llm, args.dtype)
+    prompts = _encode_all(llm, rows, args.no_chat)
+    verifiers = ["greedy"] if params.greedy else [v for v in args.verify.split(",") if v]
+    configs = [("incremental", 0, "greedy" if params.greedy else verifiers[0], ())]
+    for verify in verifiers:
+        for w in widths:
+            exp = tuple([1, 1, w] + [1] * (args.depth - 3))[: args.depth]
+            configs.append(("sequence" if w == 1 else "tree", w, verify, exp))
+    results = []
+    for mode, w, verify, exp in tqdm(configs, desc="bench speculative", unit="config", file=sys.stderr):
+        engine = Engine(llm, ssms if exp else (), exp, verify=verify)
+        for row, ids in zip(rows, prompts):
+            gen, secs = _timed_generate(engine, ids, args.max_new_tokens, params)
+            results.append({
+                "mode": mode, "width": w, "verify": verify, "id": row["id"],
+                "llm_steps": gen.llm_steps, "tokens_per_step": round(gen.tokens_per_step, 4),
+                "new_tokens": len(gen.token_ids), "ms_per_token": round(1000 * secs / len(gen.token_ids), 3),
+            })
+    out = _write_csv(args.output, results)
+    _print_table(results, verifiers, widths)
+    _plot_speculative(results, out, verifiers)
+    print(f"CSV: {out}; PNG: {out.with_suffix('')}_tokens_per_step_cdf.png, {out.with_suffix('')}_ms_per_token.png")
+    return 0
+
+
+def _mean(rows, key):
+    return statistics.fmean(r[key] for r in rows) if rows else float("nan")
+
+
+def _print_table(results, verifiers, widths) -> None:
+    """Table 2 (tokens per LLM step by width) and, with two verifiers, Table 3."""
+    inc = [r for r in results if r["mode"] == "incremental"]
+    print(f"incremental: {_mean(inc, 'ms_per_token'):.2f} ms/token")
+    header = "verify".ljust(10) + "".join(f"w={w:<8}" for w in widths)
+    print("tokens per LLM step (Table 2)")
+    print(header)
+    for verify in verifiers:
+        line = verify.ljust(10)
+        for w in widths:
+            sel = [r for r in results if r["width"] == w and r["verify"] == verify and r["mode"] != "incremental"]
+            line += f"{_mean(sel, 'tokens_per_step'):<10.2f}"
+        print(line)
+    print("ms per token")
+    print(header)
+    for verify in verifiers:
+        line = verify.ljust(10)
+        for w in widths:
+            sel = [r for r in results if r["width"] == w and r["verify"] == verify and r["mode"] != "incremental"]
+            line += f"{_mean(sel, 'ms_per_token'):<10.2f}"
+        print(line)
+
+
+def _plot_speculative(results, out: Path, verifiers) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    stem = out.with_suffix("")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for verify in verifiers:
+        widths = sorted({r["width"] for r in results if r["mode"] != "incremental"})
+        for w in widths:
+            vals = np.sort([r["tokens_per_step"] for r in results if r["width"] == w and r["verify"] == verify
+                            and r["mode"] != "incremental"])
+            ax.step(vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=f"{verify} w={w}")
+    ax.set_xlabel("average tokens verified per LLM step")
+    ax.set_ylabel("CDF over prompts")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(f"{stem}_tokens_per_step_cdf.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    inc = _mean([r for r in results if r["mode"] == "incremental"], "ms_per_token")
+    ax.axhline(inc, color="gray", linestyle="--", label="incremental")
+    for verify in verifiers:
+        widths = sorted({r["width"] for r in results if r["mode"] != "incremental"})
+        ms = [_mean([r for r in results if r["width"] == w and r["verify"] == verify and r["mode"] != "incremental"],
+                    "ms_per_token") for w in widths]
+        ax.plot(widths, ms, marker="o", label=f"tree ({verify})")
+    ax.set_xlabel("tree width")
+    ax.set_ylabel("ms per token")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(f"{stem}_ms_per_token.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,257 @@
+"""The ``jaxspec`` command line: generate, bench, train-ssm.
+
+Every expected failure (bad checkpoint, bad prompt file, prompt too long, bad sampling
+parameters, mismatched tokenizer) ends with one line ``jaxspec: error: ...`` and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+MODES = ("incremental", "sequence", "tree")
+DEFAULT_TREE = "1,1,3,1,1,1,1,1"  # the paper's default expansion config
+DEFAULT_SEQUENCE = "1,1,1,1,1,1,1,1"
+
+
+class CliError(ValueError):
+    """A user error reported as one line and exit code 2."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from jaxspec.engine import RequestError, VocabularyMismatch
+    from jaxspec.sampling import SamplingError
+    from models.config import ModelConfigError
+    from models.loading import CheckpointError
+
+    return (CliError, RequestError, VocabularyMismatch, SamplingError, ModelConfigError, CheckpointError,
+            FileNotFoundError, ValueError)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="LLM checkpoint: HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--mode", choices=MODES, default="incremental",
+                   help="incremental: no speculation; sequence: <1,..,1>; tree: token trees (default expansion "
+                        f"{DEFAULT_TREE})")
+    p.add_argument("--ssm", action="append", default=None, metavar="PATH_OR_SPEC",
+                   help="speculative model: layers:N (LLM's first N layers), pool:DIR, a checkpoint path, or "
+                        "default; repeat to merge several SSMs' trees")
+    p.add_argument("--expansion", help=f"expansion config k1,...,km (tree default {DEFAULT_TREE})")
+    p.add_argument("--tree-budget", type=int, help="pad/limit the verified tree to N nodes (root included)")
+    p.add_argument("--verify", default="mss", choices=("mss", "naive"),
+                   help="stochastic verifier (temperature > 0): multi-step speculative sampling or naive sampling")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 disables top-p")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxspec", description="Tree-based speculative inference (SpecInfer) in JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text (streams one prompt, or a JSONL prompt file)")
+    add_model_args(gen)
+    add_sampling_args(gen)
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="JSONL file, field 'prompt' (optional 'id')")
+    gen.add_argument("--num-samples", type=int, default=1, help="independent completions per prompt")
+    gen.add_argument("--output", help="write one JSON line per completion")
+    gen.add_argument("--limit", type=int, help="use the first N prompts of --prompt-file")
+    gen.set_defaults(func=cmd_generate)
+
+    from jaxspec import bench
+
+    bench.add_parser(sub)
+    try:
+        from training import cli as train_cli
+    except ImportError:  # training extras missing: the rest of the CLI still works
+        train_cli = None
+    if train_cli is not None and hasattr(train_cli, "add_parser"):
+        train_cli.add_parser(sub)
+    return parser
+
+
+def read_prompts(path: str, limit: int | None = None) -> list[dict]:
+    """Reads a JSONL prompt file (field ``prompt``, optional ``id``) with clear errors."""
+    p = Path(path)
+    if not p.is_file():
+        raise CliError(f"prompt file not found: {path}")
+    rows = []
+    with p.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CliError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise CliError(f"{path}:{lineno}: expected an object with a string field 'prompt'")
+            row.setdefault("id", f"{p.stem}-{lineno}")
+            rows.append(row)
+            if limit is not None and len(rows) >= limit:
+                break
+    if not rows:
+        raise CliError(f"prompt file has no prompts: {path}")
+    return rows
+
+
+def expansion_for(args) -> tuple[int, ...]:
+    from jaxspec.tree import parse_expansion
+
+    if args.mode == "incremental":
+        if args.expansion or args.ssm:
+            raise CliError("--mode incremental takes no --ssm or --expansion (use --mode sequence or tree)")
+        return ()
+    expansion = parse_expansion(args.expansion or (DEFAULT_TREE if args.mode == "tree" else DEFAULT_SEQUENCE))
+    if not expansion:
+        raise CliError(f"--mode {args.mode} needs a non-empty --expansion")
+    if args.mode == "sequence" and any(k != 1 for k in expansion):
+        raise CliError(f"--mode sequence needs an expansion of 1s, got {args.expansion}")
+    return expansion
+
+
+def build_engine(args, log=sys.stderr):
+    """Loads the LLM and SSMs named by the arguments and returns (engine, llm)."""
+    from jaxspec.engine import Engine
+    from jaxspec.resolve import default_ssm_spec, load_llm, load_ssms
+
+    expansion = expansion_for(args)
+    llm = load_llm(args.model, args.dtype)
+    ssms = []
+    if expansion:
+        specs = args.ssm or [default_ssm_spec()]
+        ssms = load_ssms(specs, llm, args.dtype)
+        print(f"[jaxspec] LLM {llm.name}; SSMs: {', '.join(s.name for s in ssms)}; expansion "
+              f"<{','.join(map(str, expansion))}>", file=log)
+    engine = Engine(llm, ssms, expansion, args.tree_budget, args.verify if args.temperature > 0 else "greedy")
+    return engine, llm
+
+
+def sampling_params(args, sample: int = 0):
+    from jaxspec.sampling import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + sample)
+
+
+def stop_checker(tokenizer, stops: Sequence[str]):
+    """Returns f(ids) -> cut index of the first stop string in the decoded text, or None."""
+    if not stops:
+        return None
+
+    def check(ids: list[int]):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        hits = [text.find(s) for s in stops if s in text]
+        if not hits:
+            return None
+        cut = min(hits)
+        for n in range(len(ids) + 1):  # shortest prefix whose text reaches the stop string
+            if len(tokenizer.decode(ids[:n], skip_special_tokens=True)) > cut:
+                return max(n - 1, 0)
+        return len(ids)
+
+    return check
+
+
+def run_one(engine, llm, prompt: str, args, sample: int = 0, stream: bool = False):
+    from models.tokenizer import encode_prompt
+
+    ids = encode_prompt(llm.tokenizer, prompt, chat=not args.no_chat)
+    printed = 0
+    gen = None
+    for _, gen in engine.stream(ids, args.max_new_tokens, sampling_params(args, sample),
+                                stop=stop_checker(llm.tokenizer, args.stop)):
+        if stream:
+            text = llm.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    return ids, gen
+
+
+def record(row: dict, sample: int, gen, tokenizer, args) -> dict:
+    return {
+        "id": row["id"],
+        "sample": sample,
+        "prompt": row["prompt"],
+        "text": tokenizer.decode(gen.token_ids, skip_special_tokens=True),
+        "token_ids": gen.token_ids,
+        "llm_steps": gen.llm_steps,
+        "ssm_steps": gen.ssm_steps,
+        "tokens_per_step": round(gen.tokens_per_step, 4),
+        "seconds": round(gen.seconds, 4),
+        "finish_reason": gen.finish_reason,
+        "mode": args.mode,
+    }
+
+
+def cmd_generate(args) -> int:
+    if args.num_samples < 1:
+        raise CliError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.num_samples > 1 and args.temperature == 0:
+        raise CliError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
+    sampling_params(args)  # validate before loading anything
+    rows = read_prompts(args.prompt_file, args.limit) if args.prompt_file else [{"id": "prompt", "prompt": args.prompt}]
+    engine, llm = build_engine(args)
+    out = open(args.output, "w", encoding="utf-8") if args.output else None
+    try:
+        if args.prompt is not None and args.num_samples == 1:
+            _, gen = run_one(engine, llm, args.prompt, args, stream=True)
+            print()
+            print(f"[jaxspec] {len(gen.token_ids)} tokens in {gen.seconds:.2f}s, {gen.llm_steps} LLM steps, "
+                  f"{gen.tokens_per_step:.2f} tokens/step ({gen.finish_reason})", file=sys.stderr)
+            if out:
+                out.write(json.dumps(record(rows[0], 0, gen, llm.tokenizer, args)) + "\n")
+            return 0
+        from tqdm import tqdm
+
+        steps = tokens = 0
+        for row in tqdm(rows, desc="generate", unit="prompt", file=sys.stderr):
+            for sample in range(args.num_samples):
+                _, gen = run_one(engine, llm, row["prompt"], args, sample)
+                steps += gen.llm_steps
+                tokens += sum(gen.step_tokens)
+                line = record(row, sample, gen, llm.tokenizer, args)
+                if out:
+                    out.write(json.dumps(line) + "\n")
+                    out.flush()
+                else:
+                    print(json.dumps(line))
+        print(f"[jaxspec] {len(rows)} prompts, {tokens / max(steps, 1):.2f} tokens/step", file=sys.stderr)
+        return 0
+    finally:
+        if out:
+            out.close()
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        print("jaxspec: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"jaxspec: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

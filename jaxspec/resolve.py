@@ -1,0 +1,62 @@
+"""Turns command-line model specs into LoadedModels: the LLM path and every ``--ssm`` spec.
+
+SSM specs: ``layers:N`` (early exit from the LLM's first N layers), ``pool:PATH`` (every
+SSM of a boost-tuned pool), ``default`` (the shipped pool, else ``layers:4``), or a path
+to a checkpoint (HF directory or GGUF) sharing the LLM's tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import jax.numpy as jnp
+
+from jaxspec.engine import LoadedModel, RequestError, early_exit
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DEFAULT_POOL = Path(__file__).resolve().parent / "pools" / "smollm2_default"
+FALLBACK_SSM = "layers:4"
+
+
+def load_llm(path: str | None, dtype: str = "float32", with_tokenizer: bool = True) -> LoadedModel:
+    """Loads the LLM (default: the embedded SmolLM2-135M-Instruct GGUF) and its tokenizer."""
+    from models.loading import default_model_path, load_checkpoint  # noqa: PLC0415
+    from models.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    path = path or default_model_path()
+    cfg, params = load_checkpoint(path, dtype)
+    tok = load_tokenizer(path) if with_tokenizer else None
+    if tok is not None and not cfg.eos_token_ids and tok.eos_token_id is not None:
+        cfg = cfg.replace(eos_token_ids=(int(tok.eos_token_id),))
+    return LoadedModel(Path(path).name, cfg, params, DTYPES[dtype], tok)
+
+
+def default_ssm_spec() -> str:
+    """The shipped default pool when present, else the early-exit SSM."""
+    return f"pool:{DEFAULT_POOL}" if (DEFAULT_POOL / "pool.json").exists() else FALLBACK_SSM
+
+
+def load_ssms(specs: Sequence[str], llm: LoadedModel, dtype: str = "float32") -> list[LoadedModel]:
+    """Resolves every ``--ssm`` spec against the LLM; the order of SSMs follows the specs."""
+    out: list[LoadedModel] = []
+    for spec in specs:
+        if spec == "default":
+            spec = default_ssm_spec()
+        if spec.startswith("layers:"):
+            try:
+                n = int(spec.split(":", 1)[1])
+            except ValueError:
+                raise RequestError(f"--ssm {spec!r}: expected layers:N with an integer N") from None
+            out.append(early_exit(llm, n))
+        elif spec.startswith("pool:"):
+            from training.pool import load_pool  # noqa: PLC0415
+
+            out.extend(load_pool(spec.split(":", 1)[1], dtype))
+        else:
+            from models.loading import load_checkpoint  # noqa: PLC0415
+            from models.tokenizer import load_tokenizer  # noqa: PLC0415
+
+            cfg, params = load_checkpoint(spec, dtype)
+            out.append(LoadedModel(Path(spec).name, cfg, params, DTYPES[dtype], load_tokenizer(spec)))
+    return out
