@@ -1,0 +1,146 @@
+"""The decoding loop: cache vs recomputation, greedy identity across modes, counts, KV commit."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import random_prompts, tiny_model
+from jaxspec.engine import Engine, RequestError, VocabularyMismatch, early_exit
+from jaxspec.sampling import SamplingParams
+from jaxspec.step import DecodeConfig, DecodeState, decode_step, prefill
+from jaxspec.tree import expansion_topology
+from models.transformer import KVCache
+
+TREE = (1, 1, 3, 1, 1, 1, 1, 1)
+
+
+def full_recompute_greedy(model, prompt, n):
+    """Greedy decoding with no cache reuse: the whole sequence is re-run for every token."""
+    cap = len(prompt) + n + 1
+    fwd = jax.jit(model.forward)
+    seq = list(prompt)
+    p = jnp.arange(cap)[None]
+    mask = jnp.arange(cap)[None, None, :] <= p[:, :, None]
+    for _ in range(n):
+        padded = jnp.asarray([seq + [0] * (cap - len(seq))])
+        logits, _ = fwd(model.params, padded, p, KVCache.create(model.cfg, 1, cap), mask,
+                        jnp.asarray([[len(seq) - 1]]))
+        seq.append(int(jnp.argmax(logits[0, 0])))
+    return seq[len(prompt):]
+
+
+def test_cached_incremental_equals_full_recomputation(tiny_llm):
+    engine = Engine(tiny_llm)
+    for prompt in random_prompts(3, tiny_llm.cfg.vocab_size, seed=3, lo=8, hi=9):
+        gen = engine.generate(prompt, 24)
+        assert gen.token_ids == full_recompute_greedy(tiny_llm, prompt, 24)
+
+
+@pytest.mark.parametrize("expansion", [(1, 1, 1, 1), TREE, (2, 2, 2), (5,), (1, 1, 5, 1)])
+def test_greedy_speculation_is_token_identical_to_incremental(tiny_llm, expansion):
+    ssm = early_exit(tiny_llm, 1)
+    base = Engine(tiny_llm)
+    spec = Engine(tiny_llm, [ssm], expansion)
+    for prompt in random_prompts(6, tiny_llm.cfg.vocab_size, seed=7):
+        want = base.generate(prompt, 40)
+        got = spec.generate(prompt, 40)
+        assert got.token_ids == want.token_ids
+        assert got.llm_steps == len(got.step_tokens)
+        assert all(1 <= k <= len(expansion) + 1 for k in got.step_tokens)
+        assert sum(got.step_tokens) + 1 >= len(got.token_ids)  # +1: the prefill's token
+
+
+def test_merged_ssms_identity_and_acceptance(tiny_llm):
+    """Two different SSMs merged into one tree: same output, at least the better SSM's acceptance."""
+    other = tiny_model(seed=5)  # an unrelated SSM sharing the vocabulary
+    ssms = [early_exit(tiny_llm, 2), other]
+    base = Engine(tiny_llm)
+    merged = Engine(tiny_llm, ssms, (1, 2, 1))
+    single = Engine(tiny_llm, ssms[:1], (1, 2, 1))
+    steps_merged = steps_single = 0
+    for prompt in random_prompts(3, tiny_llm.cfg.vocab_size, seed=11):
+        want = base.generate(prompt, 32).token_ids
+        g = merged.generate(prompt, 32)
+        assert g.token_ids == want
+        steps_merged += g.llm_steps
+        steps_single += single.generate(prompt, 32).llm_steps
+    assert steps_merged <= steps_single  # a superset tree never accepts less
+
+
+def test_perfect_ssm_accepts_every_level(tiny_llm):
+    """The LLM as its own SSM: every speculated level is accepted, so each step emits m + 1 tokens."""
+    engine = Engine(tiny_llm, [tiny_llm], (1, 1, 1, 1))
+    gen = engine.generate([1, 2, 3], 41)
+    assert gen.step_tokens == [5] * 8
+    assert gen.token_ids == Engine(tiny_llm).generate([1, 2, 3], 41).token_ids
+
+
+def test_no_recompilation_after_warmup(tiny_llm):
+    engine = Engine(tiny_llm, [early_exit(tiny_llm, 1)], TREE)
+    engine.generate([1, 2, 3], 4)
+    warm = engine.compilations
+    assert warm == 2  # one prefill and one step executable
+    gen = engine.generate([4, 5, 6, 7], 64)
+    assert gen.llm_steps > 10
+    assert engine.compilations == warm
+    engine.generate([9, 8, 7], 64, SamplingParams(temperature=0.0, seed=3))
+    assert engine.compilations == warm
+
+
+def test_kv_commit_equals_incremental_cache(tiny_llm):
+    """After tree steps accept paths, the LLM cache equals prefilling the committed tokens."""
+    ssm = early_exit(tiny_llm, 2)
+    cfg = DecodeConfig((expansion_topology((2, 2, 2)),))
+    cap = 128
+    prompt = [5, 3, 8, 1, 9, 2]
+    state = DecodeState(KVCache.create(tiny_llm.cfg, 1, cap), (KVCache.create(ssm.cfg, 1, cap),),
+                        jnp.zeros((1, cap), jnp.int32), jnp.zeros((1,), jnp.int32), jax.random.PRNGKey(0),
+                        {"temperature": jnp.ones(1), "top_k": jnp.zeros(1, jnp.int32), "top_p": jnp.ones(1)})
+    tokens = jnp.zeros((1, 16), jnp.int32).at[0, : len(prompt)].set(jnp.asarray(prompt))
+    fwds, params = (ssm.forward,), (ssm.params,)
+    state, _ = prefill(cfg, tiny_llm.forward, fwds, tiny_llm.params, params, state, tokens, jnp.asarray([6]))
+    step = jax.jit(lambda s: decode_step(cfg, tiny_llm.forward, fwds, tiny_llm.params, params, s))
+    accepted = []
+    for _ in range(6):
+        state, out = step(state)
+        accepted.append(int(out.num[0]))
+    assert max(accepted) > 1, "the test needs at least one accepted speculated token"
+    n = int(state.llm_cache.length[0])
+    seq = state.history[0, :n]
+    ref = KVCache.create(tiny_llm.cfg, 1, cap)
+    p = jnp.arange(n)[None]
+    _, ref = tiny_llm.forward(tiny_llm.params, seq[None], p, ref, jnp.arange(cap)[None, None, :] <= p[:, :, None])
+    np.testing.assert_allclose(np.asarray(state.llm_cache.k[:, :, :n]), np.asarray(ref.k[:, :, :n]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.llm_cache.v[:, :, :n]), np.asarray(ref.v[:, :, :n]), atol=1e-5)
+
+
+def test_bad_requests_are_refused_clearly(tiny_llm):
+    engine = Engine(tiny_llm)
+    with pytest.raises(RequestError, match="context"):
+        engine.generate(list(range(10)), tiny_llm.cfg.max_position_embeddings)
+    with pytest.raises(RequestError, match="empty"):
+        engine.generate([], 4)
+    with pytest.raises(VocabularyMismatch, match="vocabulary"):
+        Engine(tiny_llm, [tiny_model(vocab_size=80)], (1, 1))
+    with pytest.raises(ValueError, match="tree-budget"):
+        Engine(tiny_llm, [early_exit(tiny_llm, 1)], TREE, tree_budget=8)
+
+
+def test_tree_budget_pads_without_changing_output(tiny_llm):
+    ssm = early_exit(tiny_llm, 1)
+    prompt = [3, 1, 4, 1, 5]
+    want = Engine(tiny_llm, [ssm], (1, 2, 1)).generate(prompt, 20).token_ids
+    assert Engine(tiny_llm, [ssm], (1, 2, 1), tree_budget=16).generate(prompt, 20).token_ids == want
+
+
+def test_eos_and_stop_callback(tiny_llm):
+    engine = Engine(tiny_llm, [early_exit(tiny_llm, 1)], (1, 1, 1))
+    free = engine.generate([2, 7, 1], 30).token_ids
+    eos = free[5]
+    cut = engine.generate([2, 7, 1], 30, stop_ids=[eos])
+    assert cut.finish_reason == "eos" and cut.token_ids == free[: free.index(eos) + 1]
+    stopped = engine.generate([2, 7, 1], 30, stop=lambda ids: 3 if len(ids) >= 3 else None)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free[:3]
