@@ -1,0 +1,5 @@
+import sys
+
+from jaxspec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,89 @@
+"""The command line: bad input gives one line naming the problem and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxspec import cli
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxspec.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, *words: str) -> None:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert err and err[-1].startswith("jaxspec: error:"), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    for w in words:
+        assert w in err[-1], err[-1]
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--temperature", "-1"], ["temperature"]),
+        (["--top-p", "0"], ["top-p"]),
+        (["--top-p", "1.5"], ["top-p"]),
+        (["--top-k", "-2"], ["top-k"]),
+    ],
+)
+def test_bad_sampling_params(flags, words, capsys):
+    assert cli.main(["generate", "--prompt", "hi", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("jaxspec: error:") and all(w in err[-1] for w in words)
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path, capsys):
+    assert cli.main(["generate", "--prompt", "hi", "--model", str(tmp_path / "nope.gguf")]) == 2
+    assert "not found" in capsys.readouterr().err
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    assert cli.main(["generate", "--prompt", "hi", "--model", str(bad)]) == 2
+    assert str(bad) in capsys.readouterr().err
+    unknown = tmp_path / "gpt2"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    assert cli.main(["generate", "--prompt", "hi", "--model", str(unknown)]) == 2
+    assert "architecture" in capsys.readouterr().err
+
+
+def test_bad_prompt_file_and_mode_flags(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"text": "no prompt field"}\n')
+    assert cli.main(["generate", "--prompt-file", str(f)]) == 2
+    assert "prompt" in capsys.readouterr().err
+    assert cli.main(["generate", "--prompt-file", str(tmp_path / "missing.jsonl")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert cli.main(["generate", "--prompt", "hi", "--mode", "tree", "--expansion", "1,x"]) == 2
+    assert "expansion" in capsys.readouterr().err
+
+
+def test_prompt_longer_than_context_subprocess():
+    """A real process on the default model: a one-line error, exit 2, no traceback."""
+    proc = run_cli("generate", "--prompt", "word " * 9000, "--max-new-tokens", "8")
+    assert_clean_error(proc, "context")
+
+
+def test_generate_prompt_file_jsonl_and_tree_mode(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"q{i}", "prompt": p}) for i, p in
+                                 enumerate(["What is 2+2?", "Name a color."])) + "\n")
+    out = tmp_path / "out.jsonl"
+    proc = run_cli("generate", "--prompt-file", str(prompts), "--mode", "tree", "--ssm", "layers:4",
+                   "--expansion", "1,2,1", "--max-new-tokens", "12", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["q0", "q1"]
+    for r in rows:
+        assert {"id", "prompt", "text", "token_ids", "llm_steps", "seconds", "tokens_per_step", "ssm_steps"} <= set(r)
+        assert 1 <= len(r["token_ids"]) <= 12
+        assert r["llm_steps"] >= 1 and r["tokens_per_step"] >= 1.0
+        assert r["ssm_steps"] == 3 * r["llm_steps"]
+    assert "tokens/step" in proc.stderr
