@@ -126,8 +126,8 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, positions, mask, k_all, v_all, layer, write_at):
-        # x [B, T, D]; positions [B, T]; mask [B, T, S]; k_all, v_all [L, B, S, K, H]; write_at [B]
+    def __call__(self, x, positions, mask, k_cache, v_cache, write_at):
+        # x [B, T, D]; positions [B, T]; mask [B, T, S]; k_cache, v_cache [B, S, K, H]; write_at [B]
         cfg = self.cfg
         d, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         proj = lambda name, heads, hname: Dense(  # noqa: E731
@@ -142,13 +142,11 @@ class Attention(nn.Module):
         b, t = x.shape[:2]
         slots = write_at[:, None] + jnp.arange(t, dtype=write_at.dtype)  # [B, T]
         rows = jnp.arange(b)[:, None]
-        k_all = k_all.at[layer, rows, slots].set(k.astype(k_all.dtype), mode="drop")
-        v_all = v_all.at[layer, rows, slots].set(val.astype(v_all.dtype), mode="drop")
-        k_l = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)  # [B, S, K, H]
-        v_l = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
-        out = masked_attention(q, k_l.astype(q.dtype), v_l.astype(q.dtype), mask)
+        k_cache = k_cache.at[rows, slots].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[rows, slots].set(val.astype(v_cache.dtype), mode="drop")
+        out = masked_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
         o = Dense((n, h), (d,), (axes.HEADS, axes.HEAD_DIM), (axes.EMBED,), cfg.arch == "opt", self.dtype, name="o")
-        return o(out), k_all, v_all
+        return o(out), k_cache, v_cache
 
 
 class MLP(nn.Module):

@@ -48,8 +48,8 @@ class Block(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, carry, positions, mask, write_at):
-        x, k_all, v_all, layer = carry
+    def __call__(self, x, k_cache, v_cache, positions, mask, write_at):
+        # x [B, T, D]; this layer's k_cache, v_cache [B, S, K, H]
         cfg = self.cfg
         if cfg.arch == "opt":
             norm = lambda name: LayerNorm(1e-5, self.dtype, name=name)  # noqa: E731
@@ -60,14 +60,14 @@ class Block(nn.Module):
         pre = cfg.arch != "opt" or cfg.do_layer_norm_before
         attn_norm, mlp_norm = norm("attn_norm"), norm("mlp_norm")
         h = attn_norm(x) if pre else x
-        a, k_all, v_all = attn(h, positions, mask, k_all, v_all, layer, write_at)
+        a, k_cache, v_cache = attn(h, positions, mask, k_cache, v_cache, write_at)
         x = x + a
         if not pre:
             x = attn_norm(x)
         x = x + mlp(mlp_norm(x) if pre else x)
         if not pre:
             x = mlp_norm(x)
-        return (x, k_all, v_all, layer + 1), None
+        return x, (k_cache, v_cache)
 
 
 class Transformer(nn.Module):
@@ -106,12 +106,11 @@ class Transformer(nn.Module):
             Block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: axes.LAYERS},
         )(cfg, self.dtype, name="layers")
-        carry = (x, cache.k, cache.v, jnp.zeros((), jnp.int32))
-        (x, k_all, v_all, _), _ = blocks(carry, positions, mask, cache.length)
+        x, (k_all, v_all) = blocks(x, cache.k, cache.v, positions, mask, cache.length)
         if select is not None:
             x = jnp.take_along_axis(x, select[:, :, None], axis=1)  # [B, T', D]
         if cfg.arch == "opt":
