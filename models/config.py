@@ -71,7 +71,10 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         if model_type in ("llama", "qwen2", "mistral"):
             heads = hf["num_attention_heads"]
-            scaling = hf.get("rope_scaling")
+            # transformers >= 5 writes rope_parameters (theta included) instead of rope_scaling
+            scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+            if scaling:
+                scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
             if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
                 scaling = None
             rope_theta = hf.get("rope_theta")
