@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Iterable, Sequence
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxspec import sampling
 from jaxspec.step import DecodeConfig, DecodeState, decode_step, prefill
-from jaxspec.tree import Topology, expansion_topology
+from jaxspec.tree import expansion_topology
 from models.config import ModelConfig
 from models.transformer import Forward, KVCache, make_forward
 

@@ -157,3 +157,15 @@ def tiny_hf_checkpoint(tmp_path_factory):
         return built[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' own load of the embedded default GGUF (float32), the reference model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.loading import default_model_path
+
+    path = Path(default_model_path())
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import warnings
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,16 +69,11 @@ def test_greedy_identity_default_model_50_prompts_all_widths(default_llm):
         assert min(vals) >= 1.0, name
 
 
-def test_greedy_generation_matches_transformers(default_llm):
+def test_greedy_generation_matches_transformers(default_llm, hf_default_model):
     """20 dev prompts: our greedy tokens equal transformers' generate() on the same GGUF (float32)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from models.loading import default_model_path
-
-    path = default_model_path()
-    directory, name = path.rsplit("/", 1)
-    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    hf = hf_default_model
     engine = Engine(default_llm)
     n = 16
     for row in dev_prompts(20):

@@ -216,18 +216,13 @@ def test_tiny_gguf_matches_transformers(tmp_path, arch, tied):
 
 
 @pytest.fixture(scope="module")
-def smollm():
-    """The default GGUF, loaded once per module: (path, cfg, params, tokenizer, load seconds)."""
-    path = default_model_path()
-    start = time.perf_counter()
-    cfg, params = load_checkpoint(path)
-    seconds = time.perf_counter() - start
-    return path, cfg, params, load_tokenizer(path), seconds
+def smollm(default_llm):
+    """The default GGUF (the session's float32 load): (path, cfg, params, tokenizer)."""
+    return default_model_path(), default_llm.cfg, default_llm.params, default_llm.tokenizer
 
 
 def test_default_gguf_config(smollm):
-    path, cfg, params, _, seconds = smollm
-    print(f"loaded {Path(path).name} in {seconds:.1f} s")
+    path, cfg, params, _ = smollm
     assert Path(path).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
         "llama", 30, 576, 9, 3, 64)
@@ -235,15 +230,10 @@ def test_default_gguf_config(smollm):
     assert _tree(params) == _tree(param_shapes(cfg))
 
 
-def test_default_gguf_matches_transformers(smollm):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    path, cfg, params, tokenizer, _ = smollm
+def test_default_gguf_matches_transformers(smollm, hf_default_model):
+    path, cfg, params, tokenizer = smollm
     ids = np.array([encode_prompt(tokenizer, PROMPT, chat=True)])
-    ref_model = AutoModelForCausalLM.from_pretrained(
-        Path(path).parent, gguf_file=Path(path).name, dtype=torch.float32).eval()
-    ref = torch_logits(ref_model, ids)
+    ref = torch_logits(hf_default_model, ids)
     ours = our_logits(cfg, params, ids)
     diff = np.abs(ours - ref).max()
     print(f"SmolLM2 Q4_1 ({ids.shape[1]} tokens): max |logit diff| = {diff:.2e} (logit scale {np.abs(ref).max():.1f})")
@@ -252,7 +242,7 @@ def test_default_gguf_matches_transformers(smollm):
 
 
 def test_bfloat16_gguf(smollm):
-    path, cfg, p32, tokenizer, _ = smollm
+    path, cfg, p32, tokenizer = smollm
     _, p16 = load_checkpoint(path, dtype="bfloat16")
     assert {leaf.dtype for leaf in jax.tree.leaves(p16)} == {jnp.dtype(jnp.bfloat16)}
     ids = np.array([encode_prompt(tokenizer, PROMPT, chat=True)])
