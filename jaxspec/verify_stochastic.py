@@ -51,14 +51,16 @@ repeated draws also breaks it: a repeated token can never be accepted after its
 first copy was rejected (the residual is 0 there), but its rejection still subtracts
 its q from the residual, and skipping it changes the output distribution.
 
-Theorem 4.3 (MSS rejects no more often than NS). Averaged over the draws, the
-rejection probability at u under MSS has the closed form R_k(p) = Z_1 R_{k-1}(p'),
-R_0 = 1 (p' as above, independent of x_1). NS rejects iff its sample y ~ p is none of
-the children's tokens: N_k(p) = sum_y p(y) prod_i (1 - q_i(y)). Induction: if
-R_{k-1}(p') <= N_{k-1}(p') then R_k(p) <= Z_1 sum_y p'(y) prod_{i>=2}(1 - q_i(y))
+Theorem 4.3 (MSS rejects no more often than NS). For a fixed trial order and
+averaged over the draws, the probability that MSS rejects every child of u has the
+closed form R_k(p) = Z_1 R_{k-1}(p'), R_0 = 1 (p' as above, independent of x_1).
+NS rejects iff its sample y ~ p is none of the children's tokens:
+N_k(p) = sum_y p(y) prod_i (1 - q_i(y)). Induction: if R_{k-1}(p') <= N_{k-1}(p')
+then R_k(p) <= Z_1 sum_y p'(y) prod_{i>=2}(1 - q_i(y))
 = sum_y max(0, p(y) - q_1(y)) prod_{i>=2}(1 - q_i(y)) <= sum_y p(y)(1 - q_1(y))
 prod_{i>=2}(1 - q_i(y)) = N_k(p), because max(0, p - q) <= p (1 - q) for p, q in [0, 1].
-The inequality holds in expectation over the draws, not draw by draw.
+It holds for every order, hence for the random one; it holds in expectation over
+the draws, not draw by draw (docs/mss.md has a counterexample for fixed draws).
 
 Implementation. Everything is vectorised over the B rows with static shapes and runs
 under ``jit``. MSS is one ``lax.while_loop``: each iteration either tries one untried
