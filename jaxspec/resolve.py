@@ -52,7 +52,7 @@ def load_ssms(specs: Sequence[str], llm: LoadedModel, dtype: str = "float32") ->
         elif spec.startswith("pool:"):
             from training.pool import load_pool  # noqa: PLC0415
 
-            out.extend(load_pool(spec.split(":", 1)[1], dtype))
+            out.extend(load_pool(spec.split(":", 1)[1], dtype, llm=llm))
         else:
             from models.loading import load_checkpoint  # noqa: PLC0415
             from models.tokenizer import load_tokenizer  # noqa: PLC0415
