@@ -1,0 +1,99 @@
+"""``jaxspec train-ssm --config configs/boost/<name>.yaml [--out DIR] [key.sub=value ...]``.
+
+Runs (or resumes) a boost-tuning run: LLM distillation data, m boosted SSMs, the pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import jax.numpy as jnp
+
+from training.config import ConfigError, RunConfig, load_config
+
+DESCRIPTION = "Boost-tune a pool of SSMs against an LLM (SpecInfer adaptive boosting); rerun to resume."
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "boost" / "smollm2_default.yaml"
+
+
+def random_llm(vocab_size: int, seed: int = 0):
+    """A tiny random LLaMA LLM (tests and smoke runs; no tokenizer)."""
+    from jaxspec.engine import LoadedModel
+    from models.config import ModelConfig
+    from training.ssm import jit_init_params
+
+    cfg = ModelConfig("llama", vocab_size, 64, 128, 2, 4, 2, 16, max_position_embeddings=512,
+                      eos_token_ids=(vocab_size - 1,))
+    return LoadedModel(f"random:{vocab_size}", cfg, jit_init_params(cfg, seed), jnp.float32, None)
+
+
+def load_llm(spec: str):
+    """(LoadedModel, source path) for "default", "random:V" or a checkpoint path (float32)."""
+    from jaxspec.engine import LoadedModel
+
+    if spec.startswith("random:"):
+        return random_llm(int(spec.split(":", 1)[1])), ""
+    from models.loading import default_model_path, load_checkpoint
+    from models.tokenizer import load_tokenizer
+
+    path = default_model_path() if spec == "default" else spec
+    cfg, params = load_checkpoint(path, "float32")
+    name = "SmolLM2-135M-Instruct" if spec == "default" else Path(path).name
+    return LoadedModel(name, cfg, params, jnp.float32, load_tokenizer(path)), path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers ``train-ssm`` on a parent CLI's subparsers."""
+    p = subparsers.add_parser("train-ssm", help="boost-tune an SSM pool against an LLM",
+                              description=DESCRIPTION)
+    _arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML run config (configs/boost/*.yaml)")
+    p.add_argument("--out", default=None, help="run directory (overrides the config's `out`)")
+    p.add_argument("--data-only", action="store_true", help="stop after generating the distillation data")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, e.g. train.steps=100")
+
+
+def resolve(args: argparse.Namespace) -> RunConfig:
+    overrides = list(args.overrides) + ([f"out={args.out}"] if args.out else [])
+    return load_config(args.config, overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = resolve(args)
+    except ConfigError as e:
+        print(f"jaxspec train-ssm: {e}", file=sys.stderr)
+        return 2
+    from training.boost import run_boost
+    from training.data import distill
+    from training.pool import llm_identity
+
+    llm, source = load_llm(cfg.llm)
+    identity = llm_identity(llm, source)
+    if args.data_only:
+        out = distill(Path(cfg.out) / "data", cfg.data, llm, cfg.seed, identity)
+        print(f"distillation data complete: {out}")
+        return 0
+    report = run_boost(cfg, llm, identity, cfg.out, progress=not args.quiet)
+    print(json.dumps(report, indent=2))
+    print(f"pool written to {Path(cfg.out) / 'pool'}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="jaxspec train-ssm", description=DESCRIPTION)
+    _arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
