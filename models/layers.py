@@ -106,28 +106,38 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query dot-product attention of q [B,T,N,H] over k, v [B,S,K,H] under mask [B,T,S]."""
+def masked_attention(q, k_old, v_old, k_new, v_new, mask_old, mask_new) -> jax.Array:
+    """Grouped-query attention of q [B,T,N,H] over cached k/v_old [B,S,K,H] and new k/v_new [B,T,K,H].
+
+    One softmax spans both blocks; mask_old [B,T,S] and mask_new [B,T,T] say what each query sees.
+    Keeping the new tokens apart means the cache is only read here, never copied.
+    """
     b, t, n, h = q.shape
-    kv = k.shape[2]
+    kv = k_old.shape[2]
     q = q.reshape(b, t, kv, n // kv, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(h)
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    neg = jnp.finfo(jnp.float32).min
+    s_old = jnp.einsum("btkgh,bskh->bkgts", q, k_old.astype(q.dtype), preferred_element_type=jnp.float32)
+    s_new = jnp.einsum("btkgh,bskh->bkgts", q, k_new, preferred_element_type=jnp.float32)
+    scores = jnp.concatenate([s_old, s_new], axis=-1) / math.sqrt(h)  # [B, K, G, T, S + T]
+    mask = jnp.concatenate([mask_old, mask_new], axis=-1)
+    scores = jnp.where(mask[:, None, None, :, :], scores, neg)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_new.dtype)
+    s = k_old.shape[1]
+    out = jnp.einsum("bkgts,bskh->btkgh", probs[..., :s], v_old.astype(v_new.dtype))
+    out = out + jnp.einsum("bkgts,bskh->btkgh", probs[..., s:], v_new)
     return out.reshape(b, t, n, h)
 
 
 class Attention(nn.Module):
-    """Self-attention that writes its new K/V into this layer's cache, then attends under a mask."""
+    """Self-attention over this layer's cache plus the new tokens; returns their K/V to be written."""
 
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x, positions, mask, k_cache, v_cache, write_at):
-        # x [B, T, D]; positions [B, T]; mask [B, T, S]; k_cache, v_cache [B, S, K, H]; write_at [B]
+        # x [B, T, D]; positions [B, T]; mask [B, T, S] over cache slots; k_cache, v_cache [B, S, K, H];
+        # write_at [B]: the new tokens will live at slots write_at + arange(T), which the mask addresses.
         cfg = self.cfg
         d, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         proj = lambda name, heads, hname: Dense(  # noqa: E731
@@ -139,14 +149,13 @@ class Attention(nn.Module):
         if cfg.arch != "opt":
             inv = rope_frequencies(cfg)
             q, k = apply_rope(q, positions, inv), apply_rope(k, positions, inv)
-        b, t = x.shape[:2]
+        t, s = x.shape[1], k_cache.shape[1]
         slots = write_at[:, None] + jnp.arange(t, dtype=write_at.dtype)  # [B, T]
-        rows = jnp.arange(b)[:, None]
-        k_cache = k_cache.at[rows, slots].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[rows, slots].set(val.astype(v_cache.dtype), mode="drop")
-        out = masked_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+        mask_old = mask & (jnp.arange(s)[None, None, :] < write_at[:, None, None])  # committed slots only
+        mask_new = jnp.take_along_axis(mask, jnp.minimum(slots, s - 1)[:, None, :], axis=2)  # [B, T, T]
+        out = masked_attention(q, k_cache, v_cache, k, val, mask_old, mask_new)
         o = Dense((n, h), (d,), (axes.HEADS, axes.HEAD_DIM), (axes.EMBED,), cfg.arch == "opt", self.dtype, name="o")
-        return o(out), k_cache, v_cache
+        return o(out), k, val
 
 
 class MLP(nn.Module):

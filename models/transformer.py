@@ -2,9 +2,11 @@
 
 ``forward(params, tokens, positions, cache, mask) -> (logits, cache)`` serves prefill,
 SSM draft steps and tree verification alike: the T new tokens' keys/values are written
-to cache slots ``[cache.length, cache.length + T)`` and every query attends to the cache
-slots its mask row allows. ``cache.length`` is not advanced here; committing is the
-engine's job (``jaxspec.kv_cache.commit``).
+to cache slots ``[cache.length, cache.length + T)`` and every query attends to the slots
+its mask row allows among the committed ones ``[0, cache.length)`` and the new tokens'
+own (anything else is never visible). Inside the layer loop the cache is only read; the
+new K/V are scattered into it once, after the loop. ``cache.length`` is not advanced
+here; committing is the engine's job (``jaxspec.kv_cache.commit``).
 """
 
 from __future__ import annotations
@@ -60,14 +62,14 @@ class Block(nn.Module):
         pre = cfg.arch != "opt" or cfg.do_layer_norm_before
         attn_norm, mlp_norm = norm("attn_norm"), norm("mlp_norm")
         h = attn_norm(x) if pre else x
-        a, k_cache, v_cache = attn(h, positions, mask, k_cache, v_cache, write_at)
+        a, k_new, v_new = attn(h, positions, mask, k_cache, v_cache, write_at)
         x = x + a
         if not pre:
             x = attn_norm(x)
         x = x + mlp(mlp_norm(x) if pre else x)
         if not pre:
             x = mlp_norm(x)
-        return x, (k_cache, v_cache)
+        return x, (k_new, v_new)
 
 
 class Transformer(nn.Module):
@@ -110,7 +112,12 @@ class Transformer(nn.Module):
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: axes.LAYERS},
         )(cfg, self.dtype, name="layers")
-        x, (k_all, v_all) = blocks(x, cache.k, cache.v, positions, mask, cache.length)
+        x, (k_new, v_new) = blocks(x, cache.k, cache.v, positions, mask, cache.length)  # [L, B, T, K, H]
+        b, t = tokens.shape
+        slots = cache.length[:, None] + jnp.arange(t, dtype=cache.length.dtype)  # [B, T]
+        rows = jnp.arange(b)[:, None]
+        k_all = cache.k.at[:, rows, slots].set(k_new.astype(cache.k.dtype), mode="drop")
+        v_all = cache.v.at[:, rows, slots].set(v_new.astype(cache.v.dtype), mode="drop")
         if select is not None:
             x = jnp.take_along_axis(x, select[:, :, None], axis=1)  # [B, T', D]
         if cfg.arch == "opt":
@@ -148,8 +155,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):
     cache = KVCache.create(cfg, 1, 4, dtype)
     tokens = jnp.zeros((1, 1), jnp.int32)
     mask = jnp.ones((1, 1, 4), bool)
-    variables = model.init(jax.random.PRNGKey(seed), tokens, tokens, cache, mask)
-    return nn.meta.unbox(variables["params"])
+    init = jax.jit(lambda key: nn.meta.unbox(model.init(key, tokens, tokens, cache, mask)["params"]))
+    return init(jax.random.PRNGKey(seed))
 
 
 def param_shapes(cfg: ModelConfig, dtype=jnp.float32):
