@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Explain speculative decoding in two sentences.
 
-.PHONY: setup setup-test run test test-slow
+.PHONY: setup setup-test setup-train run test test-slow train-pool
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,6 +17,9 @@ setup: $(BIN)/python
 setup-test: setup
 	$(BIN)/pip install -q -e '.[test]'
 
+setup-train: setup
+	$(BIN)/pip install -q -e '.[train]'
+
 run: setup
 	$(BIN)/jaxspec generate --mode tree --prompt "$(PROMPT)" --max-new-tokens 128
 
@@ -25,3 +28,7 @@ test: setup-test
 
 test-slow: setup-test
 	$(BIN)/python -m pytest -q -m slow
+
+# Boost-tune the default SSM pool against the default LLM (resumable: rerun to continue).
+train-pool: setup-train
+	$(BIN)/jaxspec train-ssm --config configs/boost/smollm2_default.yaml
