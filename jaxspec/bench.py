@@ -33,6 +33,12 @@ def add_parser(sub) -> None:
     spec.add_argument("--depth", type=int, default=8, help="tree depth m of <1,1,w,1,...>")
     spec.set_defaults(func=cmd_speculative)
 
+    cov = kinds.add_parser("coverage", help="Table 1: how often the LLM's token is within an SSM's top-k / k draws")
+    _common(cov, cli)
+    cov.add_argument("--ssm", action="append", default=None, metavar="PATH_OR_SPEC")
+    cov.add_argument("--max-k", type=int, default=5)
+    cov.set_defaults(func=cmd_coverage)
+
 
 def _common(p: argparse.ArgumentParser, cli) -> None:
     p.add_argument("--prompt-file", required=True)
@@ -238,3 +244,90 @@ def _plot_speculative(results, out: Path, verifiers) -> None:
     fig.tight_layout()
     fig.savefig(f"{stem}_ms_per_token.png", dpi=120)
     plt.close(fig)
+
+
+def coverage_rates(llm_logits, ssm_logits, max_k: int, temperature: float):
+    """Per-position success of k = 1..max_k (paper Table 1), both [T, max_k].
+
+    greedy[t, k-1]: the LLM's argmax is among the SSM's top-k tokens.
+    stochastic[t, k-1]: probability that multi-step speculative sampling accepts one of k
+    i.i.d. draws from the SSM (same temperature), computed exactly: trial i accepts with
+    sum_x min(p_i, q) and a rejection leaves p_{i+1} = norm(max(0, p_i - q)).
+    """
+    import numpy as np
+
+    llm_logits = np.asarray(llm_logits, np.float64)
+    ssm_logits = np.asarray(ssm_logits, np.float64)
+    target = llm_logits.argmax(-1)
+    topk = np.argsort(-ssm_logits, axis=-1)[:, :max_k]
+    greedy = np.cumsum(topk == target[:, None], axis=1) > 0
+
+    def softmax(x):
+        x = x / max(temperature, 1e-6)
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p, q = softmax(llm_logits), softmax(ssm_logits)
+    fail = np.ones(len(p))
+    stochastic = np.zeros((len(p), max_k))
+    for i in range(max_k):
+        accept = np.minimum(p, q).sum(-1)
+        fail = fail * (1 - accept)
+        stochastic[:, i] = 1 - fail
+        residual = np.maximum(p - q, 0)
+        mass = residual.sum(-1, keepdims=True)
+        p = np.where(mass > 1e-12, residual / np.maximum(mass, 1e-12), p)
+    return greedy.astype(float), stochastic
+
+
+def _teacher_forced_logits(model, ids: list[int]):
+    """Logits [T, V] of a model over a whole sequence (no reuse), in one forward."""
+    import jax.numpy as jnp
+
+    from models.transformer import KVCache
+
+    n = len(ids)
+    p = jnp.arange(n)[None]
+    mask = jnp.arange(n)[None, None, :] <= p[:, :, None]
+    logits, _ = model.forward(model.params, jnp.asarray([ids]), p, KVCache.create(model.cfg, 1, n, model.dtype), mask)
+    return logits[0]
+
+
+def cmd_coverage(args) -> int:
+    import numpy as np
+    from tqdm import tqdm
+
+    from jaxspec import cli
+    from jaxspec.engine import Engine
+    from jaxspec.resolve import default_ssm_spec, load_llm, load_ssms
+
+    rows = cli.read_prompts(args.prompt_file, args.limit)
+    llm = load_llm(args.model, args.dtype)
+    ssms = load_ssms(args.ssm or [default_ssm_spec()], llm, args.dtype)
+    engine = Engine(llm)
+    temperature = args.temperature or 1.0
+    results = []
+    for row, ids in tqdm(list(zip(rows, _encode_all(llm, rows, args.no_chat))), desc="bench coverage",
+                         unit="prompt", file=sys.stderr):
+        gen = engine.generate(ids, args.max_new_tokens)
+        seq = ids + gen.token_ids
+        ref = np.asarray(_teacher_forced_logits(llm, seq))[len(ids) - 1 : -1]  # positions predicting the output
+        for j, ssm in enumerate(ssms):
+            draft = np.asarray(_teacher_forced_logits(ssm, seq))[len(ids) - 1 : -1]
+            greedy, stochastic = coverage_rates(ref, draft, args.max_k, temperature)
+            for kind, rates in (("greedy", greedy), ("stochastic", stochastic)):
+                line = {"id": row["id"], "ssm": ssm.name, "ssm_index": j, "decoding": kind, "positions": len(rates)}
+                line.update({f"k{k + 1}": round(float(rates[:, k].mean()), 4) for k in range(args.max_k)})
+                results.append(line)
+    out = _write_csv(args.output, results)
+    print(f"success rate of verifying a token with the SSM's top-k (greedy) / k draws (stochastic, T={temperature})")
+    print("ssm".ljust(40) + "decoding".ljust(12) + "".join(f"k={k + 1:<6}" for k in range(args.max_k)))
+    for j, ssm in enumerate(ssms):
+        for kind in ("greedy", "stochastic"):
+            sel = [r for r in results if r["ssm_index"] == j and r["decoding"] == kind]
+            weights = np.asarray([r["positions"] for r in sel], float)
+            cells = "".join(f"{np.average([r[f'k{k + 1}'] for r in sel], weights=weights):<8.0%}"
+                            for k in range(args.max_k))
+            print(ssm.name[:38].ljust(40) + kind.ljust(12) + cells)
+    print(f"CSV: {out}")
+    return 0

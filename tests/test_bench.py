@@ -1,0 +1,63 @@
+"""Benchmarks run end to end on the default model and write what they promise (CSV, PNG)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+
+from jaxspec import cli
+from jaxspec.bench import coverage_rates
+
+
+def _prompts(tmp_path, n=1):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"id": f"q{i}", "prompt": p}) for i, p in
+                           enumerate(["Name three colors.", "What is 2+2?"][:n])) + "\n")
+    return str(f)
+
+
+def test_coverage_rates_exact_small_cases():
+    llm = np.log(np.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))
+    same = coverage_rates(llm, llm, 3, 1.0)
+    assert same[0].tolist() == [[1, 1, 1], [1, 1, 1]]
+    np.testing.assert_allclose(same[1], 1.0)  # q == p: the first draw is always accepted
+    ssm = np.log(np.array([[0.2, 0.3, 0.5], [0.8, 0.1, 0.1]]))
+    greedy, stochastic = coverage_rates(llm, ssm, 3, 1.0)
+    assert greedy.tolist() == [[0, 0, 1], [0, 0, 1]]  # the LLM argmax is the SSM's third choice in both rows
+    p, q = np.exp(llm), np.exp(ssm)
+    np.testing.assert_allclose(stochastic[:, 0], np.minimum(p, q).sum(-1))
+    assert (np.diff(stochastic, axis=1) >= -1e-12).all() and (stochastic <= 1 + 1e-12).all()
+
+
+def test_bench_speculative_and_coverage_write_csv_and_png(tmp_path, capsys):
+    prompts = _prompts(tmp_path)
+    out = tmp_path / "spec.csv"
+    assert cli.main(["bench", "speculative", "--prompt-file", prompts, "--limit", "1", "--max-new-tokens", "8",
+                     "--widths", "1,2", "--depth", "3", "--ssm", "layers:2", "--output", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["mode"], r["width"]) for r in rows] == [("incremental", "0"), ("sequence", "1"), ("tree", "2")]
+    assert all(float(r["tokens_per_step"]) >= 1 and int(r["llm_steps"]) >= 1 for r in rows)
+    assert (tmp_path / "spec_tokens_per_step_cdf.png").stat().st_size > 1000
+    assert (tmp_path / "spec_ms_per_token.png").stat().st_size > 1000
+    assert "Table 2" in capsys.readouterr().out
+
+    cov = tmp_path / "cov.csv"
+    assert cli.main(["bench", "coverage", "--prompt-file", prompts, "--limit", "1", "--max-new-tokens", "8",
+                     "--ssm", "layers:2", "--output", str(cov)]) == 0
+    rows = list(csv.DictReader(cov.open()))
+    assert {r["decoding"] for r in rows} == {"greedy", "stochastic"}
+    for r in rows:
+        rates = [float(r[f"k{k}"]) for k in range(1, 6)]
+        assert rates == sorted(rates) and 0 <= rates[0] and rates[-1] <= 1
+
+
+def test_bench_incremental_against_transformers(tmp_path, capsys):
+    out = tmp_path / "inc.csv"
+    assert cli.main(["bench", "incremental", "--prompt-file", _prompts(tmp_path), "--limit", "1",
+                     "--max-new-tokens", "4", "--output", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [r["system"] for r in rows] == ["jaxspec", "transformers"]
+    assert all(int(r["new_tokens"]) == 4 and float(r["ms_per_token"]) > 0 for r in rows)
+    assert "ms/token" in capsys.readouterr().out
