@@ -188,22 +188,15 @@ def _print_table(results, verifiers, widths) -> None:
     inc = [r for r in results if r["mode"] == "incremental"]
     print(f"incremental: {_mean(inc, 'ms_per_token'):.2f} ms/token")
     header = "verify".ljust(10) + "".join(f"w={w:<8}" for w in widths)
-    print("tokens per LLM step (Table 2)")
-    print(header)
-    for verify in verifiers:
-        line = verify.ljust(10)
-        for w in widths:
-            sel = [r for r in results if r["width"] == w and r["verify"] == verify and r["mode"] != "incremental"]
-            line += f"{_mean(sel, 'tokens_per_step'):<10.2f}"
-        print(line)
-    print("ms per token")
-    print(header)
-    for verify in verifiers:
-        line = verify.ljust(10)
-        for w in widths:
-            sel = [r for r in results if r["width"] == w and r["verify"] == verify and r["mode"] != "incremental"]
-            line += f"{_mean(sel, 'ms_per_token'):<10.2f}"
-        print(line)
+    for title, key in (("tokens per LLM step (Table 2)", "tokens_per_step"), ("ms per token", "ms_per_token")):
+        print(title)
+        print(header)
+        for verify in verifiers:
+            line = verify.ljust(10)
+            for w in widths:
+                sel = [r for r in results if r["width"] == w and r["verify"] == verify and r["mode"] != "incremental"]
+                line += f"{_mean(sel, key):<10.2f}"
+            print(line)
 
 
 def _plot_speculative(results, out: Path, verifiers) -> None:
