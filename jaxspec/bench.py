@@ -321,6 +321,6 @@ def cmd_coverage(args) -> int:
             weights = np.asarray([r["positions"] for r in sel], float)
             cells = "".join(f"{np.average([r[f'k{k + 1}'] for r in sel], weights=weights):<8.0%}"
                             for k in range(args.max_k))
-            print(ssm.name[:38].ljust(40) + kind.ljust(12) + cells)
+            print(ssm.name[-38:].ljust(40) + kind.ljust(12) + cells)
     print(f"CSV: {out}")
     return 0
