@@ -421,6 +421,11 @@ def _check_tree(cfg: ModelConfig, flat: dict[str, jax.Array], path: Path):
         problems.append(f"mis-shaped {shaped}")
     if problems:
         raise CheckpointError(f"parameters do not match the model ({'; '.join(problems)}): {path}")
+    return unflatten(flat)
+
+
+def unflatten(flat: dict) -> dict:
+    """Nested parameter tree from "a/b/kernel"-style names (the inverse of ``flatten``)."""
     tree: dict = {}
     for name, value in flat.items():
         *parents, leaf = name.split("/")
@@ -429,6 +434,15 @@ def _check_tree(cfg: ModelConfig, flat: dict[str, jax.Array], path: Path):
             node = node.setdefault(p, {})
         node[leaf] = value
     return tree
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """"a/b/kernel"-style names of every leaf of a nested parameter tree."""
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        out.update(flatten(v, name + "/") if isinstance(v, dict) else {name: v})
+    return out
 
 
 def _load_hf_dir(directory: Path, dtype: str):

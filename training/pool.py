@@ -13,12 +13,12 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.engine import LoadedModel, VocabularyMismatch
 from models.config import ModelConfig
+from models.loading import flatten, unflatten
 from models.transformer import param_shapes
 
 POOL_FILE = "pool.json"
@@ -62,25 +62,6 @@ def config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in d.items() if k in known})
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, jax.Array]:
-    out = {}
-    for k, v in tree.items():
-        name = f"{prefix}{k}"
-        out.update(_flatten(v, name + "/") if isinstance(v, dict) else {name: v})
-    return out
-
-
-def _unflatten(flat: dict) -> dict:
-    tree: dict = {}
-    for name, v in flat.items():
-        node = tree
-        *parents, leaf = name.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = v
-    return tree
-
-
 def save_pool(
     path: str | os.PathLike,
     ssms: Sequence[tuple[ModelConfig, dict]],
@@ -98,7 +79,7 @@ def save_pool(
     entries = []
     for i, (cfg, params) in enumerate(ssms):
         file = f"ssm-{i}.safetensors"
-        flat = {k: jnp.asarray(v, DTYPES[dtype]) for k, v in _flatten(params).items()}
+        flat = {k: jnp.asarray(v, DTYPES[dtype]) for k, v in flatten(params).items()}
         tmp = out / (file + ".partial")
         save_file(flat, str(tmp))
         os.replace(tmp, out / file)
@@ -164,7 +145,7 @@ def load_pool(path: str | os.PathLike, dtype: str = "float32", llm: LoadedModel 
         if not file.is_file():
             raise PoolError(f"pool {p}: SSM file {entry['file']} is missing")
         flat = load_file(str(file))
-        expected = _flatten(param_shapes(cfg))
+        expected = flatten(param_shapes(cfg))
         if set(flat) != set(expected):
             raise PoolError(f"pool {p}: {entry['file']} has tensors {sorted(set(flat) ^ set(expected))[:4]} "
                             "that do not match its config")
@@ -172,7 +153,7 @@ def load_pool(path: str | os.PathLike, dtype: str = "float32", llm: LoadedModel 
             if tuple(flat[name].shape) != tuple(spec.shape):
                 raise PoolError(f"pool {p}: {entry['file']}:{name} has shape {tuple(flat[name].shape)}, "
                                 f"expected {tuple(spec.shape)}")
-        params = _unflatten({k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()})
+        params = unflatten({k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()})
         models.append(LoadedModel(f"{p.name}/ssm-{i}", cfg, params, DTYPES[dtype],
                                   llm.tokenizer if llm is not None else None))
     return models
@@ -180,5 +161,5 @@ def load_pool(path: str | os.PathLike, dtype: str = "float32", llm: LoadedModel 
 
 def params_equal(a: dict, b: dict) -> bool:
     """Whether two parameter trees hold identical arrays (names, shapes, values)."""
-    fa, fb = _flatten(a), _flatten(b)
+    fa, fb = flatten(a), flatten(b)
     return set(fa) == set(fb) and all(np.array_equal(np.asarray(fa[k]), np.asarray(fb[k])) for k in fa)
