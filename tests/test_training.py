@@ -77,6 +77,24 @@ def test_pool_checkpoints_load_back_identically(tiny_run):
         assert len(lines) == 1 + cfg.train.steps
 
 
+def test_later_ssms_share_the_first_ones_frozen_embedding_stored_once(tiny_run):
+    cfg, out, _ = tiny_run
+    assert cfg.boost.share_embedding
+    pool = load_pool(out / "pool", "float32")
+    first, second = (ssm.params for ssm in pool)
+    assert first["embed"]["embedding"] is second["embed"]["embedding"], "one array in memory"
+    _, trained = restore_params(out / "ssm-1", jit_init_params(pool[1].cfg, 0), cfg.train)
+    np.testing.assert_array_equal(np.asarray(trained["embed"]["embedding"]), np.asarray(first["embed"]["embedding"]))
+    assert not np.array_equal(np.asarray(first["layers"]["mlp"]["up"]["kernel"]),
+                              np.asarray(second["layers"]["mlp"]["up"]["kernel"]))
+    manifest = read_manifest(out / "pool")
+    assert manifest["ssms"][1]["shared"] == {"embed/embedding": "ssm-0.safetensors"}
+    from safetensors import safe_open
+
+    with safe_open(str(out / "pool" / "ssm-1.safetensors"), "numpy") as f:
+        assert "embed/embedding" not in set(f.keys())
+
+
 def test_second_ssm_trains_on_exactly_the_unmarked_samples(tiny_run):
     cfg, out, llm = tiny_run
     samples = load_samples(out / "data")

@@ -58,8 +58,12 @@ def run_boost(run: RunConfig, llm: LoadedModel, identity: dict, out_dir: str | o
             break  # every sample is already covered
         np.save(ssm_dir / "train_index.npy", train_idx)
         init = init_ssm(cfg, run.ssm, run.seed + s, llm.params)
+        frozen: tuple[str, ...] = ()
+        if run.boost.share_embedding and pool:
+            init = {**init, "embed": pool[0][1]["embed"]}
+            frozen = ("embed",)
         params = train_ssm(cfg, init, train.subset(train_idx), held_out, run.train, ssm_dir, run.seed + s,
-                           progress=progress)
+                           progress=progress, frozen=frozen)
         ag = agreement(cfg, params, train, run.train.eval_top_k, run.train.eval_batch_size, first=n_match)
         marks = ag.matched_prefix(n_match)
         np.save(ssm_dir / "marked.npy", np.flatnonzero(marks))

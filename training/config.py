@@ -72,7 +72,7 @@ class SSMConfig:
 
     num_layers: int = 4  # L
     hidden_size: int = 192  # D
-    intermediate_size: int = 512  # F
+    intermediate_size: int = 448  # F
     num_heads: int = 3  # N
     num_kv_heads: int = 1  # K
     head_dim: int = 64  # H
@@ -121,6 +121,9 @@ class BoostConfig:
     num_ssms: int = 2  # m
     match_tokens: int = 2  # n: a sample is marked when an SSM's greedy top-1 matches its first n tokens
     pool_dtype: str = "bfloat16"  # dtype of the saved pool
+    # SSMs after the first start from SSM 1's trained token embedding (= tied LM head, the bulk of a
+    # small SSM: 49152 x D) and keep it frozen, so the pool stores and holds it once.
+    share_embedding: bool = True
 
     def __post_init__(self) -> None:
         _check(self.num_ssms >= 1, "boost.num_ssms must be >= 1")

@@ -8,6 +8,7 @@ so a pool is refused for an LLM whose vocabulary differs.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -69,7 +70,11 @@ def save_pool(
     dtype: str = "bfloat16",
     extra: dict | None = None,
 ) -> Path:
-    """Writes ``ssm-<i>.safetensors`` per SSM and ``pool.json`` (written last: its presence means complete)."""
+    """Writes ``ssm-<i>.safetensors`` per SSM and ``pool.json`` (written last: its presence means complete).
+
+    A tensor identical (name, shape, bytes) to one an earlier SSM already stored is written
+    once: the later SSM's manifest entry maps its name to the file holding it (``shared``).
+    """
     from safetensors.flax import save_file
 
     if dtype not in DTYPES:
@@ -77,13 +82,22 @@ def save_pool(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     entries = []
+    stored: dict[tuple, str] = {}  # (name, shape, digest) -> file already holding that tensor
     for i, (cfg, params) in enumerate(ssms):
         file = f"ssm-{i}.safetensors"
-        flat = {k: jnp.asarray(v, DTYPES[dtype]) for k, v in flatten(params).items()}
+        flat, shared = {}, {}
+        for name, value in flatten(params).items():
+            value = jnp.asarray(value, DTYPES[dtype])
+            key = (name, tuple(value.shape), hashlib.sha256(np.asarray(value).tobytes()).hexdigest())
+            if key in stored:
+                shared[name] = stored[key]
+            else:
+                flat[name] = value
+                stored[key] = file
         tmp = out / (file + ".partial")
         save_file(flat, str(tmp))
         os.replace(tmp, out / file)
-        entries.append({"file": file, "config": config_to_dict(cfg)})
+        entries.append({"file": file, "config": config_to_dict(cfg), **({"shared": shared} if shared else {})})
     manifest = {"format": POOL_FORMAT, "dtype": dtype, "llm": identity, "ssms": entries, **(extra or {})}
     tmp = out / (POOL_FILE + ".partial")
     tmp.write_text(json.dumps(manifest, indent=2))
@@ -138,13 +152,23 @@ def load_pool(path: str | os.PathLike, dtype: str = "float32", llm: LoadedModel 
     manifest = read_manifest(p)
     if llm is not None:
         check_llm(manifest, llm, str(p))
+    files: dict[str, dict] = {}  # each file read once; shared tensors become one array
+
+    def read(name: str) -> dict:
+        if name not in files:
+            if not (p / name).is_file():
+                raise PoolError(f"pool {p}: SSM file {name} is missing")
+            files[name] = {k: jnp.asarray(v, DTYPES[dtype]) for k, v in load_file(str(p / name)).items()}
+        return files[name]
+
     models = []
     for i, entry in enumerate(manifest["ssms"]):
         cfg = config_from_dict(entry["config"])
-        file = p / entry["file"]
-        if not file.is_file():
-            raise PoolError(f"pool {p}: SSM file {entry['file']} is missing")
-        flat = load_file(str(file))
+        flat = dict(read(entry["file"]))
+        for name, source in entry.get("shared", {}).items():
+            if name not in read(source):
+                raise PoolError(f"pool {p}: {entry['file']} shares {name} from {source}, which lacks it")
+            flat[name] = read(source)[name]
         expected = flatten(param_shapes(cfg))
         if set(flat) != set(expected):
             raise PoolError(f"pool {p}: {entry['file']} has tensors {sorted(set(flat) ^ set(expected))[:4]} "
@@ -153,7 +177,7 @@ def load_pool(path: str | os.PathLike, dtype: str = "float32", llm: LoadedModel 
             if tuple(flat[name].shape) != tuple(spec.shape):
                 raise PoolError(f"pool {p}: {entry['file']}:{name} has shape {tuple(flat[name].shape)}, "
                                 f"expected {tuple(spec.shape)}")
-        params = unflatten({k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()})
+        params = unflatten(flat)
         models.append(LoadedModel(f"{p.name}/ssm-{i}", cfg, params, DTYPES[dtype],
                                   llm.tokenizer if llm is not None else None))
     return models

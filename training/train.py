@@ -109,27 +109,36 @@ def make_optimizer(tcfg: TrainConfig) -> tuple[optax.GradientTransformation, opt
 _TRAIN_STEPS: dict = {}
 
 
-def make_train_step(cfg: ModelConfig, tcfg: TrainConfig) -> tuple[Callable, optax.GradientTransformation]:
+def make_train_step(cfg: ModelConfig, tcfg: TrainConfig,
+                    frozen: tuple[str, ...] = ()) -> tuple[Callable, optax.GradientTransformation]:
     """Returns jitted ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` and the optimiser.
 
-    Cached per (cfg, tcfg): the SSMs of one pool share one compiled step.
+    ``frozen`` names top-level parameter collections (e.g. ``("embed",)``) that get no
+    gradient and no update. Cached per (cfg, tcfg, frozen): the SSMs of one pool share
+    one compiled step.
     """
-    if (cfg, tcfg) in _TRAIN_STEPS:
-        return _TRAIN_STEPS[(cfg, tcfg)]
+    key = (cfg, tcfg, tuple(frozen))
+    if key in _TRAIN_STEPS:
+        return _TRAIN_STEPS[key]
     forward = make_forward(cfg, jnp.float32)
     opt, _ = make_optimizer(tcfg)
 
+    def hold(tree, fn):
+        return {k: jax.tree_util.tree_map(fn, v) if k in frozen else v for k, v in tree.items()}
+
     def loss_fn(params, batch):
+        params = hold(params, jax.lax.stop_gradient)  # no weight gradient is even computed for frozen ones
         logits = continuation_logits(forward, cfg, params, batch["tokens"], batch["select"])
         return loss_terms(logits, batch, tcfg.kl_weight)
 
     def step(params, opt_state, batch):
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)
+        updates = hold(updates, jnp.zeros_like)
         return optax.apply_updates(params, updates), opt_state, metrics
 
-    _TRAIN_STEPS[(cfg, tcfg)] = jax.jit(step, donate_argnums=(0, 1)), opt
-    return _TRAIN_STEPS[(cfg, tcfg)]
+    _TRAIN_STEPS[key] = jax.jit(step, donate_argnums=(0, 1)), opt
+    return _TRAIN_STEPS[key]
 
 
 # --------------------------------------------------------------------------- agreement
@@ -271,18 +280,19 @@ def train_ssm(
     seed: int,
     stop_at: int | None = None,
     progress: bool = True,
+    frozen: tuple[str, ...] = (),
 ) -> dict:
     """Trains (or resumes training) one SSM to ``tcfg.steps``; returns its float32 parameters.
 
     ``out_dir`` receives ``ckpt/`` (orbax: params, optimiser state), ``log.csv`` and
     ``curves.png``. ``stop_at`` ends the run early after that step's checkpoint (to
-    simulate an interruption).
+    simulate an interruption). ``frozen`` collections keep their ``init`` values.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if len(train) == 0:
         raise ValueError("no training samples left for this SSM")
-    step_fn, opt = make_train_step(cfg, tcfg)
+    step_fn, opt = make_train_step(cfg, tcfg, tuple(frozen))
     _, schedule = make_optimizer(tcfg)
     mngr = _manager(out / "ckpt")
     params = jax.tree_util.tree_map(lambda x: jnp.array(x, jnp.float32), init)
