@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     spec.add_argument("--ssm", action="append", default=None, metavar="PATH_OR_SPEC")
     spec.add_argument("--verify", default="mss", help="stochastic verifiers to compare, e.g. mss,naive")
     spec.add_argument("--depth", type=int, default=8, help="tree depth m of <1,1,w,1,...>")
+    spec.add_argument("--no-single-baseline", action="store_true",
+                      help="with a pool, skip the one-SSM expansion-based tree at equal budget")
     spec.set_defaults(func=cmd_speculative)
 
     cov = kinds.add_parser("coverage", help="Table 1: how often the LLM's token is within an SSM's top-k / k draws")
@@ -143,6 +145,39 @@ def _hf_generate(model, ids, n, params) -> tuple[int, float]:
     return out.shape[1] - len(ids), time.perf_counter() - t0
 
 
+def _tree_configs(widths, depth: int, num_ssms: int, verifiers, single_baseline: bool):
+    """(mode, width, verify, expansion, tree, ssm count, budget) per benchmarked decoder.
+
+    With a pool (``num_ssms`` > 1) every merge-based tree (each SSM <1,1,w,1,...>) is paired
+    with an expansion-based tree of the first SSM alone at equal tree budget: the widest
+    <1,1,w',1,...> that fits the pool's node count N, padded to N so the LLM verifies as
+    many tokens per step in both.
+    """
+    from jaxspec.step import DecodeConfig
+    from jaxspec.tree import expansion_topology
+
+    def shape(w: int) -> tuple[int, ...]:
+        return tuple([1, 1, w] + [1] * (depth - 3))[:depth]
+
+    def nodes(exp, m: int) -> int:
+        return DecodeConfig(tuple(expansion_topology(exp) for _ in range(m))).natural_nodes
+
+    configs = []
+    for verify in verifiers:
+        for w in widths:
+            exp = shape(w)
+            tree = "merge" if num_ssms > 1 else "expansion"
+            mode = "sequence" if w == 1 and num_ssms == 1 else "tree"
+            budget = nodes(exp, num_ssms)
+            configs.append((mode, w, verify, exp, tree, num_ssms, budget))
+            if num_ssms > 1 and single_baseline:
+                w1 = w
+                while nodes(shape(w1 + 1), 1) <= budget and depth >= 3:
+                    w1 += 1
+                configs.append(("tree", w, verify, shape(w1), "expansion", 1, budget))
+    return configs
+
+
 def cmd_speculative(args) -> int:
     from tqdm import tqdm
 
@@ -153,29 +188,30 @@ def cmd_speculative(args) -> int:
     params = cli.sampling_params(args)
     rows = cli.read_prompts(args.prompt_file, args.limit)
     widths = [int(w) for w in args.widths.split(",") if w]
+    if not widths or min(widths) < 1 or args.depth < 1:
+        raise cli.CliError("--widths must be positive integers and --depth >= 1")
     llm = load_llm(args.model, args.dtype)
     ssms = load_ssms(args.ssm or [default_ssm_spec()], llm, args.dtype)
     prompts = _encode_all(llm, rows, args.no_chat)
     verifiers = ["greedy"] if params.greedy else [v for v in args.verify.split(",") if v]
-    configs = [("incremental", 0, "greedy" if params.greedy else verifiers[0], ())]
-    for verify in verifiers:
-        for w in widths:
-            exp = tuple([1, 1, w] + [1] * (args.depth - 3))[: args.depth]
-            configs.append(("sequence" if w == 1 else "tree", w, verify, exp))
+    configs = [("incremental", 0, "greedy" if params.greedy else verifiers[0], (), "none", 0, 1)]
+    configs += _tree_configs(widths, args.depth, len(ssms), verifiers, not args.no_single_baseline)
     results = []
-    for mode, w, verify, exp in tqdm(configs, desc="bench speculative", unit="config", file=sys.stderr):
-        engine = Engine(llm, ssms if exp else (), exp, verify=verify)
+    for mode, w, verify, exp, tree, m, budget in tqdm(configs, desc="bench speculative", unit="config",
+                                                       file=sys.stderr):
+        engine = Engine(llm, ssms[:m], exp, tree_budget=budget if m else None, verify=verify)
         for row, ids in zip(rows, prompts):
             gen, secs = _timed_generate(engine, ids, args.max_new_tokens, params)
             results.append({
-                "mode": mode, "width": w, "verify": verify, "id": row["id"],
+                "mode": mode, "width": w, "verify": verify, "tree": tree, "ssms": m, "nodes": budget,
+                "expansion": "-".join(map(str, exp)), "id": row["id"],
                 "llm_steps": gen.llm_steps, "tokens_per_step": round(gen.tokens_per_step, 4),
                 "new_tokens": len(gen.token_ids), "ms_per_token": round(1000 * secs / len(gen.token_ids), 3),
                 "step_tokens": " ".join(map(str, gen.step_tokens)),
             })
     out = _write_csv(args.output, results)
-    _print_table(results, verifiers, widths)
-    _plot_speculative(results, out, verifiers)
+    _print_table(results, widths)
+    _plot_speculative(results, out)
     print(f"CSV: {out}; PNG: {out.with_suffix('')}_tokens_per_step_cdf.png, {out.with_suffix('')}_ms_per_token.png")
     return 0
 
@@ -184,23 +220,40 @@ def _mean(rows, key):
     return statistics.fmean(r[key] for r in rows) if rows else float("nan")
 
 
-def _print_table(results, verifiers, widths) -> None:
-    """Table 2 (tokens per LLM step by width) and, with two verifiers, Table 3."""
+def _series(results) -> list[tuple[str, str, int]]:
+    """(verify, tree, ssm count) of every speculative decoder benchmarked, in run order."""
+    return list(dict.fromkeys((r["verify"], r["tree"], r["ssms"]) for r in results if r["mode"] != "incremental"))
+
+
+def _label(verify: str, tree: str, m: int) -> str:
+    return f"{verify} {tree}" + (f" ({m} SSMs)" if tree == "merge" else "")
+
+
+def _print_table(results, widths) -> None:
+    """Table 2 (tokens per LLM step by width) and, with two verifiers, Table 3; merge vs expansion rows."""
     inc = [r for r in results if r["mode"] == "incremental"]
     print(f"incremental: {_mean(inc, 'ms_per_token'):.2f} ms/token")
-    header = "verify".ljust(10) + "".join(f"w={w:<8}" for w in widths)
-    for title, key in (("tokens per LLM step (Table 2)", "tokens_per_step"), ("ms per token", "ms_per_token")):
+    series = _series(results)
+    header = "decoder".ljust(28) + "".join(f"w={w:<8}" for w in widths)
+    for title, key in (("tokens per LLM step (Table 2)", "tokens_per_step"), ("ms per token", "ms_per_token"),
+                       ("tree nodes N verified per step", "nodes")):
         print(title)
         print(header)
-        for verify in verifiers:
-            line = verify.ljust(10)
+        for verify, tree, m in series:
+            line = _label(verify, tree, m).ljust(28)
             for w in widths:
-                sel = [r for r in results if r["width"] == w and r["verify"] == verify and r["mode"] != "incremental"]
+                sel = [r for r in results if r["width"] == w and (r["verify"], r["tree"], r["ssms"]) == (verify, tree, m)
+                       and r["mode"] != "incremental"]
                 line += f"{_mean(sel, key):<10.2f}"
             print(line)
+    singles = {r["width"]: r["expansion"] for r in results if r["tree"] == "expansion" and r["ssms"] == 1}
+    if any(r["tree"] == "merge" for r in results) and singles:
+        print("expansion rows: the first SSM alone, equal budget: " +
+              ", ".join(f"w={w}: <{e.replace('-', ',')}>" for w, e in singles.items()))
 
 
-def _plot_speculative(results, out: Path, verifiers) -> None:
+def _plot_speculative(results, out: Path) -> None:
+    """Figure 9 (CDF of tokens verified per LLM step) and Figure 10 (ms/token by width), one line per decoder."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -208,20 +261,22 @@ def _plot_speculative(results, out: Path, verifiers) -> None:
     import numpy as np
 
     stem = out.with_suffix("")
+    spec = [r for r in results if r["mode"] != "incremental"]
+    widths = sorted({r["width"] for r in spec})
     fig, ax = plt.subplots(figsize=(6, 4))
-    for verify in verifiers:
-        widths = sorted({r["width"] for r in results if r["mode"] != "incremental"})
+    for series in _series(results):
         for w in widths:
-            steps = [int(k) for r in results if r["width"] == w and r["verify"] == verify
-                     and r["mode"] != "incremental" for k in r["step_tokens"].split()]
+            steps = [int(k) for r in spec if r["width"] == w and (r["verify"], r["tree"], r["ssms"]) == series
+                     for k in r["step_tokens"].split()]
             if not steps:
                 continue
             vals = np.sort(steps)
             cdf = np.arange(1, len(vals) + 1) / len(vals)
-            ax.step(np.concatenate([[0], vals]), np.concatenate([[0.0], cdf]), where="post", label=f"{verify} w={w}")
+            ax.step(np.concatenate([[0], vals]), np.concatenate([[0.0], cdf]), where="post",
+                    label=f"{_label(*series)} w={w}")
     ax.set_xlabel("tokens verified in one LLM step (Figure 9)")
     ax.set_ylabel("CDF over LLM steps")
-    ax.legend()
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(f"{stem}_tokens_per_step_cdf.png", dpi=120)
@@ -230,14 +285,13 @@ def _plot_speculative(results, out: Path, verifiers) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     inc = _mean([r for r in results if r["mode"] == "incremental"], "ms_per_token")
     ax.axhline(inc, color="gray", linestyle="--", label="incremental")
-    for verify in verifiers:
-        widths = sorted({r["width"] for r in results if r["mode"] != "incremental"})
-        ms = [_mean([r for r in results if r["width"] == w and r["verify"] == verify and r["mode"] != "incremental"],
+    for series in _series(results):
+        ms = [_mean([r for r in spec if r["width"] == w and (r["verify"], r["tree"], r["ssms"]) == series],
                     "ms_per_token") for w in widths]
-        ax.plot(widths, ms, marker="o", label=f"tree ({verify})")
-    ax.set_xlabel("tree width")
+        ax.plot(widths, ms, marker="o", label=_label(*series))
+    ax.set_xlabel("tree width w of <1,1,w,1,...> (per SSM for merge-based trees)")
     ax.set_ylabel("ms per token")
-    ax.legend()
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(f"{stem}_ms_per_token.png", dpi=120)

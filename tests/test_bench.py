@@ -43,6 +43,19 @@ def test_bench_speculative_and_coverage_write_csv_and_png(tmp_path, capsys):
     assert (tmp_path / "spec_ms_per_token.png").stat().st_size > 1000
     assert "Table 2" in capsys.readouterr().out
 
+    # Two SSMs: a merge-based tree per width, each against one SSM's expansion tree at equal budget.
+    pool = tmp_path / "pool.csv"
+    assert cli.main(["bench", "speculative", "--prompt-file", prompts, "--limit", "1", "--max-new-tokens", "8",
+                     "--widths", "1,2", "--depth", "4", "--ssm", "layers:1", "--ssm", "layers:2",
+                     "--output", str(pool)]) == 0
+    rows = list(csv.DictReader(pool.open()))
+    assert [(r["tree"], r["ssms"], r["width"], r["expansion"], r["nodes"]) for r in rows] == [
+        ("none", "0", "0", "", "1"),
+        ("merge", "2", "1", "1-1-1-1", "9"), ("expansion", "1", "1", "1-1-3-1", "9"),  # 1+2*4 vs 1+2+3+3
+        ("merge", "2", "2", "1-1-2-1", "13"), ("expansion", "1", "2", "1-1-5-1", "13"),  # 1+2*6 vs 1+2+5+5
+    ]
+    assert "expansion rows: the first SSM alone" in capsys.readouterr().out
+
     cov = tmp_path / "cov.csv"
     assert cli.main(["bench", "coverage", "--prompt-file", prompts, "--limit", "1", "--max-new-tokens", "8",
                      "--ssm", "layers:2", "--output", str(cov)]) == 0
