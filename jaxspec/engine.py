@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import sampling
-from jaxspec.step import DecodeConfig, DecodeState, decode_step, prefill
+from jaxspec.step import DecodeConfig, DecodeState, SSMGroup, decode_step, prefill
 from jaxspec.tree import expansion_topology
 from models.config import ModelConfig
 from models.transformer import Forward, KVCache, make_forward
@@ -92,7 +92,9 @@ class Engine:
         expansion: Sequence[int] | Sequence[Sequence[int]] = (),
         tree_budget: int | None = None,
         verify: str = "greedy",
+        batch_ssms: bool = True,
     ) -> None:
+        """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward."""
         for ssm in ssms:
             check_vocab(llm, ssm)
         expansions = _per_ssm(expansion, len(ssms))
@@ -103,18 +105,25 @@ class Engine:
         self.verify = verify
         self.compilations = 0
         self._compiled: dict = {}
-        DecodeConfig(self.topologies, verify="greedy", tree_budget=tree_budget)  # validates early
+        self.groups = ssm_groups(self.ssms, self.topologies) if batch_ssms else ()
+        self._group_params = tuple(
+            stack_params([self.ssms[j].params for j in g.members], g.shared) for g in self._groups()
+        )
+        DecodeConfig(self.topologies, verify="greedy", tree_budget=tree_budget, groups=self.groups)  # validates
+
+    def _groups(self) -> tuple[SSMGroup, ...]:
+        return DecodeConfig(self.topologies, groups=self.groups).ssm_groups
 
     # -- compiled functions -------------------------------------------------------------
     def _decode_config(self, params: sampling.SamplingParams) -> DecodeConfig:
         warp = sampling.WarpSpec.of(params)
         verify = "greedy" if warp.greedy else (self.verify if self.verify != "greedy" else "mss")
-        return DecodeConfig(self.topologies, warp, verify, self.tree_budget)
+        return DecodeConfig(self.topologies, warp, verify, self.tree_budget, self.groups)
 
     def _functions(self, cfg: DecodeConfig) -> tuple[Callable, Callable]:
         if cfg not in self._compiled:
             llm_fwd = self.llm.forward
-            ssm_fwds = tuple(s.forward for s in self.ssms)
+            ssm_fwds = tuple(self.ssms[g.members[0]].forward for g in cfg.ssm_groups)
 
             def step(llm_params, ssm_params, state):
                 self.compilations += 1  # runs once per trace, i.e. per compilation
@@ -151,12 +160,19 @@ class Engine:
         dt = self.llm.dtype
         return DecodeState(
             llm_cache=KVCache.create(self.llm.cfg, batch, capacity, dt),
-            ssm_caches=tuple(KVCache.create(s.cfg, batch, capacity, s.dtype) for s in self.ssms),
+            ssm_caches=tuple(self._group_cache(g, batch, capacity) for g in self._groups()),
             history=jnp.zeros((batch, capacity), jnp.int32),
             root=jnp.zeros((batch,), jnp.int32),
             key=jax.random.PRNGKey(params.seed),
             values=sampling.warp_arrays(params, batch),
         )
+
+    def _group_cache(self, group: SSMGroup, batch: int, capacity: int) -> KVCache:
+        ssm = self.ssms[group.members[0]]
+        cache = KVCache.create(ssm.cfg, batch, capacity, ssm.dtype)
+        if len(group.members) == 1:
+            return cache
+        return jax.tree_util.tree_map(lambda x: jnp.stack([x] * len(group.members)), cache)
 
     # -- generation -------------------------------------------------------------------
     def stream(
@@ -181,7 +197,7 @@ class Engine:
         tp = prompt_bucket(len(prompt_ids))
         tokens = np.zeros((1, tp), np.int32)
         tokens[0, : len(prompt_ids)] = prompt_ids
-        ssm_params = tuple(s.params for s in self.ssms)
+        ssm_params = self._group_params
         draft_levels = sum(t.max_depth for t in self.topologies)
 
         start = time.perf_counter()
@@ -230,6 +246,35 @@ class Engine:
             if cut is not None:
                 return (done + new)[len(done): max(cut, len(done))], "stop"
         return new, reason
+
+
+def ssm_groups(ssms: Sequence[LoadedModel], topologies: Sequence) -> tuple[SSMGroup, ...]:
+    """Groups SSMs that can draft in one vmapped forward (same config, dtype and expansion).
+
+    A parameter every member holds as the very same array (a pool's shared embedding) is
+    recorded as shared, so it is not stacked (copied) per member.
+    """
+    from models.loading import flatten  # noqa: PLC0415
+
+    buckets: dict = {}
+    for j, (s, t) in enumerate(zip(ssms, topologies)):
+        buckets.setdefault((s.cfg, jnp.dtype(s.dtype), t), []).append(j)
+    groups = []
+    for members in sorted(buckets.values()):
+        flats = [flatten(ssms[j].params) for j in members]
+        shared = tuple(k for k in flats[0] if len(members) > 1 and all(f[k] is flats[0][k] for f in flats))
+        groups.append(SSMGroup(tuple(members), shared))
+    return tuple(groups)
+
+
+def stack_params(params: Sequence[dict], shared: Sequence[str] = ()) -> dict:
+    """One parameter tree for a group: leaves stacked on a leading member axis, ``shared`` ones kept once."""
+    from models.loading import flatten, unflatten  # noqa: PLC0415
+
+    if len(params) == 1:
+        return params[0]
+    flats = [flatten(p) for p in params]
+    return unflatten({k: v if k in shared else jnp.stack([f[k] for f in flats]) for k, v in flats[0].items()})
 
 
 def _per_ssm(expansion, num_ssms: int) -> tuple[tuple[int, ...], ...]:

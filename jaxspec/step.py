@@ -26,6 +26,26 @@ VERIFIERS = ("greedy", "mss", "naive")
 
 
 @dataclasses.dataclass(frozen=True)
+class SSMGroup:
+    """SSMs that draft in one vmapped forward: same architecture, dtype and expansion.
+
+    The group's parameters are stacked on a leading member axis G, except the ``shared``
+    ones (flattened names such as ``embed/embedding`` that every member holds as one
+    array, e.g. a pool's common embedding): those are passed once, unbatched. Its KV
+    caches are stacked on G. A one-member group is an ordinary, unstacked SSM.
+    """
+
+    members: tuple[int, ...]  # SSM indices, i.e. positions in the merged tree's SSM order
+    shared: tuple[str, ...] = ()
+
+    def param_axes(self, params: dict) -> dict:
+        """vmap in_axes for the group's parameter tree: 0 for stacked leaves, None for shared ones."""
+        from models.loading import flatten, unflatten  # noqa: PLC0415
+
+        return unflatten({k: (None if k in self.shared else 0) for k in flatten(params)})
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Static settings of the compiled step (hashable: one executable per value)."""
 
@@ -33,15 +53,27 @@ class DecodeConfig:
     warp: sampling.WarpSpec = sampling.WarpSpec()
     verify: str = "greedy"  # greedy | mss | naive (the last two need a stochastic warp)
     tree_budget: int | None = None  # pad the merged tree to this many nodes
+    groups: tuple[SSMGroup, ...] = ()  # how SSM forwards/params/caches are batched; () = one per SSM
 
     def __post_init__(self) -> None:
         if self.verify not in VERIFIERS:
             raise ValueError(f"--verify must be one of {', '.join(VERIFIERS)}, got {self.verify!r}")
+        members = sorted(j for g in self.ssm_groups for j in g.members)
+        if members != list(range(len(self.topologies))):
+            raise ValueError(f"SSM groups {members} must cover SSMs 0..{len(self.topologies) - 1} once each")
+        for g in self.ssm_groups:
+            if len({self.topologies[j] for j in g.members}) != 1:
+                raise ValueError(f"SSM group {g.members} mixes expansion configs: one vmapped draft needs one")
         if self.tree_budget is not None and self.natural_nodes > self.tree_budget:
             raise ValueError(
                 f"the token tree needs {self.natural_nodes} nodes (root included) but --tree-budget is "
                 f"{self.tree_budget}; shrink --expansion or raise the budget"
             )
+
+    @property
+    def ssm_groups(self) -> tuple[SSMGroup, ...]:
+        """The groups, or one single-member group per SSM."""
+        return self.groups or tuple(SSMGroup((j,)) for j in range(len(self.topologies)))
 
     @property
     def max_depth(self) -> int:
@@ -67,7 +99,7 @@ class DecodeState:
     """Everything that changes between iterations, for B slots."""
 
     llm_cache: KVCache  # length [B] = committed tokens (prompt + emitted, minus the root)
-    ssm_caches: tuple[KVCache, ...]
+    ssm_caches: tuple[KVCache, ...]  # one per SSM group; a group of G stacks its caches on a leading G axis
     history: jax.Array  # [B, S] committed token ids (slot i holds the token whose K/V is at i)
     root: jax.Array  # [B] last emitted token, not yet fed to the LLM
     key: jax.Array  # PRNG key
@@ -93,17 +125,33 @@ def pad_tree(tree: TokenTree, n: int) -> TokenTree:
 
 
 def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key):
-    """Speculate with every SSM and merge; returns (tree, draft_probs or None, ssm caches)."""
+    """Speculate with every SSM and merge; returns (tree, draft_probs or None, ssm caches).
+
+    ``ssm_forwards``, ``ssm_params`` and ``state.ssm_caches`` hold one entry per SSM group
+    (``cfg.ssm_groups``); a multi-member group drafts in one vmapped ``speculate``.
+    """
     length = state.llm_cache.length
-    trees, probs, caches = [], [], []
+    found: dict[int, tuple] = {}  # SSM index -> (tree, draft probs)
+    caches = []
     keys = jax.random.split(key, max(len(cfg.topologies), 1))
-    for j, (fwd, params, cache, topo) in enumerate(zip(ssm_forwards, ssm_params, state.ssm_caches, cfg.topologies)):
-        tree, q, cache = speculate(
-            fwd, params, cache, topo, state.history, length, state.root, keys[j], cfg.warp, state.values, j
-        )
-        trees.append(tree)
-        probs.append(q)
+    for group, fwd, params, cache in zip(cfg.ssm_groups, ssm_forwards, ssm_params, state.ssm_caches):
+        topo = cfg.topologies[group.members[0]]
+
+        def run(p, c, k, ssm_id, fwd=fwd, topo=topo):
+            return speculate(fwd, p, c, topo, state.history, length, state.root, k, cfg.warp, state.values, ssm_id)
+
+        if len(group.members) == 1:
+            j = group.members[0]
+            tree, q, cache = run(params, cache, keys[j], j)
+            found[j] = (tree, q)
+        else:
+            ids = jnp.asarray(group.members, jnp.int32)
+            tree, q, cache = jax.vmap(run, in_axes=(group.param_axes(params), 0, 0, 0))(params, cache, keys[ids], ids)
+            for i, j in enumerate(group.members):
+                found[j] = jax.tree_util.tree_map(lambda x, i=i: x[i], (tree, q))
         caches.append(cache)
+    trees = [found[j][0] for j in range(len(found))]
+    probs = [found[j][1] for j in range(len(found))]
     if not trees:
         return single_root(state.root), None, ()
     tree = merge(trees, cfg.max_depth, dedup=cfg.warp.greedy)
@@ -188,9 +236,11 @@ def prefill(
 ) -> tuple[DecodeState, jax.Array]:
     """Prefills the LLM and every SSM with the prompts and samples the first token [B]."""
     logits, llm_cache = prefill_model(llm_forward, llm_params, state.llm_cache, tokens, lengths)
-    ssm_caches = tuple(
-        prefill_model(f, p, c, tokens, lengths)[1] for f, p, c in zip(ssm_forwards, ssm_params, state.ssm_caches)
-    )
+    ssm_caches = []
+    for group, f, p, c in zip(cfg.ssm_groups, ssm_forwards, ssm_params, state.ssm_caches):
+        fill = lambda p, c, f=f: prefill_model(f, p, c, tokens, lengths)[1]  # noqa: E731
+        ssm_caches.append(fill(p, c) if len(group.members) == 1 else jax.vmap(fill, (group.param_axes(p), 0))(p, c))
+    ssm_caches = tuple(ssm_caches)
     key, sub = jax.random.split(state.key)
     first = sampling.sample(sub, logits, cfg.warp, state.values)
     s = state.history.shape[1]

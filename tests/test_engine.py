@@ -70,6 +70,25 @@ def test_merged_ssms_identity_and_acceptance(tiny_llm):
     assert steps_merged <= steps_single  # a superset tree never accepts less
 
 
+def test_same_shape_ssms_draft_in_one_vmapped_forward(tiny_llm):
+    """A pool's same-architecture SSMs form one vmapped group (shared embedding not stacked); same output."""
+    a, b = tiny_model(seed=5), tiny_model(seed=6)
+    b = b.__class__(b.name, b.cfg, {**b.params, "embed": a.params["embed"]})  # one array, as a pool holds it
+    ssms = [a, early_exit(tiny_llm, 2), b]
+    batched = Engine(tiny_llm, ssms, (1, 2, 1))
+    separate = Engine(tiny_llm, ssms, (1, 2, 1), batch_ssms=False)
+    assert [(g.members, g.shared) for g in batched.groups] == [((0, 2), ("embed/embedding",)), ((1,), ())]
+    stacked = batched._group_params[0]
+    assert stacked["layers"]["mlp"]["up"]["kernel"].shape[0] == 2
+    assert stacked["embed"]["embedding"] is a.params["embed"]["embedding"]
+    assert separate.groups == ()
+    for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=3)):
+        for prompt in random_prompts(3, tiny_llm.cfg.vocab_size, seed=13):
+            want, got = separate.generate(prompt, 24, params), batched.generate(prompt, 24, params)
+            assert got.token_ids == want.token_ids and got.step_tokens == want.step_tokens
+    assert batched.compilations == separate.compilations  # grouping adds no executable
+
+
 def test_perfect_ssm_accepts_every_level(tiny_llm):
     """The LLM as its own SSM: every speculated level is accepted, so each step emits m + 1 tokens."""
     engine = Engine(tiny_llm, [tiny_llm], (1, 1, 1, 1))
