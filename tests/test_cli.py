@@ -87,3 +87,13 @@ def test_generate_prompt_file_jsonl_and_tree_mode(tmp_path):
         assert r["llm_steps"] >= 1 and r["tokens_per_step"] >= 1.0
         assert r["ssm_steps"] == 3 * r["llm_steps"]
     assert "tokens/step" in proc.stderr
+
+
+def test_tree_mode_defaults_to_the_shipped_pool_and_keeps_the_output():
+    args = ("generate", "--prompt", "What is 2+2?", "--max-new-tokens", "12", "--seed", "0")
+    tree = run_cli(*args, "--mode", "tree")
+    assert tree.returncode == 0, tree.stderr[-3000:]
+    assert "smollm2_default/ssm-0" in tree.stderr and "smollm2_default/ssm-1" in tree.stderr
+    incremental = run_cli(*args, "--mode", "incremental")
+    assert incremental.returncode == 0, incremental.stderr[-3000:]
+    assert tree.stdout == incremental.stdout and tree.stdout.strip()
