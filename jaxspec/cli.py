@@ -42,7 +42,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssm", action="append", default=None, metavar="PATH_OR_SPEC",
                    help="speculative model: layers:N (LLM's first N layers), pool:DIR, a checkpoint path, or "
                         "default; repeat to merge several SSMs' trees")
-    p.add_argument("--expansion", help=f"expansion config k1,...,km (tree default {DEFAULT_TREE})")
+    p.add_argument("--expansion", help=f"expansion config k1,...,km (tree default {DEFAULT_TREE}); "
+                   "';'-separated configs give each SSM its own, e.g. '1,1,3,1;1,2,1'")
     p.add_argument("--tree-budget", type=int, help="pad/limit the verified tree to N nodes (root included)")
     p.add_argument("--verify", default="mss", choices=("mss", "naive"),
                    help="stochastic verifier (temperature > 0): multi-step speculative sampling or naive sampling")
@@ -109,22 +110,24 @@ def read_prompts(path: str, limit: int | None = None) -> list[dict]:
     return rows
 
 
-def expansion_for(args) -> tuple[int, ...]:
+def expansion_for(args) -> tuple[tuple[int, ...], ...]:
+    """The expansion configs: one shared by every SSM, or ";"-separated, one per SSM."""
     from jaxspec.tree import parse_expansion
 
     if args.mode == "incremental":
         if args.expansion or args.ssm:
             raise CliError("--mode incremental takes no --ssm or --expansion (use --mode sequence or tree)")
         return ()
-    expansion = parse_expansion(args.expansion or (DEFAULT_TREE if args.mode == "tree" else DEFAULT_SEQUENCE))
-    if not expansion:
+    text = args.expansion or (DEFAULT_TREE if args.mode == "tree" else DEFAULT_SEQUENCE)
+    expansions = tuple(parse_expansion(part) for part in text.split(";"))
+    if not all(expansions):
         raise CliError(f"--mode {args.mode} needs a non-empty --expansion")
-    if args.mode == "sequence" and any(k != 1 for k in expansion):
+    if args.mode == "sequence" and any(k != 1 for e in expansions for k in e):
         raise CliError(f"--mode sequence needs an expansion of 1s, got {args.expansion}")
-    return expansion
+    return expansions
 
 
-def build_engine(args, log=sys.stderr):
+def build_engine(args, log=None):
     """Loads the LLM and SSMs named by the arguments and returns (engine, llm)."""
     from jaxspec.engine import Engine
     from jaxspec.resolve import default_ssm_spec, load_llm, load_ssms
@@ -135,8 +138,13 @@ def build_engine(args, log=sys.stderr):
     if expansion:
         specs = args.ssm or [default_ssm_spec()]
         ssms = load_ssms(specs, llm, args.dtype)
-        print(f"[jaxspec] LLM {llm.name}; SSMs: {', '.join(s.name for s in ssms)}; expansion "
-              f"<{','.join(map(str, expansion))}>", file=log)
+        if len(expansion) not in (1, len(ssms)):
+            raise CliError(f"--expansion gives {len(expansion)} ';'-separated configs for {len(ssms)} SSMs "
+                           f"({', '.join(s.name for s in ssms)}): give one shared config or one per SSM")
+        shown = "; ".join("<" + ",".join(map(str, e)) + ">" for e in expansion)
+        names = ", ".join(s.name for s in ssms)
+        print(f"[jaxspec] LLM {llm.name}; SSMs: {names}; expansion {shown}", file=log or sys.stderr)
+        expansion = expansion[0] if len(expansion) == 1 else expansion
     engine = Engine(llm, ssms, expansion, args.tree_budget, args.verify if args.temperature > 0 else "greedy")
     return engine, llm
 

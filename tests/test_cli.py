@@ -97,3 +97,15 @@ def test_tree_mode_defaults_to_the_shipped_pool_and_keeps_the_output():
     incremental = run_cli(*args, "--mode", "incremental")
     assert incremental.returncode == 0, incremental.stderr[-3000:]
     assert tree.stdout == incremental.stdout and tree.stdout.strip()
+
+
+def test_per_ssm_expansion_configs(tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    base = ["generate", "--prompt", "Name a color.", "--max-new-tokens", "10", "--mode", "tree",
+            "--ssm", "layers:2", "--ssm", "layers:4"]
+    assert cli.main([*base, "--expansion", "1,2,1;1,1", "--output", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["ssm_steps"] == (3 + 2) * row["llm_steps"]  # each SSM drafts its own depth per step
+    assert "expansion <1,2,1>; <1,1>" in capsys.readouterr().err
+    assert cli.main([*base, "--expansion", "1;1;1"]) == 2
+    assert "3 ';'-separated configs for 2 SSMs" in capsys.readouterr().err
