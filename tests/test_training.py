@@ -114,6 +114,25 @@ def test_second_ssm_trains_on_exactly_the_unmarked_samples(tiny_run):
     assert (cont[:, 0] >= 0).all()
 
 
+def test_agreement_matches_a_direct_ranking_of_the_ssm_logits(tiny_run):
+    from jaxspec.bench import _teacher_forced_logits
+
+    cfg, out, _ = tiny_run
+    samples = load_samples(out / "data")
+    ssm = load_pool(out / "pool", "float32")[1]
+    k = cfg.train.eval_top_k
+    ag = agreement(ssm.cfg, ssm.params, samples, k, cfg.train.eval_batch_size)
+    cont = samples.continuation()
+    for i in range(0, len(samples), 5):
+        p, c = int(samples.prompt_len[i]), int(samples.cont_len[i])
+        logits = np.asarray(_teacher_forced_logits(ssm, samples.tokens[i, : p + c].tolist()))[p - 1 : p - 1 + c]
+        order = np.argsort(-logits, axis=-1)
+        np.testing.assert_array_equal(ag.top1[i, :c], order[:, 0] == cont[i, :c])
+        np.testing.assert_array_equal(ag.topk[i, :c], (order[:, :k] == cont[i, :c, None]).any(-1))
+        assert ag.valid[i, :c].all() and not ag.valid[i, c:].any()
+    assert 0 < ag.rate("top1") <= ag.rate("topk") < 1
+
+
 def test_rerun_resumes_without_retraining(tiny_run):
     cfg, out, _ = tiny_run
     before = {p: p.stat().st_mtime_ns for p in (out / "data").glob("shard-*.npz")}
