@@ -88,11 +88,12 @@ def test_later_ssms_share_the_first_ones_frozen_embedding_stored_once(tiny_run):
     assert not np.array_equal(np.asarray(first["layers"]["mlp"]["up"]["kernel"]),
                               np.asarray(second["layers"]["mlp"]["up"]["kernel"]))
     manifest = read_manifest(out / "pool")
-    assert manifest["ssms"][1]["shared"] == {"embed/embedding": "ssm-0.safetensors"}
+    assert [e["shared"] for e in manifest["ssms"]] == [{"embed/embedding": "shared.safetensors"}] * 2
     from safetensors import safe_open
 
-    with safe_open(str(out / "pool" / "ssm-1.safetensors"), "numpy") as f:
-        assert "embed/embedding" not in set(f.keys())
+    for file, has_embedding in (("ssm-0", False), ("ssm-1", False), ("shared", True)):
+        with safe_open(str(out / "pool" / f"{file}.safetensors"), "numpy") as f:
+            assert ("embed/embedding" in set(f.keys())) == has_embedding, file
 
 
 def test_second_ssm_trains_on_exactly_the_unmarked_samples(tiny_run):

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
@@ -23,6 +24,7 @@ from models.loading import flatten, unflatten
 from models.transformer import param_shapes
 
 POOL_FILE = "pool.json"
+SHARED_FILE = "shared.safetensors"  # tensors two or more SSMs hold identically
 POOL_FORMAT = 1
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -72,8 +74,9 @@ def save_pool(
 ) -> Path:
     """Writes ``ssm-<i>.safetensors`` per SSM and ``pool.json`` (written last: its presence means complete).
 
-    A tensor identical (name, shape, bytes) to one an earlier SSM already stored is written
-    once: the later SSM's manifest entry maps its name to the file holding it (``shared``).
+    A tensor identical (name, shape, bytes) in two or more SSMs (a shared embedding) is
+    written once, to ``shared.safetensors``; each SSM's manifest entry maps its name there
+    (``shared``), and no file holds more than one SSM's own tensors.
     """
     from safetensors.flax import save_file
 
@@ -81,22 +84,24 @@ def save_pool(
         raise PoolError(f"pool dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    entries = []
-    stored: dict[tuple, str] = {}  # (name, shape, digest) -> file already holding that tensor
-    for i, (cfg, params) in enumerate(ssms):
-        file = f"ssm-{i}.safetensors"
-        flat, shared = {}, {}
-        for name, value in flatten(params).items():
-            value = jnp.asarray(value, DTYPES[dtype])
-            key = (name, tuple(value.shape), hashlib.sha256(np.asarray(value).tobytes()).hexdigest())
-            if key in stored:
-                shared[name] = stored[key]
-            else:
-                flat[name] = value
-                stored[key] = file
+    flats = [{k: jnp.asarray(v, DTYPES[dtype]) for k, v in flatten(params).items()} for _, params in ssms]
+    keys = [{k: (k, v.shape, hashlib.sha256(np.asarray(v).tobytes()).hexdigest()) for k, v in f.items()}
+            for f in flats]
+    counts = Counter(key for ks in keys for key in ks.values())
+
+    def write(file: str, tensors: dict) -> None:
         tmp = out / (file + ".partial")
-        save_file(flat, str(tmp))
+        save_file(tensors, str(tmp))
         os.replace(tmp, out / file)
+
+    common = {key[0]: flats[i][name] for i, ks in enumerate(keys) for name, key in ks.items() if counts[key] > 1}
+    if common:
+        write(SHARED_FILE, common)
+    entries = []
+    for i, ((cfg, _), flat, ks) in enumerate(zip(ssms, flats, keys)):
+        file = f"ssm-{i}.safetensors"
+        shared = {name: SHARED_FILE for name in flat if counts[ks[name]] > 1}
+        write(file, {name: v for name, v in flat.items() if name not in shared})
         entries.append({"file": file, "config": config_to_dict(cfg), **({"shared": shared} if shared else {})})
     manifest = {"format": POOL_FORMAT, "dtype": dtype, "llm": identity, "ssms": entries, **(extra or {})}
     tmp = out / (POOL_FILE + ".partial")
