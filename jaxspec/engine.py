@@ -105,14 +105,11 @@ class Engine:
         self.verify = verify
         self.compilations = 0
         self._compiled: dict = {}
-        self.groups = ssm_groups(self.ssms, self.topologies) if batch_ssms else ()
-        self._group_params = tuple(
-            stack_params([self.ssms[j].params for j in g.members], g.shared) for g in self._groups()
-        )
+        self.groups = (ssm_groups(self.ssms, self.topologies) if batch_ssms
+                       else tuple(SSMGroup((j,)) for j in range(len(self.ssms))))
+        self._group_params = tuple(stack_params([self.ssms[j].params for j in g.members], g.shared)
+                                   for g in self.groups)
         DecodeConfig(self.topologies, verify="greedy", tree_budget=tree_budget, groups=self.groups)  # validates
-
-    def _groups(self) -> tuple[SSMGroup, ...]:
-        return DecodeConfig(self.topologies, groups=self.groups).ssm_groups
 
     # -- compiled functions -------------------------------------------------------------
     def _decode_config(self, params: sampling.SamplingParams) -> DecodeConfig:
@@ -160,7 +157,7 @@ class Engine:
         dt = self.llm.dtype
         return DecodeState(
             llm_cache=KVCache.create(self.llm.cfg, batch, capacity, dt),
-            ssm_caches=tuple(self._group_cache(g, batch, capacity) for g in self._groups()),
+            ssm_caches=tuple(self._group_cache(g, batch, capacity) for g in self.groups),
             history=jnp.zeros((batch, capacity), jnp.int32),
             root=jnp.zeros((batch,), jnp.int32),
             key=jax.random.PRNGKey(params.seed),
