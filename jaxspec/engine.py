@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import sampling
+from jaxspec import ngram, sampling
+from jaxspec.auto import Member, TreeChooser
+from jaxspec.ngram import NGramSpeculator
 from jaxspec.step import DecodeConfig, DecodeState, SSMGroup, decode_step, prefill
 from jaxspec.tree import expansion_topology
 from models.config import ModelConfig
@@ -64,6 +66,12 @@ class Generation:
     seconds: float
     finish_reason: str  # "eos" | "stop" | "length"
     step_tokens: list[int] = dataclasses.field(default_factory=list)  # tokens emitted by each LLM step
+    trees: list[str] = dataclasses.field(default_factory=list)  # family member run by each LLM step
+
+    @property
+    def tree_counts(self) -> dict[str, int]:
+        """How many LLM steps ran each tree (``--mode auto`` switches between them)."""
+        return {t: self.trees.count(t) for t in dict.fromkeys(self.trees)}
 
     @property
     def tokens_per_step(self) -> float:
@@ -83,59 +91,205 @@ def prompt_bucket(n: int) -> int:
 
 
 class Engine:
-    """Speculative decoding with one LLM and zero or more SSMs (incremental / sequence / tree)."""
+    """Speculative decoding with one LLM and zero or more speculators (incremental / sequence / tree / auto).
+
+    Speculators are SSMs (``LoadedModel``) and at most one ``NGramSpeculator``; each gets
+    an expansion config (the n-gram uses its length: it proposes a chain). With
+    ``auto`` the engine compiles a family of trees (no speculation, the n-gram chain,
+    the SSMs' trees, both merged) and picks one before every iteration by measured cost
+    and running acceptance (``jaxspec.auto``); ``costs`` injects a cost table (seconds
+    per iteration by member name) instead of measuring one.
+    """
 
     def __init__(
         self,
         llm: LoadedModel,
-        ssms: Sequence[LoadedModel] = (),
+        ssms: Sequence[LoadedModel | NGramSpeculator] = (),
         expansion: Sequence[int] | Sequence[Sequence[int]] = (),
         tree_budget: int | None = None,
         verify: str = "greedy",
         batch_ssms: bool = True,
+        auto: bool = False,
+        costs: dict[str, float] | None = None,
     ) -> None:
         """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward."""
-        for ssm in ssms:
-            check_vocab(llm, ssm)
         expansions = _per_ssm(expansion, len(ssms))
+        ngrams = [s for s in ssms if isinstance(s, NGramSpeculator)]
+        if len(ngrams) > 1:
+            raise RequestError("give at most one n-gram speculator")
+        models = [(s, e) for s, e in zip(ssms, expansions) if not isinstance(s, NGramSpeculator)]
+        for ssm, _ in models:
+            check_vocab(llm, ssm)
         self.llm = llm
-        self.ssms = tuple(ssms) if expansions else ()
-        self.topologies = tuple(expansion_topology(e) for e in expansions)
+        self.ngram = ngrams[0] if ngrams else None
+        self.ngram_depth = len(next(e for s, e in zip(ssms, expansions) if s is self.ngram)) if self.ngram else 0
+        self.ssms = tuple(s for s, _ in models)
+        self.topologies = tuple(expansion_topology(e) for _, e in models)
         self.tree_budget = tree_budget
         self.verify = verify
+        self.auto = auto
         self.compilations = 0
         self._compiled: dict = {}
+        self._costs: dict = {}
+        self._injected_costs = dict(costs) if costs else None
+        self._choosers: dict = {}
         self.groups = (ssm_groups(self.ssms, self.topologies) if batch_ssms
                        else tuple(SSMGroup((j,)) for j in range(len(self.ssms))))
         self._group_params = tuple(stack_params([self.ssms[j].params for j in g.members], g.shared)
                                    for g in self.groups)
-        DecodeConfig(self.topologies, verify="greedy", tree_budget=tree_budget, groups=self.groups)  # validates
+        self.family(sampling.SamplingParams())  # validates every configuration
 
-    # -- compiled functions -------------------------------------------------------------
-    def _decode_config(self, params: sampling.SamplingParams) -> DecodeConfig:
+    # -- the family of trees ------------------------------------------------------------
+    def family(self, params: sampling.SamplingParams) -> dict[str, DecodeConfig]:
+        """Member name -> compiled configuration: one member, or the ``auto`` family."""
         warp = sampling.WarpSpec.of(params)
         verify = "greedy" if warp.greedy else (self.verify if self.verify != "greedy" else "mss")
-        return DecodeConfig(self.topologies, warp, verify, self.tree_budget, self.groups)
+        off = (None,) * len(self.topologies)
+        vocab = self.llm.cfg.vocab_size
 
-    def _functions(self, cfg: DecodeConfig) -> tuple[Callable, Callable]:
+        def cfg(topologies, ngram_depth, budget=None):
+            return DecodeConfig(topologies, warp, verify, budget, self.groups, ngram_depth, vocab)
+
+        if not self.auto:
+            name = "tree" if (self.topologies or self.ngram) else "none"
+            return {name: cfg(self.topologies, self.ngram_depth, self.tree_budget)}
+        out = {"none": cfg(off, 0)}
+        if self.ngram:
+            out["ngram"] = cfg(off, self.ngram_depth)
+        if self.topologies:
+            out["ssm"] = cfg(self.topologies, 0)
+            if self.ngram:
+                out["ssm+ngram"] = cfg(self.topologies, self.ngram_depth)
+        return out
+
+    def describe(self, name: str) -> str:
+        """A member's tree in words, e.g. ``ssm <1,1,3,1> + ngram <1x6>``."""
+        cfg = self.family(sampling.SamplingParams())[name]
+        parts = []
+        if cfg.active:
+            shown = sorted({"<" + ",".join(map(str, t.expansion)) + ">" for t in cfg.topologies if t is not None})
+            parts.append(f"{len(cfg.active)} SSM {' '.join(shown)}")
+        if cfg.ngram_depth:
+            parts.append(f"ngram <1x{cfg.ngram_depth}>")
+        return " + ".join(parts) or "no speculation"
+
+    def members(self, params: sampling.SamplingParams) -> list[Member]:
+        """The family as the chooser sees it: per member, each kind's depth and source columns."""
+        out = []
+        for name, cfg in self.family(params).items():
+            depth, positions = {}, {}
+            for p, src in enumerate(cfg.sources):
+                kind = "ngram" if src == "ngram" else "ssm"
+                positions[kind] = positions.get(kind, ()) + (p,)
+            if cfg.active:
+                depth["ssm"] = max(cfg.topologies[j].max_depth for j in cfg.active)
+            if cfg.ngram_depth:
+                depth["ngram"] = cfg.ngram_depth
+            out.append(Member(name, depth, positions))
+        return out
+
+    # -- compiled functions -------------------------------------------------------------
+    def _step_fn(self, cfg: DecodeConfig) -> Callable:
         if cfg not in self._compiled:
             llm_fwd = self.llm.forward
             ssm_fwds = tuple(self.ssms[g.members[0]].forward for g in cfg.ssm_groups)
 
-            def step(llm_params, ssm_params, state):
+            def step(llm_params, ssm_params, state, proposal_tokens, proposal_count):
                 self.compilations += 1  # runs once per trace, i.e. per compilation
-                return decode_step(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state)
+                return decode_step(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state,
+                                   (proposal_tokens, proposal_count))
+
+            self._compiled[cfg] = jax.jit(step, donate_argnums=(2,))
+        return self._compiled[cfg]
+
+    def _prefill_fn(self, params: sampling.SamplingParams) -> Callable:
+        """One prefill executable per sampling warp, whatever tree the family runs."""
+        any_cfg = next(iter(self.family(params).values()))
+        cfg = dataclasses.replace(any_cfg, topologies=(None,) * len(self.topologies), tree_budget=None,
+                                  ngram_depth=0)
+        key = ("prefill", cfg)
+        if key not in self._compiled:
+            llm_fwd = self.llm.forward
+            ssm_fwds = tuple(self.ssms[g.members[0]].forward for g in cfg.ssm_groups)
 
             def pre(llm_params, ssm_params, state, tokens, lengths):
                 self.compilations += 1
                 return prefill(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state, tokens, lengths)
 
-            self._compiled[cfg] = (jax.jit(step, donate_argnums=(2,)), jax.jit(pre, donate_argnums=(2,)))
-        return self._compiled[cfg]
+            self._compiled[key] = jax.jit(pre, donate_argnums=(2,))
+        return self._compiled[key]
+
+    def _proposal(self, tokens: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+        """Device arrays (tokens [1, D], count [1]) for the step; explicit transfers only."""
+        toks, count = ngram.proposal_arrays([list(tokens)], self.ngram_depth)
+        return jax.device_put(toks), jax.device_put(count)
+
+    # -- costs and the chooser -------------------------------------------------------------
+    def calibrate(self, params: sampling.SamplingParams, capacity: int, refresh: bool = False) -> dict[str, float]:
+        """Seconds per iteration of every family member at this capacity, measured once and cached.
+
+        The cache (``jaxspec.costs``) is keyed by device kind, models, dtype, warp, family
+        and capacity, and lives outside the repository; ``refresh`` measures again.
+        """
+        if self._injected_costs is not None:
+            return self._injected_costs
+        key = (sampling.WarpSpec.of(params), capacity)
+        if key in self._costs and not refresh:
+            return self._costs[key]
+        from jaxspec import costs  # noqa: PLC0415
+
+        ident = {
+            "what": "step-family",
+            "device": jax.devices()[0].device_kind,
+            "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))],
+            "ssms": [[s.name, repr(s.cfg), str(jnp.dtype(s.dtype))] for s in self.ssms],
+            "ngram": self.ngram_depth,
+            "family": {n: self.describe(n) for n in self.family(params)},
+            "warp": repr(sampling.WarpSpec.of(params)),
+            "capacity": capacity,
+        }
+        self._costs[key] = costs.load_or_measure(ident, lambda: self._measure(params, capacity), refresh)
+        return self._costs[key]
+
+    def _measure(self, params: sampling.SamplingParams, capacity: int, reps: int = 5) -> dict[str, float]:
+        prompt = np.arange(MIN_PROMPT_BUCKET, dtype=np.int32)[None] % self.llm.cfg.vocab_size
+        out = {}
+        for name, cfg in self.family(params).items():
+            step_fn = self._step_fn(cfg)
+            state = self.init_state(1, capacity, params)
+            state, _ = self._prefill_fn(params)(self.llm.params, self._group_params, state, jnp.asarray(prompt),
+                                                jnp.asarray([MIN_PROMPT_BUCKET], jnp.int32))
+            toks, count = self._proposal(list(range(1, self.ngram_depth + 1)))
+            times = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                state, res = step_fn(self.llm.params, self._group_params, state, toks, count)
+                jax.block_until_ready(res)
+                times.append(time.perf_counter() - t0)
+            out[name] = float(np.median(times[1:]))  # the first call compiles
+        return out
+
+    def chooser(self, params: sampling.SamplingParams, capacity: int) -> TreeChooser:
+        """The running chooser for this warp (statistics carry over between requests)."""
+        key = sampling.WarpSpec.of(params)
+        costs = self.calibrate(params, capacity)
+        if key not in self._choosers:
+            self._choosers[key] = TreeChooser(self.members(params), costs)
+        self._choosers[key].costs = dict(costs)
+        return self._choosers[key]
 
     # -- state ------------------------------------------------------------------------
+    def _worst(self) -> DecodeConfig:
+        family = self.family(sampling.SamplingParams()).values()
+        return max(family, key=lambda c: (c.num_nodes + c.max_emit, c.num_nodes))
+
     def capacity_for(self, prompt_len: int, max_new_tokens: int) -> int:
-        cfg = DecodeConfig(self.topologies, tree_budget=self.tree_budget)
+        """Cache slots for a request: every write of every iteration fits by construction.
+
+        Before a step the LLM holds < prompt + max_new_tokens committed tokens and the step
+        writes num_nodes more; the bonus slack keeps the root's SSM re-feed in bounds too.
+        """
+        cfg = self._worst()
         need = max(prompt_len + max_new_tokens + cfg.num_nodes + cfg.max_emit, prompt_bucket(prompt_len))
         return bucket(need, CAPACITY_BUCKETS)
 
@@ -179,23 +333,26 @@ class Engine:
         params: sampling.SamplingParams = sampling.SamplingParams(),
         stop_ids: Sequence[int] | None = None,
         stop: Callable[[list[int]], int | None] | None = None,
+        on_step: Callable[[str, int], None] | None = None,
     ) -> Iterator[tuple[list[int], Generation]]:
         """Yields (new token ids, running Generation) after every LLM step.
 
         ``stop_ids`` defaults to the LLM's EOS ids. ``stop`` maps the generated ids to a
-        cut index when a stop string matched (None otherwise).
+        cut index when a stop string matched (None otherwise). ``on_step(tree, tokens)``
+        hears which family member each step ran and how many tokens it emitted.
         """
         prompt_ids = list(prompt_ids)
         self.check_request(len(prompt_ids), max_new_tokens, params)
         stop_ids = set(self.llm.cfg.eos_token_ids if stop_ids is None else stop_ids)
-        cfg = self._decode_config(params)
-        step_fn, prefill_fn = self._functions(cfg)
+        family = self.family(params)
         capacity = self.capacity_for(len(prompt_ids), max_new_tokens)
+        chooser = self.chooser(params, capacity) if self.auto else None
+        steps = {name: self._step_fn(cfg) for name, cfg in family.items()}
+        prefill_fn = self._prefill_fn(params)
         tp = prompt_bucket(len(prompt_ids))
         tokens = np.zeros((1, tp), np.int32)
         tokens[0, : len(prompt_ids)] = prompt_ids
         ssm_params = self._group_params
-        draft_levels = sum(t.max_depth for t in self.topologies)
 
         start = time.perf_counter()
         state = self.init_state(1, capacity, params)
@@ -203,21 +360,42 @@ class Engine:
                                   jnp.asarray([len(prompt_ids)], jnp.int32))
         gen = Generation([], 0, 0, 0.0, "length")
         new = [int(jax.device_get(first)[0])]
-        while True:
-            new, reason = self._cut(gen.token_ids, new, max_new_tokens, stop_ids, stop)
-            gen.token_ids.extend(new)
-            gen.seconds = time.perf_counter() - start
-            if reason:
-                gen.finish_reason = reason
+        committed = len(prompt_ids)  # tokens in the LLM cache (the newest emitted one is the pending root)
+        index = ngram.NGramIndex(prompt_ids, self.ngram.max_n, self.ngram.min_n) if self.ngram else None
+        try:
+            while True:
+                new, reason = self._cut(gen.token_ids, new, max_new_tokens, stop_ids, stop)
+                gen.token_ids.extend(new)
+                gen.seconds = time.perf_counter() - start
+                if reason:
+                    gen.finish_reason = reason
+                    yield new, gen
+                    return
                 yield new, gen
-                return
-            yield new, gen
-            state, out = step_fn(self.llm.params, ssm_params, state)
-            emitted, num = jax.device_get((out.tokens, out.num))
-            gen.llm_steps += 1
-            gen.ssm_steps += draft_levels
-            gen.step_tokens.append(int(num[0]))
-            new = [int(t) for t in emitted[0, : int(num[0])]]
+                proposal: list[int] = []
+                if index is not None:
+                    index.extend(new)
+                    proposal = index.propose(self.ngram_depth)
+                name = chooser.pick(len(proposal)) if chooser else next(iter(family))
+                cfg = family[name]
+                if committed + cfg.num_nodes > capacity:  # unreachable by capacity_for; never write past it
+                    raise RuntimeError(f"step would write slots up to {committed + cfg.num_nodes} of a cache of "
+                                       f"{capacity}: the engine's capacity rule is broken")
+                state, out = steps[name](self.llm.params, ssm_params, state, *self._proposal(proposal))
+                emitted, num, depths = jax.device_get((out.tokens, out.num, out.source_depth))
+                if chooser:
+                    chooser.observe(name, depths[0], len(proposal))
+                committed += int(num[0])
+                gen.llm_steps += 1
+                gen.ssm_steps += cfg.draft_levels
+                gen.step_tokens.append(int(num[0]))
+                gen.trees.append(name)
+                if on_step is not None:
+                    on_step(name, int(num[0]))
+                new = [int(t) for t in emitted[0, : int(num[0])]]
+        finally:
+            if chooser:
+                chooser.new_request()
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                  params: sampling.SamplingParams = sampling.SamplingParams(), **kw) -> Generation:
@@ -229,15 +407,14 @@ class Engine:
 
     @staticmethod
     def _cut(done: list[int], new: list[int], limit: int, stop_ids: set[int], stop) -> tuple[list[int], str | None]:
-        """Truncates this step's tokens at EOS, a stop string or the token limit."""
-        for i, t in enumerate(new):
-            if t in stop_ids:
-                return new[: i + 1], "eos"
+        """Truncates this step's tokens at the token limit, then at EOS or a stop string."""
+        reason = None
         if len(done) + len(new) >= limit:
             new = new[: limit - len(done)]
             reason = "length"
-        else:
-            reason = None
+        for i, t in enumerate(new):
+            if t in stop_ids:
+                return new[: i + 1], "eos"
         if stop is not None:
             cut = stop(done + new)
             if cut is not None:

@@ -3,7 +3,10 @@
 Per SSM and iteration the draft costs ``m`` forwards inside one ``fori_loop``:
   * step 0 re-feeds the last ``m + 1`` committed tokens plus the root. That keeps the
     SSM cache exact whatever path the LLM accepted last time (even a leaf the SSM never
-    fed), so the SSM needs no commit of its own.
+    fed), so the SSM needs no commit of its own. The SSM cache's ``length`` says how
+    many committed tokens it holds; when more than ``m + 1`` are missing (a deeper SSM
+    of the pool got a longer path accepted, or iterations ran without this SSM) they
+    are fed first, ``m + 1`` at a time (``catch_up``).
   * step i (1 ≤ i < m) feeds the nodes of level i (padded to the widest level) under the
     tree mask; their children are the SSM's top-k (greedy) or i.i.d. draws from its
     warped distribution (stochastic decoding).
@@ -65,6 +68,32 @@ def propose(key: jax.Array, logits: jax.Array, k: int, spec: sampling.WarpSpec, 
     return draws.astype(jnp.int32), jnp.exp(logp)
 
 
+def catch_up(forward: Forward, params, cache: KVCache, history: jax.Array, length: jax.Array,
+             window: int) -> KVCache:
+    """Feeds the committed tokens the SSM cache lacks until at most ``window`` are missing.
+
+    cache.length [B] is how many committed tokens the SSM cache holds, length [B] how many
+    the LLM committed, history [B, S] the committed ids. Rows already close enough
+    re-feed their last ``window`` tokens, which rewrites their K/V unchanged.
+    """
+    cap = cache.capacity
+    last = history.shape[1] - 1
+
+    def behind(c: KVCache) -> jax.Array:
+        return length - c.length > window  # [B]
+
+    def feed(c: KVCache) -> KVCache:
+        late = behind(c)
+        start = jnp.where(late, c.length, jnp.maximum(length - window, 0))  # [B]
+        idx = start[:, None] + jnp.arange(window)  # [B, W]
+        toks = jnp.take_along_axis(history, jnp.minimum(idx, last), axis=1)
+        select = jnp.zeros((start.shape[0], 1), jnp.int32)
+        _, c = forward(params, toks, idx, c.replace(length=start), causal_mask(start, window, cap), select)
+        return c.replace(length=jnp.where(late, start + window, jnp.maximum(length - window, 0)))
+
+    return jax.lax.while_loop(lambda c: jnp.any(behind(c)), feed, cache)
+
+
 def speculate(
     forward: Forward,
     params,
@@ -95,6 +124,7 @@ def speculate(
 
     # Step 0: re-feed the last m+1 committed tokens and the root.
     window = m + 1
+    cache = catch_up(forward, params, cache, history, length, window)
     start = jnp.maximum(length - window, 0)
     idx = start[:, None] + jnp.arange(window + 1)  # [B, W0]
     hist = jnp.take_along_axis(history, jnp.minimum(idx, history.shape[1] - 1), axis=1)

@@ -15,10 +15,10 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from jaxspec import sampling
+from jaxspec import ngram, sampling
 from jaxspec.kv_cache import KVCache, causal_mask, commit, tree_mask
 from jaxspec.speculate import speculate
-from jaxspec.tree import Topology, TokenTree, ancestor_mask, merge, single_root
+from jaxspec.tree import Topology, TokenTree, ancestor_mask, deduplicate, merge, single_root
 from jaxspec.verify import Verdict, verify_greedy
 from models.transformer import Forward
 
@@ -47,17 +47,29 @@ class SSMGroup:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Static settings of the compiled step (hashable: one executable per value)."""
+    """Static settings of the compiled step (hashable: one executable per value).
 
-    topologies: tuple[Topology, ...] = ()  # one per SSM; empty = incremental decoding
+    Every SSM of the engine keeps its cache in the state; ``topologies[j] is None`` means
+    SSM j does not draft in this configuration (its cache is passed through and caught
+    up when it drafts again). ``ngram_depth`` > 0 merges a host-proposed chain of that
+    many tokens (the n-gram speculator) into the tree.
+    """
+
+    topologies: tuple[Topology | None, ...] = ()  # one per SSM; all None (or empty) + no n-gram = incremental
     warp: sampling.WarpSpec = sampling.WarpSpec()
     verify: str = "greedy"  # greedy | mss | naive (the last two need a stochastic warp)
     tree_budget: int | None = None  # pad the merged tree to this many nodes
     groups: tuple[SSMGroup, ...] = ()  # how SSM forwards/params/caches are batched; () = one per SSM
+    ngram_depth: int = 0  # tokens of the n-gram proposal chain; 0 = no n-gram speculation
+    vocab: int = 0  # V of the LLM (the n-gram's one-hot draft rows under stochastic decoding)
 
     def __post_init__(self) -> None:
         if self.verify not in VERIFIERS:
             raise ValueError(f"--verify must be one of {', '.join(VERIFIERS)}, got {self.verify!r}")
+        if self.ngram_depth < 0:
+            raise ValueError(f"the n-gram depth must be >= 0, got {self.ngram_depth}")
+        if self.ngram_depth and not self.warp.greedy and self.vocab < 1:
+            raise ValueError("stochastic n-gram speculation needs the vocabulary size")
         members = sorted(j for g in self.ssm_groups for j in g.members)
         if members != list(range(len(self.topologies))):
             raise ValueError(f"SSM groups {members} must cover SSMs 0..{len(self.topologies) - 1} once each")
@@ -76,12 +88,26 @@ class DecodeConfig:
         return self.groups or tuple(SSMGroup((j,)) for j in range(len(self.topologies)))
 
     @property
+    def active(self) -> tuple[int, ...]:
+        """SSMs that draft in this configuration, in merge order."""
+        return tuple(j for j, t in enumerate(self.topologies) if t is not None)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Who proposes, in merge order: ``ssm:J`` for each drafting SSM, then ``ngram``."""
+        return tuple(f"ssm:{j}" for j in self.active) + (("ngram",) if self.ngram_depth else ())
+
+    @property
+    def speculates(self) -> bool:
+        return bool(self.sources)
+
+    @property
     def max_depth(self) -> int:
-        return max((t.max_depth for t in self.topologies), default=0)
+        return max([t.max_depth for t in self.topologies if t is not None] + [self.ngram_depth])
 
     @property
     def natural_nodes(self) -> int:
-        return 1 + sum(t.num_nodes - 1 for t in self.topologies)
+        return 1 + sum(t.num_nodes - 1 for t in self.topologies if t is not None) + self.ngram_depth
 
     @property
     def num_nodes(self) -> int:
@@ -92,6 +118,11 @@ class DecodeConfig:
     def max_emit(self) -> int:
         """Most tokens one iteration can emit: the deepest path plus the bonus token."""
         return self.max_depth + 1
+
+    @property
+    def draft_levels(self) -> int:
+        """SSM forwards per iteration (one per level of each drafting SSM; the n-gram costs none)."""
+        return sum(t.max_depth for t in self.topologies if t is not None)
 
 
 @flax.struct.dataclass
@@ -110,6 +141,7 @@ class DecodeState:
 class StepOutput:
     tokens: jax.Array  # [B, max_emit] emitted ids, -1 padding
     num: jax.Array  # [B] how many of them are real
+    source_depth: jax.Array  # [B, P] per proposer (cfg.sources order): deepest node agreeing with the emitted tokens
 
 
 def pad_tree(tree: TokenTree, n: int) -> TokenTree:
@@ -124,48 +156,85 @@ def pad_tree(tree: TokenTree, n: int) -> TokenTree:
     )
 
 
-def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key):
-    """Speculate with every SSM and merge; returns (tree, draft_probs or None, ssm caches).
+def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, proposal=None):
+    """Speculate with every drafting SSM (and the n-gram proposal) and merge.
 
     ``ssm_forwards``, ``ssm_params`` and ``state.ssm_caches`` hold one entry per SSM group
-    (``cfg.ssm_groups``); a multi-member group drafts in one vmapped ``speculate``.
+    (``cfg.ssm_groups``); a multi-member group drafts in one vmapped ``speculate``; a
+    group that does not draft keeps its cache. ``proposal`` = (tokens [B, D], count [B])
+    of the n-gram speculator. Returns (tree, draft_probs or None, ssm caches, valid
+    before deduplication [B, N]); each node's ``ssm`` is its proposer's index in
+    ``cfg.sources``.
     """
     length = state.llm_cache.length
-    found: dict[int, tuple] = {}  # SSM index -> (tree, draft probs)
+    position = {j: p for p, j in enumerate(cfg.active)}
+    found: dict[int, tuple] = {}  # source position -> (tree, draft probs)
     caches = []
     keys = jax.random.split(key, max(len(cfg.topologies), 1))
     for group, fwd, params, cache in zip(cfg.ssm_groups, ssm_forwards, ssm_params, state.ssm_caches):
         topo = cfg.topologies[group.members[0]]
+        if topo is None:
+            caches.append(cache)
+            continue
 
-        def run(p, c, k, ssm_id, fwd=fwd, topo=topo):
-            return speculate(fwd, p, c, topo, state.history, length, state.root, k, cfg.warp, state.values, ssm_id)
+        def run(p, c, k, pos, fwd=fwd, topo=topo):
+            return speculate(fwd, p, c, topo, state.history, length, state.root, k, cfg.warp, state.values, pos)
 
         if len(group.members) == 1:
             j = group.members[0]
-            tree, q, cache = run(params, cache, keys[j], j)
-            found[j] = (tree, q)
+            tree, q, cache = run(params, cache, keys[j], position[j])
+            found[position[j]] = (tree, q)
         else:
             ids = jnp.asarray(group.members, jnp.int32)
-            tree, q, cache = jax.vmap(run, in_axes=(group.param_axes(params), 0, 0, 0))(params, cache, keys[ids], ids)
+            pos = jnp.asarray([position[j] for j in group.members], jnp.int32)
+            tree, q, cache = jax.vmap(run, in_axes=(group.param_axes(params), 0, 0, 0))(params, cache, keys[ids], pos)
             for i, j in enumerate(group.members):
-                found[j] = jax.tree_util.tree_map(lambda x, i=i: x[i], (tree, q))
+                found[position[j]] = jax.tree_util.tree_map(lambda x, i=i: x[i], (tree, q))
         caches.append(cache)
-    trees = [found[j][0] for j in range(len(found))]
-    probs = [found[j][1] for j in range(len(found))]
-    if not trees:
-        return single_root(state.root), None, ()
-    tree = merge(trees, cfg.max_depth, dedup=cfg.warp.greedy)
+    if cfg.ngram_depth:
+        tokens, count = proposal
+        found[len(cfg.active)] = ngram.chain_tree(state.root, tokens[:, : cfg.ngram_depth], count,
+                                                   len(cfg.active), cfg.vocab, not cfg.warp.greedy)
+    if not found:
+        tree = single_root(state.root)
+        return tree, None, tuple(caches), tree.valid
+    trees = [found[p][0] for p in range(len(found))]
+    probs = [found[p][1] for p in range(len(found))]
+    tree = merge(trees, cfg.max_depth, dedup=False)
+    proposed = tree.valid
+    if cfg.warp.greedy:
+        tree = deduplicate(tree, cfg.max_depth)
     draft_probs = None
     if not cfg.warp.greedy:
-        # merge() keeps one root, so row 0 is SSM 0's q at the root; SSM j > 0 drew its
-        # depth-1 children from its own q at the root: append those rows and point SSM
-        # j's depth-1 nodes at them (MSS must divide by the q a child was drawn from).
-        body = [q if j == 0 else q[:, 1:] for j, q in enumerate(probs)]
+        # merge() keeps one root, so row 0 is source 0's q at the root; source p > 0 drew its
+        # depth-1 children from its own q at the root: append those rows and point source
+        # p's depth-1 nodes at them (MSS must divide by the q a child was drawn from).
+        body = [q if p == 0 else q[:, 1:] for p, q in enumerate(probs)]
         base = sum(q.shape[1] for q in body)
         draft_probs = jnp.concatenate(body + [q[:, :1] for q in probs[1:]], axis=1)
         own_root = (tree.proposer == 0) & (tree.ssm > 0)
         tree = tree.replace(proposer=jnp.where(own_root, base + tree.ssm - 1, tree.proposer))
-    return tree, draft_probs, tuple(caches)
+    return tree, draft_probs, tuple(caches), proposed
+
+
+def source_depths(tree: TokenTree, proposed: jax.Array, emitted: jax.Array, num: jax.Array, num_sources: int,
+                  max_depth: int) -> jax.Array:
+    """Per source, the deepest proposed node whose path equals the emitted tokens [B, P].
+
+    emitted [B, P'] are this iteration's tokens (accepted then bonus/recovered), num [B]
+    their count. A node agrees when its token is emitted token depth - 1 and its parent
+    agrees (paths survive deduplication: duplicates hang under their canonical copy).
+    """
+    safe = jnp.maximum(tree.parent, 0)
+    want = jnp.take_along_axis(emitted, jnp.clip(tree.depth - 1, 0, emitted.shape[1] - 1), axis=1)  # [B, N]
+    own = (tree.depth >= 1) & (tree.depth <= num[:, None]) & (tree.tokens == want)
+
+    def grow(_, ok):
+        return (tree.parent < 0) | (own & jnp.take_along_axis(ok, safe, axis=1))
+
+    agree = jax.lax.fori_loop(0, max_depth, grow, tree.parent < 0) & proposed & (tree.parent >= 0)
+    per = (tree.ssm[:, :, None] == jnp.arange(max(num_sources, 1))[None, None, :]) & agree[:, :, None]  # [B, N, P]
+    return jnp.max(jnp.where(per, tree.depth[:, :, None], 0), axis=1).astype(jnp.int32)
 
 
 def accept(cfg: DecodeConfig, tree: TokenTree, logits, draft_probs, state: DecodeState, key) -> Verdict:
@@ -184,11 +253,18 @@ def decode_step(
     llm_params,
     ssm_params: tuple,
     state: DecodeState,
+    proposal: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[DecodeState, StepOutput]:
-    """One SpecInfer iteration for all B slots (pure; jit it with cfg and forwards static)."""
+    """One SpecInfer iteration for all B slots (pure; jit it with cfg and forwards static).
+
+    ``proposal`` = (tokens [B, D], count [B]) is the n-gram speculator's chain, needed
+    when ``cfg.ngram_depth`` > 0. The caller guarantees every write fits the cache:
+    length + cfg.num_nodes <= capacity for every row (``Engine`` checks it per step).
+    """
     key, k_draft, k_verify = jax.random.split(state.key, 3)
-    tree, draft_probs, ssm_caches = draft(cfg, ssm_forwards, ssm_params, state, k_draft)
+    tree, draft_probs, ssm_caches, proposed = draft(cfg, ssm_forwards, ssm_params, state, k_draft, proposal)
     tree = pad_tree(tree, cfg.num_nodes)
+    proposed = jnp.pad(proposed, ((0, 0), (0, tree.num_nodes - proposed.shape[1])))
     n = tree.num_nodes
     length = state.llm_cache.length
     cap = state.llm_cache.capacity
@@ -202,16 +278,18 @@ def decode_step(
     b, p = verdict.path.shape
     path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(verdict.path, 0), axis=1)  # [B, P]
     real = jnp.arange(p)[None, :] < verdict.num[:, None]
-    dst = jnp.where(real, length[:, None] + jnp.arange(p), state.history.shape[1])
+    trash = state.history.shape[1]  # padding entries of the path are written nowhere
+    dst = jnp.where(real, length[:, None] + jnp.arange(p), trash)
     history = state.history.at[jnp.arange(b)[:, None], dst].set(path_tokens, mode="drop")
     # Emitted: accepted tokens (path minus the root), then the bonus/recovered token.
     shifted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(jnp.arange(p)[None, :] < verdict.num[:, None] - 1, shifted, -1)
     emitted = jnp.where(jnp.arange(p)[None, :] == verdict.num[:, None] - 1, verdict.next_token[:, None], emitted)
+    depths = source_depths(tree, proposed, emitted, verdict.num, len(cfg.sources), cfg.max_depth)
     new_state = state.replace(
         llm_cache=llm_cache, ssm_caches=ssm_caches, history=history, root=verdict.next_token, key=key
     )
-    return new_state, StepOutput(emitted.astype(jnp.int32), verdict.num)
+    return new_state, StepOutput(emitted.astype(jnp.int32), verdict.num, depths)
 
 
 def prefill_model(forward: Forward, params, cache: KVCache, tokens, lengths) -> tuple[jax.Array, KVCache]:

@@ -116,8 +116,8 @@ class Transformer(nn.Module):
         b, t = tokens.shape
         slots = cache.length[:, None] + jnp.arange(t, dtype=cache.length.dtype)  # [B, T]
         rows = jnp.arange(b)[:, None]
-        k_all = cache.k.at[:, rows, slots].set(k_new.astype(cache.k.dtype), mode="drop")
-        v_all = cache.v.at[:, rows, slots].set(v_new.astype(cache.v.dtype), mode="drop")
+        k_all = cache.k.at[:, rows, slots].set(k_new.astype(cache.k.dtype), mode="promise_in_bounds")
+        v_all = cache.v.at[:, rows, slots].set(v_new.astype(cache.v.dtype), mode="promise_in_bounds")
         if select is not None:
             x = jnp.take_along_axis(x, select[:, :, None], axis=1)  # [B, T', D]
         if cfg.arch == "opt":

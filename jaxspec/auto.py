@@ -1,0 +1,112 @@
+"""``--mode auto``: before each iteration, pick the tree that maximises expected tokens per second.
+
+The engine compiles a small family of step executables (always including "none", plain
+incremental decoding) and measures what one iteration of each costs on the device at
+hand (``Engine.calibrate``). This module turns running acceptance statistics into the
+expected tokens of each member and picks the best ratio, the rule of vLLM's dynamic
+speculative decoding ((1 + Σ per-position acceptance) / latency, no speculation always a
+candidate) applied to token trees.
+
+Statistics are kept per proposer kind (``ssm``: the learned SSMs' tree; ``ngram``: the
+prompt-lookup chain) and per tree depth i: of the iterations where the kind's proposal
+agreed with the emitted tokens down to depth i - 1 and reached depth i, how often it
+agreed at depth i too. Counts of the current request are blended with those of earlier
+requests (at most ``GLOBAL_WEIGHT`` pseudo-iterations) and an optimistic prior, so a kind
+gets tried before it is judged and a request with unusual text adapts within a few
+iterations. A merged tree accepts at depth i when any of its kinds does; kinds are
+treated as independent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+KINDS = ("ssm", "ngram")
+PRIOR_RATE = 0.6  # optimistic prior acceptance per depth, worth PRIOR_WEIGHT iterations
+PRIOR_WEIGHT = 1.0
+GLOBAL_WEIGHT = 8.0  # earlier requests count as at most this many iterations
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One precompiled tree of the family, described for the chooser."""
+
+    name: str
+    depth: dict[str, int]  # kind -> deepest proposal of that kind (the n-gram's is capped by its match)
+    positions: dict[str, tuple[int, ...]]  # kind -> its sources' columns of StepOutput.source_depth
+
+
+class DepthStats:
+    """Trials and agreements per depth 1..max_depth of one proposer kind."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.trials = np.zeros(max_depth + 1)
+        self.hits = np.zeros(max_depth + 1)
+
+    def add(self, other: "DepthStats", weight: float = 1.0) -> None:
+        self.trials += weight * other.trials
+        self.hits += weight * other.hits
+
+
+class TreeChooser:
+    """Picks a family member per iteration and learns from what each iteration accepted."""
+
+    def __init__(self, members: list[Member], costs: dict[str, float]) -> None:
+        if "none" not in {m.name for m in members}:
+            raise ValueError("the family must include 'none' (no speculation)")
+        missing = [m.name for m in members if m.name not in costs]
+        if missing:
+            raise ValueError(f"no measured cost for {', '.join(missing)}")
+        self.members = {m.name: m for m in members}
+        self.costs = dict(costs)
+        self.max_depth = max([d for m in members for d in m.depth.values()] + [1])
+        self.global_stats = {k: DepthStats(self.max_depth) for k in KINDS}
+        self.request = {k: DepthStats(self.max_depth) for k in KINDS}
+
+    def new_request(self) -> None:
+        """Folds the finished request's counts into the global ones and starts afresh."""
+        for k in KINDS:
+            self.global_stats[k].add(self.request[k])
+            self.request[k] = DepthStats(self.max_depth)
+
+    def rates(self, kind: str) -> np.ndarray:
+        """Estimated acceptance at depth i given depth i - 1 was accepted, [max_depth + 1] (index 0 unused)."""
+        g, r = self.global_stats[kind], self.request[kind]
+        scale = np.minimum(1.0, GLOBAL_WEIGHT / np.maximum(g.trials, 1.0))
+        hits = r.hits + scale * g.hits + PRIOR_RATE * PRIOR_WEIGHT
+        trials = r.trials + scale * g.trials + PRIOR_WEIGHT
+        return hits / trials
+
+    def expected_tokens(self, name: str, ngram_len: int = 0) -> float:
+        """1 + Σ_i P(the merged tree agrees down to depth i): expected tokens of one iteration."""
+        m = self.members[name]
+        miss = np.ones(self.max_depth + 1)  # P(no kind reaches depth i)
+        for kind, depth in m.depth.items():
+            d = min(depth, ngram_len) if kind == "ngram" else depth
+            reach = np.zeros(self.max_depth + 1)
+            reach[1 : d + 1] = np.cumprod(self.rates(kind)[1 : d + 1])
+            miss *= 1.0 - reach
+        return 1.0 + float((1.0 - miss)[1:].sum())
+
+    def scores(self, ngram_len: int = 0) -> dict[str, float]:
+        """Expected tokens per second of every member."""
+        return {n: self.expected_tokens(n, ngram_len) / self.costs[n] for n in self.members}
+
+    def pick(self, ngram_len: int = 0) -> str:
+        """The member with the most expected tokens per second ("none" wins ties)."""
+        scores = self.scores(ngram_len)
+        best = max(scores, key=lambda n: (scores[n], n == "none"))
+        return best
+
+    def observe(self, name: str, source_depth: np.ndarray, ngram_len: int = 0) -> None:
+        """Records one iteration of ``name``: source_depth [P] as returned by the step."""
+        m = self.members[name]
+        for kind, depth in m.depth.items():
+            d = min(depth, ngram_len) if kind == "ngram" else depth
+            agreed = max((int(source_depth[p]) for p in m.positions[kind]), default=0)
+            tried = min(agreed + 1, d)  # depths 1..tried were reached with their parent agreeing
+            stats = self.request[kind]
+            stats.trials[1 : tried + 1] += 1
+            stats.hits[1 : agreed + 1] += 1
