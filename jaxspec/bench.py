@@ -13,20 +13,21 @@ import sys
 import time
 from pathlib import Path
 
+from jaxspec.cli_common import CliError, read_prompts, sampling_params
+
 
 def add_parser(sub) -> None:
-    from jaxspec import cli
-
+    """Registers ``bench incremental|speculative|coverage`` on the CLI's subparsers."""
     bench = sub.add_parser("bench", help="benchmarks (CSV + PNG)")
     kinds = bench.add_subparsers(dest="kind", required=True)
 
     inc = kinds.add_parser("incremental", help="ms/token of jaxspec vs transformers generate()")
-    _common(inc, cli)
+    _common(inc)
     inc.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     inc.set_defaults(func=cmd_incremental)
 
     spec = kinds.add_parser("speculative", help="tokens/step and ms/token by tree width (Fig. 9/10, Tables 2/3)")
-    _common(spec, cli)
+    _common(spec)
     spec.add_argument("--widths", default="1,2,3,4,5", help="tree widths w: expansion <1,1,w,1,1,1,1,1>")
     spec.add_argument("--ssm", action="append", default=None, metavar="PATH_OR_SPEC")
     spec.add_argument("--verify", default="mss", help="stochastic verifiers to compare, e.g. mss,naive")
@@ -36,13 +37,13 @@ def add_parser(sub) -> None:
     spec.set_defaults(func=cmd_speculative)
 
     cov = kinds.add_parser("coverage", help="Table 1: how often the LLM's token is within an SSM's top-k / k draws")
-    _common(cov, cli)
+    _common(cov)
     cov.add_argument("--ssm", action="append", default=None, metavar="PATH_OR_SPEC")
     cov.add_argument("--max-k", type=int, default=5)
     cov.set_defaults(func=cmd_coverage)
 
 
-def _common(p: argparse.ArgumentParser, cli) -> None:
+def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-file", required=True)
     p.add_argument("--limit", type=int, default=10, help="first N prompts")
     p.add_argument("--model")
@@ -82,12 +83,11 @@ def _timed_generate(engine, ids, n, params):
 def cmd_incremental(args) -> int:
     from tqdm import tqdm
 
-    from jaxspec import cli
     from jaxspec.engine import Engine
     from jaxspec.resolve import load_llm
 
-    params = cli.sampling_params(args)
-    rows = cli.read_prompts(args.prompt_file, args.limit)
+    params = sampling_params(args)
+    rows = read_prompts(args.prompt_file, args.limit)
     llm = load_llm(args.model, args.dtype)
     engine = Engine(llm)
     prompts = _encode_all(llm, rows, args.no_chat)
@@ -181,15 +181,14 @@ def _tree_configs(widths, depth: int, num_ssms: int, verifiers, single_baseline:
 def cmd_speculative(args) -> int:
     from tqdm import tqdm
 
-    from jaxspec import cli
     from jaxspec.engine import Engine
     from jaxspec.resolve import default_ssm_spec, load_llm, load_ssms
 
-    params = cli.sampling_params(args)
-    rows = cli.read_prompts(args.prompt_file, args.limit)
+    params = sampling_params(args)
+    rows = read_prompts(args.prompt_file, args.limit)
     widths = [int(w) for w in args.widths.split(",") if w]
     if not widths or min(widths) < 1 or args.depth < 1:
-        raise cli.CliError("--widths must be positive integers and --depth >= 1")
+        raise CliError("--widths must be positive integers and --depth >= 1")
     llm = load_llm(args.model, args.dtype)
     ssms = load_ssms(args.ssm or [default_ssm_spec()], llm, args.dtype)
     prompts = _encode_all(llm, rows, args.no_chat)
@@ -349,11 +348,10 @@ def cmd_coverage(args) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from jaxspec import cli
     from jaxspec.engine import Engine
     from jaxspec.resolve import default_ssm_spec, load_llm, load_ssms
 
-    rows = cli.read_prompts(args.prompt_file, args.limit)
+    rows = read_prompts(args.prompt_file, args.limit)
     llm = load_llm(args.model, args.dtype)
     ssms = load_ssms(args.ssm or [default_ssm_spec()], llm, args.dtype)
     engine = Engine(llm)

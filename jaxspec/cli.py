@@ -1,4 +1,4 @@
-"""The ``jaxspec`` command line: generate, bench, train-ssm.
+"""The ``jaxspec`` command line: generate, bench (registered by ``jaxspec.bench``), train-ssm.
 
 Every expected failure (bad checkpoint, bad prompt file, prompt too long, bad sampling
 parameters, mismatched tokenizer) ends with one line ``jaxspec: error: ...`` and exit 2.
@@ -10,26 +10,14 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Iterable, Sequence
+
+from jaxspec import bench
+from jaxspec.cli_common import CliError, read_prompts, sampling_params, user_errors
 
 MODES = ("incremental", "sequence", "tree")
 DEFAULT_TREE = "1,1,3,1,1,1,1,1"  # the paper's default expansion config
 DEFAULT_SEQUENCE = "1,1,1,1,1,1,1,1"
-
-
-class CliError(ValueError):
-    """A user error reported as one line and exit code 2."""
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from jaxspec.engine import RequestError, VocabularyMismatch
-    from jaxspec.sampling import SamplingError
-    from models.config import ModelConfigError
-    from models.loading import CheckpointError
-
-    return (CliError, RequestError, VocabularyMismatch, SamplingError, ModelConfigError, CheckpointError,
-            FileNotFoundError, ValueError)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -73,8 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--limit", type=int, help="use the first N prompts of --prompt-file")
     gen.set_defaults(func=cmd_generate)
 
-    from jaxspec import bench
-
     bench.add_parser(sub)
     try:
         from training import cli as train_cli
@@ -83,31 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     if train_cli is not None and hasattr(train_cli, "add_parser"):
         train_cli.add_parser(sub)
     return parser
-
-
-def read_prompts(path: str, limit: int | None = None) -> list[dict]:
-    """Reads a JSONL prompt file (field ``prompt``, optional ``id``) with clear errors."""
-    p = Path(path)
-    if not p.is_file():
-        raise CliError(f"prompt file not found: {path}")
-    rows = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CliError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise CliError(f"{path}:{lineno}: expected an object with a string field 'prompt'")
-            row.setdefault("id", f"{p.stem}-{lineno}")
-            rows.append(row)
-            if limit is not None and len(rows) >= limit:
-                break
-    if not rows:
-        raise CliError(f"prompt file has no prompts: {path}")
-    return rows
 
 
 def expansion_for(args) -> tuple[tuple[int, ...], ...]:
@@ -147,12 +108,6 @@ def build_engine(args, log=None):
         expansion = expansion[0] if len(expansion) == 1 else expansion
     engine = Engine(llm, ssms, expansion, args.tree_budget, args.verify if args.temperature > 0 else "greedy")
     return engine, llm
-
-
-def sampling_params(args, sample: int = 0):
-    from jaxspec.sampling import SamplingParams
-
-    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + sample)
 
 
 def stop_checker(tokenizer, stops: Sequence[str]):
@@ -254,7 +209,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jaxspec: interrupted", file=sys.stderr)
         return 130
-    except _user_errors() as e:
+    except user_errors() as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"jaxspec: error: {msg}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from typing import Sequence
 import jax.numpy as jnp
 
 from jaxspec.engine import LoadedModel, RequestError, early_exit
+from jaxspec.pool import load_pool
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DEFAULT_POOL = Path(__file__).resolve().parent / "pools" / "smollm2_default"
@@ -50,8 +51,6 @@ def load_ssms(specs: Sequence[str], llm: LoadedModel, dtype: str = "float32") ->
                 raise RequestError(f"--ssm {spec!r}: expected layers:N with an integer N") from None
             out.append(early_exit(llm, n))
         elif spec.startswith("pool:"):
-            from training.pool import load_pool  # noqa: PLC0415
-
             out.extend(load_pool(spec.split(":", 1)[1], dtype, llm=llm))
         else:
             from models.loading import load_checkpoint  # noqa: PLC0415

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxspec.engine import Engine, LoadedModel, VocabularyMismatch
+from jaxspec.pool import PoolError, llm_identity, load_pool, read_manifest
 from training import cli
 from training.config import ConfigError, load_config
 from training.data import (
@@ -22,7 +23,7 @@ from training.data import (
     sharegpt_human_turns,
 )
 from training.generate import generate_batch, make_generator
-from training.pool import PoolError, llm_identity, load_pool, params_equal, read_manifest, save_pool
+from training.pool import params_equal, save_pool
 from training.ssm import check_cost, flops_per_token, init_ssm, jit_init_params, pca_embedding, ssm_model_config
 from training.train import agreement, make_batch, make_train_step, restore_params, train_ssm
 

@@ -73,9 +73,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"jaxspec train-ssm: {e}", file=sys.stderr)
         return 2
+    from jaxspec.pool import llm_identity
     from training.boost import run_boost
     from training.data import distill
-    from training.pool import llm_identity
 
     llm, source = load_llm(cfg.llm)
     identity = llm_identity(llm, source)

@@ -1,13 +1,7 @@
-"""An SSM pool on disk: one safetensors file per SSM plus a ``pool.json`` manifest.
-
-``pool.json`` records each SSM's ModelConfig and file, and the LLM the pool was
-boost-tuned against (vocabulary size and a digest of its tokenizer's token -> id map),
-so a pool is refused for an LLM whose vocabulary differs.
-"""
+"""Writes an SSM pool in the engine's pool format (``jaxspec.pool`` defines and reads it)."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -18,51 +12,9 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.engine import LoadedModel, VocabularyMismatch
+from jaxspec.pool import DTYPES, POOL_FILE, POOL_FORMAT, SHARED_FILE, PoolError, config_to_dict
 from models.config import ModelConfig
-from models.loading import flatten, unflatten
-from models.transformer import param_shapes
-
-POOL_FILE = "pool.json"
-SHARED_FILE = "shared.safetensors"  # tensors two or more SSMs hold identically
-POOL_FORMAT = 1
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-class PoolError(ValueError):
-    """A pool directory that is missing, incomplete or malformed."""
-
-
-def llm_identity(llm: LoadedModel, source: str = "") -> dict:
-    """What an SSM pool must agree with: vocabulary size, special ids and tokenizer digest."""
-    signature = None
-    if llm.tokenizer is not None:
-        from models.tokenizer import vocab_signature
-
-        signature = vocab_signature(llm.tokenizer)
-    return {
-        "name": llm.name,
-        "source": Path(source).name if source else "",
-        "vocab_size": llm.cfg.vocab_size,
-        "bos_token_id": llm.cfg.bos_token_id,
-        "eos_token_ids": list(llm.cfg.eos_token_ids),
-        "tokenizer": signature,
-    }
-
-
-def config_to_dict(cfg: ModelConfig) -> dict:
-    d = dataclasses.asdict(cfg)
-    d["rope_scaling"] = [list(kv) for kv in cfg.rope_scaling] if cfg.rope_scaling else None
-    d["eos_token_ids"] = list(cfg.eos_token_ids)
-    return d
-
-
-def config_from_dict(d: dict) -> ModelConfig:
-    d = dict(d)
-    d["rope_scaling"] = tuple(tuple(kv) for kv in d["rope_scaling"]) if d.get("rope_scaling") else None
-    d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in d.items() if k in known})
+from models.loading import flatten
 
 
 def save_pool(
@@ -108,84 +60,6 @@ def save_pool(
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, out / POOL_FILE)
     return out
-
-
-def read_manifest(path: str | os.PathLike) -> dict:
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise PoolError(f"SSM pool not found: {p}")
-    if not (p / POOL_FILE).is_file():
-        raise PoolError(f"not an SSM pool (no {POOL_FILE}): {p}")
-    try:
-        manifest = json.loads((p / POOL_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise PoolError(f"{p / POOL_FILE} is not valid JSON ({e.msg})") from e
-    if manifest.get("format") != POOL_FORMAT or not manifest.get("ssms"):
-        raise PoolError(f"{p / POOL_FILE}: unsupported pool format or no SSMs")
-    return manifest
-
-
-def check_llm(manifest: dict, llm: LoadedModel, where: str) -> None:
-    """Raises VocabularyMismatch unless the pool was tuned for this LLM's vocabulary."""
-    ident = manifest["llm"]
-    if ident["vocab_size"] != llm.cfg.vocab_size:
-        raise VocabularyMismatch(
-            f"SSM pool {where} was boost-tuned for a vocabulary of {ident['vocab_size']} tokens but the LLM "
-            f"{llm.name!r} has {llm.cfg.vocab_size}: an SSM must share the LLM's tokenizer"
-        )
-    if ident.get("tokenizer") and llm.tokenizer is not None:
-        from models.tokenizer import vocab_signature
-
-        if vocab_signature(llm.tokenizer) != ident["tokenizer"]:
-            raise VocabularyMismatch(
-                f"SSM pool {where} was boost-tuned with a different tokenizer from the LLM {llm.name!r}'s: "
-                "an SSM must share the LLM's tokenizer"
-            )
-
-
-def load_pool(path: str | os.PathLike, dtype: str = "float32", llm: LoadedModel | None = None) -> list[LoadedModel]:
-    """The SSMs of a pool directory as LoadedModels of ``dtype`` ("float32" | "bfloat16").
-
-    With ``llm``, refuses (VocabularyMismatch) a pool tuned for another vocabulary; the
-    SSMs then share the LLM's tokenizer object.
-    """
-    from safetensors.flax import load_file
-
-    if dtype not in DTYPES:
-        raise PoolError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    p = Path(path).expanduser()
-    manifest = read_manifest(p)
-    if llm is not None:
-        check_llm(manifest, llm, str(p))
-    files: dict[str, dict] = {}  # each file read once; shared tensors become one array
-
-    def read(name: str) -> dict:
-        if name not in files:
-            if not (p / name).is_file():
-                raise PoolError(f"pool {p}: SSM file {name} is missing")
-            files[name] = {k: jnp.asarray(v, DTYPES[dtype]) for k, v in load_file(str(p / name)).items()}
-        return files[name]
-
-    models = []
-    for i, entry in enumerate(manifest["ssms"]):
-        cfg = config_from_dict(entry["config"])
-        flat = dict(read(entry["file"]))
-        for name, source in entry.get("shared", {}).items():
-            if name not in read(source):
-                raise PoolError(f"pool {p}: {entry['file']} shares {name} from {source}, which lacks it")
-            flat[name] = read(source)[name]
-        expected = flatten(param_shapes(cfg))
-        if set(flat) != set(expected):
-            raise PoolError(f"pool {p}: {entry['file']} has tensors {sorted(set(flat) ^ set(expected))[:4]} "
-                            "that do not match its config")
-        for name, spec in expected.items():
-            if tuple(flat[name].shape) != tuple(spec.shape):
-                raise PoolError(f"pool {p}: {entry['file']}:{name} has shape {tuple(flat[name].shape)}, "
-                                f"expected {tuple(spec.shape)}")
-        params = unflatten(flat)
-        models.append(LoadedModel(f"{p.name}/ssm-{i}", cfg, params, DTYPES[dtype],
-                                  llm.tokenizer if llm is not None else None))
-    return models
 
 
 def params_equal(a: dict, b: dict) -> bool:

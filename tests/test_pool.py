@@ -1,0 +1,55 @@
+"""The SSM pool format: the engine reads it without the trainer; shared tensors load back where they belong."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_engine_side_never_imports_training_or_the_cli_from_the_benchmarks():
+    """With ``training`` unimportable, the engine still loads the shipped pool and builds the CLI."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["training"] = None  # any import of training now raises ImportError
+        import jaxspec.bench
+        assert "jaxspec.cli" not in sys.modules, "jaxspec.bench imports the CLI"
+        import jaxspec.pool, jaxspec.resolve
+        from jaxspec.engine import LoadedModel
+        first = jaxspec.pool.load_pool(jaxspec.resolve.DEFAULT_POOL)[0]
+        llm = LoadedModel("llm", first.cfg, first.params)  # same vocabulary, no tokenizer
+        pool = jaxspec.resolve.load_ssms(["default"], llm)
+        assert len(pool) >= 2 and pool[0].params["embed"]["embedding"] is pool[1].params["embed"]["embedding"]
+        from jaxspec import cli
+        cli.build_parser()
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("training", "torch") and sys.modules[m])
+        assert not loaded, loaded
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a source file imports, at any depth (function-level imports included)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.update([node.module] + [f"{node.module}.{a.name}" for a in node.names])
+    return names
+
+
+def test_no_engine_module_imports_training_and_the_benchmarks_never_import_the_cli():
+    for path in sorted((ROOT / "jaxspec").glob("*.py")):
+        imports = _imports(path)
+        if path.name == "cli.py":  # the CLI registers the optional train-ssm subcommand
+            continue
+        assert not {m for m in imports if m.split(".")[0] == "training"}, f"{path.name} imports training"
+        if path.name != "__main__.py":
+            assert "jaxspec.cli" not in imports, f"{path.name} imports jaxspec.cli"
