@@ -8,6 +8,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
+
+from conftest import tiny_model
+from jaxspec.pool import load_pool, read_manifest
+from models.loading import flatten
+from training.pool import save_pool
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -53,3 +60,22 @@ def test_no_engine_module_imports_training_and_the_benchmarks_never_import_the_c
         assert not {m for m in imports if m.split(".")[0] == "training"}, f"{path.name} imports training"
         if path.name != "__main__.py":
             assert "jaxspec.cli" not in imports, f"{path.name} imports jaxspec.cli"
+
+
+def test_two_different_shared_embeddings_load_back_into_their_own_ssms(tmp_path):
+    """SSMs 0, 1 share embedding A and SSMs 2, 3 a different embedding B: each loads its own."""
+    models = [tiny_model(seed) for seed in range(4)]
+    a, b = models[0].params["embed"]["embedding"], models[2].params["embed"]["embedding"]
+    assert not np.array_equal(a, b)
+    ssms = [(m.cfg, {**m.params, "embed": {"embedding": emb}}) for m, emb in zip(models, (a, a, b, b))]
+    save_pool(tmp_path, ssms, {"vocab_size": models[0].cfg.vocab_size}, "float32")
+    pool = load_pool(tmp_path, "float32")
+    for (_, want), got in zip(ssms, pool):
+        want, got = flatten(want), flatten(got.params)
+        assert set(want) == set(got)
+        for name in want:
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
+    emb = [s.params["embed"]["embedding"] for s in pool]
+    assert emb[0] is emb[1] and emb[2] is emb[3] and emb[0] is not emb[2]  # one array per distinct tensor
+    shared = [e.get("shared", {}).get("embed/embedding") for e in read_manifest(tmp_path)["ssms"]]
+    assert shared[0] == shared[1] != shared[2] == shared[3]  # two shared files, one embedding each

@@ -12,7 +12,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.pool import DTYPES, POOL_FILE, POOL_FORMAT, SHARED_FILE, PoolError, config_to_dict
+from jaxspec.pool import DTYPES, POOL_FILE, POOL_FORMAT, PoolError, config_to_dict, shared_file
 from models.config import ModelConfig
 from models.loading import flatten
 
@@ -27,8 +27,11 @@ def save_pool(
     """Writes ``ssm-<i>.safetensors`` per SSM and ``pool.json`` (written last: its presence means complete).
 
     A tensor identical (name, shape, bytes) in two or more SSMs (a shared embedding) is
-    written once, to ``shared.safetensors``; each SSM's manifest entry maps its name there
-    (``shared``), and no file holds more than one SSM's own tensors.
+    written once, to a shared file; each SSM's manifest entry maps its name there
+    (``shared``), and no file holds more than one SSM's own tensors. Shared tensors are
+    keyed by content, not name: two different shared tensors of one name (SSMs 0, 1 share
+    embedding A, SSMs 2, 3 embedding B) go to different shared files
+    (``shared.safetensors``, ``shared-1.safetensors``, ...), each holding one per name.
     """
     from safetensors.flax import save_file
 
@@ -46,13 +49,20 @@ def save_pool(
         save_file(tensors, str(tmp))
         os.replace(tmp, out / file)
 
-    common = {key[0]: flats[i][name] for i, ks in enumerate(keys) for name, key in ks.items() if counts[key] > 1}
-    if common:
-        write(SHARED_FILE, common)
+    home: dict[tuple, str] = {}  # content key -> the shared file holding it
+    files: dict[str, dict] = {}  # shared file -> {name: tensor}
+    for flat, ks in zip(flats, keys):
+        for name, key in ks.items():
+            if counts[key] > 1 and key not in home:
+                n = next(n for n in range(len(flats)) if name not in files.get(shared_file(n), {}))
+                home[key] = shared_file(n)
+                files.setdefault(home[key], {})[name] = flat[name]
+    for file, tensors in files.items():
+        write(file, tensors)
     entries = []
     for i, ((cfg, _), flat, ks) in enumerate(zip(ssms, flats, keys)):
         file = f"ssm-{i}.safetensors"
-        shared = {name: SHARED_FILE for name in flat if counts[ks[name]] > 1}
+        shared = {name: home[ks[name]] for name in flat if ks[name] in home}
         write(file, {name: v for name, v in flat.items() if name not in shared})
         entries.append({"file": file, "config": config_to_dict(cfg), **({"shared": shared} if shared else {})})
     manifest = {"format": POOL_FORMAT, "dtype": dtype, "llm": identity, "ssms": entries, **(extra or {})}
