@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxspec.cli_common import CliError, read_prompts, sampling_params
+from jaxspec.cli_common import CliError, add_compile_cache_args, read_prompts, sampling_params
 
 
 def add_parser(sub) -> None:
@@ -55,6 +55,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="out/bench.csv", help="CSV path (PNG files are written beside it)")
+    add_compile_cache_args(p)
 
 
 def _encode_all(llm, rows, no_chat: bool) -> list[list[int]]:

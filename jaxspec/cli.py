@@ -13,7 +13,15 @@ import sys
 from typing import Iterable, Sequence
 
 from jaxspec import bench
-from jaxspec.cli_common import CliError, read_prompts, sampling_params, user_errors
+from jaxspec.cli_common import (
+    CliError,
+    add_compile_cache_args,
+    read_prompts,
+    report_compile_cache,
+    sampling_params,
+    setup_compile_cache,
+    user_errors,
+)
 
 MODES = ("incremental", "sequence", "tree")
 DEFAULT_TREE = "1,1,3,1,1,1,1,1"  # the paper's default expansion config
@@ -59,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-samples", type=int, default=1, help="independent completions per prompt")
     gen.add_argument("--output", help="write one JSON line per completion")
     gen.add_argument("--limit", type=int, help="use the first N prompts of --prompt-file")
+    add_compile_cache_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     bench.add_parser(sub)
@@ -204,6 +213,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
+    cache = setup_compile_cache(args)
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:
@@ -213,6 +223,8 @@ def main(argv: Iterable[str] | None = None) -> int:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"jaxspec: error: {msg}", file=sys.stderr)
         return 2
+    finally:
+        report_compile_cache(cache)
 
 
 if __name__ == "__main__":

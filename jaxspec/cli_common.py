@@ -1,4 +1,4 @@
-"""What every ``jaxspec`` subcommand shares: user errors, prompt files, sampling flags.
+"""What every ``jaxspec`` subcommand shares: user errors, prompt files, sampling and compile-cache flags.
 
 ``jaxspec.cli`` (generate, the top-level parser) and ``jaxspec.bench`` both import this
 module and never each other's internals in the other direction: the CLI registers the
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 
@@ -57,3 +59,33 @@ def sampling_params(args: argparse.Namespace, sample: int = 0):
     from jaxspec.sampling import SamplingParams  # noqa: PLC0415
 
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + sample)
+
+
+def add_compile_cache_args(p: argparse.ArgumentParser) -> None:
+    """``--compile-cache DIR`` / ``--no-compile-cache`` (default on, under the jaxspec cache root)."""
+    p.add_argument("--compile-cache", metavar="DIR",
+                   help="persistent XLA compilation cache (default $JAXSPEC_COMPILE_CACHE, else "
+                        "$JAXSPEC_CACHE/xla or ~/.cache/jaxspec/xla; JAXSPEC_COMPILE_CACHE=off disables)")
+    p.add_argument("--no-compile-cache", action="store_true", help="compile everything afresh, cache nothing")
+
+
+def setup_compile_cache(args: argparse.Namespace) -> Path | None:
+    """Turns the persistent compilation cache on as the flags and environment say; returns its directory."""
+    from jaxspec.cache import compile_cache_dir, enable_compile_cache  # noqa: PLC0415
+
+    directory = compile_cache_dir(getattr(args, "compile_cache", None), getattr(args, "no_compile_cache", False))
+    if directory is not None:
+        try:
+            enable_compile_cache(directory)
+        except OSError as e:
+            print(f"[jaxspec] compilation cache off: cannot use {directory} ({e.strerror})", file=sys.stderr)
+            return None
+    return directory
+
+
+def report_compile_cache(directory: Path | None) -> None:
+    """With ``JAXSPEC_CACHE_STATS`` set, prints this process's compilation-cache hits and misses."""
+    from jaxspec.cache import STATS  # noqa: PLC0415
+
+    if directory is not None and os.environ.get("JAXSPEC_CACHE_STATS"):
+        print(f"[jaxspec] compilation cache {directory}: {STATS.hits} hits, {STATS.misses} misses", file=sys.stderr)

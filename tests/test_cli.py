@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from jaxspec import cli
+from jaxspec.cache import compile_cache_dir
 
 
-def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jaxspec.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess, *words: str) -> None:
@@ -109,3 +112,43 @@ def test_per_ssm_expansion_configs(tmp_path, capsys):
     assert "expansion <1,2,1>; <1,1>" in capsys.readouterr().err
     assert cli.main([*base, "--expansion", "1;1;1"]) == 2
     assert "3 ';'-separated configs for 2 SSMs" in capsys.readouterr().err
+
+
+def _cache_stats(stderr: str) -> tuple[int, int]:
+    line = [s for s in stderr.splitlines() if s.startswith("[jaxspec] compilation cache")][-1]
+    hits, misses = re.search(r"(\d+) hits, (\d+) misses", line).groups()
+    return int(hits), int(misses)
+
+
+def test_second_run_of_a_command_compiles_nothing(tmp_path):
+    """Two processes, one command: the second reads every executable from the persistent cache."""
+    cache = tmp_path / "xla"
+    env = {**os.environ, "JAXSPEC_CACHE_STATS": "1"}
+    args = ["generate", "--prompt", "Hi", "--max-new-tokens", "4", "--mode", "incremental", "--compile-cache", str(cache)]
+    first = run_cli(*args, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    hits, misses = _cache_stats(first.stderr)
+    assert misses > 0 and any(cache.iterdir())
+    second = run_cli(*args, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout == first.stdout
+    hits, misses = _cache_stats(second.stderr)
+    assert misses == 0 and hits > 0, second.stderr[-2000:]
+
+
+def test_compile_cache_location_flags_and_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAXSPEC_COMPILE_CACHE", raising=False)
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path / "root"))
+    assert compile_cache_dir() == tmp_path / "root" / "xla"
+    assert compile_cache_dir(str(tmp_path / "flag")) == tmp_path / "flag"
+    assert compile_cache_dir(str(tmp_path / "flag"), disabled=True) is None
+    monkeypatch.setenv("JAXSPEC_COMPILE_CACHE", str(tmp_path / "env"))
+    assert compile_cache_dir() == tmp_path / "env"
+    assert compile_cache_dir(str(tmp_path / "flag")) == tmp_path / "flag"
+    for off in ("off", "OFF", "0", "none"):
+        monkeypatch.setenv("JAXSPEC_COMPILE_CACHE", off)
+        assert compile_cache_dir() is None
+    args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--no-compile-cache"])
+    assert args.no_compile_cache and args.compile_cache is None
+    args = cli.build_parser().parse_args(["bench", "incremental", "--prompt-file", "p", "--compile-cache", "d"])
+    assert args.compile_cache == "d"

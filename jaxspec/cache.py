@@ -1,0 +1,72 @@
+"""Where jaxspec keeps per-user caches, outside the repository: compiled executables, calibrations.
+
+The root is ``$JAXSPEC_CACHE`` when set, else ``~/.cache/jaxspec`` (the tokenizer cache
+of ``models.tokenizer`` lives there too). The persistent XLA compilation cache under
+``<root>/xla`` lets a second run of the same command skip compilation.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+COMPILE_CACHE_ENV = "JAXSPEC_COMPILE_CACHE"  # a directory, or off / 0 / false / none
+OFF = ("off", "0", "false", "no", "none")
+HIT_EVENT = "/jax/compilation_cache/cache_hits"
+MISS_EVENT = "/jax/compilation_cache/cache_misses"  # jax records it when it writes a freshly compiled entry
+MAX_BYTES = 4 << 30
+
+
+def cache_root() -> Path:
+    """``$JAXSPEC_CACHE`` or ``~/.cache/jaxspec``."""
+    return Path(os.environ.get("JAXSPEC_CACHE") or Path.home() / ".cache" / "jaxspec")
+
+
+def compile_cache_dir(directory: str | None = None, disabled: bool = False) -> Path | None:
+    """The compilation cache directory to use: the flag, else ``$JAXSPEC_COMPILE_CACHE``, else ``<root>/xla``.
+
+    None when disabled (``disabled`` or the environment variable says off).
+    """
+    if disabled:
+        return None
+    setting = directory or os.environ.get(COMPILE_CACHE_ENV, "").strip()
+    if setting.lower() in OFF:
+        return None
+    return Path(setting).expanduser() if setting else cache_root() / "xla"
+
+
+class CompileCacheStats:
+    """Counts persistent-cache hits and misses (fresh compilations written) in this process."""
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.misses = 0
+        self.listening = False
+
+    def __call__(self, event: str, **_: object) -> None:
+        if event == HIT_EVENT:
+            self.hits += 1
+        elif event == MISS_EVENT:
+            self.misses += 1
+
+
+STATS = CompileCacheStats()
+
+
+def enable_compile_cache(directory: Path) -> None:
+    """Caches every compiled executable (no size or compile-time threshold) under ``directory``.
+
+    Takes effect for the process only if called before its first compilation (jax decides
+    once per process whether the persistent cache is used).
+    """
+    import jax  # noqa: PLC0415
+    from jax import monitoring  # noqa: PLC0415
+
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)  # LRU eviction, writes under a file lock
+    if not STATS.listening:
+        monitoring.register_event_listener(STATS)
+        STATS.listening = True
