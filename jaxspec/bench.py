@@ -1,4 +1,4 @@
-"""``jaxspec bench``: incremental decoding vs transformers, and speculative decoding by tree width.
+"""``jaxspec bench``: incremental decoding vs transformers, speculative decoding by tree width, step costs.
 
 Numbers are measured, never asserted: every run writes a CSV and, where a picture helps,
 a PNG next to it (the paper's Figures 9 and 10, Tables 2 and 3).
@@ -15,9 +15,12 @@ from pathlib import Path
 
 from jaxspec.cli_common import CliError, add_compile_cache_args, read_prompts, sampling_params
 
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # jaxspec.costs.DEFAULT_TOKENS, without importing jax here
+DEFAULT_DRAFT_WIDTHS = (1, 2, 4, 8, 16)
+
 
 def add_parser(sub) -> None:
-    """Registers ``bench incremental|speculative|coverage`` on the CLI's subparsers."""
+    """Registers ``bench incremental|speculative|coverage|step-costs`` on the CLI's subparsers."""
     bench = sub.add_parser("bench", help="benchmarks (CSV + PNG)")
     kinds = bench.add_subparsers(dest="kind", required=True)
 
@@ -41,6 +44,26 @@ def add_parser(sub) -> None:
     cov.add_argument("--ssm", action="append", default=None, metavar="PATH_OR_SPEC")
     cov.add_argument("--max-k", type=int, default=5)
     cov.set_defaults(func=cmd_coverage)
+
+    costs = kinds.add_parser("step-costs", help="ms of one LLM pass over T tree tokens and of each draft level")
+    src = costs.add_mutually_exclusive_group()
+    src.add_argument("--model", help="LLM checkpoint (default: embedded SmolLM2-135M-Instruct)")
+    src.add_argument("--shape", help="a named model shape with random weights: tiny, llama-68m, smollm2-135m, "
+                     "qwen2.5-0.5b, qwen2.5-1.5b, llama-7b")
+    costs.add_argument("--random-weights", action="store_true",
+                       help="random weights (implied by --shape; with --model: the checkpoint's shape)")
+    costs.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    costs.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="LLM tree sizes T")
+    costs.add_argument("--draft-tokens", default=",".join(map(str, DEFAULT_DRAFT_WIDTHS)),
+                       help="frontier widths w of one draft level")
+    costs.add_argument("--capacity", type=int, default=512, help="KV cache slots")
+    costs.add_argument("--batch", type=int, default=1)
+    costs.add_argument("--repeats", type=int, default=5, help="timed runs per point (median; warm-up excluded)")
+    costs.add_argument("--ssm", action="append", default=[], metavar="PATH_OR_SPEC",
+                       help="speculators whose draft level to time (as jaxspec generate --ssm)")
+    costs.add_argument("--output", default="out/step_costs.csv", help="CSV path (PNG written beside it)")
+    add_compile_cache_args(costs)
+    costs.set_defaults(func=cmd_step_costs)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -382,3 +405,97 @@ def cmd_coverage(args) -> int:
             print(ssm.name[-38:].ljust(40) + kind.ljust(12) + cells)
     print(f"CSV: {out}")
     return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise CliError(f"{flag} takes comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise CliError(f"{flag} takes comma-separated positive integers, got {text!r}")
+    return values
+
+
+def step_costs(llm, ssms, tokens: list[int], widths: list[int], capacity: int, batch: int,
+               repeats: int) -> list[dict]:
+    """One CSV row per (model, T): ms of one forward over T tokens, its ratio to T=1 and to the LLM's T=1."""
+    from jaxspec.costs import measure_draft_costs, measure_llm_costs
+
+    llm_ms = {t: 1000 * s for t, s in measure_llm_costs(llm, tokens, capacity, batch, repeats).items()}
+    base = llm_ms.get(1, llm_ms[min(llm_ms)])
+    rows = [{"role": "llm", "model": llm.name, "tokens": t, "ms": round(ms, 4),
+             "ratio": round(ms / llm_ms[min(llm_ms)], 4), "ratio_to_llm": round(ms / base, 4)}
+            for t, ms in llm_ms.items()]
+    for ssm in ssms:
+        ms_w = {w: 1000 * s for w, s in measure_draft_costs(ssm, widths, capacity, batch, repeats).items()}
+        rows += [{"role": "draft", "model": ssm.name, "tokens": w, "ms": round(ms, 4),
+                  "ratio": round(ms / ms_w[min(ms_w)], 4), "ratio_to_llm": round(ms / base, 4)}
+                 for w, ms in ms_w.items()]
+    return rows
+
+
+def cmd_step_costs(args) -> int:
+    import jax
+
+    from jaxspec.costs import SHAPES, random_model, weight_bytes
+    from jaxspec.resolve import load_llm, load_ssms
+
+    tokens = _int_list(args.tokens, "--tokens")
+    widths = _int_list(args.draft_tokens, "--draft-tokens")
+    if max(tokens + widths) > args.capacity:
+        raise CliError(f"--tokens and --draft-tokens must not exceed --capacity {args.capacity}")
+    if args.batch < 1 or args.repeats < 1:
+        raise CliError("--batch and --repeats must be >= 1")
+    if args.shape:
+        if args.shape not in SHAPES:
+            raise CliError(f"unknown --shape {args.shape!r}; known: {', '.join(SHAPES)}")
+        llm = random_model(args.shape, args.dtype)
+    else:
+        llm = load_llm(args.model, args.dtype, with_tokenizer=False)
+        if args.random_weights:
+            llm = random_model(llm.cfg, args.dtype)
+    ssms = load_ssms(args.ssm, llm, args.dtype)
+    device = jax.devices()[0]
+    print(f"{llm.name}, {args.dtype}, weights {weight_bytes(llm) / 1e9:.3f} GB, KV cache {args.capacity} slots, "
+          f"batch {args.batch}, on {device.platform} ({device.device_kind})")
+    rows = step_costs(llm, ssms, tokens, widths, args.capacity, args.batch, args.repeats)
+    out = _write_csv(args.output, rows)
+    print(f"{'model':<44}{'T':>6}{'ms':>11}{'x T=1':>9}{'x LLM T=1':>11}")
+    for r in rows:
+        print(f"{r['role'] + ' ' + r['model'][-38:]:<44}{r['tokens']:>6}{r['ms']:>11.3f}{r['ratio']:>9.2f}"
+              f"{r['ratio_to_llm']:>11.3f}")
+    png = _plot_step_costs(rows, out)
+    print(f"CSV: {out}; PNG: {png}")
+    return 0
+
+
+def _plot_step_costs(rows: list[dict], out: Path) -> Path:
+    """ms per forward against T (log2 axis), one line per model; LLM ratios annotated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for role, model in dict.fromkeys((r["role"], r["model"]) for r in rows):
+        sel = [r for r in rows if (r["role"], r["model"]) == (role, model)]
+        ax.plot([r["tokens"] for r in sel], [r["ms"] for r in sel], marker="o",
+                label=("LLM " if role == "llm" else "draft level ") + model)
+        if role == "llm":
+            for r in sel:
+                ax.annotate(f"{r['ratio']:.2f}x", (r["tokens"], r["ms"]), fontsize=7, xytext=(2, 4),
+                            textcoords="offset points")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = sorted({r["tokens"] for r in rows})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlabel("tokens per forward (T tree tokens / w frontier nodes)")
+    ax.set_ylabel("ms per forward (median, warm)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    png = out.with_suffix(".png")
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png

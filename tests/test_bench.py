@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxspec import cli
 from jaxspec.bench import coverage_rates
+from jaxspec.costs import calibration_key, load_or_measure, random_model
 
 
 def _prompts(tmp_path, n=1):
@@ -74,3 +75,35 @@ def test_bench_incremental_against_transformers(tmp_path, capsys):
     assert [r["system"] for r in rows] == ["jaxspec", "transformers"]
     assert all(int(r["new_tokens"]) == 4 and float(r["ms_per_token"]) > 0 for r in rows)
     assert "ms/token" in capsys.readouterr().out
+
+
+def test_bench_step_costs_on_a_random_shape_writes_csv_and_png(tmp_path, capsys):
+    out = tmp_path / "costs.csv"
+    assert cli.main(["bench", "step-costs", "--shape", "tiny", "--tokens", "1,2,8", "--draft-tokens", "1,4",
+                     "--capacity", "64", "--repeats", "2", "--ssm", "layers:1", "--output", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["role"], int(r["tokens"])) for r in rows] == [("llm", 1), ("llm", 2), ("llm", 8), ("draft", 1),
+                                                             ("draft", 4)]
+    assert all(float(r["ms"]) > 0 for r in rows) and float(rows[0]["ratio"]) == 1.0
+    assert (tmp_path / "costs.png").stat().st_size > 1000
+    assert "x T=1" in capsys.readouterr().out
+    assert cli.main(["bench", "step-costs", "--shape", "tiny", "--tokens", "1,128", "--capacity", "64"]) == 2
+    assert "--capacity" in capsys.readouterr().err
+
+
+def test_load_or_measure_caches_per_key_and_keeps_int_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {1: 0.5, 64: 1.5 * len(calls)}
+
+    key = calibration_key(random_model("tiny"), capacity=64, tokens=[1, 64])
+    assert key["device_kind"] and key["dtype"] == "float32"
+    assert load_or_measure(key, measure) == {1: 0.5, 64: 1.5}
+    assert load_or_measure(key, measure) == {1: 0.5, 64: 1.5} and len(calls) == 1  # from the cache
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1
+    assert load_or_measure(key, measure, refresh=True) == {1: 0.5, 64: 3.0} and len(calls) == 2
+    assert load_or_measure({**key, "capacity": 128}, measure) == {1: 0.5, 64: 4.5} and len(calls) == 3
+    assert load_or_measure(key, measure) == {1: 0.5, 64: 3.0} and len(calls) == 3

@@ -1,0 +1,178 @@
+"""What one LLM pass over T tree tokens and one draft level cost on the device at hand.
+
+Measured, never modelled: the engine's tree choice needs the hardware's real cost curve
+(on a 2-core CPU 64 tokens cost 3x one token; on a GPU nearly 1x). ``measure_llm_costs``
+times one jitted forward (compiled first, then the median of several runs);
+``load_or_measure`` keeps such calibrations as JSON under ``<cache root>/costs/``, keyed by
+device kind, model and dtype (``calibration_key``), so a process measures once per key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache import cache_root
+from jaxspec.engine import LoadedModel
+from jaxspec.kv_cache import causal_mask
+from models.config import ModelConfig
+from models.transformer import KVCache, init_params
+
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_DRAFT_WIDTHS = (1, 2, 4, 8, 16)
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# Named model shapes for random-weight measurements (no checkpoint needed).
+SHAPES: dict[str, ModelConfig] = {
+    "tiny": ModelConfig("llama", 512, 64, 128, 2, 4, 2, 16, max_position_embeddings=4096),
+    "llama-68m": ModelConfig("llama", 32000, 768, 3072, 2, 12, 12, 64),
+    "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, max_position_embeddings=8192,
+                                rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True),
+    "qwen2.5-0.5b": ModelConfig("qwen2", 151936, 896, 4864, 24, 14, 2, 64, max_position_embeddings=32768,
+                                rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=True),
+    "qwen2.5-1.5b": ModelConfig("qwen2", 151936, 1536, 8960, 28, 12, 2, 128, max_position_embeddings=32768,
+                                rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=True),
+    "llama-7b": ModelConfig("llama", 32000, 4096, 11008, 32, 32, 32, 128, rms_norm_eps=1e-5),
+}
+
+
+def random_model(shape: str | ModelConfig, dtype: str = "float32", seed: int = 0) -> LoadedModel:
+    """A model of a named shape (``SHAPES``) or config with random weights: costs need no checkpoint."""
+    cfg = SHAPES[shape] if isinstance(shape, str) else shape
+    name = shape if isinstance(shape, str) else "random"
+    return LoadedModel(f"{name} (random)", cfg, init_params(cfg, seed, DTYPES[dtype]), DTYPES[dtype])
+
+
+def weight_bytes(model: LoadedModel) -> int:
+    """Bytes of the model's parameters (one full read per decoding step bounds its speed)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.params))
+
+
+def measure_llm_costs(
+    model: LoadedModel,
+    tokens: Sequence[int] = DEFAULT_TOKENS,
+    capacity: int = 512,
+    batch: int = 1,
+    repeats: int = 5,
+) -> dict[int, float]:
+    """Seconds of one jitted forward over T new tokens per row, for each T in ``tokens``.
+
+    The forward runs against a KV cache of ``capacity`` slots (donated, as in the engine)
+    holding ``capacity - T`` committed tokens, for ``batch`` rows. Each T is compiled and
+    run once first (excluded), then timed ``repeats`` times to ``block_until_ready``; the
+    median is returned. Works for any model: an SSM's draft level over w frontier nodes
+    is one such forward over w tokens (``measure_draft_costs``).
+    """
+    if not tokens or min(tokens) < 1 or max(tokens) > capacity:
+        raise ValueError(f"token counts must lie in [1, capacity={capacity}], got {list(tokens)}")
+    if repeats < 1 or batch < 1:
+        raise ValueError("repeats and batch must be >= 1")
+    forward = model.forward
+    step = jax.jit(lambda params, toks, pos, cache, mask: forward(params, toks, pos, cache, mask),
+                   donate_argnums=(3,))
+    cache = KVCache.create(model.cfg, batch, capacity, model.dtype)
+    costs = {}
+    for t in tokens:
+        length = jnp.full((batch,), capacity - t, jnp.int32)  # [B]
+        cache = cache.replace(length=length)
+        toks = jnp.zeros((batch, t), jnp.int32)  # [B, T]
+        pos = length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+        mask = causal_mask(length, t, capacity)  # [B, T, S]
+        logits, cache = step(model.params, toks, pos, cache, mask)  # compiles
+        jax.block_until_ready(logits)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            logits, cache = step(model.params, toks, pos, cache, mask)
+            jax.block_until_ready(logits)
+            times.append(time.perf_counter() - start)
+        costs[int(t)] = statistics.median(times)
+    return costs
+
+
+def measure_draft_costs(
+    ssm: LoadedModel,
+    widths: Sequence[int] = DEFAULT_DRAFT_WIDTHS,
+    capacity: int = 512,
+    batch: int = 1,
+    repeats: int = 5,
+) -> dict[int, float]:
+    """Seconds of one draft level of ``ssm`` feeding w frontier nodes, for each w in ``widths``."""
+    return measure_llm_costs(ssm, widths, capacity, batch, repeats)
+
+
+def calibration_key(model: LoadedModel, **extra: object) -> dict:
+    """What a measured cost depends on: device kind and count, jax version, model config, dtype, plus ``extra``."""
+    device = jax.devices()[0]
+    config = json.dumps(dataclasses.asdict(model.cfg), sort_keys=True, default=str)
+    return {
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "device_count": jax.device_count(),
+        "jax": jax.__version__,
+        "model": model.name,
+        "config": hashlib.sha256(config.encode()).hexdigest()[:16],
+        "dtype": jnp.dtype(model.dtype).name,
+        **extra,
+    }
+
+
+def _encode(obj):
+    """JSON-safe form that keeps non-string dict keys (token counts) through a round trip."""
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: _encode(v) for k, v in obj.items()}
+        return {"__items__": [[k, _encode(v)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return [_encode(v) for v in obj]
+    return obj
+
+
+def _decode(obj):
+    if isinstance(obj, dict):
+        if set(obj) == {"__items__"}:
+            return {k: _decode(v) for k, v in obj["__items__"]}
+        return {k: _decode(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    return obj
+
+
+def costs_dir():
+    """``$JAXSPEC_CACHE/costs`` or ``~/.cache/jaxspec/costs``."""
+    return cache_root() / "costs"
+
+
+def load_or_measure(key: dict, measure: Callable[[], dict], refresh: bool = False) -> dict:
+    """The calibration stored for ``key`` (a JSON-able dict), else ``measure()``'s result, stored for next time.
+
+    ``refresh`` re-measures and overwrites. Non-string keys (token counts) survive the
+    round trip. A cache that cannot be read or written is skipped, never an error.
+    """
+    text = json.dumps(_encode(key), sort_keys=True)
+    path = costs_dir() / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+    if not refresh and path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+            if json.dumps(stored["key"], sort_keys=True) == text:
+                return _decode(stored["value"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    value = measure()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.partial")
+        tmp.write_text(json.dumps({"key": _encode(key), "value": _encode(value), "measured_at": time.time()},
+                                  indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return value
