@@ -1,14 +1,20 @@
 """``jaxspec bench``: incremental decoding vs transformers, speculative decoding by tree width, step costs.
 
 Numbers are measured, never asserted: every run writes a CSV and, where a picture helps,
-a PNG next to it (the paper's Figures 9 and 10, Tables 2 and 3).
+a PNG next to it (the paper's Figures 9 and 10, Tables 2 and 3). ``bench incremental``
+runs each system in a fresh process of its own (``python -m jaxspec.bench`` for jaxspec,
+``python -m jaxspec.hf_baseline`` for transformers): a baseline sharing a process with
+JAX measured 16x slower than it runs for a user.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +33,8 @@ def add_parser(sub) -> None:
     inc = kinds.add_parser("incremental", help="ms/token of jaxspec vs transformers generate()")
     _common(inc)
     inc.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    inc.add_argument("--hf-threads", type=int, default=_cores(),
+                     help="torch threads of the transformers baseline (default: this machine's cores)")
     inc.set_defaults(func=cmd_incremental)
 
     spec = kinds.add_parser("speculative", help="tokens/step and ms/token by tree width (Fig. 9/10, Tables 2/3)")
@@ -64,6 +72,10 @@ def add_parser(sub) -> None:
     costs.add_argument("--output", default="out/step_costs.csv", help="CSV path (PNG written beside it)")
     add_compile_cache_args(costs)
     costs.set_defaults(func=cmd_step_costs)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -105,68 +117,115 @@ def _timed_generate(engine, ids, n, params):
 
 
 def cmd_incremental(args) -> int:
-    from tqdm import tqdm
+    """jaxspec and transformers each in a process of their own, on the same prompt ids; one CSV with the ratio."""
+    import importlib.util
+    import tempfile
 
-    from jaxspec.engine import Engine
-    from jaxspec.resolve import load_llm
+    from jaxspec.cache import compile_cache_dir
+    from models.loading import default_model_path
+    from models.tokenizer import encode_prompt, load_tokenizer
 
     params = sampling_params(args)
+    if not args.no_transformers and args.hf_threads < 1:
+        raise CliError(f"--hf-threads must be >= 1, got {args.hf_threads}")
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if not args.no_transformers and missing:
+        raise CliError(f"the transformers baseline needs {' and '.join(missing)} (pip install -e '.[test]'); "
+                       "or pass --no-transformers")
     rows = read_prompts(args.prompt_file, args.limit)
-    llm = load_llm(args.model, args.dtype)
-    engine = Engine(llm)
-    prompts = _encode_all(llm, rows, args.no_chat)
-    hf = None if args.no_transformers else _load_transformers(args)
-    results = []
-    for row, ids in tqdm(list(zip(rows, prompts)), desc="bench incremental", unit="prompt", file=sys.stderr):
-        gen, secs = _timed_generate(engine, ids, args.max_new_tokens, params)
-        n = len(gen.token_ids)
-        results.append({"system": "jaxspec", "id": row["id"], "prompt_tokens": len(ids), "new_tokens": n,
-                        "seconds": round(secs, 4), "ms_per_token": round(1000 * secs / n, 3)})
-        if hf is not None:
-            n_hf, secs_hf = _hf_generate(hf, ids, args.max_new_tokens, params)
-            results.append({"system": "transformers", "id": row["id"], "prompt_tokens": len(ids),
-                            "new_tokens": n_hf, "seconds": round(secs_hf, 4),
-                            "ms_per_token": round(1000 * secs_hf / n_hf, 3)})
-    out = _write_csv(args.output, results)
-    print(f"{'system':<14}{'ms/token':>10}{'tokens/s':>10}")
-    for system in ("jaxspec", "transformers"):
-        sel = [r for r in results if r["system"] == system]
-        if sel:
-            secs = sum(r["seconds"] for r in sel)
-            toks = sum(r["new_tokens"] for r in sel)
-            print(f"{system:<14}{1000 * secs / toks:>10.2f}{toks / secs:>10.1f}")
+    cache = compile_cache_dir(args.compile_cache, args.no_compile_cache)
+    model = str(Path(args.model or default_model_path()).expanduser())
+    tokenizer = load_tokenizer(model)
+    job = {
+        "model": model, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+        "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                     "seed": params.seed},
+        "prompts": [{"id": r["id"], "ids": encode_prompt(tokenizer, r["prompt"], chat=not args.no_chat)} for r in rows],
+        "threads": args.hf_threads, "compile_cache": str(cache) if cache else None,
+    }
+    workers = [("jaxspec", "jaxspec.bench")] + ([] if args.no_transformers else [("transformers", "jaxspec.hf_baseline")])
+    with tempfile.TemporaryDirectory(prefix="jaxspec-bench-") as tmp:
+        (Path(tmp) / "job.json").write_text(json.dumps(job))
+        results = {name: _run_worker(name, module, Path(tmp)) for name, module in workers}
+    table = incremental_rows(results)
+    out = _write_csv(args.output, table)
+    _print_incremental(results, table)
     print(f"CSV: {out}")
     return 0
 
 
-def _load_transformers(args):
-    """The same checkpoint in transformers (PyTorch, float32), for the baseline."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from models.loading import default_model_path
-
-    path = Path(args.model or default_model_path())
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    if path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    return model.eval()
+def _run_worker(name: str, module: str, tmp: Path) -> dict:
+    """Runs one system's benchmark in a fresh Python process and returns its result JSON."""
+    out = tmp / f"{name}.json"
+    print(f"[jaxspec] bench incremental: running {name} in its own process", file=sys.stderr)
+    proc = subprocess.run([sys.executable, "-m", module, str(tmp / "job.json"), str(out)])
+    if proc.returncode != 0 or not out.is_file():
+        raise CliError(f"the {name} benchmark process failed (exit code {proc.returncode}; its errors are above)")
+    return json.loads(out.read_text())
 
 
-def _hf_generate(model, ids, n, params) -> tuple[int, float]:
-    import torch
+def incremental_rows(results: dict[str, dict]) -> list[dict]:
+    """CSV rows, per prompt one per system, with ms/token and its ratio to jaxspec's on that prompt."""
+    base = {r["id"]: r for r in results["jaxspec"]["rows"]}
+    table = []
+    for pid, ref in base.items():
+        for system, result in results.items():
+            r = next(x for x in result["rows"] if x["id"] == pid)
+            ms = 1000 * r["seconds"] / max(r["new_tokens"], 1)
+            ref_ms = 1000 * ref["seconds"] / max(ref["new_tokens"], 1)
+            same = 0
+            for a, b in zip(r["token_ids"], ref["token_ids"]):
+                if a != b:
+                    break
+                same += 1
+            table.append({"system": system, "id": pid, "threads": result["threads"],
+                          "prompt_tokens": r["prompt_tokens"], "new_tokens": r["new_tokens"],
+                          "warmup_seconds": round(r["warmup_seconds"], 4), "seconds": round(r["seconds"], 4),
+                          "ms_per_token": round(ms, 3), "ratio_to_jaxspec": round(ms / ref_ms, 4),
+                          "same_tokens_as_jaxspec": same})
+    return table
 
-    x = torch.tensor([ids])
-    kw = {"do_sample": not params.greedy, "max_new_tokens": n, "min_new_tokens": n, "pad_token_id": 0}
-    if not params.greedy:
-        kw.update(temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p)
-    with torch.inference_mode():
-        model.generate(x, **kw)  # warm-up
-        t0 = time.perf_counter()
-        out = model.generate(x, **kw)
-    return out.shape[1] - len(ids), time.perf_counter() - t0
+
+def _print_incremental(results: dict[str, dict], table: list[dict]) -> None:
+    print(f"{'system':<14}{'threads':>8}{'ms/token':>10}{'tokens/s':>10}{'x jaxspec':>11}{'load s':>8}"
+          f"{'1st warm-up s':>15}")
+    base = None
+    for system, result in results.items():
+        sel = [r for r in table if r["system"] == system]
+        secs, toks = sum(r["seconds"] for r in sel), sum(r["new_tokens"] for r in sel)
+        ms = 1000 * secs / max(toks, 1)
+        base = base or ms
+        print(f"{system:<14}{result['threads']:>8}{ms:>10.2f}{toks / secs:>10.1f}{ms / base:>11.2f}"
+              f"{result['load_seconds']:>8.1f}{sel[0]['warmup_seconds']:>15.2f}")
+    print("(each system in its own process; warm-up generations excluded from ms/token)")
+
+
+def run_jaxspec_job(job: dict) -> dict:
+    """The jaxspec side of ``bench incremental``: incremental decoding of the job's prompt ids."""
+    from jaxspec.engine import Engine
+    from jaxspec.resolve import load_llm
+    from jaxspec.sampling import SamplingParams
+
+    if job.get("compile_cache"):
+        from jaxspec.cache import enable_compile_cache
+
+        enable_compile_cache(Path(job["compile_cache"]))
+    s = job["sampling"]
+    params = SamplingParams(s["temperature"], s["top_k"], s["top_p"], s["seed"])
+    start = time.perf_counter()
+    engine = Engine(load_llm(job["model"], job["dtype"]))
+    load_seconds = time.perf_counter() - start
+    rows = []
+    for prompt in job["prompts"]:
+        times = []
+        for _ in range(2):  # a warm-up generation (compiles for this bucket), then the timed one
+            start = time.perf_counter()
+            gen = engine.generate(prompt["ids"], job["max_new_tokens"], params)
+            times.append(time.perf_counter() - start)
+        warmup, seconds = times
+        rows.append({"id": prompt["id"], "prompt_tokens": len(prompt["ids"]), "new_tokens": len(gen.token_ids),
+                     "warmup_seconds": warmup, "seconds": seconds, "token_ids": gen.token_ids})
+    return {"system": "jaxspec", "threads": _cores(), "load_seconds": load_seconds, "rows": rows}
 
 
 def _tree_configs(widths, depth: int, num_ssms: int, verifiers, single_baseline: bool):
@@ -499,3 +558,9 @@ def _plot_step_costs(rows: list[dict], out: Path) -> Path:
     fig.savefig(png, dpi=120)
     plt.close(fig)
     return png
+
+
+if __name__ == "__main__":  # the jaxspec worker of bench incremental
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m jaxspec.bench JOB.json OUT.json (the jaxspec side of bench incremental)")
+    Path(sys.argv[2]).write_text(json.dumps(run_jaxspec_job(json.loads(Path(sys.argv[1]).read_text()))))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 
 import numpy as np
 
@@ -67,14 +68,29 @@ def test_bench_speculative_and_coverage_write_csv_and_png(tmp_path, capsys):
         assert rates == sorted(rates) and 0 <= rates[0] and rates[-1] <= 1
 
 
-def test_bench_incremental_against_transformers(tmp_path, capsys):
+def test_bench_incremental_against_transformers_each_in_its_own_process(tmp_path, capsys):
+    torch_before = "torch" in sys.modules
     out = tmp_path / "inc.csv"
     assert cli.main(["bench", "incremental", "--prompt-file", _prompts(tmp_path), "--limit", "1",
-                     "--max-new-tokens", "4", "--output", str(out)]) == 0
+                     "--max-new-tokens", "4", "--hf-threads", "1", "--output", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
     assert [r["system"] for r in rows] == ["jaxspec", "transformers"]
     assert all(int(r["new_tokens"]) == 4 and float(r["ms_per_token"]) > 0 for r in rows)
-    assert "ms/token" in capsys.readouterr().out
+    assert all(float(r["warmup_seconds"]) > 0 for r in rows)
+    assert rows[1]["threads"] == "1" and float(rows[0]["ratio_to_jaxspec"]) == 1.0
+    assert rows[1]["same_tokens_as_jaxspec"] == "4"  # greedy: the same continuation from the same ids
+    assert "x jaxspec" in capsys.readouterr().out
+    assert torch_before or "torch" not in sys.modules, "the parent process imported torch"
+
+
+def test_bench_incremental_without_torch_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else find_spec(name, *a))
+    assert cli.main(["bench", "incremental", "--prompt-file", _prompts(tmp_path), "--limit", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("jaxspec: error:") and "torch" in err and "--no-transformers" in err
 
 
 def test_bench_step_costs_on_a_random_shape_writes_csv_and_png(tmp_path, capsys):

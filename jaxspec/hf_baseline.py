@@ -1,0 +1,82 @@
+"""The transformers ``generate()`` baseline, run in a process of its own: ``python -m jaxspec.hf_baseline JOB OUT``.
+
+A baseline is measured the way a user would run it: PyTorch alone in its process (a
+JAX runtime beside it slowed it ~16x), with ``job["threads"]`` torch threads. Per prompt
+one warm-up generation (reported as ``warmup_seconds``) precedes the timed one. The job
+and result files are the JSON that ``jaxspec bench incremental`` writes and reads; this
+is the only jaxspec module that imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def load_model(path: str, dtype: str):
+    """The checkpoint (HF directory or GGUF file) as a transformers PyTorch model in eval mode."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    p = Path(path)
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    if p.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch_dtype)
+    return model.eval()
+
+
+def generate(model, ids: list[int], n: int, sampling: dict) -> tuple[list[int], float]:
+    """(n new token ids, seconds) of one ``generate()`` call; exactly n tokens, EOS not honoured."""
+    import torch  # noqa: PLC0415
+
+    x = torch.tensor([ids])
+    kw = {"do_sample": sampling["temperature"] > 0, "max_new_tokens": n, "min_new_tokens": n, "pad_token_id": 0}
+    if kw["do_sample"]:
+        kw.update(temperature=sampling["temperature"], top_k=sampling["top_k"] or None, top_p=sampling["top_p"])
+        torch.manual_seed(sampling["seed"])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(x, **kw)
+        seconds = time.perf_counter() - start
+    return out[0, len(ids):].tolist(), seconds
+
+
+def run(job: dict) -> dict:
+    """Runs every prompt of the job: a warm-up generation, then the timed one."""
+    import torch  # noqa: PLC0415
+
+    torch.set_num_threads(job["threads"])
+    start = time.perf_counter()
+    model = load_model(job["model"], job["dtype"])
+    load_seconds = time.perf_counter() - start
+    rows = []
+    for prompt in job["prompts"]:
+        _, warmup = generate(model, prompt["ids"], job["max_new_tokens"], job["sampling"])
+        new, seconds = generate(model, prompt["ids"], job["max_new_tokens"], job["sampling"])
+        rows.append({"id": prompt["id"], "prompt_tokens": len(prompt["ids"]), "new_tokens": len(new),
+                     "warmup_seconds": warmup, "seconds": seconds, "token_ids": new})
+    return {"system": "transformers", "threads": torch.get_num_threads(), "load_seconds": load_seconds, "rows": rows}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m jaxspec.hf_baseline JOB.json OUT.json", file=sys.stderr)
+        return 2
+    try:
+        import torch  # noqa: F401, PLC0415
+        import transformers  # noqa: F401, PLC0415
+    except ImportError as e:
+        print(f"jaxspec: error: the transformers baseline needs torch and transformers ({e.name} is missing: "
+              "pip install -e '.[test]')", file=sys.stderr)
+        return 2
+    result = run(json.loads(Path(argv[0]).read_text()))
+    Path(argv[1]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
