@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Explain speculative decoding in two sentences.
+MAX_NEW_TOKENS ?= 128
 
 .PHONY: setup setup-test setup-train run test test-slow train-pool
 
@@ -21,7 +22,7 @@ setup-train: setup
 	$(BIN)/pip install -q -e '.[train]'
 
 run: setup
-	$(BIN)/jaxspec generate --mode tree --prompt "$(PROMPT)" --max-new-tokens 128
+	$(BIN)/jaxspec generate --mode tree --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS)
 
 test: setup-test
 	$(BIN)/python -m pytest -q
