@@ -308,15 +308,23 @@ class Engine:
             raise RequestError(f"--verify {self.verify} needs stochastic decoding (--temperature > 0)")
 
     def init_state(self, batch: int, capacity: int, params: sampling.SamplingParams) -> DecodeState:
-        dt = self.llm.dtype
-        return DecodeState(
-            llm_cache=KVCache.create(self.llm.cfg, batch, capacity, dt),
-            ssm_caches=tuple(self._group_cache(g, batch, capacity) for g in self.groups),
-            history=jnp.zeros((batch, capacity), jnp.int32),
-            root=jnp.zeros((batch,), jnp.int32),
-            key=jax.random.PRNGKey(params.seed),
-            values=sampling.warp_arrays(params, batch),
-        )
+        """A fresh state for B slots, built on the device (explicit transfers only: seed and warp values)."""
+        key = ("init", batch, capacity)
+        if key not in self._compiled:
+            def init(seed, values):
+                dt = self.llm.dtype
+                return DecodeState(
+                    llm_cache=KVCache.create(self.llm.cfg, batch, capacity, dt),
+                    ssm_caches=tuple(self._group_cache(g, batch, capacity) for g in self.groups),
+                    history=jnp.zeros((batch, capacity), jnp.int32),
+                    root=jnp.zeros((batch,), jnp.int32),
+                    key=jax.random.PRNGKey(seed),
+                    values=values,
+                )
+
+            self._compiled[key] = jax.jit(init)
+        seed = jax.device_put(np.asarray(params.seed % 2**32, np.uint32))
+        return self._compiled[key](seed, sampling.warp_arrays(params, batch))
 
     def _group_cache(self, group: SSMGroup, batch: int, capacity: int) -> KVCache:
         ssm = self.ssms[group.members[0]]
@@ -355,9 +363,10 @@ class Engine:
         ssm_params = self._group_params
 
         start = time.perf_counter()
+        _check_fits(tp, capacity, "the prefill")
         state = self.init_state(1, capacity, params)
-        state, first = prefill_fn(self.llm.params, ssm_params, state, jnp.asarray(tokens),
-                                  jnp.asarray([len(prompt_ids)], jnp.int32))
+        state, first = prefill_fn(self.llm.params, ssm_params, state, jax.device_put(tokens),
+                                  jax.device_put(np.asarray([len(prompt_ids)], np.int32)))
         gen = Generation([], 0, 0, 0.0, "length")
         new = [int(jax.device_get(first)[0])]
         committed = len(prompt_ids)  # tokens in the LLM cache (the newest emitted one is the pending root)
@@ -378,9 +387,7 @@ class Engine:
                     proposal = index.propose(self.ngram_depth)
                 name = chooser.pick(len(proposal)) if chooser else next(iter(family))
                 cfg = family[name]
-                if committed + cfg.num_nodes > capacity:  # unreachable by capacity_for; never write past it
-                    raise RuntimeError(f"step would write slots up to {committed + cfg.num_nodes} of a cache of "
-                                       f"{capacity}: the engine's capacity rule is broken")
+                _check_fits(committed + cfg.num_nodes, capacity, "a decoding step")
                 state, out = steps[name](self.llm.params, ssm_params, state, *self._proposal(proposal))
                 emitted, num, depths = jax.device_get((out.tokens, out.num, out.source_depth))
                 if chooser:
@@ -420,6 +427,13 @@ class Engine:
             if cut is not None:
                 return (done + new)[len(done): max(cut, len(done))], "stop"
         return new, reason
+
+
+def _check_fits(slots: int, capacity: int, what: str) -> None:
+    """Refuses a write past the cache (``capacity_for`` makes this unreachable; writes are unchecked on device)."""
+    if slots > capacity:
+        raise RuntimeError(f"{what} would write {slots} cache slots of a capacity of {capacity}: "
+                           "the engine's capacity rule is broken")
 
 
 def ssm_groups(ssms: Sequence[LoadedModel], topologies: Sequence) -> tuple[SSMGroup, ...]:

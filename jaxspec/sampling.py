@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class SamplingError(ValueError):
@@ -52,12 +53,12 @@ class WarpSpec:
 
 
 def warp_arrays(params: SamplingParams, batch: int) -> dict[str, jax.Array]:
-    """Traced per-row sampling values [B] so changing them never recompiles."""
-    return {
-        "temperature": jnp.full((batch,), max(params.temperature, 1e-6), jnp.float32),
-        "top_k": jnp.full((batch,), params.top_k, jnp.int32),
-        "top_p": jnp.full((batch,), params.top_p, jnp.float32),
-    }
+    """Traced per-row sampling values [B] so changing them never recompiles (one explicit transfer)."""
+    return jax.device_put({
+        "temperature": np.full((batch,), max(params.temperature, 1e-6), np.float32),
+        "top_k": np.full((batch,), params.top_k, np.int32),
+        "top_p": np.full((batch,), params.top_p, np.float32),
+    })
 
 
 def warp_logits(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array]) -> jax.Array:

@@ -274,6 +274,29 @@ def test_enumeration_repeated_children_concentrated_q():
     assert law == llm_law(llm, (2,), 2)
 
 
+def ngram_model(vocab: int, max_n: int = 2):
+    """The n-gram speculator as a 'model': one-hot at the token that followed the latest match."""
+    from jaxspec.ngram import NGramIndex
+
+    def model(prefix):
+        nxt = NGramIndex(prefix, max_n=max_n).propose(1)
+        return [Fraction(int(y == (nxt[0] if nxt else 0))) for y in range(vocab)]
+
+    return model
+
+
+@pytest.mark.parametrize("prefix", [(0, 1, 0), (2, 2, 1, 2), (1,)])
+def test_enumeration_ngram_one_hot_drafts_are_exact(prefix):
+    """An n-gram chain merged with a sampled SSM's tree: each proposal is a one-hot q, exact."""
+    v = 3
+    llm = random_model(21, v, exact=True)
+    ssm = random_model(22, v, exact=True)
+    law = emitted_law(llm, [ssm, ngram_model(v)], [(2, 1), (1, 1)], prefix, 2)
+    assert law == llm_law(llm, prefix, 2)
+    alone = emitted_law(llm, [ngram_model(v)], [(1, 1, 1)], prefix, 2)
+    assert alone == llm_law(llm, prefix, 2)
+
+
 def test_enumeration_naive_is_exact():
     v = 3
     llm = random_model(7, v, exact=True)
@@ -572,17 +595,21 @@ def _exact_two_token_law(llm: LoadedModel, context, spec, values1) -> np.ndarray
 E2E_PROMPT, E2E_ROOT, E2E_CAP = [3, 1, 4, 1], 5, 32
 
 
-def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int):
+def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int, ngram: tuple[int, ...] = ()):
     """A compiled function: (key, values) -> first two emitted tokens [b, 2] and step-1 num [b].
 
     b rows share one prompt and a fixed root (so the target law is one [V, V] table) and
     differ only in their keys. Two SSMs (a near one: the LLM's first layer; a far one: an
     unrelated model) draft a merged tree padded to a budget; two decode steps run, so the
-    second token may come from either the first or the second iteration.
+    second token may come from either the first or the second iteration. ``ngram`` merges
+    that fixed proposal chain (the n-gram speculator's input) into both iterations' trees.
     """
     llm, near, far = models
     ssms = (near, far)
-    cfg = DecodeConfig((expansion_topology((2, 2)), expansion_topology((1, 1))), spec, verify, tree_budget=10)
+    cfg = DecodeConfig((expansion_topology((2, 2)), expansion_topology((1, 1))), spec, verify,
+                       tree_budget=10 + len(ngram), ngram_depth=len(ngram), vocab=VOCAB)
+    proposal = (jnp.broadcast_to(jnp.asarray(ngram or (0,), jnp.int32), (b, max(len(ngram), 1))),
+                jnp.full((b,), len(ngram), jnp.int32))
     fw, sfw = llm.forward, tuple(s.forward for s in ssms)
     prompt = jnp.asarray(E2E_PROMPT, jnp.int32)
 
@@ -592,8 +619,8 @@ def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int):
         toks = jnp.broadcast_to(prompt, (b, prompt.shape[0]))
         state, _ = prefill(cfg, fw, sfw, llm_params, ssm_params, state, toks, jnp.full((b,), prompt.shape[0]))
         state = state.replace(root=jnp.full((b,), E2E_ROOT, jnp.int32))  # condition on a fixed root
-        state, o1 = decode_step(cfg, fw, sfw, llm_params, ssm_params, state)
-        state, o2 = decode_step(cfg, fw, sfw, llm_params, ssm_params, state)
+        state, o1 = decode_step(cfg, fw, sfw, llm_params, ssm_params, state, proposal)
+        state, o2 = decode_step(cfg, fw, sfw, llm_params, ssm_params, state, proposal)
         second = jnp.where(o1.num >= 2, o1.tokens[:, 1], o2.tokens[:, 0])
         return jnp.stack([o1.tokens[:, 0], second], axis=1), o1.num
 
@@ -644,6 +671,21 @@ def test_end_to_end_tree_mss_matches_llm(mss_sampler, warp):
     assert (num == 1).any() and (num == 3).any()
     pval = _two_token_pvalue(firsts, law)
     print(f"mss {warp}: mean tokens/step {num.mean():.3f}, chi2 p-value {pval:.4f}")
+    assert pval > ALPHA, pval
+
+
+def test_end_to_end_tree_mss_with_ngram_matches_llm(models):
+    """The n-gram chain merged into the SSMs' tree: each proposed token is a one-hot draft."""
+    llm = models[0]
+    law = _exact_two_token_law(llm, E2E_PROMPT + [E2E_ROOT], sampling.WarpSpec(greedy=False),
+                               {k: np.asarray(v) for k, v in sampling.warp_arrays(WARPS["t1"], 1).items()})
+    likely = int(np.argmax(law.sum(1)))  # a first token the LLM often emits, then its likeliest follower
+    chain = (likely, int(np.argmax(law[likely])), 3)
+    sampler = _tree_sampler(models, ALL_STAGES, "mss", E2E_B, ngram=chain)
+    firsts, num, law = sampler(_with_stages(WARPS["t1"]), seed=13)
+    assert (num == 4).any()  # the whole chain got accepted at times
+    pval = _two_token_pvalue(firsts, law)
+    print(f"mss + ngram: mean tokens/step {num.mean():.3f}, chi2 p-value {pval:.4f}")
     assert pval > ALPHA, pval
 
 

@@ -1,0 +1,216 @@
+"""Speculation that pays: the n-gram speculator, auto tree choice, SSM cache catch-up, cache bounds."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import dev_prompts, random_prompts, tiny_model
+from jaxspec import sampling
+from jaxspec.auto import Member, TreeChooser
+from jaxspec.engine import Engine, early_exit
+from jaxspec.kv_cache import causal_mask
+from jaxspec.ngram import NGramIndex, NGramSpeculator, proposal_arrays
+from jaxspec.speculate import speculate
+from jaxspec.step import prefill_model
+from jaxspec.tree import expansion_topology
+from models.transformer import KVCache
+
+EOS = 7
+ALL_TRIED = {"none": 1.0, "ngram": 1.02, "ssm": 1.1, "ssm+ngram": 1.15}  # every member gets picked at times
+
+
+def repetitive_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a random phrase, so the n-gram speculator finds matches."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        phrase = rng.integers(0, vocab, size=int(rng.integers(3, 7))).tolist()
+        out.append(phrase * 3 + rng.integers(0, vocab, size=2).tolist() + phrase[:2])
+    return out
+
+
+# --- defects fixed: each test failed before its fix -------------------------------------
+
+
+def test_length_cut_comes_before_eos():
+    """A step that accepts several tokens never returns more than max_new_tokens."""
+    new, reason = Engine._cut([1, 2], [3, 4, EOS], 3, {EOS}, None)
+    assert (new, reason) == ([3], "length")
+    assert Engine._cut([1, 2], [EOS, 4], 3, {EOS}, None) == ([EOS], "eos")
+    assert Engine._cut([], [3, EOS, 5], 8, {EOS}, None) == ([3, EOS], "eos")
+
+
+def test_stale_ssm_cache_is_caught_up(tiny_llm):
+    """An SSM whose cache lags more than its own re-feed window is fed the missing tokens first.
+
+    In a pool a deeper SSM can get more tokens accepted than a shallow one re-feeds; the
+    shallow one's cache must still equal a fresh prefill of every committed token.
+    """
+    ssm = tiny_model(seed=4)
+    topo = expansion_topology((1,))  # re-feed window 2
+    seq = random_prompts(1, ssm.cfg.vocab_size, seed=2, lo=20, hi=21)[0]
+    have, length, cap = 6, 15, 32
+    history = jnp.asarray([seq + [0] * (cap - len(seq))], jnp.int32)
+    fwd = jax.jit(ssm.forward)
+
+    def filled(n):
+        cache = KVCache.create(ssm.cfg, 1, cap)
+        toks = history[:, :n]
+        _, cache = prefill_model(fwd, ssm.params, cache, toks, jnp.asarray([n], jnp.int32))
+        return cache
+
+    root = jnp.asarray([seq[length]], jnp.int32)
+    spec = sampling.WarpSpec()
+    values = sampling.warp_arrays(sampling.SamplingParams(), 1)
+    lagging, _, lag_cache = speculate(ssm.forward, ssm.params, filled(have), topo, history, jnp.asarray([length]),
+                                      root, jax.random.PRNGKey(0), spec, values)
+    fresh, _, fresh_cache = speculate(ssm.forward, ssm.params, filled(length), topo, history,
+                                      jnp.asarray([length]), root, jax.random.PRNGKey(0), spec, values)
+    np.testing.assert_allclose(lag_cache.k[:, :, :length], fresh_cache.k[:, :, :length], atol=1e-5)
+    np.testing.assert_allclose(lag_cache.v[:, :, :length], fresh_cache.v[:, :, :length], atol=1e-5)
+    assert np.array_equal(lagging.tokens, fresh.tokens)
+    assert int(lag_cache.length[0]) == length
+
+
+def test_pool_of_different_depths_keeps_identity_and_acceptance(tiny_llm):
+    """A deep SSM equal to the LLM gets whole paths accepted; the shallow one stays in sync."""
+    deep = tiny_model()  # the LLM itself: every proposal accepted
+    shallow = early_exit(tiny_llm, 2)
+    base = Engine(tiny_llm)
+    both = Engine(tiny_llm, [deep, shallow], [(1, 1, 1, 1, 1, 1), (1,)])
+    for prompt in random_prompts(3, tiny_llm.cfg.vocab_size, seed=9):
+        gen = both.generate(prompt, 30)
+        assert gen.token_ids == base.generate(prompt, 30).token_ids
+        assert min(gen.step_tokens[:-1]) == 7  # the deep chain is always accepted in full
+
+
+def test_capacity_edge_writes_stay_in_bounds(tiny_llm, monkeypatch):
+    """At the exact capacity a request fills, output is unchanged; one slot less is refused up front."""
+    engine = Engine(tiny_llm, [early_exit(tiny_llm, 1), NGramSpeculator()], [(1, 2), (1, 1, 1)], auto=True,
+                    costs=ALL_TRIED)
+    worst = engine._worst()
+    prompt = repetitive_prompts(1, tiny_llm.cfg.vocab_size, seed=3)[0]
+    new = 256 - len(prompt) - worst.num_nodes - worst.max_emit  # need == the 256-slot bucket exactly
+    assert engine.capacity_for(len(prompt), new) == 256
+    assert engine.capacity_for(len(prompt), new + 1) == 512
+    want = Engine(tiny_llm).generate(prompt, new).token_ids
+    assert engine.generate(prompt, new).token_ids == want
+    fixed = Engine(tiny_llm, [early_exit(tiny_llm, 1)], (1, 2))
+    nodes = fixed._worst().num_nodes
+    monkeypatch.setattr(fixed, "capacity_for", lambda p, n: p + nodes - 1)  # one slot short of the first step
+    with pytest.raises(RuntimeError, match="a decoding step would write"):
+        fixed.generate(list(range(16)), 4)
+    monkeypatch.setattr(fixed, "capacity_for", lambda p, n: 20)  # the prompt's 32-slot bucket does not fit
+    with pytest.raises(RuntimeError, match="the prefill would write 32"):
+        fixed.generate(list(range(17)), 4)
+
+
+# --- the n-gram speculator ----------------------------------------------------------------
+
+
+def test_ngram_index_proposes_the_latest_longest_match():
+    idx = NGramIndex([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7], max_n=3)
+    assert idx.propose(3) == [9, 2, 6]  # suffix [6, 7]: the latest earlier occurrence
+    idx.extend([9])
+    assert idx.propose(2) == [2, 6]  # [6, 7, 9] occurred once before
+    assert NGramIndex([1, 2, 3], max_n=3).propose(4) == []  # nothing repeats
+    assert NGramIndex([4, 4], max_n=2).propose(5) == [4]  # never matches the suffix with itself
+    tokens, counts = proposal_arrays([[3, 4], []], 3)
+    assert tokens.tolist() == [[3, 4, 0], [0, 0, 0]] and counts.tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("speculators", ["ngram", "ngram+ssm", "auto"])
+def test_greedy_ngram_and_auto_are_token_identical(tiny_llm, speculators):
+    ssm = early_exit(tiny_llm, 1)
+    if speculators == "ngram":
+        engine = Engine(tiny_llm, [NGramSpeculator()], (1, 1, 1, 1))
+    elif speculators == "ngram+ssm":
+        engine = Engine(tiny_llm, [ssm, NGramSpeculator(2)], [(1, 2, 1), (1, 1, 1, 1, 1)])
+    else:
+        engine = Engine(tiny_llm, [ssm, NGramSpeculator()], [(1, 2, 1), (1, 1, 1, 1)], auto=True, costs=ALL_TRIED)
+    base = Engine(tiny_llm)
+    accepted = 0
+    for prompt in repetitive_prompts(4, tiny_llm.cfg.vocab_size, seed=1) + random_prompts(2, 64, seed=5):
+        gen = engine.generate(prompt, 40)
+        assert gen.token_ids == base.generate(prompt, 40).token_ids
+        accepted += sum(gen.step_tokens) - gen.llm_steps
+    assert accepted > 0  # speculation did something
+    if speculators == "auto":
+        assert engine.compilations <= 1 + len(engine.family(sampling.SamplingParams()))
+
+
+def test_ngram_with_mss_generates_and_is_seeded(tiny_llm):
+    engine = Engine(tiny_llm, [early_exit(tiny_llm, 1), NGramSpeculator()], [(2, 1), (1, 1, 1)], verify="mss")
+    prompt = repetitive_prompts(1, 64, seed=4)[0]
+    params = sampling.SamplingParams(temperature=0.8, seed=3)
+    gen = engine.generate(prompt, 24, params)
+    assert len(gen.token_ids) == 24
+    assert engine.generate(prompt, 24, params).token_ids == gen.token_ids
+
+
+# --- auto: the cost model decides ---------------------------------------------------------
+
+
+def test_auto_picks_no_speculation_when_costs_say_it_loses(tiny_llm):
+    engine = Engine(tiny_llm, [early_exit(tiny_llm, 1), NGramSpeculator()], [(1, 2), (1, 1, 1)], auto=True,
+                    costs={"none": 1.0, "ngram": 5.0, "ssm": 5.0, "ssm+ngram": 6.0})
+    for prompt in repetitive_prompts(2, 64, seed=6):
+        gen = engine.generate(prompt, 24)
+        assert gen.tree_counts == {"none": gen.llm_steps}
+        assert gen.step_tokens == [1] * gen.llm_steps
+    assert engine.compilations == 2  # prefill and "none": the others were never needed
+
+
+def test_auto_picks_a_tree_when_it_wins(tiny_llm):
+    deep = tiny_model()  # agrees with the LLM on everything
+    engine = Engine(tiny_llm, [deep], (1, 1, 1, 1), auto=True, costs={"none": 1.0, "ssm": 1.5})
+    gen = engine.generate(random_prompts(1, 64, seed=8)[0], 40)
+    assert gen.tree_counts == {"ssm": gen.llm_steps}
+    assert gen.tokens_per_step == 5.0
+
+
+def test_chooser_learns_per_depth_acceptance():
+    members = [Member("none", {}, {}), Member("ngram", {"ngram": 4}, {"ngram": (0,)})]
+    chooser = TreeChooser(members, {"none": 1.0, "ngram": 1.5})
+    assert chooser.expected_tokens("ngram", ngram_len=0) == 1.0  # no match, nothing to gain
+    optimistic = chooser.expected_tokens("ngram", ngram_len=4)
+    for _ in range(20):
+        chooser.observe("ngram", np.asarray([0]), ngram_len=4)  # rejected at depth 1 every time
+    assert chooser.expected_tokens("ngram", 4) < 1.1 < optimistic
+    assert chooser.pick(4) == "none"
+    chooser.new_request()
+    for _ in range(40):
+        chooser.observe("ngram", np.asarray([4]), ngram_len=4)  # a copy-heavy request
+    assert chooser.expected_tokens("ngram", 4) > 4.0
+    assert chooser.pick(4) == "ngram" and chooser.pick(0) == "none"
+
+
+def test_an_iteration_makes_no_implicit_transfers(tiny_llm):
+    """The step runs with host transfers disallowed: only explicit puts/gets of ids."""
+    engine = Engine(tiny_llm, [early_exit(tiny_llm, 1), NGramSpeculator()], [(1, 2), (1, 1, 1)], auto=True,
+                    costs=ALL_TRIED)
+    prompt = repetitive_prompts(1, 64, seed=2)[0]
+    want = engine.generate(prompt, 16)  # compile outside the guard
+    with jax.transfer_guard("disallow"):
+        gen = engine.generate(prompt, 16)
+    assert gen.token_ids == want.token_ids
+
+
+def test_default_speculators_auto_identity_on_dev_prompts(default_llm):
+    """The default model with the shipped pool and the n-gram, auto: greedy output unchanged."""
+    from jaxspec.resolve import load_ssms
+
+    from models.tokenizer import encode_prompt
+
+    ssms = load_ssms(["default"], default_llm) + [NGramSpeculator()]
+    expansions = [(1, 2, 1)] * (len(ssms) - 1) + [(1,) * 6]
+    engine = Engine(default_llm, ssms, expansions, auto=True, costs=ALL_TRIED)
+    base = Engine(default_llm)
+    for row in dev_prompts(3):
+        ids = encode_prompt(default_llm.tokenizer, row["prompt"], chat=True)
+        gen = engine.generate(ids, 24)
+        assert gen.token_ids == base.generate(ids, 24).token_ids, row["prompt"][:60]
+        assert len(gen.tree_counts) >= 1
