@@ -4,9 +4,9 @@ A GGUF file carries its tokenizer as metadata (``tokenizer.ggml.*``: vocabulary,
 token types, special ids; ``tokenizer.chat_template``). ``_gguf_metadata`` reads just that
 part of the header and ``_from_gguf`` builds a byte-level BPE ``tokenizers.Tokenizer`` from
 it the way transformers' own GGUF converter does, so ids match ``AutoTokenizer.from_pretrained
-(dir, gguf_file=...)`` without needing torch. There is no disk cache: SmolLM2's 49k-token
-vocabulary builds in ~0.3 s and Qwen2.5's 152k in ~1 s, as fast as reloading a saved
-tokenizer.json would be. Within one process each path is loaded once.
+(dir, gguf_file=...)`` without needing torch. There is no disk cache: a build (SmolLM2's 49k
+tokens ~0.3 s, Qwen2.5's 152k 1-2 s) takes as long as reloading a saved tokenizer.json would.
+Within one process each path is loaded once.
 """
 
 from __future__ import annotations
