@@ -1,8 +1,8 @@
 """Where jaxspec keeps per-user caches, outside the repository: compiled executables, calibrations.
 
-The root is ``$JAXSPEC_CACHE`` when set, else ``~/.cache/jaxspec`` (the tokenizer cache
-of ``models.tokenizer`` lives there too). The persistent XLA compilation cache under
-``<root>/xla`` lets a second run of the same command skip compilation.
+The root is ``$JAXSPEC_CACHE`` when set, else ``~/.cache/jaxspec``. The persistent XLA
+compilation cache under ``<root>/xla`` lets a second run of the same command skip
+compilation; ``jaxspec.costs`` keeps measured step costs under ``<root>/costs``.
 """
 
 from __future__ import annotations
