@@ -22,7 +22,7 @@ setup-train: setup
 	$(BIN)/pip install -q -e '.[train]'
 
 run: setup
-	$(BIN)/jaxspec generate --mode tree --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS)
+	$(BIN)/jaxspec generate --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS)
 
 test: setup-test
 	$(BIN)/python -m pytest -q

@@ -23,23 +23,32 @@ from jaxspec.cli_common import (
     user_errors,
 )
 
-MODES = ("incremental", "sequence", "tree")
+MODES = ("auto", "incremental", "sequence", "tree")
 DEFAULT_TREE = "1,1,3,1,1,1,1,1"  # the paper's default expansion config
 DEFAULT_SEQUENCE = "1,1,1,1,1,1,1,1"
+AUTO_SPECULATORS = ("default", "ngram")  # --mode auto without --ssm: the shipped pool and prompt lookup
+AUTO_SSM_TREE = "1,2,1"  # the learned SSMs' tree in the auto family (small: drafting is not free)
+AUTO_NGRAM_CHAIN = "1,1,1,1,1,1"  # the n-gram speculator's chain in the auto family
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="LLM checkpoint: HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--mode", choices=MODES, default="incremental",
-                   help="incremental: no speculation; sequence: <1,..,1>; tree: token trees (default expansion "
-                        f"{DEFAULT_TREE})")
+    p.add_argument("--mode", choices=MODES, default="auto",
+                   help="auto (default): before every step pick the tree (or none) with the most expected tokens "
+                        "per second from measured costs and running acceptance; incremental: no speculation; "
+                        f"sequence: <1,..,1>; tree: token trees (default expansion {DEFAULT_TREE})")
     p.add_argument("--ssm", action="append", default=None, metavar="PATH_OR_SPEC",
-                   help="speculative model: layers:N (LLM's first N layers), pool:DIR, a checkpoint path, or "
-                        "default; repeat to merge several SSMs' trees")
-    p.add_argument("--expansion", help=f"expansion config k1,...,km (tree default {DEFAULT_TREE}); "
-                   "';'-separated configs give each SSM its own, e.g. '1,1,3,1;1,2,1'")
+                   help="speculator: layers:N (LLM's first N layers), pool:DIR, a checkpoint path, ngram[:N] "
+                        "(prompt lookup of up to N-token suffixes), or default (the shipped pool); repeat to merge "
+                        f"several speculators' trees (auto default: {' + '.join(AUTO_SPECULATORS)})")
+    p.add_argument("--expansion", help=f"expansion config k1,...,km (tree default {DEFAULT_TREE}; auto: SSMs "
+                   f"{AUTO_SSM_TREE}, n-gram {AUTO_NGRAM_CHAIN}); ';'-separated configs give each speculator its "
+                   "own, e.g. '1,1,3,1;1,2,1' (an n-gram proposes a chain as deep as its config)")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="auto: measure the step costs again instead of reusing the cached calibration")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the tree each step runs (auto) and costs")
     p.add_argument("--tree-budget", type=int, help="pad/limit the verified tree to N nodes (root included)")
     p.add_argument("--verify", default="mss", choices=("mss", "naive"),
                    help="stochastic verifier (temperature > 0): multi-step speculative sampling or naive sampling")
@@ -80,14 +89,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def expansion_for(args) -> tuple[tuple[int, ...], ...]:
-    """The expansion configs: one shared by every SSM, or ";"-separated, one per SSM."""
+def speculator_specs(args) -> list[str]:
+    """The ``--ssm`` specs to load: as given, else the mode's default."""
+    if args.mode == "incremental":
+        return []
+    if args.ssm:
+        return list(args.ssm)
+    return list(AUTO_SPECULATORS) if args.mode == "auto" else ["default"]
+
+
+def expansion_for(args, speculators: Sequence = ()) -> tuple[tuple[int, ...], ...]:
+    """The expansion configs: one shared by every speculator, or ";"-separated, one per speculator."""
+    from jaxspec.ngram import NGramSpeculator
     from jaxspec.tree import parse_expansion
 
     if args.mode == "incremental":
         if args.expansion or args.ssm:
-            raise CliError("--mode incremental takes no --ssm or --expansion (use --mode sequence or tree)")
+            raise CliError("--mode incremental takes no --ssm or --expansion (use --mode auto, sequence or tree)")
         return ()
+    if args.mode == "auto" and not args.expansion:
+        return tuple(parse_expansion(AUTO_NGRAM_CHAIN if isinstance(s, NGramSpeculator) else AUTO_SSM_TREE)
+                     for s in speculators)
     text = args.expansion or (DEFAULT_TREE if args.mode == "tree" else DEFAULT_SEQUENCE)
     expansions = tuple(parse_expansion(part) for part in text.split(";"))
     if not all(expansions):
@@ -98,25 +120,40 @@ def expansion_for(args) -> tuple[tuple[int, ...], ...]:
 
 
 def build_engine(args, log=None):
-    """Loads the LLM and SSMs named by the arguments and returns (engine, llm)."""
+    """Loads the LLM and speculators named by the arguments and returns (engine, llm)."""
     from jaxspec.engine import Engine
-    from jaxspec.resolve import default_ssm_spec, load_llm, load_ssms
+    from jaxspec.resolve import load_llm, load_ssms
 
-    expansion = expansion_for(args)
+    expansion_for(args)  # validates the mode's flags before loading anything
     llm = load_llm(args.model, args.dtype)
-    ssms = []
-    if expansion:
-        specs = args.ssm or [default_ssm_spec()]
-        ssms = load_ssms(specs, llm, args.dtype)
+    ssms = load_ssms(speculator_specs(args), llm, args.dtype)
+    expansion = expansion_for(args, ssms)
+    if ssms:
         if len(expansion) not in (1, len(ssms)):
-            raise CliError(f"--expansion gives {len(expansion)} ';'-separated configs for {len(ssms)} SSMs "
-                           f"({', '.join(s.name for s in ssms)}): give one shared config or one per SSM")
+            raise CliError(f"--expansion gives {len(expansion)} ';'-separated configs for {len(ssms)} speculators "
+                           f"({', '.join(s.name for s in ssms)}): give one shared config or one per speculator")
         shown = "; ".join("<" + ",".join(map(str, e)) + ">" for e in expansion)
         names = ", ".join(s.name for s in ssms)
-        print(f"[jaxspec] LLM {llm.name}; SSMs: {names}; expansion {shown}", file=log or sys.stderr)
+        print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {args.mode}",
+              file=log or sys.stderr)
         expansion = expansion[0] if len(expansion) == 1 else expansion
-    engine = Engine(llm, ssms, expansion, args.tree_budget, args.verify if args.temperature > 0 else "greedy")
+    engine = Engine(llm, ssms, expansion, args.tree_budget, args.verify if args.temperature > 0 else "greedy",
+                    auto=args.mode == "auto")
     return engine, llm
+
+
+def report_calibration(engine, llm, args, prompt: str) -> None:
+    """``-v`` with ``--mode auto``: the family and its measured cost per iteration, once."""
+    from models.tokenizer import encode_prompt
+
+    ids = encode_prompt(llm.tokenizer, prompt, chat=not args.no_chat)
+    params = sampling_params(args)
+    capacity = engine.capacity_for(len(ids), args.max_new_tokens)
+    costs = engine.calibrate(params, capacity, refresh=args.recalibrate)
+    base = costs["none"]
+    for name, seconds in costs.items():
+        print(f"[jaxspec] tree {name:<10} {engine.describe(name):<32} {seconds * 1e3:7.1f} ms/step "
+              f"({seconds / base:.2f}x none)", file=sys.stderr)
 
 
 def stop_checker(tokenizer, stops: Sequence[str]):
@@ -144,8 +181,12 @@ def run_one(engine, llm, prompt: str, args, sample: int = 0, stream: bool = Fals
     ids = encode_prompt(llm.tokenizer, prompt, chat=not args.no_chat)
     printed = 0
     gen = None
+    def on_step(tree: str, tokens: int) -> None:
+        print(f"\n[jaxspec] step: tree {tree}, {tokens} tokens", file=sys.stderr)
+
     for _, gen in engine.stream(ids, args.max_new_tokens, sampling_params(args, sample),
-                                stop=stop_checker(llm.tokenizer, args.stop)):
+                                stop=stop_checker(llm.tokenizer, args.stop),
+                                on_step=on_step if args.verbose and engine.auto else None):
         if stream:
             text = llm.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
             sys.stdout.write(text[printed:])
@@ -167,6 +208,7 @@ def record(row: dict, sample: int, gen, tokenizer, args) -> dict:
         "seconds": round(gen.seconds, 4),
         "finish_reason": gen.finish_reason,
         "mode": args.mode,
+        "tree": gen.tree_counts,
     }
 
 
@@ -178,6 +220,8 @@ def cmd_generate(args) -> int:
     sampling_params(args)  # validate before loading anything
     rows = read_prompts(args.prompt_file, args.limit) if args.prompt_file else [{"id": "prompt", "prompt": args.prompt}]
     engine, llm = build_engine(args)
+    if engine.auto and (args.verbose or args.recalibrate):
+        report_calibration(engine, llm, args, rows[0]["prompt"])
     out = open(args.output, "w", encoding="utf-8") if args.output else None
     try:
         if args.prompt is not None and args.num_samples == 1:

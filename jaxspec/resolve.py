@@ -1,6 +1,6 @@
 """Turns command-line model specs into LoadedModels: the LLM path and every ``--ssm`` spec.
 
-SSM specs: ``layers:N`` (early exit from the LLM's first N layers), ``pool:PATH`` (every
+SSM specs: ``ngram[:N]`` (prompt lookup), ``layers:N`` (early exit from the LLM's first N layers), ``pool:PATH`` (every
 SSM of a boost-tuned pool), ``default`` (the shipped pool, else ``layers:4``), or a path
 to a checkpoint (HF directory or GGUF) sharing the LLM's tokenizer.
 """
@@ -13,6 +13,7 @@ from typing import Sequence
 import jax.numpy as jnp
 
 from jaxspec.engine import LoadedModel, RequestError, early_exit
+from jaxspec.ngram import NGramSpeculator
 from jaxspec.pool import load_pool
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -38,13 +39,25 @@ def default_ssm_spec() -> str:
     return f"pool:{DEFAULT_POOL}" if (DEFAULT_POOL / "pool.json").exists() else FALLBACK_SSM
 
 
-def load_ssms(specs: Sequence[str], llm: LoadedModel, dtype: str = "float32") -> list[LoadedModel]:
+def ngram_speculator(spec: str) -> NGramSpeculator:
+    """``ngram`` or ``ngram:N`` (match suffixes of up to N tokens)."""
+    if spec == "ngram":
+        return NGramSpeculator()
+    try:
+        return NGramSpeculator(int(spec.split(":", 1)[1]))
+    except ValueError:
+        raise RequestError(f"--ssm {spec!r}: expected ngram or ngram:N with an integer N >= 1") from None
+
+
+def load_ssms(specs: Sequence[str], llm: LoadedModel, dtype: str = "float32") -> list[LoadedModel | NGramSpeculator]:
     """Resolves every ``--ssm`` spec against the LLM; the order of SSMs follows the specs."""
     out: list[LoadedModel] = []
     for spec in specs:
         if spec == "default":
             spec = default_ssm_spec()
-        if spec.startswith("layers:"):
+        if spec == "ngram" or spec.startswith("ngram:"):
+            out.append(ngram_speculator(spec))
+        elif spec.startswith("layers:"):
             try:
                 n = int(spec.split(":", 1)[1])
             except ValueError:

@@ -102,6 +102,33 @@ def test_tree_mode_defaults_to_the_shipped_pool_and_keeps_the_output():
     assert tree.stdout == incremental.stdout and tree.stdout.strip()
 
 
+def test_auto_is_the_default_mode_and_keeps_the_output(tmp_path):
+    """Default speculators (shipped pool + n-gram), auto tree choice: same text as incremental."""
+    out = tmp_path / "auto.jsonl"
+    prompt = "Repeat exactly: red green blue, red green blue, red green blue."
+    args = ("generate", "--prompt", prompt, "--max-new-tokens", "24")
+    auto = run_cli(*args, "-v", "--output", str(out), env={**os.environ, "JAXSPEC_CACHE": str(tmp_path / "c")})
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    assert "ngram:3" in auto.stderr and "mode auto" in auto.stderr
+    assert re.search(r"tree none +no speculation .* ms/step", auto.stderr)
+    row = json.loads(out.read_text())
+    assert row["mode"] == "auto" and sum(row["tree"].values()) == row["llm_steps"]
+    assert set(row["tree"]) <= {"none", "ngram", "ssm", "ssm+ngram"}
+    assert auto.stderr.count("[jaxspec] step: tree") == row["llm_steps"]
+    incremental = run_cli(*args, "--mode", "incremental")
+    assert incremental.returncode == 0, incremental.stderr[-3000:]
+    assert auto.stdout.replace("\n", "") == incremental.stdout.replace("\n", "") and incremental.stdout.strip()
+
+
+def test_ngram_speculator_spec(capsys):
+    assert cli.main(["generate", "--prompt", "a b a b a b", "--max-new-tokens", "8", "--mode", "tree",
+                     "--ssm", "ngram:2", "--expansion", "1,1,1,1", "--no-chat"]) == 0
+    assert "speculators: ngram:2" in capsys.readouterr().err
+    assert cli.main(["generate", "--prompt", "hi", "--mode", "tree", "--ssm", "ngram:x"]) == 2
+    assert "ngram:N" in capsys.readouterr().err
+    assert cli.main(["generate", "--prompt", "hi", "--mode", "tree", "--ssm", "ngram:0"]) == 2
+
+
 def test_per_ssm_expansion_configs(tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     base = ["generate", "--prompt", "Name a color.", "--max-new-tokens", "10", "--mode", "tree",
@@ -111,7 +138,7 @@ def test_per_ssm_expansion_configs(tmp_path, capsys):
     assert row["ssm_steps"] == (3 + 2) * row["llm_steps"]  # each SSM drafts its own depth per step
     assert "expansion <1,2,1>; <1,1>" in capsys.readouterr().err
     assert cli.main([*base, "--expansion", "1;1;1"]) == 2
-    assert "3 ';'-separated configs for 2 SSMs" in capsys.readouterr().err
+    assert "3 ';'-separated configs for 2 speculators" in capsys.readouterr().err
 
 
 def _cache_stats(stderr: str) -> tuple[int, int]:
