@@ -8,7 +8,8 @@ speculative decoding ((1 + Σ per-position acceptance) / latency, no speculation
 candidate) applied to token trees.
 
 Statistics are kept per proposer kind (``ssm``: the learned SSMs' tree; ``ngram``: the
-prompt-lookup chain) and per tree depth i: of the iterations where the kind's proposal
+prompt-lookup chain, kept apart by the length of the suffix it matched, 1, 2 or 3+
+tokens, since longer matches are far more reliable) and per tree depth i: of the iterations where the kind's proposal
 agreed with the emitted tokens down to depth i - 1 and reached depth i, how often it
 agreed at depth i too. Counts of the current request are blended with those of earlier
 requests (at most ``GLOBAL_WEIGHT`` pseudo-iterations) and an optimistic prior, so a kind
@@ -23,7 +24,8 @@ import dataclasses
 
 import numpy as np
 
-KINDS = ("ssm", "ngram")
+NGRAM_BUCKETS = 3  # n-gram statistics per matched suffix length 1, 2, 3+
+KINDS = ("ssm",) + tuple(f"ngram:{n}" for n in range(1, NGRAM_BUCKETS + 1))
 PRIOR_RATE = 0.6  # optimistic prior acceptance per depth, worth PRIOR_WEIGHT iterations
 PRIOR_WEIGHT = 1.0
 GLOBAL_WEIGHT = 8.0  # earlier requests count as at most this many iterations
@@ -79,34 +81,41 @@ class TreeChooser:
         trials = r.trials + scale * g.trials + PRIOR_WEIGHT
         return hits / trials
 
-    def expected_tokens(self, name: str, ngram_len: int = 0) -> float:
-        """1 + Σ_i P(the merged tree agrees down to depth i): expected tokens of one iteration."""
+    @staticmethod
+    def _stats_kind(kind: str, ngram_match: int) -> str:
+        return f"ngram:{min(max(ngram_match, 1), NGRAM_BUCKETS)}" if kind == "ngram" else kind
+
+    def expected_tokens(self, name: str, ngram_len: int = 0, ngram_match: int = 1) -> float:
+        """1 + Σ_i P(the merged tree agrees down to depth i): expected tokens of one iteration.
+
+        ``ngram_len`` is how many tokens the n-gram proposes now, ``ngram_match`` how long a
+        suffix it matched.
+        """
         m = self.members[name]
         miss = np.ones(self.max_depth + 1)  # P(no kind reaches depth i)
         for kind, depth in m.depth.items():
             d = min(depth, ngram_len) if kind == "ngram" else depth
             reach = np.zeros(self.max_depth + 1)
-            reach[1 : d + 1] = np.cumprod(self.rates(kind)[1 : d + 1])
+            reach[1 : d + 1] = np.cumprod(self.rates(self._stats_kind(kind, ngram_match))[1 : d + 1])
             miss *= 1.0 - reach
         return 1.0 + float((1.0 - miss)[1:].sum())
 
-    def scores(self, ngram_len: int = 0) -> dict[str, float]:
+    def scores(self, ngram_len: int = 0, ngram_match: int = 1) -> dict[str, float]:
         """Expected tokens per second of every member."""
-        return {n: self.expected_tokens(n, ngram_len) / self.costs[n] for n in self.members}
+        return {n: self.expected_tokens(n, ngram_len, ngram_match) / self.costs[n] for n in self.members}
 
-    def pick(self, ngram_len: int = 0) -> str:
+    def pick(self, ngram_len: int = 0, ngram_match: int = 1) -> str:
         """The member with the most expected tokens per second ("none" wins ties)."""
-        scores = self.scores(ngram_len)
-        best = max(scores, key=lambda n: (scores[n], n == "none"))
-        return best
+        scores = self.scores(ngram_len, ngram_match)
+        return max(scores, key=lambda n: (scores[n], n == "none"))
 
-    def observe(self, name: str, source_depth: np.ndarray, ngram_len: int = 0) -> None:
+    def observe(self, name: str, source_depth: np.ndarray, ngram_len: int = 0, ngram_match: int = 1) -> None:
         """Records one iteration of ``name``: source_depth [P] as returned by the step."""
         m = self.members[name]
         for kind, depth in m.depth.items():
             d = min(depth, ngram_len) if kind == "ngram" else depth
             agreed = max((int(source_depth[p]) for p in m.positions[kind]), default=0)
             tried = min(agreed + 1, d)  # depths 1..tried were reached with their parent agreeing
-            stats = self.request[kind]
+            stats = self.request[self._stats_kind(kind, ngram_match)]
             stats.trials[1 : tried + 1] += 1
             stats.hits[1 : agreed + 1] += 1

@@ -385,13 +385,14 @@ class Engine:
                 if index is not None:
                     index.extend(new)
                     proposal = index.propose(self.ngram_depth)
-                name = chooser.pick(len(proposal)) if chooser else next(iter(family))
+                matched = index.matched if index is not None else 0
+                name = chooser.pick(len(proposal), matched) if chooser else next(iter(family))
                 cfg = family[name]
                 _check_fits(committed + cfg.num_nodes, capacity, "a decoding step")
                 state, out = steps[name](self.llm.params, ssm_params, state, *self._proposal(proposal))
                 emitted, num, depths = jax.device_get((out.tokens, out.num, out.source_depth))
                 if chooser:
-                    chooser.observe(name, depths[0], len(proposal))
+                    chooser.observe(name, depths[0], len(proposal), matched)
                 committed += int(num[0])
                 gen.llm_steps += 1
                 gen.ssm_steps += cfg.draft_levels

@@ -49,6 +49,7 @@ class NGramIndex:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
         self.tokens: list[int] = []
+        self.matched = 0  # length of the suffix the last proposal matched
         self._ends: dict[tuple[int, ...], int] = {}
         self.extend(tokens)
 
@@ -64,12 +65,17 @@ class NGramIndex:
             self._ends[tuple(self.tokens[end - n + 1 : end + 1])] = end
 
     def propose(self, depth: int) -> list[int]:
-        """Up to ``depth`` tokens that followed the longest earlier match of the current suffix."""
+        """Up to ``depth`` tokens that followed the longest earlier match of the current suffix.
+
+        ``self.matched`` is then that match's length (0 when nothing matched).
+        """
         toks = self.tokens
         for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
             end = self._ends.get(tuple(toks[len(toks) - n :]))
             if end is not None:
+                self.matched = n
                 return toks[end + 1 : end + 1 + depth]
+        self.matched = 0
         return []
 
 

@@ -178,9 +178,10 @@ def test_chooser_learns_per_depth_acceptance():
     assert chooser.expected_tokens("ngram", ngram_len=0) == 1.0  # no match, nothing to gain
     optimistic = chooser.expected_tokens("ngram", ngram_len=4)
     for _ in range(20):
-        chooser.observe("ngram", np.asarray([0]), ngram_len=4)  # rejected at depth 1 every time
+        chooser.observe("ngram", np.asarray([0]), ngram_len=4, ngram_match=1)  # rejected at depth 1 every time
     assert chooser.expected_tokens("ngram", 4) < 1.1 < optimistic
     assert chooser.pick(4) == "none"
+    assert chooser.expected_tokens("ngram", 4, ngram_match=3) == optimistic  # longer matches: own statistics
     chooser.new_request()
     for _ in range(40):
         chooser.observe("ngram", np.asarray([4]), ngram_len=4)  # a copy-heavy request
