@@ -7,9 +7,10 @@ import json
 import sys
 
 import numpy as np
+import pytest
 
 from jaxspec import cli
-from jaxspec.bench import coverage_rates
+from jaxspec.bench import coverage_rates, modes_tables, warmup_prompts
 from jaxspec.costs import calibration_key, load_or_measure, random_model
 
 
@@ -123,3 +124,64 @@ def test_load_or_measure_caches_per_key_and_keeps_int_keys(tmp_path, monkeypatch
     assert load_or_measure(key, measure, refresh=True) == {1: 0.5, 64: 3.0} and len(calls) == 2
     assert load_or_measure({**key, "capacity": 128}, measure) == {1: 0.5, 64: 4.5} and len(calls) == 3
     assert load_or_measure(key, measure) == {1: 0.5, 64: 3.0} and len(calls) == 3
+
+
+def test_bench_modes_runs_each_mode_as_generate_in_its_own_process(tmp_path, capsys):
+    out = tmp_path / "modes.csv"
+    assert cli.main(["bench", "modes", "--prompt-file", _prompts(tmp_path, 2), "--limit", "2", "--max-new-tokens", "4",
+                     "--modes", "incremental,sequence", "--ssm", "layers:4", "--expansion", "1,1",
+                     "--output", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["mode"], r["id"]) for r in rows] == [("incremental", "q0"), ("incremental", "q1"),
+                                                     ("sequence", "q0"), ("sequence", "q1")]  # no warm-up rows
+    assert all(int(r["tokens"]) == 4 and float(r["ms_per_token"]) > 0 for r in rows)
+    assert [r["identical_to_incremental"] for r in rows] == ["", "", "True", "True"]
+    summary = {r["mode"]: r for r in csv.DictReader((tmp_path / "modes_summary.csv").open())}
+    inc, seq = summary["incremental"], summary["sequence"]
+    assert inc["prompts"] == seq["prompts"] == "2" and float(inc["speedup"]) == 1.0
+    assert seq["identical_to_incremental"] == "2" and float(inc["tokens_per_step"]) == 1.0
+    assert int(seq["warmup_prompts"]) >= 1 and float(seq["warmup_seconds"]) > 0
+    assert float(seq["seconds"]) == pytest.approx(sum(float(r["seconds"]) for r in rows if r["mode"] == "sequence"))
+    assert (tmp_path / "modes.png").stat().st_size > 1000
+    assert (tmp_path / "modes_sequence.log").is_file()
+    assert "2/2" in capsys.readouterr().out
+
+    assert cli.main(["bench", "modes", "--prompt-file", _prompts(tmp_path), "--modes", "incremental,sequence",
+                     "--expansion", "1,2"]) == 2
+    assert "--expansion of 1s" in capsys.readouterr().err
+
+
+def test_warmup_prompts_cover_the_shortest_and_longest_prompt_of_each_bucket():
+    rows = [{"id": f"p{i}", "prompt": f"text {i}"} for i in range(6)]
+    warm = warmup_prompts(rows, [20, 40, 17, 100, 33, 64], rounds=2)  # buckets 32, 64, 32, 128, 64, 64
+    assert [w["prompt"] for w in warm[:5]] == ["text 2", "text 0", "text 4", "text 5", "text 3"]
+    assert warm[5:] == [{**w, "id": f"warmup-{k + 5}"} for k, w in enumerate(warm[:5])]
+    assert [w["id"] for w in warm] == [f"warmup-{k}" for k in range(10)]
+    assert warmup_prompts(rows, [20] * 6, rounds=0) == []
+
+
+def test_modes_tables_speedup_weighted_tokens_per_step_identity_and_tree_usage(capsys):
+    from jaxspec.bench import _print_modes
+
+    def row(pid, ids, steps, tps, secs, tree):
+        return {"id": pid, "token_ids": ids, "llm_steps": steps, "tokens_per_step": tps, "seconds": secs,
+                "finish_reason": "length", "tree": tree}
+
+    def result(rows):
+        return {"rows": rows, "warmup_prompts": 1, "warmup_seconds": 2.0, "process_seconds": 9.0}
+
+    results = {
+        "incremental": result([row("a", [1, 2, 3, 4], 3, 1.0, 0.4, {"none": 3}), row("b", [5, 6], 1, 1.0, 0.2, {})]),
+        "auto": result([row("a", [1, 2, 3, 4], 1, 3.0, 0.1, {"ngram": 1}),
+                        row("b", [5, 7], 3, 1.0, 0.2, {"none": 2, "ngram": 1})]),
+    }
+    per_prompt, summary = modes_tables(results, greedy=True)
+    assert [r["identical_to_incremental"] for r in per_prompt] == ["", "", True, False]
+    inc, auto = summary
+    assert inc["ms_per_token"] == 100.0 and auto["ms_per_token"] == 50.0 and auto["speedup"] == 2.0
+    assert auto["tokens_per_step"] == 1.5  # (3*1 + 1*3) / (1 + 3) steps, not the mean of 3.0 and 1.0
+    assert auto["identical_to_incremental"] == 1 and auto["tree"] == "ngram:2 none:2"
+    _print_modes(summary, greedy=True, warmup=1)
+    assert "NOT LOSSLESS: mode auto matches incremental on only 1/2" in capsys.readouterr().err
+    _, sampled = modes_tables(results, greedy=False)
+    assert [s["identical_to_incremental"] for s in sampled] == ["", ""]
