@@ -21,7 +21,7 @@ from jaxspec.ngram import NGramSpeculator
 from jaxspec.step import DecodeConfig, DecodeState, SSMGroup, decode_step, prefill
 from jaxspec.tree import expansion_topology
 from models.config import ModelConfig
-from models.transformer import Forward, KVCache, make_forward
+from models.transformer import Forward, KVCache, make_forward, unstack_layers
 
 CAPACITY_BUCKETS = tuple(256 * 2**i for i in range(9))  # 256 … 65536 slots
 MIN_PROMPT_BUCKET = 16
@@ -49,10 +49,10 @@ class LoadedModel:
 _FORWARDS: dict = {}
 
 
-def _forward_for(cfg: ModelConfig, dtype) -> Forward:
-    key = (cfg, dtype)
+def _forward_for(cfg: ModelConfig, dtype, unrolled: bool = False) -> Forward:
+    key = (cfg, dtype, unrolled)
     if key not in _FORWARDS:
-        _FORWARDS[key] = make_forward(cfg, dtype)
+        _FORWARDS[key] = make_forward(cfg, dtype, unrolled)
     return _FORWARDS[key]
 
 
@@ -111,8 +111,11 @@ class Engine:
         batch_ssms: bool = True,
         auto: bool = False,
         costs: dict[str, float] | None = None,
+        unroll: bool = True,
     ) -> None:
-        """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward."""
+        """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward;
+        ``unroll`` runs the LLM's layers unrolled over per-layer weights (no per-call weight
+        slicing; slower to compile, faster to run)."""
         expansions = _per_ssm(expansion, len(ssms))
         ngrams = [s for s in ssms if isinstance(s, NGramSpeculator)]
         if len(ngrams) > 1:
@@ -121,6 +124,9 @@ class Engine:
         for ssm, _ in models:
             check_vocab(llm, ssm)
         self.llm = llm
+        self.unroll = unroll
+        self._llm_params = unstack_layers(llm.params) if unroll else llm.params
+        self._llm_forward = _forward_for(llm.cfg, jnp.dtype(llm.dtype), unroll)
         self.ngram = ngrams[0] if ngrams else None
         self.ngram_depth = len(next(e for s, e in zip(ssms, expansions) if s is self.ngram)) if self.ngram else 0
         self.ssms = tuple(s for s, _ in models)
@@ -133,6 +139,7 @@ class Engine:
         self._costs: dict = {}
         self._injected_costs = dict(costs) if costs else None
         self._choosers: dict = {}
+        self._no_proposal: tuple[jax.Array, jax.Array] | None = None
         self.groups = (ssm_groups(self.ssms, self.topologies) if batch_ssms
                        else tuple(SSMGroup((j,)) for j in range(len(self.ssms))))
         self._group_params = tuple(stack_params([self.ssms[j].params for j in g.members], g.shared)
@@ -191,7 +198,7 @@ class Engine:
     # -- compiled functions -------------------------------------------------------------
     def _step_fn(self, cfg: DecodeConfig) -> Callable:
         if cfg not in self._compiled:
-            llm_fwd = self.llm.forward
+            llm_fwd = self._llm_forward
             ssm_fwds = tuple(self.ssms[g.members[0]].forward for g in cfg.ssm_groups)
 
             def step(llm_params, ssm_params, state, proposal_tokens, proposal_count):
@@ -209,7 +216,7 @@ class Engine:
                                   ngram_depth=0)
         key = ("prefill", cfg)
         if key not in self._compiled:
-            llm_fwd = self.llm.forward
+            llm_fwd = self._llm_forward
             ssm_fwds = tuple(self.ssms[g.members[0]].forward for g in cfg.ssm_groups)
 
             def pre(llm_params, ssm_params, state, tokens, lengths):
@@ -220,9 +227,17 @@ class Engine:
         return self._compiled[key]
 
     def _proposal(self, tokens: Sequence[int]) -> tuple[jax.Array, jax.Array]:
-        """Device arrays (tokens [1, D], count [1]) for the step; explicit transfers only."""
+        """Device arrays (tokens [1, D], count [1]) for the step; explicit transfers only.
+
+        The empty proposal is transferred once and reused (incremental steps send nothing).
+        """
+        if not tokens and self._no_proposal is not None:
+            return self._no_proposal
         toks, count = ngram.proposal_arrays([list(tokens)], self.ngram_depth)
-        return jax.device_put(toks), jax.device_put(count)
+        arrays = jax.device_put((toks, count))
+        if not tokens:
+            self._no_proposal = arrays
+        return arrays
 
     # -- costs and the chooser -------------------------------------------------------------
     def calibrate(self, params: sampling.SamplingParams, capacity: int, refresh: bool = False) -> dict[str, float]:
@@ -257,13 +272,13 @@ class Engine:
         for name, cfg in self.family(params).items():
             step_fn = self._step_fn(cfg)
             state = self.init_state(1, capacity, params)
-            state, _ = self._prefill_fn(params)(self.llm.params, self._group_params, state, jnp.asarray(prompt),
+            state, _ = self._prefill_fn(params)(self._llm_params, self._group_params, state, jnp.asarray(prompt),
                                                 jnp.asarray([MIN_PROMPT_BUCKET], jnp.int32))
             toks, count = self._proposal(list(range(1, self.ngram_depth + 1)))
             times = []
             for _ in range(reps + 1):
                 t0 = time.perf_counter()
-                state, res = step_fn(self.llm.params, self._group_params, state, toks, count)
+                state, res = step_fn(self._llm_params, self._group_params, state, toks, count)
                 jax.block_until_ready(res)
                 times.append(time.perf_counter() - t0)
             out[name] = float(np.median(times[1:]))  # the first call compiles
@@ -365,7 +380,7 @@ class Engine:
         start = time.perf_counter()
         _check_fits(tp, capacity, "the prefill")
         state = self.init_state(1, capacity, params)
-        state, first = prefill_fn(self.llm.params, ssm_params, state, jax.device_put(tokens),
+        state, first = prefill_fn(self._llm_params, ssm_params, state, jax.device_put(tokens),
                                   jax.device_put(np.asarray([len(prompt_ids)], np.int32)))
         gen = Generation([], 0, 0, 0.0, "length")
         new = [int(jax.device_get(first)[0])]
@@ -389,7 +404,7 @@ class Engine:
                 name = chooser.pick(len(proposal), matched) if chooser else next(iter(family))
                 cfg = family[name]
                 _check_fits(committed + cfg.num_nodes, capacity, "a decoding step")
-                state, out = steps[name](self.llm.params, ssm_params, state, *self._proposal(proposal))
+                state, out = steps[name](self._llm_params, ssm_params, state, *self._proposal(proposal))
                 emitted, num, depths = jax.device_get((out.tokens, out.num, out.source_depth))
                 if chooser:
                     chooser.observe(name, depths[0], len(proposal), matched)

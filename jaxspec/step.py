@@ -274,7 +274,10 @@ def decode_step(
     logits, llm_cache = llm_forward(llm_params, tree.tokens, length[:, None] + tree.depth, state.llm_cache, mask)
     verdict = accept(cfg, tree, logits, draft_probs, state, k_verify)
 
-    llm_cache = commit(llm_cache, verdict.path, verdict.num)
+    if n > 1:  # a root-only tree's path is the root itself, already in place
+        llm_cache = commit(llm_cache, verdict.path, verdict.num)
+    else:
+        llm_cache = llm_cache.replace(length=length + verdict.num)
     b, p = verdict.path.shape
     path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(verdict.path, 0), axis=1)  # [B, P]
     real = jnp.arange(p)[None, :] < verdict.num[:, None]

@@ -73,10 +73,16 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Embeddings, L scanned blocks, final norm and LM head."""
+    """Embeddings, L blocks (scanned, or unrolled over per-layer parameters), final norm and LM head.
+
+    ``unrolled`` reads parameters ``layer_0 … layer_{L-1}`` (``unstack_layers``) instead of
+    the stacked ``layers``: on CPUs a scan slices (copies) every layer's weights per call,
+    which doubles the memory traffic of a decoding step.
+    """
 
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
+    unrolled: bool = False
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache, mask, select=None):
@@ -104,15 +110,24 @@ class Transformer(nn.Module):
                 name="pos_embed",
             )
             x = x + pos_table(positions + OPT_POSITION_OFFSET)
-        blocks = nn.scan(
-            Block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=cfg.num_layers,
-            metadata_params={nn.PARTITION_NAME: axes.LAYERS},
-        )(cfg, self.dtype, name="layers")
-        x, (k_new, v_new) = blocks(x, cache.k, cache.v, positions, mask, cache.length)  # [L, B, T, K, H]
+        if self.unrolled:
+            news = []
+            for i in range(cfg.num_layers):
+                block = Block(cfg, self.dtype, name=f"layer_{i}")
+                x, kv = block(x, cache.k[i], cache.v[i], positions, mask, cache.length)
+                news.append(kv)
+            k_new = jnp.stack([k for k, _ in news])  # [L, B, T, K, H]
+            v_new = jnp.stack([v for _, v in news])
+        else:
+            blocks = nn.scan(
+                Block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: axes.LAYERS},
+            )(cfg, self.dtype, name="layers")
+            x, (k_new, v_new) = blocks(x, cache.k, cache.v, positions, mask, cache.length)  # [L, B, T, K, H]
         b, t = tokens.shape
         slots = cache.length[:, None] + jnp.arange(t, dtype=cache.length.dtype)  # [B, T]
         rows = jnp.arange(b)[:, None]
@@ -129,7 +144,9 @@ class Transformer(nn.Module):
         else:
             x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
         if cfg.tie_word_embeddings:
-            logits = embed.attend(x)
+            # [B, T, V]: contract D against the [V, D] table as stored (``attend`` transposes it,
+            # which XLA's CPU backend materialises: a full copy of the table per call).
+            logits = jax.lax.dot_general(x, embed.embedding.astype(self.dtype), (((2,), (1,)), ((), ())))
         else:
             logits = Dense((cfg.hidden_size,), (cfg.vocab_size,), (axes.EMBED,), (axes.VOCAB,), False, self.dtype,
                            name="lm_head")(x)
@@ -139,14 +156,26 @@ class Transformer(nn.Module):
 Forward = Callable[..., tuple[jax.Array, KVCache]]
 
 
-def make_forward(cfg: ModelConfig, dtype=jnp.float32) -> Forward:
-    """Returns ``forward(params, tokens, positions, cache, mask, select=None) -> (logits, cache)``."""
-    model = Transformer(cfg, dtype)
+def make_forward(cfg: ModelConfig, dtype=jnp.float32, unrolled: bool = False) -> Forward:
+    """Returns ``forward(params, tokens, positions, cache, mask, select=None) -> (logits, cache)``.
+
+    ``unrolled`` takes ``unstack_layers(params)`` and loops over the layers in the graph.
+    """
+    model = Transformer(cfg, dtype, unrolled)
 
     def forward(params, tokens, positions, cache, mask, select=None):
         return model.apply({"params": params}, tokens, positions, cache, mask, select)
 
     return forward
+
+
+def unstack_layers(params: dict) -> dict:
+    """The parameter tree of an unrolled forward: ``layers`` [L, ...] split into ``layer_0 …``."""
+    out = {k: v for k, v in params.items() if k != "layers"}
+    num = jax.tree_util.tree_leaves(params["layers"])[0].shape[0]
+    for i in range(num):
+        out[f"layer_{i}"] = jax.tree_util.tree_map(lambda x, i=i: x[i], params["layers"])
+    return out
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):
