@@ -262,6 +262,7 @@ class Engine:
             "family": {n: self.describe(n) for n in self.family(params)},
             "warp": repr(sampling.WarpSpec.of(params)),
             "capacity": capacity,
+            "unroll": self.unroll,
         }
         self._costs[key] = costs.load_or_measure(ident, lambda: self._measure(params, capacity), refresh)
         return self._costs[key]
