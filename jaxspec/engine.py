@@ -140,6 +140,7 @@ class Engine:
         self._injected_costs = dict(costs) if costs else None
         self._choosers: dict = {}
         self._no_proposal: tuple[jax.Array, jax.Array] | None = None
+        self._warmed: set = set()  # (warp, capacity) whose family is compiled
         self.groups = (ssm_groups(self.ssms, self.topologies) if batch_ssms
                        else tuple(SSMGroup((j,)) for j in range(len(self.ssms))))
         self._group_params = tuple(stack_params([self.ssms[j].params for j in g.members], g.shared)
@@ -282,8 +283,18 @@ class Engine:
                 state, res = step_fn(self._llm_params, self._group_params, state, toks, count)
                 jax.block_until_ready(res)
                 times.append(time.perf_counter() - t0)
-            out[name] = float(np.median(times[1:]))  # the first call compiles
+            out[name] = float(np.median(times[1:])) if reps else times[0]  # the first call compiles
+        self._warmed.add((sampling.WarpSpec.of(params), capacity))
         return out
+
+    def warm(self, params: sampling.SamplingParams, capacity: int) -> None:
+        """Compiles every family member for this capacity now, so no step of a request compiles.
+
+        ``auto`` may switch to any member mid-request; compiling it then would stall that
+        request (and count as decoding time).
+        """
+        if (sampling.WarpSpec.of(params), capacity) not in self._warmed:
+            self._measure(params, capacity, reps=0)
 
     def chooser(self, params: sampling.SamplingParams, capacity: int) -> TreeChooser:
         """The running chooser for this warp (statistics carry over between requests)."""
@@ -292,6 +303,7 @@ class Engine:
         if key not in self._choosers:
             self._choosers[key] = TreeChooser(self.members(params), costs)
         self._choosers[key].costs = dict(costs)
+        self.warm(params, capacity)
         return self._choosers[key]
 
     # -- state ------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 from conftest import dev_prompts, random_prompts, tiny_model
 from jaxspec import sampling
 from jaxspec.auto import Member, TreeChooser
-from jaxspec.engine import Engine, early_exit
+from jaxspec.engine import Engine, early_exit, prompt_bucket
 from jaxspec.kv_cache import causal_mask
 from jaxspec.ngram import NGramIndex, NGramSpeculator, proposal_arrays
 from jaxspec.speculate import speculate
@@ -133,13 +133,15 @@ def test_greedy_ngram_and_auto_are_token_identical(tiny_llm, speculators):
         engine = Engine(tiny_llm, [ssm, NGramSpeculator()], [(1, 2, 1), (1, 1, 1, 1)], auto=True, costs=ALL_TRIED)
     base = Engine(tiny_llm)
     accepted = 0
-    for prompt in repetitive_prompts(4, tiny_llm.cfg.vocab_size, seed=1) + random_prompts(2, 64, seed=5):
+    prompts = repetitive_prompts(4, tiny_llm.cfg.vocab_size, seed=1) + random_prompts(2, 64, seed=5)
+    for prompt in prompts:
         gen = engine.generate(prompt, 40)
         assert gen.token_ids == base.generate(prompt, 40).token_ids
         accepted += sum(gen.step_tokens) - gen.llm_steps
     assert accepted > 0  # speculation did something
     if speculators == "auto":
-        assert engine.compilations <= 1 + len(engine.family(sampling.SamplingParams()))
+        buckets = {prompt_bucket(len(p)) for p in prompts} | {prompt_bucket(1)}  # prefills, warm-up's too
+        assert engine.compilations == len(buckets) + len(engine.family(sampling.SamplingParams()))
 
 
 def test_ngram_with_mss_generates_and_is_seeded(tiny_llm):
@@ -157,11 +159,14 @@ def test_ngram_with_mss_generates_and_is_seeded(tiny_llm):
 def test_auto_picks_no_speculation_when_costs_say_it_loses(tiny_llm):
     engine = Engine(tiny_llm, [early_exit(tiny_llm, 1), NGramSpeculator()], [(1, 2), (1, 1, 1)], auto=True,
                     costs={"none": 1.0, "ngram": 5.0, "ssm": 5.0, "ssm+ngram": 6.0})
+    compiled = []
     for prompt in repetitive_prompts(2, 64, seed=6):
         gen = engine.generate(prompt, 24)
         assert gen.tree_counts == {"none": gen.llm_steps}
         assert gen.step_tokens == [1] * gen.llm_steps
-    assert engine.compilations == 2  # prefill and "none": the others were never needed
+        compiled.append(engine.compilations)
+    family = engine.family(sampling.SamplingParams())
+    assert compiled == [1 + len(family)] * 2  # the whole family up front, once: no step compiles mid-request
 
 
 def test_auto_picks_a_tree_when_it_wins(tiny_llm):
