@@ -24,7 +24,7 @@ from jaxspec.cache import cache_root
 from jaxspec.engine import LoadedModel
 from jaxspec.kv_cache import causal_mask
 from models.config import ModelConfig
-from models.transformer import KVCache, init_params
+from models.transformer import KVCache, init_params, make_forward, unstack_layers
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_DRAFT_WIDTHS = (1, 2, 4, 8, 16)
@@ -62,8 +62,11 @@ def measure_llm_costs(
     capacity: int = 512,
     batch: int = 1,
     repeats: int = 5,
+    unrolled: bool = True,
 ) -> dict[int, float]:
     """Seconds of one jitted forward over T new tokens per row, for each T in ``tokens``.
+
+    ``unrolled`` times the layer layout the engine runs its LLM with (SSMs run scanned).
 
     The forward runs against a KV cache of ``capacity`` slots (donated, as in the engine)
     holding ``capacity - T`` committed tokens, for ``batch`` rows. Each T is compiled and
@@ -75,7 +78,8 @@ def measure_llm_costs(
         raise ValueError(f"token counts must lie in [1, capacity={capacity}], got {list(tokens)}")
     if repeats < 1 or batch < 1:
         raise ValueError("repeats and batch must be >= 1")
-    forward = model.forward
+    forward = make_forward(model.cfg, model.dtype, unrolled) if unrolled else model.forward
+    params = unstack_layers(model.params) if unrolled else model.params
     step = jax.jit(lambda params, toks, pos, cache, mask: forward(params, toks, pos, cache, mask),
                    donate_argnums=(3,))
     cache = KVCache.create(model.cfg, batch, capacity, model.dtype)
@@ -86,12 +90,12 @@ def measure_llm_costs(
         toks = jnp.zeros((batch, t), jnp.int32)  # [B, T]
         pos = length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
         mask = causal_mask(length, t, capacity)  # [B, T, S]
-        logits, cache = step(model.params, toks, pos, cache, mask)  # compiles
+        logits, cache = step(params, toks, pos, cache, mask)  # compiles
         jax.block_until_ready(logits)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            logits, cache = step(model.params, toks, pos, cache, mask)
+            logits, cache = step(params, toks, pos, cache, mask)
             jax.block_until_ready(logits)
             times.append(time.perf_counter() - start)
         costs[int(t)] = statistics.median(times)
@@ -106,7 +110,7 @@ def measure_draft_costs(
     repeats: int = 5,
 ) -> dict[int, float]:
     """Seconds of one draft level of ``ssm`` feeding w frontier nodes, for each w in ``widths``."""
-    return measure_llm_costs(ssm, widths, capacity, batch, repeats)
+    return measure_llm_costs(ssm, widths, capacity, batch, repeats, unrolled=False)
 
 
 def calibration_key(model: LoadedModel, **extra: object) -> dict:
