@@ -24,7 +24,7 @@ from jaxspec.cache import cache_root
 from jaxspec.engine import LoadedModel
 from jaxspec.kv_cache import causal_mask
 from models.config import ModelConfig
-from models.transformer import KVCache, init_params, make_forward, unstack_layers
+from models.transformer import KVCache, init_params, make_forward, decoding_layout
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_DRAFT_WIDTHS = (1, 2, 4, 8, 16)
@@ -79,7 +79,7 @@ def measure_llm_costs(
     if repeats < 1 or batch < 1:
         raise ValueError("repeats and batch must be >= 1")
     forward = make_forward(model.cfg, model.dtype, unrolled) if unrolled else model.forward
-    params = unstack_layers(model.params) if unrolled else model.params
+    params = decoding_layout(model.params) if unrolled else model.params
     step = jax.jit(lambda params, toks, pos, cache, mask: forward(params, toks, pos, cache, mask),
                    donate_argnums=(3,))
     cache = KVCache.create(model.cfg, batch, capacity, model.dtype)

@@ -21,7 +21,7 @@ from jaxspec.ngram import NGramSpeculator
 from jaxspec.step import DecodeConfig, DecodeState, SSMGroup, decode_step, prefill
 from jaxspec.tree import expansion_topology
 from models.config import ModelConfig
-from models.transformer import Forward, KVCache, make_forward, unstack_layers
+from models.transformer import Forward, KVCache, make_forward, decoding_layout
 
 CAPACITY_BUCKETS = tuple(256 * 2**i for i in range(9))  # 256 … 65536 slots
 MIN_PROMPT_BUCKET = 16
@@ -125,7 +125,7 @@ class Engine:
             check_vocab(llm, ssm)
         self.llm = llm
         self.unroll = unroll
-        self._llm_params = unstack_layers(llm.params) if unroll else llm.params
+        self._llm_params = decoding_layout(llm.params) if unroll else llm.params
         self._llm_forward = _forward_for(llm.cfg, jnp.dtype(llm.dtype), unroll)
         self.ngram = ngrams[0] if ngrams else None
         self.ngram_depth = len(next(e for s, e in zip(ssms, expansions) if s is self.ngram)) if self.ngram else 0

@@ -48,8 +48,37 @@ class LayerNorm(nn.Module):
         return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
+def tall_dot(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
+    """x [..., *in] times a kernel stored output-major, w [*out, *in]: returns [..., *out].
+
+    XLA's CPU backend runs one row as a bandwidth-bound GEMV but a few rows (a token tree,
+    a batch) as a GEMM that costs ~3x as much. Computing W @ x^T with x^T laid out
+    physically (the barriers stop XLA folding the transposes back into the dot) keeps a
+    pass over 8 rows within ~1.5x of one row, because W is streamed once in its own layout.
+    """
+    n_out = w.ndim - n_in
+    k = math.prod(w.shape[n_out:])
+    lead, out = x.shape[: x.ndim - n_in], w.shape[:n_out]
+    x2 = x.reshape(-1, k)  # [R, K]
+    w2 = w.reshape(-1, k).astype(x.dtype)  # [N, K]
+    if x2.shape[0] == 1:
+        y = jax.lax.dot_general(x2, w2, (((1,), (1,)), ((), ())))  # [1, N]
+    else:
+        y = jax.lax.optimization_barrier(w2 @ jax.lax.optimization_barrier(x2.T)).T  # [R, N]
+    return y.reshape(lead + out)
+
+
+def transpose_kernel(kernel: jax.Array, n_in: int) -> jax.Array:
+    """A Dense kernel [*in, *out] in the output-major layout [*out, *in] that ``tall_dot`` reads."""
+    return jnp.moveaxis(kernel, tuple(range(n_in)), tuple(range(kernel.ndim - n_in, kernel.ndim)))
+
+
 class Dense(nn.Module):
-    """x @ W (+ b) with an explicit, named kernel shape (in_shape + out_shape)."""
+    """x @ W (+ b) with an explicit, named kernel shape (in_shape + out_shape).
+
+    ``transposed`` reads the kernel stored output-major (out_shape + in_shape, see
+    ``transpose_kernel``) and multiplies with ``tall_dot``: the decoding layout of the LLM.
+    """
 
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
@@ -57,15 +86,24 @@ class Dense(nn.Module):
     out_names: tuple[str, ...]
     use_bias: bool = False
     dtype: jnp.dtype = jnp.float32
+    transposed: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         init = nn.initializers.normal(0.02)
-        kernel = _param(self, "kernel", self.in_shape + self.out_shape, self.in_names + self.out_names, init, self.dtype)
         n_in = len(self.in_shape)
-        y = jax.lax.dot_general(
-            x, kernel.astype(x.dtype), ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
-        )
+        if self.transposed:
+            kernel = _param(
+                self, "kernel", self.out_shape + self.in_shape, self.out_names + self.in_names, init, self.dtype
+            )
+            y = tall_dot(x, kernel, n_in)
+        else:
+            kernel = _param(
+                self, "kernel", self.in_shape + self.out_shape, self.in_names + self.out_names, init, self.dtype
+            )
+            y = jax.lax.dot_general(
+                x, kernel.astype(x.dtype), ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
+            )
         if self.use_bias:
             bias = _param(self, "bias", self.out_shape, self.out_names, nn.initializers.zeros, self.dtype)
             y = y + bias.astype(y.dtype)
@@ -133,6 +171,7 @@ class Attention(nn.Module):
 
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
+    transposed: bool = False  # kernels stored output-major (Dense.transposed)
 
     @nn.compact
     def __call__(self, x, positions, mask, k_cache, v_cache, write_at):
@@ -141,7 +180,8 @@ class Attention(nn.Module):
         cfg = self.cfg
         d, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         proj = lambda name, heads, hname: Dense(  # noqa: E731
-            (d,), (heads, h), (axes.EMBED,), (hname, axes.HEAD_DIM), cfg.attention_bias, self.dtype, name=name
+            (d,), (heads, h), (axes.EMBED,), (hname, axes.HEAD_DIM), cfg.attention_bias, self.dtype, self.transposed,
+            name=name,
         )
         q = proj("q", n, axes.HEADS)(x)  # [B, T, N, H]
         k = proj("k", kv, axes.KV_HEADS)(x)  # [B, T, K, H]
@@ -154,7 +194,10 @@ class Attention(nn.Module):
         mask_old = mask & (jnp.arange(s)[None, None, :] < write_at[:, None, None])  # committed slots only
         mask_new = jnp.take_along_axis(mask, jnp.minimum(slots, s - 1)[:, None, :], axis=2)  # [B, T, T]
         out = masked_attention(q, k_cache, v_cache, k, val, mask_old, mask_new)
-        o = Dense((n, h), (d,), (axes.HEADS, axes.HEAD_DIM), (axes.EMBED,), cfg.arch == "opt", self.dtype, name="o")
+        o = Dense(
+            (n, h), (d,), (axes.HEADS, axes.HEAD_DIM), (axes.EMBED,), cfg.arch == "opt", self.dtype, self.transposed,
+            name="o",
+        )
         return o(out), k, val
 
 
@@ -163,12 +206,14 @@ class MLP(nn.Module):
 
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
+    transposed: bool = False  # kernels stored output-major (Dense.transposed)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         d, f = self.cfg.hidden_size, self.cfg.intermediate_size
-        up = lambda name, bias: Dense((d,), (f,), (axes.EMBED,), (axes.MLP,), bias, self.dtype, name=name)  # noqa: E731
-        down = lambda name, bias: Dense((f,), (d,), (axes.MLP,), (axes.EMBED,), bias, self.dtype, name=name)  # noqa: E731
+        t = self.transposed
+        up = lambda name, bias: Dense((d,), (f,), (axes.EMBED,), (axes.MLP,), bias, self.dtype, t, name=name)  # noqa: E731
+        down = lambda name, bias: Dense((f,), (d,), (axes.MLP,), (axes.EMBED,), bias, self.dtype, t, name=name)  # noqa: E731
         if self.cfg.arch == "opt":
             act = {"relu": jax.nn.relu, "gelu": jax.nn.gelu}[self.cfg.activation]
             return down("fc2", True)(act(up("fc1", True)(x)))

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from models import axes
 from models.config import ModelConfig
-from models.layers import MLP, Attention, Dense, LayerNorm, RMSNorm
+from models.layers import MLP, Attention, Dense, LayerNorm, RMSNorm, tall_dot, transpose_kernel
 
 OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 
@@ -48,6 +48,7 @@ class Block(nn.Module):
 
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
+    transposed: bool = False  # kernels stored output-major (Dense.transposed)
 
     @nn.compact
     def __call__(self, x, k_cache, v_cache, positions, mask, write_at):
@@ -57,8 +58,8 @@ class Block(nn.Module):
             norm = lambda name: LayerNorm(1e-5, self.dtype, name=name)  # noqa: E731
         else:
             norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, name=name)  # noqa: E731
-        attn = Attention(cfg, self.dtype, name="attn")
-        mlp = MLP(cfg, self.dtype, name="mlp")
+        attn = Attention(cfg, self.dtype, self.transposed, name="attn")
+        mlp = MLP(cfg, self.dtype, self.transposed, name="mlp")
         pre = cfg.arch != "opt" or cfg.do_layer_norm_before
         attn_norm, mlp_norm = norm("attn_norm"), norm("mlp_norm")
         h = attn_norm(x) if pre else x
@@ -75,9 +76,11 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Embeddings, L blocks (scanned, or unrolled over per-layer parameters), final norm and LM head.
 
-    ``unrolled`` reads parameters ``layer_0 … layer_{L-1}`` (``unstack_layers``) instead of
-    the stacked ``layers``: on CPUs a scan slices (copies) every layer's weights per call,
-    which doubles the memory traffic of a decoding step.
+    ``unrolled`` is the decoding layout (``decoding_layout``): parameters ``layer_0 …
+    layer_{L-1}`` instead of the stacked ``layers`` (on CPUs a scan slices, i.e. copies, every
+    layer's weights per call, doubling a decoding step's memory traffic) and every kernel
+    stored output-major, multiplied by ``tall_dot`` (a tree of T tokens then costs a
+    fraction more than one token instead of a GEMM's ~3x).
     """
 
     cfg: ModelConfig
@@ -100,7 +103,7 @@ class Transformer(nn.Module):
         if cfg.arch == "opt":
             if cfg.proj_dim != cfg.hidden_size:
                 x = Dense((cfg.proj_dim,), (cfg.hidden_size,), (axes.EMBED,), (axes.EMBED,), False, self.dtype,
-                          name="project_in")(x)
+                          self.unrolled, name="project_in")(x)
             pos_table = nn.Embed(
                 cfg.max_position_embeddings + OPT_POSITION_OFFSET,
                 cfg.hidden_size,
@@ -113,7 +116,7 @@ class Transformer(nn.Module):
         if self.unrolled:
             news = []
             for i in range(cfg.num_layers):
-                block = Block(cfg, self.dtype, name=f"layer_{i}")
+                block = Block(cfg, self.dtype, True, name=f"layer_{i}")
                 x, kv = block(x, cache.k[i], cache.v[i], positions, mask, cache.length)
                 news.append(kv)
             k_new = jnp.stack([k for k, _ in news])  # [L, B, T, K, H]
@@ -140,16 +143,18 @@ class Transformer(nn.Module):
                 x = LayerNorm(1e-5, self.dtype, name="final_norm")(x)
             if cfg.proj_dim != cfg.hidden_size:
                 x = Dense((cfg.hidden_size,), (cfg.proj_dim,), (axes.EMBED,), (axes.EMBED,), False, self.dtype,
-                          name="project_out")(x)
+                          self.unrolled, name="project_out")(x)
         else:
             x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and self.unrolled:
+            logits = tall_dot(x, embed.embedding, 1)  # [B, T, V]: the [V, D] table is output-major already
+        elif cfg.tie_word_embeddings:
             # [B, T, V]: contract D against the [V, D] table as stored (``attend`` transposes it,
             # which XLA's CPU backend materialises: a full copy of the table per call).
             logits = jax.lax.dot_general(x, embed.embedding.astype(self.dtype), (((2,), (1,)), ((), ())))
         else:
-            logits = Dense((cfg.hidden_size,), (cfg.vocab_size,), (axes.EMBED,), (axes.VOCAB,), False, self.dtype,
-                           name="lm_head")(x)
+            logits = Dense((x.shape[-1],), (cfg.vocab_size,), (axes.EMBED,), (axes.VOCAB,), False, self.dtype,
+                           self.unrolled, name="lm_head")(x)
         return logits.astype(jnp.float32), cache.replace(k=k_all, v=v_all)
 
 
@@ -159,7 +164,7 @@ Forward = Callable[..., tuple[jax.Array, KVCache]]
 def make_forward(cfg: ModelConfig, dtype=jnp.float32, unrolled: bool = False) -> Forward:
     """Returns ``forward(params, tokens, positions, cache, mask, select=None) -> (logits, cache)``.
 
-    ``unrolled`` takes ``unstack_layers(params)`` and loops over the layers in the graph.
+    ``unrolled`` takes ``decoding_layout(params)`` and loops over the layers in the graph.
     """
     model = Transformer(cfg, dtype, unrolled)
 
@@ -169,13 +174,24 @@ def make_forward(cfg: ModelConfig, dtype=jnp.float32, unrolled: bool = False) ->
     return forward
 
 
-def unstack_layers(params: dict) -> dict:
-    """The parameter tree of an unrolled forward: ``layers`` [L, ...] split into ``layer_0 …``."""
+KERNEL_IN_DIMS = {"o": 2}  # Dense modules whose kernel has several input axes; every other has one
+
+
+def decoding_layout(params: dict) -> dict:
+    """The parameter tree of an unrolled forward: ``layers`` [L, ...] split into ``layer_0 …``
+    and every Dense kernel transposed output-major (``transpose_kernel``)."""
+
+    def transpose(path, leaf):
+        names = [getattr(k, "key", None) for k in path]
+        if names[-1] != "kernel":
+            return leaf
+        return transpose_kernel(leaf, KERNEL_IN_DIMS.get(names[-2], 1))
+
     out = {k: v for k, v in params.items() if k != "layers"}
     num = jax.tree_util.tree_leaves(params["layers"])[0].shape[0]
     for i in range(num):
         out[f"layer_{i}"] = jax.tree_util.tree_map(lambda x, i=i: x[i], params["layers"])
-    return out
+    return jax.tree_util.tree_map_with_path(transpose, out)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):
