@@ -1,0 +1,844 @@
+"""``jaxspec serve``: an OpenAI-compatible HTTP server over the batched engine.
+
+One engine loop (``BatchEngine.run``) runs in its own thread, fed by ``submit``; its
+events come back to the asyncio side through ``loop.call_soon_threadsafe`` into one
+queue per HTTP request. Endpoints: ``/v1/models``, ``/v1/completions``,
+``/v1/chat/completions`` (streaming as server-sent events, or not), ``/health`` and
+``/metrics`` (Prometheus, ``jaxspec.metrics``).
+
+Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for
+malformed JSON, unknown or unsupported parameters, bad sampling values and requests past
+``--max-model-len`` (code ``context_length_exceeded``, with the numbers, as OpenAI does);
+401 without the ``--api-key``; 404 for an unknown model; 429 when ``--max-queue`` requests
+already wait; 500 when generating one request failed (the server keeps serving the rest).
+A client that disconnects cancels its requests; their slots free at the next iteration.
+SIGTERM / Ctrl-C stops accepting, gives in-flight requests ``--shutdown-timeout`` seconds
+to finish, cancels the rest and exits 0.
+"""
+
+
+import argparse
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import re
+import secrets
+import signal
+import sys
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger("jaxspec.serve")
+
+MAX_STOPS = 16
+FAULT_ENV = "JAXSPEC_SERVE_FAULT"  # tests: a stop string naming this value makes the engine's stop check raise
+WARMUP_TOKENS = 4
+# Parameters this server does not implement, accepted only at values that ask for nothing
+# (clients such as LangChain send them at their defaults); any other value is a 400.
+NEUTRAL = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # engine reason -> OpenAI finish_reason
+
+
+# ---------------------------------------------------------------------------------------- request bodies
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What both endpoints take; ``None`` means OpenAI's default."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None  # default 1.0, as OpenAI
+    top_p: float | None = None
+    top_k: int | None = None  # not OpenAI's; 0 disables (vLLM's extension)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+
+
+class APIError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def refuse_unsupported(body: _Sampling) -> None:
+    """400 for any parameter this server does not implement, set to a value that asks for it."""
+    for name, neutral in NEUTRAL.items():
+        if name in type(body).model_fields:
+            value = getattr(body, name)
+            if not any(value == v and type(value) is type(v) for v in neutral):
+                raise APIError(400, f"parameter '{name}' is not supported by this server (got {value!r})", name,
+                               "unsupported_parameter")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options needs stream: true", "stream_options")
+
+
+# ---------------------------------------------------------------------------------------- text
+
+class TextStream:
+    """Incremental detokenization of one completion that never sends what a stop string may claim.
+
+    Text decodes over a short window of earlier tokens (vLLM's prefix/read offsets) so each
+    update costs a few tokens, and waits while the newest bytes are an incomplete character.
+    """
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.tokenizer, self.stops = tokenizer, stops
+        self.hold = max(map(len, stops), default=1) - 1  # characters a stop string could still grow from
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self._prefix = self._read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _catch_up(self, final: bool) -> None:
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+
+    def _stop_at(self) -> int | None:
+        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def add(self, ids: list[int]) -> str:
+        """Appends generated ids; returns the text now safe to send."""
+        self.ids.extend(ids)
+        self._catch_up(final=False)
+        cut = self._stop_at()
+        end = cut if cut is not None else max(len(self.text) - self.hold, self.sent)
+        return self._send(end)
+
+    def finish(self) -> tuple[str, bool]:
+        """The rest of the text (cut before the first stop string) and whether a stop string cut it."""
+        self._catch_up(final=True)
+        cut = self._stop_at()
+        if cut is not None:
+            self.text = self.text[:cut]
+        return self._send(len(self.text)), cut is not None
+
+    def _send(self, end: int) -> str:
+        out = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return out
+
+
+def stop_matcher(tokenizer, stops: list[str]) -> Callable[[list[int]], int | None] | None:
+    """The engine's stop check: generated ids -> how many to keep (through the token where a stop string
+    starts; the server cuts the text itself) or None. Decodes only the tail a new match can lie in."""
+    if not stops:
+        return None
+    if os.environ.get(FAULT_ENV) in stops:
+        def fault(ids: list[int]) -> int | None:
+            raise RuntimeError(f"fault injected by {FAULT_ENV}")
+
+        return fault
+    reach = 4 * max(map(len, stops))  # tokens a stop string can span (a character is at most 4 byte tokens)
+    checked = 0
+
+    def match(ids: list[int]) -> int | None:
+        nonlocal checked
+        start = max(0, checked - reach)
+        text = tokenizer.decode(ids[start:], skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        checked = len(ids)
+        if not hits:
+            return None
+        cut = min(hits)
+        for n in range(start + 1, len(ids) + 1):
+            if len(tokenizer.decode(ids[start:n], skip_special_tokens=True)) > cut:
+                return n
+        return len(ids)
+
+    return match
+
+
+# ---------------------------------------------------------------------------------------- engine side
+
+@dataclasses.dataclass
+class Choice:
+    """One completion of an HTTP request: engine-thread timings, event-loop text."""
+
+    index: int
+    prompt_tokens: int
+    text: TextStream
+    arrival: float
+    ticket: Any = None
+    first: float | None = None
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Job:
+    """The choices of one HTTP request and the asyncio queue their engine events arrive on."""
+
+    def __init__(self, service: "Service", loop: asyncio.AbstractEventLoop) -> None:
+        self.service, self.loop = service, loop
+        self.id = uuid.uuid4().hex[:24]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.choices: list[Choice] = []
+
+    def listener(self, choice: Choice) -> Callable:
+        """The engine thread's ``on_event`` for one choice: metrics now, the rest on the event loop."""
+        metrics = self.service.metrics
+
+        def on_event(event) -> None:
+            now = time.monotonic()
+            if event.token_ids and choice.first is None:
+                choice.first = now
+                metrics.ttft.observe(now - choice.arrival)
+            if event.finish_reason is not None:
+                self.service.retire(choice)
+                outcome = "stop" if event.finish_reason == "eos" else event.finish_reason
+                metrics.observe_finished(outcome, choice.arrival, choice.first, now, event.completion_tokens)
+            if event.token_ids:
+                metrics.observe_tokens(len(event.token_ids))
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (choice.index, event))
+            except RuntimeError:  # the event loop is closed: the server is shutting down
+                pass
+
+        return on_event
+
+    async def updates(self) -> AsyncIterator[tuple[Choice, str]]:
+        """(choice, new text) as events arrive; a finished choice has its finish_reason set."""
+        running = sum(c.finish_reason is None for c in self.choices)
+        while running:
+            index, event = await self.queue.get()
+            choice = self.choices[index]
+            choice.completion_tokens = event.completion_tokens
+            text = choice.text.add(list(event.token_ids))
+            if event.finish_reason is not None:
+                rest, cut = choice.text.finish()
+                text += rest
+                choice.error = event.error
+                choice.finish_reason = "stop" if cut else FINISH.get(event.finish_reason, event.finish_reason)
+                running -= 1
+            yield choice, text
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            if c.finish_reason is None and c.ticket is not None:
+                c.ticket.cancel()
+
+    def failure(self) -> Choice | None:
+        return next((c for c in self.choices if c.finish_reason == "error"), None)
+
+
+class Service:
+    """The batch engine, its thread and what the HTTP handlers ask of it."""
+
+    def __init__(self, batch, tokenizer, vocab_size: int, model_name: str, max_queue: int,
+                 verbose: bool = False) -> None:
+        from jaxspec.metrics import ServerMetrics  # noqa: PLC0415
+
+        self.batch, self.tokenizer, self.vocab_size, self.model_name = batch, tokenizer, vocab_size, model_name
+        self.max_queue = max_queue
+        self.verbose = verbose
+        self.metrics = ServerMetrics(batch.queue_depth, batch.active_slots)
+        self.created = int(time.time())
+        self.observing = False  # warm-up iterations are not counted
+        self.dead: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxspec-engine", daemon=True)
+        self._live: dict[int, tuple[Job, Choice]] = {}  # id(choice) -> (job, choice) until its final event
+        self._lock = threading.Lock()
+
+    # -- the engine thread -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.batch.run(self._stop, drain=False)
+        except BaseException as e:  # noqa: BLE001 (a crashed loop must fail its requests, not hang them)
+            self.dead = f"the engine loop stopped: {type(e).__name__}: {e}"
+            log.exception("engine loop crashed")
+            self._fail_live(self.dead)
+
+    def on_iteration(self, stats) -> None:
+        if self.observing:
+            self.metrics.observe_iteration(stats)
+        if self.verbose:
+            log.info("iteration: tree %s, %d active, %d queued, %d tokens, %.1f ms", stats.tree, stats.active,
+                     stats.queued, sum(stats.emitted), stats.seconds * 1e3)
+
+    def stop(self, timeout: float) -> bool:
+        """Stops the engine loop (in-flight requests are cancelled); False if it did not end in time."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def warm_up(self) -> None:
+        """Runs a greedy and a sampled request through the loop so serving starts compiled."""
+        from jaxspec.batch import Request  # noqa: PLC0415
+        from jaxspec.sampling import SamplingParams  # noqa: PLC0415
+
+        ids = self.encode_text("Hello")
+        done = threading.Semaphore(0)
+        errors = []
+
+        def on_event(event) -> None:
+            if event.finish_reason is not None:
+                if event.finish_reason == "error":
+                    errors.append(event.error)
+                done.release()
+
+        params = (SamplingParams(), SamplingParams(temperature=1.0, seed=0))
+        for i, p in enumerate(params):
+            self.batch.submit(Request(ids, WARMUP_TOKENS, p, id=f"warmup-{i}"), on_event)
+        for _ in params:
+            while not done.acquire(timeout=1.0):
+                if self.dead:
+                    raise RuntimeError(self.dead)
+        if errors:
+            raise RuntimeError(f"warm-up request failed: {errors[0]}")
+        self.observing = True
+
+    # -- requests ------------------------------------------------------------------------------
+    def encode_text(self, text: str) -> list[int]:
+        from models.tokenizer import encode_prompt  # noqa: PLC0415
+
+        return encode_prompt(self.tokenizer, text, chat=False)
+
+    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, f"model '{self.model_name}' has no chat template: use /v1/completions", "messages")
+        turns = [{"role": "system" if m.role == "developer" else m.role,
+                  "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+                 for m in messages]
+        rendered = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer.encode(rendered, add_special_tokens=False))
+
+    def launch(self, prompts: list[list[int]], body: _Sampling, max_tokens: int | None) -> Job:
+        """Checks the request and submits ``n`` choices per prompt; raises APIError (nothing submitted)."""
+        from jaxspec import batch as batch_mod  # noqa: PLC0415
+        from jaxspec.engine import RequestError  # noqa: PLC0415
+        from jaxspec.sampling import SamplingError, SamplingParams  # noqa: PLC0415
+
+        if self.dead:
+            raise APIError(503, self.dead, kind="server_error", code="engine_stopped")
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise APIError(400, f"stop takes 1 to {MAX_STOPS} non-empty strings", "stop")
+        total = len(prompts) * body.n
+        if total > self.max_queue:
+            raise APIError(400, f"the request asks for {total} completions (prompts x n); this server queues at "
+                           f"most {self.max_queue} (--max-queue)", "n")
+        seed = body.seed if body.seed is not None else secrets.randbits(31)
+        try:
+            params = [SamplingParams(1.0 if body.temperature is None else body.temperature, body.top_k or 0,
+                                     1.0 if body.top_p is None else body.top_p, seed + j) for j in range(body.n)]
+        except SamplingError as e:
+            raise APIError(400, f"invalid sampling parameters: {e}", sampling_param(str(e))) from None
+        requests = []
+        for p, ids in enumerate(prompts):
+            new = self.completion_budget(len(ids), max_tokens)
+            for j in range(body.n):
+                requests.append(batch_mod.Request(ids, new, params[j], stop=stop_matcher(self.tokenizer, stops)))
+        job = Job(self, asyncio.get_running_loop())
+        arrival = time.monotonic()
+        for i, req in enumerate(requests):
+            req.id = f"{job.id}-{i}"
+            try:
+                self.batch.check(req)
+            except (RequestError, SamplingError) as e:
+                raise APIError(400, str(e), code="invalid_request") from None
+            job.choices.append(Choice(i, len(req.prompt_ids), TextStream(self.tokenizer, stops), arrival))
+        waiting = self.batch.queue_depth()
+        if waiting + len(requests) > self.max_queue:  # refuse whole before submitting any choice
+            raise self.queue_full(waiting)
+        for req, choice in zip(requests, job.choices):
+            with self._lock:
+                self._live[id(choice)] = (job, choice)
+            try:
+                choice.ticket = self.batch.submit(req, job.listener(choice))
+            except batch_mod.QueueFull:
+                self.retire(choice)
+                job.cancel()
+                raise self.queue_full(self.batch.queue_depth()) from None
+        self.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
+        return job
+
+    def completion_budget(self, prompt_len: int, max_tokens: int | None) -> int:
+        """max_tokens, or what the context leaves; 400 with the numbers past ``--max-model-len``."""
+        limit = self.batch.max_model_len
+        if prompt_len < 1:
+            raise APIError(400, "the prompt is empty", "prompt")
+        if max_tokens is None:
+            if prompt_len >= limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens and the prompt has "
+                               f"{prompt_len}: no room left for a completion", "messages", "context_length_exceeded")
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the request has "
+                           f"{prompt_len} prompt tokens and asks for {max_tokens} completion tokens "
+                           f"({prompt_len + max_tokens} in all). Lower max_tokens or shorten the prompt.",
+                           "max_tokens", "context_length_exceeded")
+        return max_tokens
+
+    def queue_full(self, waiting: int) -> APIError:
+        self.metrics.requests.labels("queue_full").inc()
+        return APIError(429, f"the server is busy: {waiting} requests already wait for a batch slot "
+                        f"(--max-queue {self.max_queue}); retry later", code="queue_full", kind="rate_limit_error")
+
+    def retire(self, choice: Choice) -> None:
+        with self._lock:
+            self._live.pop(id(choice), None)
+
+    def _fail_live(self, message: str) -> None:
+        from jaxspec.batch import Event  # noqa: PLC0415
+
+        with self._lock:
+            live = list(self._live.values())
+        for job, choice in live:
+            job.listener(choice)(Event(f"{job.id}-{choice.index}", [], "error", message, choice.prompt_tokens,
+                                       choice.completion_tokens))
+
+
+def sampling_param(message: str) -> str | None:
+    for name, word in (("temperature", "temperature"), ("top_k", "top-k"), ("top_p", "top-p")):
+        if word in message:
+            return name
+    return None
+
+
+# ---------------------------------------------------------------------------------------- responses
+
+def usage(job: Job, prompt_tokens: int) -> dict:
+    completion = sum(c.completion_tokens for c in job.choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def internal_error(choice: Choice) -> APIError:
+    return APIError(500, f"generating choice {choice.index} failed: {choice.error}", kind="server_error",
+                    code="internal_error")
+
+
+async def collect(job: Job, request) -> dict[int, str]:
+    """Runs a non-streaming job to the end (cancelled if the client goes away); index -> text."""
+    texts = {c.index: "" for c in job.choices}
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if await request.is_disconnected():
+                job.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        async for choice, text in job.updates():
+            texts[choice.index] += text
+    finally:
+        watcher.cancel()
+        job.cancel()
+    failed = job.failure()
+    if failed is not None:
+        raise internal_error(failed)
+    return texts
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def stream_events(job: Job, chunk: Callable[[Choice, str], dict], prompt_tokens: int,
+                        head: dict, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events of a job: one chunk per choice update, usage if asked, then ``[DONE]``."""
+    try:
+        async for choice, text in job.updates():
+            if choice.finish_reason == "error":
+                job.cancel()
+                yield sse(internal_error(choice).body())
+                break
+            if text or choice.finish_reason is not None:
+                yield sse(head | {"choices": [chunk(choice, text)]})
+        else:
+            if include_usage:
+                yield sse(head | {"choices": [], "usage": usage(job, prompt_tokens)})
+        yield sse("[DONE]")
+    finally:
+        job.cancel()  # a client gone mid-stream frees its slots at the next iteration
+
+
+# ---------------------------------------------------------------------------------------- the app
+
+def create_app(service: Service, api_key: str | None = None, shutdown_timeout: float = 10.0):
+    """The FastAPI application over a started ``Service``."""
+    from contextlib import asynccontextmanager  # noqa: PLC0415
+
+    from fastapi import FastAPI, Request  # noqa: PLC0415
+    from fastapi.exceptions import RequestValidationError  # noqa: PLC0415
+    from fastapi.responses import JSONResponse, StreamingResponse  # noqa: PLC0415
+    from starlette.exceptions import HTTPException  # noqa: PLC0415
+    from starlette.routing import Mount  # noqa: PLC0415
+
+    metrics = service.metrics
+
+    @asynccontextmanager
+    async def lifespan(app):
+        report = asyncio.create_task(report_throughput(service))
+        yield
+        report.cancel()
+        if not service.stop(timeout=shutdown_timeout):
+            log.warning("the engine loop did not stop within %.0f s", shutdown_timeout)
+
+    app = FastAPI(title="jaxspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    metrics_route = Mount("/metrics", metrics.asgi_app)
+    metrics_route.path_regex = re.compile("^/metrics(?P<path>.*)$")  # /metrics without a redirect
+    app.router.routes.append(metrics_route)
+    if api_key:
+        app.add_middleware(BearerAuth, key=api_key, on_refuse=lambda: metrics.requests.labels("rejected").inc())
+
+    def error(e: APIError) -> JSONResponse:
+        if e.status < 500 and e.status != 429:
+            metrics.requests.labels("rejected").inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request, e: APIError):
+        return error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request, e: RequestValidationError):
+        return error(validation_error(e.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def on_http(request, e: HTTPException):
+        return error(APIError(e.status_code, str(e.detail), code=str(e.status_code)))
+
+    @app.exception_handler(Exception)
+    async def on_crash(request, e: Exception):  # uvicorn logs the traceback
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error",
+                                     code="internal_error").body(), status_code=500)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != service.model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{service.model_name}'",
+                           "model", "model_not_found", "NotFoundError")
+
+    def model_card() -> dict:
+        return {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "jaxspec",
+                "max_model_len": service.batch.max_model_len}
+
+    @app.get("/health")
+    async def health():
+        if service.dead:
+            return JSONResponse({"status": "error", "message": service.dead}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str):
+        check_model(name)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        refuse_unsupported(body)
+        prompts = completion_prompts(body.prompt, service)
+        job = service.launch(prompts, body, 16 if body.max_tokens is None else body.max_tokens)
+        head = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": int(time.time()),
+                "model": service.model_name}
+        prompt_tokens = sum(map(len, prompts))
+
+        def choice_json(c: Choice, text: str) -> dict:
+            return {"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
+
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream_events(job, choice_json, prompt_tokens, head, include),
+                                     media_type="text/event-stream")
+        texts = await collect(job, request)
+        return head | {"choices": [choice_json(c, texts[c.index]) for c in job.choices],
+                       "usage": usage(job, prompt_tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        refuse_unsupported(body)
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        ids = service.encode_chat(body.messages)
+        job = service.launch([ids], body, body.max_completion_tokens or body.max_tokens)
+        head = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": service.model_name}
+        started: set[int] = set()
+
+        def delta_json(c: Choice, text: str) -> dict:
+            delta = {"content": text} if text or c.finish_reason is None else {}
+            if c.index not in started:
+                started.add(c.index)
+                delta = {"role": "assistant", "content": text}
+            return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason}
+
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream_events(job, delta_json, len(ids), head, include),
+                                     media_type="text/event-stream")
+        texts = await collect(job, request)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
+                    "logprobs": None, "finish_reason": c.finish_reason} for c in job.choices]
+        return head | {"object": "chat.completion", "choices": choices, "usage": usage(job, len(ids))}
+
+    return app
+
+
+def completion_prompts(prompt, service: Service) -> list[list[int]]:
+    """Token ids of each prompt: text (BOS as the tokenizer adds it) or ids as given."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is an empty list", "prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    vocab = service.vocab_size
+    out = []
+    for p in prompt:
+        ids = service.encode_text(p) if isinstance(p, str) else list(p)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+        out.append(ids)
+    return out
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """The first pydantic error as a 400 naming the parameter."""
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    if e.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None,
+                        "invalid_json")
+    if not loc:
+        return APIError(400, f"the request needs a JSON object body ({e.get('msg')})", None, "invalid_body")
+    if e.get("type") == "extra_forbidden":
+        return APIError(400, f"unsupported parameter '{where}': this server does not know it", param,
+                        "unsupported_parameter")
+    if e.get("type") == "missing":
+        return APIError(400, f"missing required parameter '{where}'", param, "missing_parameter")
+    return APIError(400, f"invalid parameter '{where}': {e.get('msg')} (got {e.get('input')!r})"[:500], param,
+                    "invalid_parameter")
+
+
+class BearerAuth:
+    """ASGI middleware: every path but ``/health`` needs ``Authorization: Bearer KEY`` (401 otherwise)."""
+
+    def __init__(self, app, key: str, on_refuse: Callable[[], None] = lambda: None) -> None:
+        self.app, self.expected, self.on_refuse = app, f"Bearer {key}".encode(), on_refuse
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                self.on_refuse()
+                body = json.dumps(APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
+                                           code="invalid_api_key").body()).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode()),
+                                        (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+async def report_throughput(service: Service, every: float = 10.0) -> None:
+    """Logs generation throughput and batch occupancy every ``every`` seconds while tokens flow."""
+    m = service.metrics
+    last = m.generated()
+    while True:
+        await asyncio.sleep(every)
+        now = m.generated()
+        if now != last or service.batch.active_slots():
+            log.info("generation %.1f tokens/s, %d running, %d waiting, mean acceptance length %.2f",
+                     (now - last) / every, service.batch.active_slots(), service.batch.queue_depth(),
+                     m.mean_acceptance_length())
+        last = now
+
+
+# ---------------------------------------------------------------------------------------- command line
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers ``jaxspec serve`` (model and mode flags shared with ``jaxspec generate``)."""
+    from jaxspec.cli import add_model_args  # noqa: PLC0415 (the CLI imports this module)
+    from jaxspec.cli_common import add_compile_cache_args  # noqa: PLC0415
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=16, help="batch slots decoded together")
+    p.add_argument("--max-model-len", type=int, help="prompt + completion tokens per request (default: the engine's)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 429")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint's file name)")
+    p.add_argument("--api-key", default=os.environ.get("JAXSPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default $JAXSPEC_API_KEY)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are cancelled")
+    add_compile_cache_args(p)
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    """``jaxspec serve``: load, compile (warm-up), serve until SIGTERM / Ctrl-C, exit 0."""
+    import uvicorn  # noqa: PLC0415
+
+    from jaxspec.cli import build_engine  # noqa: PLC0415
+    from jaxspec.cli_common import CliError  # noqa: PLC0415
+
+    if args.no_chat:
+        raise CliError("--no-chat has no meaning for serve: /v1/completions takes raw text, "
+                       "/v1/chat/completions applies the chat template")
+    if args.verify != "mss":
+        raise CliError("jaxspec serve verifies sampled requests with mss; --verify naive is not supported")
+    for flag in ("max_batch", "max_queue", "port"):
+        if getattr(args, flag) < (0 if flag == "port" else 1):
+            raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    setup_logging()
+    from jaxspec.batch import BatchEngine  # noqa: PLC0415
+
+    log.info("loading %s (mode %s)", args.model or "the default model", args.mode)
+    engine, llm = build_engine(argparse.Namespace(**vars(args), temperature=0.0), log=sys.stderr)
+    name = args.served_model_name or llm.name
+    service: Service | None = None
+    batch = BatchEngine(engine, max_batch=args.max_batch, max_model_len=args.max_model_len,
+                        max_queue=args.max_queue, on_iteration=lambda stats: service.on_iteration(stats))
+    service = Service(batch, llm.tokenizer, llm.cfg.vocab_size, name, args.max_queue, verbose=args.verbose)
+    service.start()
+    try:
+        log.info("compiling (warm-up requests; %d slots, max model length %d)", batch.max_batch,
+                 batch.max_model_len)
+        t0 = time.perf_counter()
+        service.warm_up()
+        log.info("ready in %.1f s: model '%s'", time.perf_counter() - t0, name)
+        app = create_app(service, args.api_key, args.shutdown_timeout)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
+        server = announcing_server(uvicorn, config, name)
+        quiet = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:  # uvicorn re-raises the signal that stopped it once it is done: these no-op handlers catch it
+            server.run()
+        finally:
+            for s, handler in quiet.items():
+                signal.signal(s, handler)
+        if not server.started:
+            raise CliError(f"could not serve on {args.host}:{args.port} (see the log above)")
+    finally:
+        if not service.stop(timeout=args.shutdown_timeout):
+            log.warning("the engine loop is still busy; exiting without it")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+    log.info("stopped")
+    return 0
+
+
+def announcing_server(uvicorn, config, name: str):
+    """A uvicorn server that prints the API's URL once it listens."""
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                host = f"[{config.host}]" if ":" in config.host else config.host
+                log.info("serving '%s' at http://%s:%d/v1 (Ctrl-C to stop)", name, host, config.port)
+
+    return Server(config)
+
+
+def setup_logging() -> None:
+    """``jaxspec.serve`` lines on stderr in uvicorn's format (``INFO:     ...``)."""
+    from uvicorn.logging import DefaultFormatter  # noqa: PLC0415
+
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False

@@ -1,0 +1,384 @@
+"""``jaxspec serve``: a real server process on 127.0.0.1, driven by the real ``openai`` client.
+
+One module-scoped server (the embedded SmolLM2-135M, float32, with an API key) serves every
+test; the last test stops it with SIGTERM. Invariants: greedy output is the same alone, under
+concurrency and in ``jaxspec generate``; choice i of ``n`` is the single request with seed
+``seed + i``; text is cut before the first stop string; every bad request gets its status and
+a message naming the problem, and the server answers the next request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("jaxspec.batch", reason="the batched engine has not landed yet")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+KEY = "test-key"
+FAULT = "<<injected-fault>>"  # JAXSPEC_SERVE_FAULT: a request stopping at it fails inside the engine thread
+MAX_MODEL_LEN = 256
+MAX_QUEUE = 8
+STARTUP_S = 300
+SERVE_CMD = [sys.executable, "-m", "jaxspec.cli", "serve"]
+PROMPTS = ["What is 2+2?", "Name a color.", "Write a haiku about the sea.", "What is the capital of France?",
+           "Say hello in Spanish.", "Count from one to five.", "What do cats eat?", "Explain rain briefly."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``jaxspec serve`` subprocess and clients for it."""
+
+    def __init__(self, log_path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        env = dict(os.environ, JAXSPEC_SERVE_FAULT=FAULT)
+        self.proc = subprocess.Popen(
+            SERVE_CMD + ["--mode", "incremental", "--port", str(self.port),
+             "--max-batch", "8", "--max-queue", str(MAX_QUEUE), "--max-model-len", str(MAX_MODEL_LEN),
+             "--api-key", KEY, "--shutdown-timeout", "20"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.wait_ready()
+        self.model = self.client().models.list().data[0].id
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"jaxspec serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        self.stop()
+        pytest.fail(f"jaxspec serve not ready within {STARTUP_S} s:\n{self.tail()}")
+
+    def tail(self, chars: int = 4000) -> str:
+        self.log.flush()
+        return open(self.log_path).read()[-chars:]
+
+    def client(self, key: str = KEY, timeout: float = 60) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=timeout)
+
+    def post(self, path: str, body, **kw) -> "httpx.Response":
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return httpx.post(f"{self.url}{path}", content=content, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, **kw)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        text = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve") / "server.log")
+    yield s
+    s.stop()
+
+
+def chat(server, prompt: str, max_tokens: int = 16, **kw):
+    return server.client().chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, **kw)
+
+
+def complete(server, prompt, max_tokens: int = 16, **kw):
+    return server.client().completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens, **kw)
+
+
+def streamed(stream) -> tuple[list[str], list, object]:
+    """(text pieces per choice index, finish reasons, usage) of a completions or chat stream."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            piece = c.delta.content if hasattr(c, "delta") else c.text
+            texts[c.index] = texts.get(c.index, "") + (piece or "")
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    return [texts[i] for i in sorted(texts)], [finish.get(i) for i in sorted(texts)], usage
+
+
+def counter(metrics: dict, name: str, **labels) -> float:
+    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+# -------------------------------------------------------------------------------------- endpoints
+
+def test_health_models_and_api_key(server):
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # no key needed
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [server.model]
+    with pytest.raises(openai.AuthenticationError) as e:
+        server.client(key="wrong").models.list()
+    assert e.value.status_code == 401 and "API key" in e.value.message
+    for path in ("/v1/models", "/metrics"):
+        r = httpx.get(f"{server.url}{path}", timeout=10)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": server.model, "prompt": "hi"}, timeout=10)
+    assert r.status_code == 401
+
+
+def test_greedy_chat_equals_jaxspec_generate(server, tmp_path):
+    """The server's greedy chat completion is `jaxspec generate --mode incremental`'s, token for token."""
+    prompt, tokens = PROMPTS[0], 16
+    out = tmp_path / "gen.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "jaxspec.cli", "generate", "--mode", "incremental", "--prompt",
+                           prompt, "--max-new-tokens", str(tokens), "--output", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ref = json.loads(out.read_text())
+    r = chat(server, prompt, tokens, temperature=0)
+    assert r.choices[0].message.content == ref["text"]
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == len(ref["token_ids"])
+    assert r.choices[0].finish_reason == {"eos": "stop", "length": "length"}[ref["finish_reason"]]
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    pieces, finish, usage = streamed(chat(server, prompt, tokens, temperature=0, stream=True,
+                                          stream_options={"include_usage": True}))
+    assert pieces == [ref["text"]] and finish == [r.choices[0].finish_reason]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (r.usage.prompt_tokens, r.usage.completion_tokens)
+
+
+def test_completions_streaming_and_not(server):
+    r = complete(server, "The capital of France is", 12, temperature=0)
+    text = r.choices[0].text
+    assert text and r.object == "text_completion" and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 0
+    pieces, finish, usage = streamed(complete(server, "The capital of France is", 12, temperature=0, stream=True))
+    assert pieces == [text] and finish == [r.choices[0].finish_reason] and usage is None
+    ids = complete(server, [1, 2, 3], 4, temperature=0)  # a prompt of token ids
+    assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens >= 1
+    two = complete(server, ["The capital of France is", "Once upon a time"], 6, temperature=0)
+    assert [c.index for c in two.choices] == [0, 1] and two.choices[0].text == text[:len(two.choices[0].text)]
+
+
+def test_greedy_outputs_under_concurrency_equal_sequential(server):
+    """8 clients at once (chat and completions, streaming and not) get each prompt's single-request output."""
+    alone = [chat(server, p, temperature=0).choices[0].message.content for p in PROMPTS]
+    alone_text = complete(server, PROMPTS[0], temperature=0).choices[0].text
+
+    def one(i: int) -> str:
+        if i == len(PROMPTS):
+            return complete(server, PROMPTS[0], temperature=0).choices[0].text
+        if i % 2:
+            return streamed(chat(server, PROMPTS[i], temperature=0, stream=True))[0][0]
+        return chat(server, PROMPTS[i], temperature=0).choices[0].message.content
+
+    with ThreadPoolExecutor(len(PROMPTS) + 1) as pool:
+        together = list(pool.map(one, range(len(PROMPTS) + 1), timeout=180))
+    assert together == alone + [alone_text]
+
+
+def test_n_choices_follow_their_seeds(server):
+    """n=2 with seed s: choice i is the single request with seed s+i, whatever runs beside it."""
+    kw = dict(temperature=1.0, top_p=0.95, extra_body={"top_k": 50})
+    r = complete(server, "Once upon a time", 12, n=2, seed=11, **kw)
+    assert [c.index for c in r.choices] == [0, 1]
+    singles = [complete(server, "Once upon a time", 12, seed=11 + i, **kw) for i in range(2)]
+    assert [c.text for c in r.choices] == [s.choices[0].text for s in singles]
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens  # the prompt counts once
+    pieces, _, _ = streamed(complete(server, "Once upon a time", 12, n=2, seed=11, stream=True, **kw))
+    assert pieces == [c.text for c in r.choices]
+
+
+def test_stop_strings_cut_before_the_match(server):
+    full = chat(server, PROMPTS[3], 16, temperature=0).choices[0].message.content
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = " " + words[2]  # a stop string spanning a token boundary or inside one
+    cut = full[:full.index(stop)]
+    r = chat(server, PROMPTS[3], 16, temperature=0, stop=[stop, "@@never@@"])
+    assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 16
+    pieces, finish, _ = streamed(chat(server, PROMPTS[3], 16, temperature=0, stop=stop, stream=True))
+    assert pieces == [cut] and finish == ["stop"]
+    mid = words[1][1:3]  # part of a word: cut inside a token
+    if mid and mid in full:
+        assert chat(server, PROMPTS[3], 16, temperature=0, stop=mid).choices[0].message.content == \
+            full[:full.index(mid)]
+
+
+# -------------------------------------------------------------------------------------- errors
+
+def error_cases(model: str) -> list[tuple[str, object, int, list[str]]]:
+    """(path, body, status, words the message must contain)."""
+    c, ch = "/v1/completions", "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    return [
+        (c, b'{"model": "x", "prompt": ', 400, ["JSON"]),
+        (c, b"[1, 2]", 400, ["JSON object"]),
+        (c, {"model": model, "prompt": "hi", "frobnicate": 1}, 400, ["frobnicate"]),
+        (c, {"model": model, "prompt": "hi", "logprobs": 2}, 400, ["logprobs"]),
+        (c, {"model": model, "prompt": "hi", "echo": True}, 400, ["echo"]),
+        (c, {"model": model, "prompt": "hi", "best_of": 3}, 400, ["best_of"]),
+        (c, {"model": model, "prompt": "hi", "presence_penalty": 0.5}, 400, ["presence_penalty"]),
+        (ch, {"model": model, "messages": msgs, "logit_bias": {"1": 5}}, 400, ["logit_bias"]),
+        (ch, {"model": model, "messages": msgs, "tools": [{"type": "function"}]}, 400, ["tools"]),
+        (ch, {"model": model, "messages": msgs, "response_format": {"type": "json_object"}}, 400,
+         ["response_format"]),
+        (ch, {"model": model, "messages": msgs, "top_logprobs": 3}, 400, ["top_logprobs"]),
+        (c, {"model": "no-such-model", "prompt": "hi"}, 404, ["no-such-model"]),
+        (ch, {"model": "no-such-model", "messages": msgs}, 404, ["no-such-model"]),
+        (c, {"model": model, "prompt": "hi", "temperature": -1}, 400, ["temperature"]),
+        (c, {"model": model, "prompt": "hi", "top_p": 0}, 400, ["top-p"]),
+        (c, {"model": model, "prompt": "hi", "top_k": -3}, 400, ["top-k"]),
+        (c, {"model": model, "prompt": "hi", "temperature": "hot"}, 400, ["temperature"]),
+        (c, {"model": model, "prompt": "hi", "max_tokens": 0}, 400, ["max_tokens"]),
+        (c, {"model": model, "prompt": "hi", "n": 0}, 400, ["n"]),
+        (c, {"model": model, "prompt": "hi", "n": MAX_QUEUE + 1}, 400, ["n", str(MAX_QUEUE)]),
+        (c, {"model": model, "prompt": "hi", "stop": [""]}, 400, ["stop"]),
+        (c, {"model": model, "prompt": ""}, 400, ["empty"]),
+        (c, {"model": model, "prompt": [10**9]}, 400, ["vocabulary"]),
+        (c, {"model": model, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400,
+         [str(MAX_MODEL_LEN), str(MAX_MODEL_LEN + 1), "max_tokens"]),
+        (c, {"model": model, "prompt": [5] * (MAX_MODEL_LEN + 10), "max_tokens": 4}, 400,
+         [str(MAX_MODEL_LEN), str(MAX_MODEL_LEN + 10)]),
+        (ch, {"model": model, "messages": [{"role": "user", "content": "word " * 400}]}, 400,
+         [str(MAX_MODEL_LEN), "context length"]),
+        (ch, {"model": model, "messages": []}, 400, ["messages"]),
+        (ch, {"model": model, "messages": [{"role": "tool", "content": "x"}]}, 400, ["role"]),
+        (ch, {"model": model, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+         ["content"]),
+        (ch, {"model": model, "messages": msgs, "stream_options": {"include_usage": True}}, 400,
+         ["stream_options"]),
+    ]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
+    before = counter(server.metrics(), "jaxspec_requests_total", outcome="rejected")
+    cases = error_cases(server.model)
+    for path, body, status, words in cases:
+        r = server.post(path, body)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert {"message", "type", "param", "code"} <= set(err), err
+        assert all(w in err["message"] for w in words), (body, err)
+    assert httpx.get(f"{server.url}/nope", timeout=10, headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+    after = counter(server.metrics(), "jaxspec_requests_total", outcome="rejected")
+    assert after - before >= len(cases)
+    with pytest.raises(openai.NotFoundError):  # the client's own view of a 404
+        server.client().completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    assert complete(server, "Hello", 4, temperature=0).choices[0].text is not None
+
+
+def test_engine_failure_fails_only_that_request(server):
+    """An exception inside the engine thread for one request is a 500 for it; the rest are served."""
+    with ThreadPoolExecutor(2) as pool:
+        good = pool.submit(chat, server, PROMPTS[1], 12, temperature=0)
+        r = server.post("/v1/completions", {"model": server.model, "prompt": "hi", "max_tokens": 8, "stop": FAULT})
+        assert good.result(timeout=120).choices[0].message.content
+    assert r.status_code == 500 and "fault injected" in r.json()["error"]["message"]
+    with pytest.raises(openai.APIError, match="fault injected"):  # streaming: an error event ends the stream
+        streamed(complete(server, "hi", 8, stop=FAULT, stream=True))
+    assert chat(server, PROMPTS[1], 12, temperature=0).choices[0].message.content == \
+        good.result().choices[0].message.content
+    assert counter(server.metrics(), "jaxspec_requests_total", outcome="error") >= 2
+
+
+def test_full_queue_is_429(server):
+    """8 slots busy and 8 requests waiting: the next request is refused with 429, not queued."""
+    client = server.client()
+    body = dict(model=server.model, prompt="Count to one hundred:", max_tokens=40, temperature=0, n=MAX_QUEUE)
+    streams = []
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            for _ in range(3):
+                streams.append(client.completions.create(**body, stream=True))
+        assert e.value.status_code == 429 and "queue" in e.value.message and str(MAX_QUEUE) in e.value.message
+    finally:
+        for s in streams:
+            s.close()
+    assert counter(server.metrics(), "jaxspec_requests_total", outcome="queue_full") >= 1
+    wait_for(lambda: server.metrics()[("jaxspec_active_slots", ())] == 0, "slots freed after closed streams")
+    assert complete(server, "Hello", 4, temperature=0).choices[0].text is not None
+
+
+def wait_for(check, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def test_client_disconnect_mid_stream_cancels_the_request(server):
+    before = counter(server.metrics(), "jaxspec_requests_total", outcome="cancelled")
+    stream = complete(server, "Count to one hundred:", 200, temperature=0, stream=True)
+    received = 0
+    for chunk in stream:
+        received += 1
+        if received == 3:
+            break
+    stream.close()
+    wait_for(lambda: counter(server.metrics(), "jaxspec_requests_total", outcome="cancelled") > before,
+             "the cancellation in /metrics")
+    wait_for(lambda: server.metrics()[("jaxspec_active_slots", ())] == 0, "the slot to free")
+    assert complete(server, "Hello", 4, temperature=0).choices[0].text is not None
+
+
+def test_metrics_parse_and_move(server):
+    before = server.metrics()
+    r = chat(server, PROMPTS[2], 8, temperature=0)
+    after = server.metrics()
+    tokens = r.usage.completion_tokens
+    assert counter(after, "jaxspec_generation_tokens_total") - counter(before, "jaxspec_generation_tokens_total") \
+        == tokens
+    assert counter(after, "jaxspec_prompt_tokens_total") - counter(before, "jaxspec_prompt_tokens_total") == \
+        r.usage.prompt_tokens
+    outcome = "length" if r.choices[0].finish_reason == "length" else "stop"
+    assert counter(after, "jaxspec_requests_total", outcome=outcome) == \
+        counter(before, "jaxspec_requests_total", outcome=outcome) + 1
+    assert counter(after, "jaxspec_time_to_first_token_seconds_count") == \
+        counter(before, "jaxspec_time_to_first_token_seconds_count") + 1
+    assert counter(after, "jaxspec_tokens_per_llm_step_count") > counter(before, "jaxspec_tokens_per_llm_step_count")
+    assert counter(after, "jaxspec_iterations_total", tree="none") > counter(before, "jaxspec_iterations_total",
+                                                                              tree="none")
+    for name in ("jaxspec_queue_depth", "jaxspec_active_slots", "jaxspec_spec_decode_num_drafts_total",
+                 "jaxspec_spec_decode_num_draft_tokens_total", "jaxspec_spec_decode_num_accepted_tokens_total",
+                 "jaxspec_spec_decode_mean_acceptance_length", "jaxspec_time_per_output_token_seconds_count"):
+        assert (name, ()) in after, name
+
+
+def test_sigterm_drains_and_exits_zero(server):
+    """Runs last: SIGTERM lets the in-flight stream finish, then the process exits 0."""
+    stream = complete(server, "Count to ten:", 16, temperature=0, stream=True)
+    first = next(iter(stream))
+    server.proc.send_signal(signal.SIGTERM)
+    rest = [first] + list(stream)
+    assert any(c.choices and c.choices[0].finish_reason for c in rest)
+    assert server.proc.wait(60) == 0, server.tail()
+    log = server.tail(20000)
+    assert "Traceback" not in log and "Shutting down" in log
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{server.url}/health", timeout=5)
