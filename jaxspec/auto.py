@@ -109,6 +109,17 @@ class TreeChooser:
         scores = self.scores(ngram_len, ngram_match)
         return max(scores, key=lambda n: (scores[n], n == "none"))
 
+    def pick_batch(self, rows: list[tuple[int, int]]) -> str:
+        """The member with the most expected tokens per second summed over a batch's rows.
+
+        ``rows`` holds each active row's (n-gram proposal length, matched suffix length);
+        the costs are those of the batch's executable, so a large batch (where a tree
+        costs more than it saves) falls back to no speculation.
+        """
+        scores = {n: sum(self.expected_tokens(n, length, match) for length, match in rows) / self.costs[n]
+                  for n in self.members}
+        return max(scores, key=lambda n: (scores[n], n == "none"))
+
     def observe(self, name: str, source_depth: np.ndarray, ngram_len: int = 0, ngram_match: int = 1) -> None:
         """Records one iteration of ``name``: source_depth [P] as returned by the step."""
         m = self.members[name]

@@ -148,9 +148,13 @@ class Engine:
         self.family(sampling.SamplingParams())  # validates every configuration
 
     # -- the family of trees ------------------------------------------------------------
-    def family(self, params: sampling.SamplingParams) -> dict[str, DecodeConfig]:
-        """Member name -> compiled configuration: one member, or the ``auto`` family."""
-        warp = sampling.WarpSpec.of(params)
+    def family(self, params: sampling.SamplingParams | sampling.WarpSpec) -> dict[str, DecodeConfig]:
+        """Member name -> compiled configuration: one member, or the ``auto`` family.
+
+        ``params`` is a request's sampling parameters or directly a warp (``sampling.MIXED``
+        for a batch of greedy and sampled rows).
+        """
+        warp = _warp(params)
         verify = "greedy" if warp.greedy else (self.verify if self.verify != "greedy" else "mss")
         off = (None,) * len(self.topologies)
         vocab = self.llm.cfg.vocab_size
@@ -181,7 +185,7 @@ class Engine:
             parts.append(f"ngram <1x{cfg.ngram_depth}>")
         return " + ".join(parts) or "no speculation"
 
-    def members(self, params: sampling.SamplingParams) -> list[Member]:
+    def members(self, params: sampling.SamplingParams | sampling.WarpSpec) -> list[Member]:
         """The family as the chooser sees it: per member, each kind's depth and source columns."""
         out = []
         for name, cfg in self.family(params).items():
@@ -227,29 +231,31 @@ class Engine:
             self._compiled[key] = jax.jit(pre, donate_argnums=(2,))
         return self._compiled[key]
 
-    def _proposal(self, tokens: Sequence[int]) -> tuple[jax.Array, jax.Array]:
-        """Device arrays (tokens [1, D], count [1]) for the step; explicit transfers only.
+    def _proposal(self, tokens: Sequence[int], batch: int = 1) -> tuple[jax.Array, jax.Array]:
+        """Device arrays (tokens [B, D], count [B]) for the step, every row proposing ``tokens``.
 
-        The empty proposal is transferred once and reused (incremental steps send nothing).
+        Explicit transfers only; the empty proposal of batch 1 is transferred once and
+        reused (incremental steps send nothing).
         """
-        if not tokens and self._no_proposal is not None:
+        if not tokens and batch == 1 and self._no_proposal is not None:
             return self._no_proposal
-        toks, count = ngram.proposal_arrays([list(tokens)], self.ngram_depth)
+        toks, count = ngram.proposal_arrays([list(tokens)] * batch, self.ngram_depth)
         arrays = jax.device_put((toks, count))
-        if not tokens:
+        if not tokens and batch == 1:
             self._no_proposal = arrays
         return arrays
 
     # -- costs and the chooser -------------------------------------------------------------
-    def calibrate(self, params: sampling.SamplingParams, capacity: int, refresh: bool = False) -> dict[str, float]:
-        """Seconds per iteration of every family member at this capacity, measured once and cached.
+    def calibrate(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, refresh: bool = False,
+                  batch: int = 1) -> dict[str, float]:
+        """Seconds per iteration of every family member at this capacity and batch, measured once and cached.
 
-        The cache (``jaxspec.costs``) is keyed by device kind, models, dtype, warp, family
-        and capacity, and lives outside the repository; ``refresh`` measures again.
+        The cache (``jaxspec.costs``) is keyed by device kind, models, dtype, warp, family,
+        capacity and batch, and lives outside the repository; ``refresh`` measures again.
         """
         if self._injected_costs is not None:
             return self._injected_costs
-        key = (sampling.WarpSpec.of(params), capacity)
+        key = (_warp(params), capacity, batch)
         if key in self._costs and not refresh:
             return self._costs[key]
         from jaxspec import costs  # noqa: PLC0415
@@ -261,22 +267,24 @@ class Engine:
             "ssms": [[s.name, repr(s.cfg), str(jnp.dtype(s.dtype))] for s in self.ssms],
             "ngram": self.ngram_depth,
             "family": {n: self.describe(n) for n in self.family(params)},
-            "warp": repr(sampling.WarpSpec.of(params)),
+            "warp": repr(_warp(params)),
             "capacity": capacity,
+            "batch": batch,
             "unroll": self.unroll,
         }
-        self._costs[key] = costs.load_or_measure(ident, lambda: self._measure(params, capacity), refresh)
+        self._costs[key] = costs.load_or_measure(ident, lambda: self._measure(params, capacity, batch=batch), refresh)
         return self._costs[key]
 
-    def _measure(self, params: sampling.SamplingParams, capacity: int, reps: int = 5) -> dict[str, float]:
-        prompt = np.arange(MIN_PROMPT_BUCKET, dtype=np.int32)[None] % self.llm.cfg.vocab_size
+    def _measure(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, reps: int = 5,
+                 batch: int = 1) -> dict[str, float]:
+        prompt = np.arange(MIN_PROMPT_BUCKET, dtype=np.int32)[None].repeat(batch, 0) % self.llm.cfg.vocab_size
         out = {}
         for name, cfg in self.family(params).items():
             step_fn = self._step_fn(cfg)
-            state = self.init_state(1, capacity, params)
+            state = self.init_state(batch, capacity, params)
             state, _ = self._prefill_fn(params)(self._llm_params, self._group_params, state, jnp.asarray(prompt),
-                                                jnp.asarray([MIN_PROMPT_BUCKET], jnp.int32))
-            toks, count = self._proposal(list(range(1, self.ngram_depth + 1)))
+                                                jnp.full((batch,), MIN_PROMPT_BUCKET, jnp.int32))
+            toks, count = self._proposal(list(range(1, self.ngram_depth + 1)), batch)
             times = []
             for _ in range(reps + 1):
                 t0 = time.perf_counter()
@@ -284,26 +292,27 @@ class Engine:
                 jax.block_until_ready(res)
                 times.append(time.perf_counter() - t0)
             out[name] = float(np.median(times[1:])) if reps else times[0]  # the first call compiles
-        self._warmed.add((sampling.WarpSpec.of(params), capacity))
+        self._warmed.add((_warp(params), capacity, batch))
         return out
 
-    def warm(self, params: sampling.SamplingParams, capacity: int) -> None:
-        """Compiles every family member for this capacity now, so no step of a request compiles.
+    def warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int = 1) -> None:
+        """Compiles every family member for this capacity and batch now, so no step of a request compiles.
 
         ``auto`` may switch to any member mid-request; compiling it then would stall that
         request (and count as decoding time).
         """
-        if (sampling.WarpSpec.of(params), capacity) not in self._warmed:
-            self._measure(params, capacity, reps=0)
+        if (_warp(params), capacity, batch) not in self._warmed:
+            self._measure(params, capacity, reps=0, batch=batch)
 
-    def chooser(self, params: sampling.SamplingParams, capacity: int) -> TreeChooser:
-        """The running chooser for this warp (statistics carry over between requests)."""
-        key = sampling.WarpSpec.of(params)
-        costs = self.calibrate(params, capacity)
+    def chooser(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int,
+                batch: int = 1) -> TreeChooser:
+        """The running chooser for this warp and batch (statistics carry over between requests)."""
+        key = (_warp(params), batch)
+        costs = self.calibrate(params, capacity, batch=batch)
         if key not in self._choosers:
             self._choosers[key] = TreeChooser(self.members(params), costs)
         self._choosers[key].costs = dict(costs)
-        self.warm(params, capacity)
+        self.warm(params, capacity, batch)
         return self._choosers[key]
 
     # -- state ------------------------------------------------------------------------
@@ -335,24 +344,36 @@ class Engine:
         if self.verify != "greedy" and params.greedy:
             raise RequestError(f"--verify {self.verify} needs stochastic decoding (--temperature > 0)")
 
-    def init_state(self, batch: int, capacity: int, params: sampling.SamplingParams) -> DecodeState:
-        """A fresh state for B slots, built on the device (explicit transfers only: seed and warp values)."""
+    def init_state(self, batch: int, capacity: int, params: sampling.SamplingParams | sampling.WarpSpec,
+                   active: bool = True) -> DecodeState:
+        """A fresh state for B slots, built on the device (explicit transfers only: seed and warp values).
+
+        Given a warp instead of parameters (a batch's slots get theirs on admission), rows
+        sample at temperature 1 with every compiled stage off.
+        """
         key = ("init", batch, capacity)
         if key not in self._compiled:
-            def init(seed, values):
+            def init(seeds, values, active):
                 dt = self.llm.dtype
                 return DecodeState(
                     llm_cache=KVCache.create(self.llm.cfg, batch, capacity, dt),
                     ssm_caches=tuple(self._group_cache(g, batch, capacity) for g in self.groups),
                     history=jnp.zeros((batch, capacity), jnp.int32),
                     root=jnp.zeros((batch,), jnp.int32),
-                    key=jax.random.PRNGKey(seed),
+                    key=jax.vmap(jax.random.PRNGKey)(seeds),
                     values=values,
+                    active=active,
                 )
 
             self._compiled[key] = jax.jit(init)
-        seed = jax.device_put(np.asarray(params.seed % 2**32, np.uint32))
-        return self._compiled[key](seed, sampling.warp_arrays(params, batch))
+        if isinstance(params, sampling.WarpSpec):
+            values = sampling.row_values([sampling.SamplingParams(1.0)] * batch, self.llm.cfg.vocab_size)
+            params = sampling.SamplingParams(1.0)
+        else:
+            values = sampling.row_values([params] * batch, 0)
+        seeds = np.full((batch,), params.seed % 2**32, np.uint32)
+        seeds, values, rows = jax.device_put((seeds, values, np.full((batch,), active, bool)))
+        return self._compiled[key](seeds, values, rows)
 
     def _group_cache(self, group: SSMGroup, batch: int, capacity: int) -> KVCache:
         ssm = self.ssms[group.members[0]]
@@ -456,6 +477,10 @@ class Engine:
             if cut is not None:
                 return (done + new)[len(done): max(cut, len(done))], "stop"
         return new, reason
+
+
+def _warp(params: sampling.SamplingParams | sampling.WarpSpec) -> sampling.WarpSpec:
+    return params if isinstance(params, sampling.WarpSpec) else sampling.WarpSpec.of(params)
 
 
 def _check_fits(slots: int, capacity: int, what: str) -> None:

@@ -52,13 +52,63 @@ class WarpSpec:
         return cls(params.greedy, not params.greedy and params.top_k > 0, not params.greedy and params.top_p < 1.0)
 
 
+MIXED = WarpSpec(greedy=False, use_top_k=True, use_top_p=True)
+"""The warp of a batch mixing greedy and sampled rows: every stage compiled, each row's values decide."""
+
+
 def warp_arrays(params: SamplingParams, batch: int) -> dict[str, jax.Array]:
     """Traced per-row sampling values [B] so changing them never recompiles (one explicit transfer)."""
-    return jax.device_put({
-        "temperature": np.full((batch,), max(params.temperature, 1e-6), np.float32),
-        "top_k": np.full((batch,), params.top_k, np.int32),
-        "top_p": np.full((batch,), params.top_p, np.float32),
-    })
+    return jax.device_put(row_values([params] * batch, 0))
+
+
+def row_values(rows: list[SamplingParams], vocab: int) -> dict[str, np.ndarray]:
+    """Per-row sampling values [B] on the host, for one row per request of a batch.
+
+    ``greedy`` rows are argmax rows inside a stochastic executable (``MIXED``); top-k 0
+    (off) becomes the vocabulary size so a compiled top-k stage keeps every token.
+    """
+    return {
+        "temperature": np.asarray([max(p.temperature, 1e-6) for p in rows], np.float32),
+        "top_k": np.asarray([p.top_k or vocab for p in rows] if vocab else [p.top_k for p in rows], np.int32),
+        "top_p": np.asarray([p.top_p for p in rows], np.float32),
+        "greedy": np.asarray([p.greedy for p in rows], bool),
+    }
+
+
+def split_rows(keys: jax.Array, num: int) -> jax.Array:
+    """``num`` fresh keys per row: keys [B, 2] -> [B, num, 2], or a single key [2] -> [num, 2]."""
+    if keys.ndim == 1:
+        return jax.random.split(keys, num)
+    return jax.vmap(lambda k: jax.random.split(k, num))(keys)
+
+
+def pick_key(keys: jax.Array, i) -> jax.Array:
+    """The i-th of ``split_rows``' keys: [B, num, 2] -> [B, 2] (or [num, 2] -> [2])."""
+    return keys[i] if keys.ndim == 2 else keys[:, i]
+
+
+def uniform_rows(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """U[0, 1) of shape [B, *shape]: one stream per row's key [B, 2], or one key [2] for all rows."""
+    if keys.ndim == 1:
+        return jax.random.uniform(keys, shape)
+    return jax.vmap(lambda k: jax.random.uniform(k, shape[1:]))(keys)
+
+
+def categorical_rows(keys: jax.Array, logp: jax.Array, draws: int | None = None) -> jax.Array:
+    """Draws from log-probabilities logp [B, ..., V]: [B, ...] (or [B, ..., draws] i.i.d.).
+
+    ``keys`` is one key per row [B, 2] (a row's draws then depend on its own key only, as
+    a batched server needs) or one key [2] shared by all rows.
+    """
+    shape = logp.shape[:-1] + ((draws,) if draws else ())
+    if keys.ndim == 1:
+        lp = logp[..., None, :] if draws else logp
+        return jax.random.categorical(keys, lp, axis=-1, shape=shape)
+
+    def one(k, lp):
+        return jax.random.categorical(k, lp[..., None, :] if draws else lp, axis=-1, shape=shape[1:])
+
+    return jax.vmap(one)(keys, logp)
 
 
 def warp_logits(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array]) -> jax.Array:
@@ -82,7 +132,11 @@ def warp_logits(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array])
             keep = before < p  # smallest prefix whose mass reaches p
             threshold = jnp.min(jnp.where(keep, order, jnp.inf), axis=-1, keepdims=True)
             x = jnp.where(x >= threshold, x, neg)
-    return jax.nn.log_softmax(x, axis=-1)
+    logp = jax.nn.log_softmax(x, axis=-1)
+    if "greedy" in values:  # argmax rows of a mixed batch: a one-hot distribution at the argmax
+        onehot = jnp.arange(x.shape[-1]) == jnp.argmax(logits, axis=-1)[..., None]
+        logp = jnp.where(values["greedy"].reshape((b,) + extra + (1,)), jnp.where(onehot, 0.0, -jnp.inf), logp)
+    return logp
 
 
 def warped_probs(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array]) -> jax.Array:
@@ -91,7 +145,10 @@ def warped_probs(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array]
 
 
 def sample(key: jax.Array, logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array]) -> jax.Array:
-    """One token per row of logits [B, ..., V]: argmax when greedy, else a warped draw."""
+    """One token per row of logits [B, ..., V]: argmax when greedy, else a warped draw.
+
+    ``key``: one key per row [B, 2] or one shared key [2] (``categorical_rows``).
+    """
     if spec.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, warp_logits(logits, spec, values), axis=-1).astype(jnp.int32)
+    return categorical_rows(key, warp_logits(logits, spec, values)).astype(jnp.int32)

@@ -64,7 +64,7 @@ def propose(key: jax.Array, logits: jax.Array, k: int, spec: sampling.WarpSpec, 
     if spec.greedy:
         return jax.lax.top_k(logits, k)[1].astype(jnp.int32), jnp.zeros((), jnp.float32)
     logp = sampling.warp_logits(logits, spec, values)  # [B, W, V]
-    draws = jax.random.categorical(key, logp[..., None, :], axis=-1, shape=logp.shape[:-1] + (k,))
+    draws = sampling.categorical_rows(key, logp, k)  # [B, W, k]
     return draws.astype(jnp.int32), jnp.exp(logp)
 
 
@@ -120,7 +120,7 @@ def speculate(
     kmax = max(topo.expansion)
     parent = jnp.broadcast_to(jnp.asarray(topo.parent, jnp.int32), (b, n))
     anc = ancestor_mask(parent, m)  # [B, N, N]
-    keys = jax.random.split(key, m)
+    keys = sampling.split_rows(key, m)  # [B, m, 2] (or [m, 2] for a shared key)
 
     # Step 0: re-feed the last m+1 committed tokens and the root.
     window = m + 1
@@ -149,7 +149,7 @@ def speculate(
             probs = probs.at[:, fed[: logits.shape[1]]].set(q)
         return tokens, probs
 
-    tokens, probs = expand(0, logits0, tokens, probs, keys[0])
+    tokens, probs = expand(0, logits0, tokens, probs, sampling.pick_key(keys, 0))
 
     def level(i, carry):
         tokens, probs, cache = carry
@@ -161,7 +161,7 @@ def speculate(
         positions = jnp.broadcast_to(length[:, None] + i, rows.shape)
         mask = tree_mask(length, anc, rows, cap)
         logits, cache = forward(params, toks, positions, cache.replace(length=write_at), mask)
-        tokens, probs = expand(i, logits, tokens, probs, keys[i])
+        tokens, probs = expand(i, logits, tokens, probs, sampling.pick_key(keys, i))
         return tokens, probs, cache.replace(length=length)
 
     if m > 1:

@@ -133,8 +133,9 @@ class DecodeState:
     ssm_caches: tuple[KVCache, ...]  # one per SSM group; a group of G stacks its caches on a leading G axis
     history: jax.Array  # [B, S] committed token ids (slot i holds the token whose K/V is at i)
     root: jax.Array  # [B] last emitted token, not yet fed to the LLM
-    key: jax.Array  # PRNG key
+    key: jax.Array  # [B, 2] one PRNG key per row: a row's draws depend on its own seed only
     values: dict  # traced sampling values, each [B]
+    active: jax.Array | None = None  # [B] bool: rows being decoded (None: all); an idle row keeps length 0
 
 
 @flax.struct.dataclass
@@ -170,7 +171,7 @@ def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, 
     position = {j: p for p, j in enumerate(cfg.active)}
     found: dict[int, tuple] = {}  # source position -> (tree, draft probs)
     caches = []
-    keys = jax.random.split(key, max(len(cfg.topologies), 1))
+    keys = sampling.split_rows(key, max(len(cfg.topologies), 1))  # [B, J, 2]
     for group, fwd, params, cache in zip(cfg.ssm_groups, ssm_forwards, ssm_params, state.ssm_caches):
         topo = cfg.topologies[group.members[0]]
         if topo is None:
@@ -182,12 +183,14 @@ def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, 
 
         if len(group.members) == 1:
             j = group.members[0]
-            tree, q, cache = run(params, cache, keys[j], position[j])
+            tree, q, cache = run(params, cache, sampling.pick_key(keys, j), position[j])
             found[position[j]] = (tree, q)
         else:
             ids = jnp.asarray(group.members, jnp.int32)
             pos = jnp.asarray([position[j] for j in group.members], jnp.int32)
-            tree, q, cache = jax.vmap(run, in_axes=(group.param_axes(params), 0, 0, 0))(params, cache, keys[ids], pos)
+            member_keys = keys[ids] if keys.ndim == 2 else keys[:, ids]  # [G, 2] or [B, G, 2]
+            tree, q, cache = jax.vmap(run, in_axes=(group.param_axes(params), 0, keys.ndim - 2, 0))(
+                params, cache, member_keys, pos)
             for i, j in enumerate(group.members):
                 found[position[j]] = jax.tree_util.tree_map(lambda x, i=i: x[i], (tree, q))
         caches.append(cache)
@@ -261,18 +264,22 @@ def decode_step(
     when ``cfg.ngram_depth`` > 0. The caller guarantees every write fits the cache:
     length + cfg.num_nodes <= capacity for every row (``Engine`` checks it per step).
     """
-    key, k_draft, k_verify = jax.random.split(state.key, 3)
+    keys = sampling.split_rows(state.key, 3)
+    key, k_draft, k_verify = (sampling.pick_key(keys, i) for i in range(3))
+    act = state.active if state.active is not None else jnp.ones(state.root.shape, bool)  # [B]
+    length = jnp.where(act, state.llm_cache.length, 0)  # [B]: idle rows write at slot 0, in bounds
+    state = state.replace(llm_cache=state.llm_cache.replace(length=length))
     tree, draft_probs, ssm_caches, proposed = draft(cfg, ssm_forwards, ssm_params, state, k_draft, proposal)
     tree = pad_tree(tree, cfg.num_nodes)
     proposed = jnp.pad(proposed, ((0, 0), (0, tree.num_nodes - proposed.shape[1])))
     n = tree.num_nodes
-    length = state.llm_cache.length
     cap = state.llm_cache.capacity
     anc = ancestor_mask(tree.parent, cfg.max_depth)  # [B, N, N]
     rows = jnp.broadcast_to(jnp.arange(n), tree.tokens.shape)
     mask = tree_mask(length, anc, rows, cap)
     logits, llm_cache = llm_forward(llm_params, tree.tokens, length[:, None] + tree.depth, state.llm_cache, mask)
     verdict = accept(cfg, tree, logits, draft_probs, state, k_verify)
+    verdict = Verdict(verdict.path, jnp.where(act, verdict.num, 0), verdict.next_token)  # idle rows emit nothing
 
     if n > 1:  # a root-only tree's path is the root itself, already in place
         llm_cache = commit(llm_cache, verdict.path, verdict.num)
@@ -290,7 +297,8 @@ def decode_step(
     emitted = jnp.where(jnp.arange(p)[None, :] == verdict.num[:, None] - 1, verdict.next_token[:, None], emitted)
     depths = source_depths(tree, proposed, emitted, verdict.num, len(cfg.sources), cfg.max_depth)
     new_state = state.replace(
-        llm_cache=llm_cache, ssm_caches=ssm_caches, history=history, root=verdict.next_token, key=key
+        llm_cache=llm_cache, ssm_caches=ssm_caches, history=history, root=jnp.where(act, verdict.next_token, 0),
+        key=key,
     )
     return new_state, StepOutput(emitted.astype(jnp.int32), verdict.num, depths)
 
@@ -322,7 +330,8 @@ def prefill(
         fill = lambda p, c, f=f: prefill_model(f, p, c, tokens, lengths)[1]  # noqa: E731
         ssm_caches.append(fill(p, c) if len(group.members) == 1 else jax.vmap(fill, (group.param_axes(p), 0))(p, c))
     ssm_caches = tuple(ssm_caches)
-    key, sub = jax.random.split(state.key)
+    keys = sampling.split_rows(state.key, 2)
+    key, sub = sampling.pick_key(keys, 0), sampling.pick_key(keys, 1)
     first = sampling.sample(sub, logits, cfg.warp, state.values)
     s = state.history.shape[1]
     tp = tokens.shape[1]
@@ -332,3 +341,106 @@ def prefill(
 
 
 StepFn = Callable[..., tuple[DecodeState, StepOutput]]
+
+
+def _row(x: jax.Array, slot, axis: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(x, slot, 1, axis)
+
+
+def _put_row(x: jax.Array, row: jax.Array, slot, axis: int) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, row.astype(x.dtype), slot, axis)
+
+
+def _cache_row(cache: KVCache, slot, grouped: bool) -> KVCache:
+    """Row ``slot`` of a cache [L, B, ...] (or a group's [G, L, B, ...]) as a one-row cache."""
+    a = 2 if grouped else 1
+    return KVCache(_row(cache.k, slot, a), _row(cache.v, slot, a), _row(cache.length, slot, a - 1))
+
+
+def _put_cache_row(cache: KVCache, row: KVCache, slot, grouped: bool) -> KVCache:
+    a = 2 if grouped else 1
+    return KVCache(_put_row(cache.k, row.k, slot, a), _put_row(cache.v, row.v, slot, a),
+                   _put_row(cache.length, row.length, slot, a - 1))
+
+
+def prefill_row(
+    cfg: DecodeConfig,
+    llm_forward: Forward,
+    ssm_forwards: tuple[Forward, ...],
+    llm_params,
+    ssm_params: tuple,
+    state: DecodeState,
+    slot: jax.Array,
+    tokens: jax.Array,
+    start: jax.Array,
+    count: jax.Array,
+    last: jax.Array,
+    seed: jax.Array,
+    values: dict,
+) -> DecodeState:
+    """Feeds one prompt chunk tokens [1, C] (``count`` real) at positions ``start`` … into row ``slot``.
+
+    The batched engine's admission runs it on a one-row staging state (a long prompt is
+    fed chunk by chunk between decoding iterations of the others), then ``insert_row``s
+    the row. On the ``last`` chunk the row gets its seed's PRNG key and sampling
+    ``values`` (each [1]), samples its first token (the pending root) and becomes active.
+    The caller guarantees start + C <= capacity.
+    """
+    c = tokens.shape[1]
+    cap = state.llm_cache.capacity
+    positions = start + jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
+    begin = jnp.reshape(start, (1,)).astype(jnp.int32)
+    mask = causal_mask(begin, c, cap)  # [1, C, S]
+    select = jnp.reshape(count - 1, (1, 1)).astype(jnp.int32)
+
+    def feed(forward, params, cache):
+        logits, cache = forward(params, tokens, positions, cache.replace(length=begin), mask, select)
+        return logits[:, 0], cache.replace(length=begin + count)
+
+    logits, llm_row = feed(llm_forward, llm_params, _cache_row(state.llm_cache, slot, False))
+    llm_cache = _put_cache_row(state.llm_cache, llm_row, slot, False)
+    ssm_caches = []
+    for group, f, p, cache in zip(cfg.ssm_groups, ssm_forwards, ssm_params, state.ssm_caches):
+        grouped = len(group.members) > 1
+        row = _cache_row(cache, slot, grouped)
+        if grouped:
+            row = jax.vmap(lambda p, c, f=f: feed(f, p, c)[1], (group.param_axes(p), 0))(p, row)
+        else:
+            row = feed(f, p, row)[1]
+        ssm_caches.append(_put_cache_row(cache, row, slot, grouped))
+    hist_row = jax.lax.dynamic_update_slice_in_dim(_row(state.history, slot, 0), tokens, start, 1)
+    history = _put_row(state.history, hist_row, slot, 0)
+
+    keys = jax.random.split(jax.random.PRNGKey(seed), 2)  # [2, 2]: the row's key, the first draw's
+    first = sampling.sample(keys[1:], logits, cfg.warp, values)  # [1]
+    active = state.active if state.active is not None else jnp.ones(state.root.shape, bool)
+    new_values = {k: jnp.where(last, _put_row(v, values[k], slot, 0), v) for k, v in state.values.items()}
+    return state.replace(
+        llm_cache=llm_cache,
+        ssm_caches=tuple(ssm_caches),
+        history=history,
+        root=jnp.where(last, _put_row(state.root, first, slot, 0), state.root),
+        key=jnp.where(last, _put_row(state.key, keys[:1], slot, 0), state.key),
+        values=new_values,
+        active=jnp.where(last, _put_row(active, jnp.ones((1,), bool), slot, 0), active),
+    )
+
+
+def insert_row(cfg: DecodeConfig, state: DecodeState, staged: DecodeState, slot: jax.Array) -> DecodeState:
+    """Copies the one-row ``staged`` state (a prefilled request) into row ``slot`` of ``state``."""
+    ssm_caches = tuple(_put_cache_row(c, s, slot, len(g.members) > 1)
+                       for g, c, s in zip(cfg.ssm_groups, state.ssm_caches, staged.ssm_caches))
+    return state.replace(
+        llm_cache=_put_cache_row(state.llm_cache, staged.llm_cache, slot, False),
+        ssm_caches=ssm_caches,
+        history=_put_row(state.history, staged.history, slot, 0),
+        root=_put_row(state.root, staged.root, slot, 0),
+        key=_put_row(state.key, staged.key, slot, 0),
+        values={k: _put_row(v, staged.values[k], slot, 0) for k, v in state.values.items()},
+        active=_put_row(state.active, staged.active, slot, 0),
+    )
+
+
+def set_inactive(state: DecodeState, slot: jax.Array) -> DecodeState:
+    """Retires row ``slot``: it stops growing and emitting until the next ``prefill_row``."""
+    return state.replace(active=_put_row(state.active, jnp.zeros((1,), bool), slot, 0))

@@ -118,7 +118,7 @@ def _root(tree: TokenTree) -> jax.Array:
 def _sample(key: jax.Array, probs: jax.Array) -> jax.Array:
     """One draw per row of probs [B, V] (zeros excluded)."""
     logp = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, _TINY)), -jnp.inf)
-    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+    return sampling.categorical_rows(key, logp).astype(jnp.int32)
 
 
 def residual(p: jax.Array, q: jax.Array) -> jax.Array:
@@ -134,9 +134,10 @@ def verify_mss(tree: TokenTree, p_all: jax.Array, draft_probs, key: jax.Array, m
     if draft_probs is None or jnp.ndim(draft_probs) != 3:
         draft_probs = jnp.zeros((b, 1, v), p_all.dtype)  # only reached when no node has a parent
     m = draft_probs.shape[1]
-    k_order, k_coin, k_final = jax.random.split(key, 3)
-    priority = jax.random.uniform(k_order, (b, n))  # trial order among siblings
-    coin = jax.random.uniform(k_coin, (b, n))  # one accept coin per node (each tried at most once)
+    keys = sampling.split_rows(key, 3)
+    k_order, k_coin, k_final = (sampling.pick_key(keys, i) for i in range(3))
+    priority = sampling.uniform_rows(k_order, (b, n))  # trial order among siblings
+    coin = sampling.uniform_rows(k_coin, (b, n))  # one accept coin per node (each tried at most once)
     rows = jnp.arange(b)
     child_ok = tree.valid & (tree.parent >= 0)
     proposer = jnp.clip(tree.proposer, 0, m - 1)
@@ -177,7 +178,8 @@ def verify_naive(tree: TokenTree, p_all: jax.Array, key: jax.Array, max_depth: i
 
     def body(i, carry):
         cur, nxt, done = carry
-        x = _sample(jax.random.fold_in(key, i), p_all[rows, cur])
+        k = jax.random.fold_in(key, i) if key.ndim == 1 else jax.vmap(lambda r: jax.random.fold_in(r, i))(key)
+        x = _sample(k, p_all[rows, cur])
         match = child_ok & (tree.parent == cur[:, None]) & (tree.tokens == x[:, None])
         has = match.any(-1) & ~done
         s = jnp.argmax(match, axis=-1).astype(jnp.int32)  # first copy (any fixed rule is exact)

@@ -1,0 +1,424 @@
+"""Continuous batching: a fixed set of slots decoded together, one jitted iteration for all of them.
+
+The device state (KV caches of ``max_batch`` slots × a fixed capacity, histories, roots,
+one PRNG key and sampling values per slot, an active mask) is allocated once and donated
+to every call, so requests come and go without a recompilation (the JetStream / MaxText
+``prefill`` / ``insert`` / ``generate`` split):
+
+* admission: a waiting request is prefilled chunk by chunk into a one-row staging state
+  (one chunk per iteration, so a long prompt does not stall the other slots' streams),
+  then inserted into a free slot;
+* ``generate``: ONE iteration for every slot — draft, every slot's tree packed into one
+  LLM pass, accept, commit — of the family member the cost model picks for the current
+  batch (``jaxspec.auto``: expected tokens summed over the active slots per second of
+  that member at this batch size, so speculation shrinks to nothing where it stops
+  paying);
+* retirement: EOS, a stop string, the token limit or a cancellation frees the slot.
+
+Greedy and sampled requests share one executable (``sampling.MIXED``: a greedy row is a
+one-hot distribution, which multi-step speculative sampling verifies exactly as argmax);
+a batch of greedy rows alone runs the greedy executables. A request's output depends on
+its own seed only: each slot draws from its own key.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import ngram, sampling
+from jaxspec.engine import Engine, Generation, RequestError, _check_fits
+from jaxspec.step import DecodeConfig, DecodeState, insert_row, prefill_row, set_inactive
+
+PREFILL_BUCKETS = (16, 64, 256)  # chunk shapes a prompt is fed in (one executable each)
+DEFAULT_MAX_MODEL_LEN = 1024  # every slot's cache holds this many tokens; attention reads all of them
+
+
+class QueueFull(RuntimeError):
+    """``submit`` while ``max_queue`` requests already wait for a slot."""
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request of a batch."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: sampling.SamplingParams = sampling.SamplingParams()
+    stop_ids: Sequence[int] | None = None  # None: the LLM's EOS ids
+    stop: Callable[[list[int]], int | None] | None = None  # stop-string matcher: generated ids -> cut index
+    id: str = ""
+
+
+@dataclasses.dataclass
+class Event:
+    """What a request hears from the engine thread: new tokens, then a final event."""
+
+    request_id: str
+    token_ids: list[int]  # tokens new since the previous event (may be empty on the final event)
+    finish_reason: str | None  # None while running; "eos" | "stop" | "length" | "cancelled" | "error"
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # total so far
+    generation: Generation | None = None  # counters, on the final event
+
+
+@dataclasses.dataclass
+class IterationStats:
+    """One decoding iteration of the batch, for metrics."""
+
+    tree: str  # family member run
+    seconds: float
+    active: int
+    queued: int
+    emitted: list[int]  # tokens emitted per active slot
+    drafted: list[int]  # draft tokens verified per active slot (0 without speculation)
+    accepted_depth: list[int]  # per active slot: draft tokens accepted (depths 1..a)
+
+
+class Ticket:
+    """A submitted request's handle: ``cancel`` frees its slot at the next iteration."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclasses.dataclass
+class _Slot:
+    ticket: Ticket
+    on_event: Callable[[Event], None]
+    gen: Generation
+    start: float
+    index: ngram.NGramIndex | None
+    committed: int  # tokens in the slot's LLM cache
+    stop_ids: set[int]
+
+
+@dataclasses.dataclass
+class _Staging:
+    """The request being prefilled, chunk by chunk."""
+
+    ticket: Ticket
+    on_event: Callable[[Event], None]
+    fed: int = 0
+
+
+class BatchEngine:
+    """Slots, admission, one jitted iteration for every active slot, retirement."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        max_batch: int = 16,
+        max_model_len: int | None = None,
+        max_queue: int = 256,
+        on_iteration: Callable[[IterationStats], None] | None = None,
+        prefill_chunk: int = PREFILL_BUCKETS[-1],
+    ) -> None:
+        if max_batch < 1:
+            raise RequestError(f"--max-batch must be >= 1, got {max_batch}")
+        limit = engine.llm.cfg.max_position_embeddings
+        max_model_len = max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+        if not 1 < max_model_len <= limit:
+            raise RequestError(f"--max-model-len must lie in [2, {limit}] (the model's context), got {max_model_len}")
+        self.engine = engine
+        self.max_batch = max_batch
+        self.max_model_len = max_model_len
+        self.max_queue = max_queue
+        self.on_iteration = on_iteration
+        self.buckets = tuple(b for b in PREFILL_BUCKETS if b < prefill_chunk) + (prefill_chunk,)
+        worst = engine._worst()
+        # Every write fits by construction: a slot holds < max_model_len committed tokens
+        # before a step that writes num_nodes more; a prefill chunk ends within a bucket.
+        self.capacity = max_model_len + max(worst.num_nodes + worst.max_emit, self.buckets[-1])
+        self.vocab = engine.llm.cfg.vocab_size
+        self.state = engine.init_state(max_batch, self.capacity, sampling.MIXED, active=False)
+        self.staging_state = engine.init_state(1, self.capacity, sampling.MIXED, active=False)
+        self.slots: list[_Slot | None] = [None] * max_batch
+        self.staging: _Staging | None = None
+        self.waiting: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.iterations = 0
+        self._compiled: dict = {}
+
+    # -- requests ---------------------------------------------------------------------
+    def check(self, req: Request) -> None:
+        """Raises RequestError / SamplingError naming what is wrong with ``req``."""
+        n = len(req.prompt_ids)
+        if n < 1:
+            raise RequestError("the prompt is empty")
+        if req.max_new_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {req.max_new_tokens}")
+        if n + req.max_new_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt of {n} tokens plus {req.max_new_tokens} new tokens exceeds --max-model-len "
+                f"{self.max_model_len}"
+            )
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.vocab}")
+        sampling.SamplingParams(req.params.temperature, req.params.top_k, req.params.top_p, req.params.seed)
+        if self.engine.verify != "greedy" and req.params.greedy:
+            raise RequestError(f"--verify {self.engine.verify} needs stochastic decoding (temperature > 0)")
+
+    def submit(self, req: Request, on_event: Callable[[Event], None]) -> Ticket:
+        """Queues ``req`` (thread-safe); ``on_event`` hears its tokens from the engine thread."""
+        self.check(req)
+        ticket = Ticket(req)
+        with self.lock:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting (--max-queue {self.max_queue})")
+            self.waiting.append((ticket, on_event))
+        self.wake.set()
+        return ticket
+
+    def queue_depth(self) -> int:
+        return len(self.waiting) + (self.staging is not None)
+
+    def active_slots(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def idle(self) -> bool:
+        return not self.waiting and self.staging is None and not self.active_slots()
+
+    # -- compiled pieces --------------------------------------------------------------
+    def _prefill_cfg(self) -> DecodeConfig:
+        cfg = next(iter(self.engine.family(sampling.MIXED).values()))
+        return dataclasses.replace(cfg, topologies=(None,) * len(cfg.topologies), tree_budget=None, ngram_depth=0)
+
+    def _fn(self, name: str) -> Callable:
+        if name not in self._compiled:
+            e, cfg = self.engine, self._prefill_cfg()
+            ssm_fwds = tuple(e.ssms[g.members[0]].forward for g in cfg.ssm_groups)
+            if name == "prefill":
+                def fn(llm_params, ssm_params, staged, tokens, start, count, last, seed, values):
+                    e.compilations += 1
+                    return prefill_row(cfg, e._llm_forward, ssm_fwds, llm_params, ssm_params, staged,
+                                       jnp.int32(0), tokens, start, count, last, seed, values)
+
+                self._compiled[name] = jax.jit(fn, donate_argnums=(2,))
+            elif name == "insert":
+                self._compiled[name] = jax.jit(lambda state, staged, slot: insert_row(cfg, state, staged, slot),
+                                               donate_argnums=(0,))
+            else:
+                self._compiled[name] = jax.jit(set_inactive, donate_argnums=(0,))
+        return self._compiled[name]
+
+    def warm(self, greedy: bool = True, sampled: bool = True) -> None:
+        """Compiles (and, under auto, calibrates) the decoding family now instead of at the first request."""
+        for warp, wanted in ((sampling.WarpSpec(), greedy), (sampling.MIXED, sampled)):
+            if wanted:
+                self._chooser(warp) if self.engine.auto else self.engine.warm(warp, self.capacity, self.max_batch)
+
+    def _chooser(self, warp: sampling.WarpSpec):
+        return self.engine.chooser(warp, self.capacity, self.max_batch)
+
+    # -- the loop ---------------------------------------------------------------------
+    def run(self, stop: threading.Event, drain: bool = False) -> None:
+        """The engine loop (its own thread) until ``stop``; then drains or cancels what is in flight."""
+        while not stop.is_set():
+            if self.idle():
+                self.wake.wait(0.05)
+                self.wake.clear()
+                continue
+            self.step()
+        if drain:
+            while not self.idle():
+                self.step()
+        self.cancel_all("cancelled")
+
+    def cancel_all(self, reason: str) -> None:
+        """Ends every waiting, staged and running request with ``reason``."""
+        with self.lock:
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        for ticket, on_event in waiting:
+            _deliver(on_event, Event(ticket.request.id, [], reason, prompt_tokens=len(ticket.request.prompt_ids)))
+        if self.staging is not None:
+            st, self.staging = self.staging, None
+            _deliver(st.on_event, Event(st.ticket.request.id, [], reason,
+                                        prompt_tokens=len(st.ticket.request.prompt_ids)))
+        for i, slot in enumerate(self.slots):
+            if slot is not None:
+                self._retire(i, reason)
+
+    def generate(self, requests: Sequence[Request]) -> list[Generation]:
+        """Runs ``requests`` through the batch in this thread and returns their Generations in order."""
+        out: dict[int, Generation] = {}
+        errors: list[str] = []
+        for k, req in enumerate(requests):
+            self.check(req)
+
+        def hear(k: int) -> Callable[[Event], None]:
+            def on_event(ev: Event) -> None:
+                if ev.finish_reason == "error":
+                    errors.append(ev.error or "error")
+                if ev.finish_reason is not None:
+                    out[k] = ev.generation
+            return on_event
+
+        pending = collections.deque(enumerate(requests))
+        while pending or not self.idle():
+            while pending and len(self.waiting) < self.max_queue:
+                k, req = pending.popleft()
+                self.submit(req, hear(k))
+            self.step()
+        if errors:
+            raise RuntimeError(errors[0])
+        return [out[k] for k in range(len(requests))]
+
+    def step(self) -> None:
+        """One iteration: cancellations, one prefill chunk (admission), one decoding iteration."""
+        for i, slot in enumerate(self.slots):
+            if slot is not None and slot.ticket.cancelled.is_set():
+                self._retire(i, "cancelled")
+        try:
+            self._admit()
+        except Exception as exc:  # noqa: BLE001 — one request's failure must not stop the others
+            st, self.staging = self.staging, None
+            if st is not None:
+                _deliver(st.on_event, Event(st.ticket.request.id, [], "error", f"{type(exc).__name__}: {exc}"))
+        if self.active_slots():
+            try:
+                self._decode()
+            except Exception as exc:  # noqa: BLE001 — fail the batch's requests, keep serving
+                self.state = self.engine.init_state(self.max_batch, self.capacity, sampling.MIXED, active=False)
+                for i, slot in enumerate(self.slots):
+                    if slot is not None:
+                        self.slots[i] = None
+                        _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error",
+                                                      f"{type(exc).__name__}: {exc}"))
+
+    def _admit(self) -> None:
+        if self.staging is None:
+            if None not in self.slots:
+                return
+            with self.lock:
+                if not self.waiting:
+                    return
+                ticket, on_event = self.waiting.popleft()
+            self.staging = _Staging(ticket, on_event)
+        st = self.staging
+        req = st.ticket.request
+        if st.ticket.cancelled.is_set():
+            self.staging = None
+            _deliver(st.on_event, Event(req.id, [], "cancelled", prompt_tokens=len(req.prompt_ids)))
+            return
+        prompt = req.prompt_ids
+        left = len(prompt) - st.fed
+        size = next(b for b in self.buckets if b >= min(left, self.buckets[-1]))
+        count = min(left, size)
+        last = count == left
+        tokens = np.zeros((1, size), np.int32)
+        tokens[0, :count] = prompt[st.fed: st.fed + count]
+        _check_fits(st.fed + size, self.capacity, "a prefill chunk")
+        values = sampling.row_values([req.params], self.vocab)
+        args = jax.device_put((tokens, np.int32(st.fed), np.int32(count), np.bool_(last),
+                               np.uint32(req.params.seed % 2**32), values))
+        e = self.engine
+        self.staging_state = self._fn("prefill")(e._llm_params, e._group_params, self.staging_state, *args)
+        st.fed += count
+        if not last:
+            return
+        slot = self.slots.index(None)
+        self.state = self._fn("insert")(self.state, self.staging_state, jax.device_put(np.int32(slot)))
+        first = int(jax.device_get(self.staging_state.root)[0])
+        self.staging = None
+        index = ngram.NGramIndex(prompt, e.ngram.max_n, e.ngram.min_n) if e.ngram else None
+        stop_ids = set(e.llm.cfg.eos_token_ids if req.stop_ids is None else req.stop_ids)
+        self.slots[slot] = _Slot(st.ticket, st.on_event, Generation([], 0, 0, 0.0, "length"), time.perf_counter(),
+                                 index, len(prompt), stop_ids)
+        self._emit(slot, [first])
+
+    def _emit(self, i: int, new: list[int]) -> None:
+        """Cuts ``new`` at the slot's limits, delivers it, and retires the slot when it finished."""
+        slot = self.slots[i]
+        req = slot.ticket.request
+        new, reason = Engine._cut(slot.gen.token_ids, new, req.max_new_tokens, slot.stop_ids, req.stop)
+        slot.gen.token_ids.extend(new)
+        slot.gen.seconds = time.perf_counter() - slot.start
+        if slot.index is not None:
+            slot.index.extend(new)
+        if reason:
+            self._retire(i, reason, new)
+            return
+        _deliver(slot.on_event, Event(req.id, new, None, prompt_tokens=len(req.prompt_ids),
+                                      completion_tokens=len(slot.gen.token_ids)))
+
+    def _retire(self, i: int, reason: str, new: Sequence[int] = ()) -> None:
+        slot, self.slots[i] = self.slots[i], None
+        self.state = self._fn("retire")(self.state, jax.device_put(np.int32(i)))
+        slot.gen.finish_reason = reason
+        req = slot.ticket.request
+        _deliver(slot.on_event, Event(req.id, list(new), reason, prompt_tokens=len(req.prompt_ids),
+                                      completion_tokens=len(slot.gen.token_ids), generation=slot.gen))
+        if self.engine.auto:
+            for warp in (sampling.WarpSpec(), sampling.MIXED):
+                chooser = self.engine._choosers.get((warp, self.max_batch))
+                if chooser is not None:
+                    chooser.new_request()
+
+    def _decode(self) -> None:
+        e = self.engine
+        live = [i for i, s in enumerate(self.slots) if s is not None]
+        warp = sampling.WarpSpec() if all(self.slots[i].ticket.request.params.greedy for i in live) else sampling.MIXED
+        family = e.family(warp)
+        proposals = [[] for _ in range(self.max_batch)]
+        matched = [0] * self.max_batch
+        if e.ngram is not None:
+            for i in live:
+                proposals[i] = self.slots[i].index.propose(e.ngram_depth)
+                matched[i] = self.slots[i].index.matched
+        if e.auto:
+            chooser = self._chooser(warp)
+            name = chooser.pick_batch([(len(proposals[i]), matched[i]) for i in live])
+        else:
+            name = next(iter(family))
+        cfg = family[name]
+        for i in live:
+            _check_fits(self.slots[i].committed + cfg.num_nodes, self.capacity, "a decoding step")
+        toks, count = ngram.proposal_arrays(proposals, e.ngram_depth)
+        start = time.perf_counter()
+        step = e._step_fn(cfg)
+        self.state, out = step(e._llm_params, e._group_params, self.state, *jax.device_put((toks, count)))
+        emitted, num, depths = jax.device_get((out.tokens, out.num, out.source_depth))
+        seconds = time.perf_counter() - start
+        self.iterations += 1
+        stats = IterationStats(name, seconds, len(live), self.queue_depth(), [], [], [])
+        ssm_nodes = cfg.num_nodes - 1 - (cfg.ngram_depth if cfg.ngram_depth else 0)
+        for i in live:
+            slot = self.slots[i]
+            n = int(num[i])
+            if e.auto:
+                chooser.observe(name, depths[i], len(proposals[i]), matched[i])
+            slot.committed += n
+            slot.gen.llm_steps += 1
+            slot.gen.ssm_steps += cfg.draft_levels
+            slot.gen.step_tokens.append(n)
+            slot.gen.trees.append(name)
+            stats.emitted.append(n)
+            stats.drafted.append(ssm_nodes + (min(len(proposals[i]), cfg.ngram_depth) if cfg.ngram_depth else 0))
+            stats.accepted_depth.append(n - 1)
+        for i in live:
+            self._emit(i, [int(t) for t in emitted[i, : int(num[i])]])
+        if self.on_iteration is not None:
+            self.on_iteration(stats)
+
+
+def _deliver(on_event: Callable[[Event], None], event: Event) -> None:
+    """Calls a request's listener; a listener that fails (a client gone) must not stop the engine."""
+    try:
+        on_event(event)
+    except Exception:  # noqa: BLE001
+        pass
