@@ -346,24 +346,27 @@ class Service:
         return not self._thread.is_alive()
 
     def warm_up(self) -> None:
-        """Runs a greedy and a sampled request through the loop so serving starts compiled."""
+        """Compiles before serving: the decoding family (``BatchEngine.warm``), then greedy and sampled
+        requests whose prompts reach every prefill chunk shape, through the running loop."""
         from jaxspec.batch import Request  # noqa: PLC0415
         from jaxspec.sampling import SamplingParams  # noqa: PLC0415
 
-        ids = self.encode_text("Hello")
+        self.batch.warm()
+        longest = self.batch.max_model_len - WARMUP_TOKENS
+        lengths = sorted({max(1, min(b, longest)) for b in getattr(self.batch, "buckets", (16,))})
+        base = self.encode_text("Hello, world.")
         done = threading.Semaphore(0)
         errors = []
 
         def on_event(event) -> None:
             if event.finish_reason is not None:
-                if event.finish_reason == "error":
-                    errors.append(event.error)
+                errors.extend([event.error] if event.finish_reason == "error" else [])
                 done.release()
 
-        params = (SamplingParams(), SamplingParams(temperature=1.0, seed=0))
-        for i, p in enumerate(params):
-            self.batch.submit(Request(ids, WARMUP_TOKENS, p, id=f"warmup-{i}"), on_event)
-        for _ in params:
+        for i, n in enumerate(lengths):
+            params = SamplingParams(temperature=1.0, seed=i) if i % 2 else SamplingParams()
+            self.batch.submit(Request((base * n)[:n], WARMUP_TOKENS, params, id=f"warmup-{i}"), on_event)
+        for _ in lengths:
             while not done.acquire(timeout=1.0):
                 if self.dead:
                     raise RuntimeError(self.dead)
