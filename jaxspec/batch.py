@@ -253,8 +253,12 @@ class BatchEngine:
             if slot is not None:
                 self._retire(i, reason)
 
-    def generate(self, requests: Sequence[Request]) -> list[Generation]:
-        """Runs ``requests`` through the batch in this thread and returns their Generations in order."""
+    def generate(self, requests: Sequence[Request],
+                 on_finish: Callable[[int], None] | None = None) -> list[Generation]:
+        """Runs ``requests`` through the batch in this thread and returns their Generations in order.
+
+        ``on_finish(k)`` hears that request k finished (progress bars).
+        """
         out: dict[int, Generation] = {}
         errors: list[str] = []
         for k, req in enumerate(requests):
@@ -266,6 +270,8 @@ class BatchEngine:
                     errors.append(ev.error or "error")
                 if ev.finish_reason is not None:
                     out[k] = ev.generation
+                    if on_finish is not None:
+                        on_finish(k)
             return on_event
 
         pending = collections.deque(enumerate(requests))

@@ -74,12 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="JSONL file, field 'prompt' (optional 'id')")
     gen.add_argument("--num-samples", type=int, default=1, help="independent completions per prompt")
+    gen.add_argument("--max-batch", type=int, default=8,
+                     help="--prompt-file / --num-samples: requests decoded together by continuous batching "
+                          "(1: one after another, each with its own cache)")
     gen.add_argument("--output", help="write one JSON line per completion")
     gen.add_argument("--limit", type=int, help="use the first N prompts of --prompt-file")
     add_compile_cache_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     bench.add_parser(sub)
+    from jaxspec import serve
+
+    serve.add_parser(sub)
     try:
         from training import cli as train_cli
     except ImportError:  # training extras missing: the rest of the CLI still works
@@ -234,6 +240,10 @@ def cmd_generate(args) -> int:
             return 0
         from tqdm import tqdm
 
+        if args.max_batch < 1:
+            raise CliError(f"--max-batch must be >= 1, got {args.max_batch}")
+        if args.max_batch > 1 and len(rows) * args.num_samples > 1:
+            return generate_batched(engine, llm, rows, args, out)
         steps = tokens = 0
         for row in tqdm(rows, desc="generate", unit="prompt", file=sys.stderr):
             for sample in range(args.num_samples):
@@ -251,6 +261,37 @@ def cmd_generate(args) -> int:
     finally:
         if out:
             out.close()
+
+
+def generate_batched(engine, llm, rows: list[dict], args, out) -> int:
+    """``--prompt-file`` / ``--num-samples`` through the batched engine; JSONL lines in input order."""
+    from tqdm import tqdm
+
+    from jaxspec.batch import BatchEngine, Request
+    from models.tokenizer import encode_prompt
+
+    stop = stop_checker(llm.tokenizer, args.stop)
+    jobs = []  # (row, sample, request)
+    for row in rows:
+        ids = encode_prompt(llm.tokenizer, row["prompt"], chat=not args.no_chat)
+        for sample in range(args.num_samples):
+            jobs.append((row, sample, Request(ids, args.max_new_tokens, sampling_params(args, sample), stop=stop,
+                                              id=f"{row['id']}/{sample}")))
+    longest = max(len(r.prompt_ids) for _, _, r in jobs)
+    batch = BatchEngine(engine, max_batch=min(args.max_batch, len(jobs)),
+                        max_model_len=longest + args.max_new_tokens)
+    for _, _, req in jobs:
+        batch.check(req)
+    with tqdm(total=len(jobs), desc="generate", unit="request", file=sys.stderr) as bar:
+        gens = batch.generate([r for _, _, r in jobs], on_finish=lambda _: bar.update())
+    steps = sum(g.llm_steps for g in gens)
+    tokens = sum(sum(g.step_tokens) for g in gens)
+    for (row, sample, _), gen in zip(jobs, gens):
+        line = json.dumps(record(row, sample, gen, llm.tokenizer, args))
+        print(line, file=out) if out else print(line)
+    print(f"[jaxspec] {len(jobs)} requests in batches of up to {batch.max_batch}: {batch.iterations} iterations, "
+          f"{tokens / max(steps, 1):.2f} tokens per request-step", file=sys.stderr)
+    return 0
 
 
 def main(argv: Iterable[str] | None = None) -> int:

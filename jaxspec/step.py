@@ -442,5 +442,7 @@ def insert_row(cfg: DecodeConfig, state: DecodeState, staged: DecodeState, slot:
 
 
 def set_inactive(state: DecodeState, slot: jax.Array) -> DecodeState:
-    """Retires row ``slot``: it stops growing and emitting until the next ``prefill_row``."""
-    return state.replace(active=_put_row(state.active, jnp.zeros((1,), bool), slot, 0))
+    """Retires row ``slot``: it stops growing and emitting (length 0) until the next ``insert_row``."""
+    empty = lambda c: c.replace(length=c.length.at[..., slot].set(0))  # noqa: E731 (length [B] or [G, B])
+    return state.replace(active=_put_row(state.active, jnp.zeros((1,), bool), slot, 0),
+                         llm_cache=empty(state.llm_cache), ssm_caches=tuple(empty(c) for c in state.ssm_caches))

@@ -1,0 +1,124 @@
+"""The batched engine: slots, chunked admission, one iteration for all slots, retirement (issue 12)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import DEV_PROMPTS, tiny_model
+from jaxspec import sampling
+from jaxspec.auto import Member, TreeChooser
+from jaxspec.batch import BatchEngine, Event, QueueFull, Request
+from jaxspec.engine import Engine, RequestError, early_exit
+from jaxspec.ngram import NGramSpeculator
+
+PROMPTS = [[5, 3, 8, 1, 9, 2], [7, 7, 1], list(range(1, 41)), [4, 4, 4, 4, 4, 4, 4, 4, 2, 3], [9]]
+COSTS = {"none": 1.0, "ngram": 1.2, "ssm": 1.5, "ssm+ngram": 1.7}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return tiny_model()
+
+
+def engines(llm):
+    ssm = early_exit(llm, 1)
+    spec = dict(ssms=[ssm, NGramSpeculator(3)], expansion=[(1, 2, 1), (1, 1, 1, 1)])
+    return {"incremental": Engine(llm), "tree": Engine(llm, **spec), "auto": Engine(llm, **spec, auto=True,
+                                                                                   costs=COSTS)}
+
+
+@pytest.mark.parametrize("mode", ["incremental", "tree", "auto"])
+def test_batch_greedy_equals_one_request_at_a_time_without_recompiling(llm, mode):
+    engine = engines(llm)[mode]
+    single = [engine.generate(p, 12).token_ids for p in PROMPTS]
+    # 3 slots for 5 requests (admission as slots free up); a 40-token prompt fed in 16-token chunks
+    batch = BatchEngine(engine, max_batch=3, max_model_len=64, prefill_chunk=16)
+    first = batch.generate([Request(p, 12) for p in PROMPTS])
+    assert [g.token_ids for g in first] == single
+    compiled = engine.compilations
+    again = batch.generate([Request(p, 12) for p in PROMPTS[::-1]])
+    assert [g.token_ids for g in again[::-1]] == single
+    assert engine.compilations == compiled  # requests come and go, nothing recompiles
+    if mode != "incremental":
+        assert sum(sum(g.step_tokens) for g in first) > sum(g.llm_steps for g in first)  # speculation accepted
+
+
+def test_a_request_depends_on_its_own_seed_only(llm):
+    engine = engines(llm)["tree"]
+    batch = BatchEngine(engine, max_batch=3, max_model_len=64)
+    mine = Request(PROMPTS[0], 10, sampling.SamplingParams(0.9, top_p=0.95, seed=3))
+    a = batch.generate([mine, Request(PROMPTS[1], 10, sampling.SamplingParams(0.7, seed=1))])
+    b = batch.generate([Request(PROMPTS[2], 10, sampling.SamplingParams(0.5, top_k=5, seed=9)),
+                        Request(PROMPTS[3], 10), mine])
+    assert a[0].token_ids == b[2].token_ids
+    # the greedy row of a mixed (greedy + sampled) batch is still exactly greedy
+    assert b[1].token_ids == engine.generate(PROMPTS[3], 10).token_ids
+    other = batch.generate([Request(PROMPTS[0], 10, sampling.SamplingParams(0.9, top_p=0.95, seed=4))])
+    assert other[0].token_ids != a[0].token_ids  # the seed matters
+
+
+def test_cancel_frees_the_slot_and_idle_slots_stay_empty(llm):
+    engine = engines(llm)["incremental"]
+    batch = BatchEngine(engine, max_batch=2, max_model_len=64)
+    events: list[Event] = []
+    ticket = batch.submit(Request(PROMPTS[0], 40, id="a"), events.append)
+    for _ in range(3):
+        batch.step()
+    assert batch.active_slots() == 1 and events[-1].finish_reason is None
+    ticket.cancel()
+    batch.step()
+    assert events[-1].finish_reason == "cancelled" and batch.active_slots() == 0
+    lengths = np.asarray(batch.state.llm_cache.length)
+    assert not np.asarray(batch.state.active).any() and (lengths == 0).all()  # retired rows are empty
+    (gen,) = batch.generate([Request(PROMPTS[1], 5)])  # the freed slot serves the next request
+    assert gen.token_ids == engine.generate(PROMPTS[1], 5).token_ids
+
+
+def test_bad_requests_and_a_full_queue_are_refused(llm):
+    batch = BatchEngine(engines(llm)["incremental"], max_batch=1, max_model_len=32, max_queue=1)
+    with pytest.raises(RequestError, match="exceeds --max-model-len 32"):
+        batch.submit(Request(list(range(1, 30)), 8), lambda e: None)
+    with pytest.raises(RequestError, match="empty"):
+        batch.submit(Request([], 8), lambda e: None)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        batch.submit(Request([1, 10_000], 8), lambda e: None)
+    bad = sampling.SamplingParams(0.7)
+    object.__setattr__(bad, "top_p", 1.5)  # built around the constructor's own check
+    with pytest.raises(sampling.SamplingError, match="top-p"):
+        batch.submit(Request([1, 2], 8, bad), lambda e: None)
+    batch.submit(Request([1, 2], 8), lambda e: None)
+    with pytest.raises(QueueFull, match="--max-queue 1"):
+        batch.submit(Request([1, 2], 8), lambda e: None)
+    with pytest.raises(RequestError, match="max-batch"):
+        BatchEngine(engines(llm)["incremental"], max_batch=0)
+
+
+def test_batch_choice_sums_rows_and_steps_aside_when_speculation_costs_more():
+    members = [Member("none", {}, {}), Member("ngram", {"ngram": 6}, {"ngram": (0,)})]
+    cheap = TreeChooser(members, {"none": 1.0, "ngram": 1.3})
+    assert cheap.pick_batch([(6, 3)] * 4) == "ngram"  # every row has a proposal: the chain pays
+    assert cheap.pick_batch([(0, 0)] * 4) == "none"  # nothing to propose
+    dear = TreeChooser(members, {"none": 1.0, "ngram": 4.0})  # e.g. the cost at a large batch
+    assert dear.pick_batch([(6, 3)] * 4) == "none"
+
+
+@pytest.mark.skipif(not DEV_PROMPTS.exists(), reason="needs ../shared/prompts")
+def test_generate_prompt_file_batched_equals_one_at_a_time(tmp_path):
+    """`jaxspec generate --prompt-file` through the batch: the same JSONL as --max-batch 1."""
+    prompts = tmp_path / "p.jsonl"
+    rows = [json.loads(line) for line in DEV_PROMPTS.read_text().splitlines()[:3]]
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": r["prompt"]}) + "\n" for i, r in enumerate(rows)))
+    out = {}
+    for batch in ("1", "3"):
+        path = tmp_path / f"out{batch}.jsonl"
+        subprocess.run([sys.executable, "-m", "jaxspec", "generate", "--mode", "incremental", "--prompt-file",
+                        str(prompts), "--max-new-tokens", "8", "--max-batch", batch, "--output", str(path)],
+                       check=True, timeout=600, capture_output=True)
+        out[batch] = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["token_ids"] for r in out["3"]] == [r["token_ids"] for r in out["1"]]
+    assert [r["id"] for r in out["3"]] == [0, 1, 2]
