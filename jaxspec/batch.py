@@ -345,7 +345,11 @@ class BatchEngine:
         stop_ids = set(e.llm.cfg.eos_token_ids if req.stop_ids is None else req.stop_ids)
         self.slots[slot] = _Slot(st.ticket, st.on_event, Generation([], 0, 0, 0.0, "length"), time.perf_counter(),
                                  index, len(prompt), stop_ids)
-        self._emit(slot, [first])
+        try:
+            self._emit(slot, [first])
+        except Exception as exc:  # noqa: BLE001
+            if self.slots[slot] is not None:
+                self._retire(slot, "error", error=f"{type(exc).__name__}: {exc}")
 
     def _emit(self, i: int, new: list[int]) -> None:
         """Cuts ``new`` at the slot's limits, delivers it, and retires the slot when it finished."""
@@ -362,12 +366,12 @@ class BatchEngine:
         _deliver(slot.on_event, Event(req.id, new, None, prompt_tokens=len(req.prompt_ids),
                                       completion_tokens=len(slot.gen.token_ids)))
 
-    def _retire(self, i: int, reason: str, new: Sequence[int] = ()) -> None:
+    def _retire(self, i: int, reason: str, new: Sequence[int] = (), error: str | None = None) -> None:
         slot, self.slots[i] = self.slots[i], None
         self.state = self._fn("retire")(self.state, jax.device_put(np.int32(i)))
         slot.gen.finish_reason = reason
         req = slot.ticket.request
-        _deliver(slot.on_event, Event(req.id, list(new), reason, prompt_tokens=len(req.prompt_ids),
+        _deliver(slot.on_event, Event(req.id, list(new), reason, error, prompt_tokens=len(req.prompt_ids),
                                       completion_tokens=len(slot.gen.token_ids), generation=slot.gen))
         if self.engine.auto:
             for warp in (sampling.WarpSpec(), sampling.MIXED):
@@ -417,7 +421,11 @@ class BatchEngine:
             stats.drafted.append(ssm_nodes + (min(len(proposals[i]), cfg.ngram_depth) if cfg.ngram_depth else 0))
             stats.accepted_depth.append(n - 1)
         for i in live:
-            self._emit(i, [int(t) for t in emitted[i, : int(num[i])]])
+            try:
+                self._emit(i, [int(t) for t in emitted[i, : int(num[i])]])
+            except Exception as exc:  # noqa: BLE001 — e.g. a stop matcher that raised: fail this request only
+                if self.slots[i] is not None:
+                    self._retire(i, "error", error=f"{type(exc).__name__}: {exc}")
         if self.on_iteration is not None:
             self.on_iteration(stats)
 
