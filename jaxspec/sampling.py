@@ -129,7 +129,7 @@ def warp_logits(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array])
             p = values["top_p"].reshape((b,) + extra + (1,))
             probs = jax.nn.softmax(order, axis=-1)
             before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
-            keep = before < p  # smallest prefix whose mass reaches p
+            keep = (before < p) | (p >= 1.0)  # smallest prefix whose mass reaches p; p = 1 keeps all exactly
             threshold = jnp.min(jnp.where(keep, order, jnp.inf), axis=-1, keepdims=True)
             x = jnp.where(x >= threshold, x, neg)
     logp = jax.nn.log_softmax(x, axis=-1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -108,17 +109,39 @@ def test_batch_choice_sums_rows_and_steps_aside_when_speculation_costs_more():
 
 
 @pytest.mark.skipif(not DEV_PROMPTS.exists(), reason="needs ../shared/prompts")
-def test_generate_prompt_file_batched_equals_one_at_a_time(tmp_path):
-    """`jaxspec generate --prompt-file` through the batch: the same JSONL as --max-batch 1."""
+def test_generate_samples_run_as_one_batch_with_the_sequential_output(tmp_path):
+    """`jaxspec generate --prompt-file --num-samples` through the batch: the JSONL of --max-batch 1.
+
+    Sampled rows draw from their own keys, so batching changes no token.
+    """
     prompts = tmp_path / "p.jsonl"
-    rows = [json.loads(line) for line in DEV_PROMPTS.read_text().splitlines()[:3]]
+    rows = [json.loads(line) for line in DEV_PROMPTS.read_text().splitlines()[:2]]
     prompts.write_text("".join(json.dumps({"id": i, "prompt": r["prompt"]}) + "\n" for i, r in enumerate(rows)))
-    out = {}
-    for batch in ("1", "3"):
+    out, logs = {}, {}
+    for batch in ("1", "4"):
         path = tmp_path / f"out{batch}.jsonl"
-        subprocess.run([sys.executable, "-m", "jaxspec", "generate", "--mode", "incremental", "--prompt-file",
-                        str(prompts), "--max-new-tokens", "8", "--max-batch", batch, "--output", str(path)],
-                       check=True, timeout=600, capture_output=True)
+        done = subprocess.run([sys.executable, "-m", "jaxspec", "generate", "--mode", "incremental", "--prompt-file",
+                               str(prompts), "--max-new-tokens", "6", "--num-samples", "2", "--temperature", "0.8",
+                               "--top-p", "0.9", "--seed", "5", "--max-batch", batch, "--output", str(path)],
+                              check=True, timeout=600, capture_output=True, text=True)
         out[batch] = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["token_ids"] for r in out["3"]] == [r["token_ids"] for r in out["1"]]
-    assert [r["id"] for r in out["3"]] == [0, 1, 2]
+        logs[batch] = done.stderr
+    assert [r["token_ids"] for r in out["4"]] == [r["token_ids"] for r in out["1"]]
+    assert [(r["id"], r["sample"]) for r in out["4"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert out["4"][0]["token_ids"] != out["4"][1]["token_ids"]  # samples differ (seed + sample)
+    iterations = int(re.search(r"4 requests in batches of up to 4: (\d+) iterations", logs["4"])[1])
+    assert iterations <= 5 + 3  # 5 decoding iterations after each first token, admissions one per iteration
+    # (one at a time: 4 x 5 = 20)
+
+
+def test_compilations_stay_at_warm_up_across_100_admissions(llm):
+    engine = engines(llm)["tree"]
+    batch = BatchEngine(engine, max_batch=4, max_model_len=48)
+    rng = np.random.default_rng(0)
+    make = lambda k: Request(rng.integers(1, 60, size=int(rng.integers(1, 30))).tolist(), int(rng.integers(1, 4)),
+                             sampling.SamplingParams(0.8, seed=k) if k % 3 else sampling.SamplingParams())  # noqa: E731
+    batch.generate([make(k) for k in range(8)])  # warm-up: greedy and mixed batches, every chunk shape
+    compiled = engine.compilations
+    gens = batch.generate([make(k) for k in range(100)])
+    assert len(gens) == 100 and all(1 <= len(g.token_ids) <= 3 for g in gens)
+    assert engine.compilations == compiled
