@@ -9,11 +9,16 @@ import jax
 import numpy as np
 import pytest
 
+from jaxspec.cache import cache_root, enable_compile_cache
 from jaxspec.engine import LoadedModel
 from models.config import ModelConfig
 from models.transformer import init_params
 
 DEV_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "prompts" / "dev_prompts.jsonl"
+
+# One persistent compilation cache (outside the repository, as the CLI's): an engine
+# configuration that several tests build is compiled once per machine, not once per test.
+enable_compile_cache(cache_root() / "xla")
 
 
 def tiny_config(**overrides) -> ModelConfig:
