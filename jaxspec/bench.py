@@ -92,6 +92,9 @@ def add_parser(sub) -> None:
                        help="warm-up rounds before the measured prompts, excluded from ms/token: each runs the "
                             "shortest and longest prompt of every prompt-length bucket, so nothing measured compiles")
     modes.set_defaults(func=cmd_modes)
+    from jaxspec import bench_serve  # noqa: PLC0415 (bench serve: latency and throughput of jaxspec serve)
+
+    bench_serve.add_parser(kinds)
 
 
 def _cores() -> int:
