@@ -497,7 +497,8 @@ def bench_server(label: str, client: Client, prompts: list[dict], points: list[t
             if server is not None:
                 server.check_alive(f"during {load} {level_text(level)}")
             row = point_row(label, load, level, results, seconds, metrics_delta(before, client.settled_metrics()))
-            row |= {"startup_s": round(server.startup_s, 2) if server else "", "warmup_s": round(warm_s, 3)}
+            row |= {"startup_s": round(server.startup_s, 2) if server else "", "warmup_requests": args.warmup,
+                    "warmup_s": round(warm_s, 3)}
             rows.append(row)
             requests += [request_row(label, load, level, r) for r in results]
     return rows, requests
@@ -613,6 +614,9 @@ def print_summary(rows: list[dict], baseline: str) -> None:
               f"{f('speedup', '.2f'):>9}{f('tpot_speedup', '.2f'):>8}")
     print(f"(ms; warm-up excluded; speedup = tokens/s over {baseline}'s at the same point, TPOT x = {baseline}'s "
           "TPOT p50 over the mode's; tok/step from the server's /metrics)")
+    for r in {r["mode"]: r for r in rows}.values():
+        ready = "" if r["startup_s"] == "" else f"server ready in {r['startup_s']:.1f} s, "
+        print(f"{r['mode']}: {ready}{r['warmup_requests']} warm-up requests in {r['warmup_s']:.2f} s (excluded)")
     for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"] != baseline):
         for load in dict.fromkeys(r["load"] for r in rows):
             sel = [r for r in rows if r["mode"] == mode and r["load"] == load and r["speedup"] != ""]

@@ -2,7 +2,7 @@
 
 The fake server (standard library, chunked SSE like uvicorn's, ``/metrics`` from the real
 ``ServerMetrics``) makes every CSV number predictable: ``max_tokens`` tokens per request,
-``step`` tokens per LLM step, ``delay`` seconds per step. The real run starts ``jaxspec
+``step`` tokens per LLM step, ``delay`` seconds per step. The real run (slow) starts ``jaxspec
 serve`` itself.
 """
 
@@ -12,12 +12,14 @@ import csv
 import http.server
 import json
 import math
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -262,8 +264,47 @@ def test_server_that_dies_during_startup_shows_its_log(tmp_path):
     assert (tmp_path / "dies_incremental.log").is_file() and not out.exists()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_stops_the_started_server(tmp_path, sig):
+    """Ctrl-C or SIGTERM to the benchmark (alone, not its process group) terminates the server it started."""
+    bench = subprocess.Popen([sys.executable, "-m", "jaxspec", "bench", "serve", "--prompt-file", _prompts(tmp_path),
+                              "--modes", "incremental", "--output", str(tmp_path / "int.csv")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, server = time.monotonic() + 60, None
+        while server is None and time.monotonic() < deadline and bench.poll() is None:
+            server = next((pid for pid, cmd in _children(bench.pid) if "serve" in cmd), None)
+            time.sleep(0.1)
+        assert server is not None, "the benchmark started no server"
+        bench.send_signal(sig)
+        assert bench.wait(60) == 130 and "interrupted" in bench.stderr.read()
+        assert not _running(server)
+    finally:
+        bench.kill()
+
+
+def _children(ppid: int) -> list[tuple[int, list[str]]]:
+    """(pid, command line) of ``ppid``'s child processes, from /proc."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == ppid:
+                out.append((int(d.name), (d / "cmdline").read_text().split("\0")))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 # -------------------------------------------------------------------------------------- a real server
 
+@pytest.mark.slow  # ~130 s on a busy 2-core CPU, mostly the server's warm-up compile
 def test_bench_serve_starts_a_real_server(tmp_path):
     """jaxspec serve --mode incremental started, warmed, driven and stopped; every number in its CSV sane."""
     out = tmp_path / "real.csv"
@@ -277,7 +318,7 @@ def test_bench_serve_starts_a_real_server(tmp_path):
                                                                    ("incremental", "concurrency", "2")]
     numeric = ("output_tokens", "seconds", "output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms",
                "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "tokens_per_step", "llm_iterations",
-               "slots_per_iteration", "startup_s", "warmup_s", "speedup", "tpot_speedup")
+               "slots_per_iteration", "startup_s", "warmup_requests", "warmup_s", "speedup", "tpot_speedup")
     for r in rows:
         assert (r["requests"], r["completed"], r["failed"], r["error"]) == ("3", "3", "0", "")
         assert all(float(r[k]) >= 0 for k in numeric), r
