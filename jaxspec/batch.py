@@ -147,6 +147,7 @@ class BatchEngine:
         self.staging_state = engine.init_state(1, self.capacity, sampling.MIXED, active=False)
         self.slots: list[_Slot | None] = [None] * max_batch
         self.staging: _Staging | None = None
+        self._staged: list[int] = []  # the prompt prefix whose K/V the staging row holds
         self.waiting: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -285,16 +286,26 @@ class BatchEngine:
         return [out[k] for k in range(len(requests))]
 
     def step(self) -> None:
-        """One iteration: cancellations, one prefill chunk (admission), one decoding iteration."""
+        """One iteration: cancellations, admission (prefill chunks of at most one largest bucket), decoding.
+
+        Short prompts are admitted several per iteration; a long one is fed one chunk per
+        iteration, so the running slots keep streaming while it is prefilled.
+        """
         for i, slot in enumerate(self.slots):
             if slot is not None and slot.ticket.cancelled.is_set():
                 self._retire(i, "cancelled")
-        try:
-            self._admit()
-        except Exception as exc:  # noqa: BLE001 — one request's failure must not stop the others
-            st, self.staging = self.staging, None
-            if st is not None:
-                _deliver(st.on_event, Event(st.ticket.request.id, [], "error", f"{type(exc).__name__}: {exc}"))
+        budget = self.buckets[-1]
+        while budget > 0:
+            try:
+                fed = self._admit()
+            except Exception as exc:  # noqa: BLE001 — one request's failure must not stop the others
+                st, self.staging, self._staged = self.staging, None, []
+                if st is not None:
+                    _deliver(st.on_event, Event(st.ticket.request.id, [], "error", f"{type(exc).__name__}: {exc}"))
+                break
+            if not fed:
+                break
+            budget -= fed
         if self.active_slots():
             try:
                 self._decode()
@@ -306,21 +317,29 @@ class BatchEngine:
                         _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error",
                                                       f"{type(exc).__name__}: {exc}"))
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        """Feeds the staged request's next chunk (staging the next waiting one first); returns tokens fed.
+
+        The staging row keeps the K/V of the prompt it fed last, so a request sharing a
+        prefix with it (``--num-samples``, a common system prompt) starts after that prefix.
+        """
         if self.staging is None:
             if None not in self.slots:
-                return
+                return 0
             with self.lock:
                 if not self.waiting:
-                    return
+                    return 0
                 ticket, on_event = self.waiting.popleft()
-            self.staging = _Staging(ticket, on_event)
+            prompt = ticket.request.prompt_ids
+            shared = next((k for k, (a, b) in enumerate(zip(self._staged, prompt)) if a != b),
+                          min(len(self._staged), len(prompt)))
+            self.staging = _Staging(ticket, on_event, fed=min(shared, len(prompt) - 1))
         st = self.staging
         req = st.ticket.request
         if st.ticket.cancelled.is_set():
             self.staging = None
             _deliver(st.on_event, Event(req.id, [], "cancelled", prompt_tokens=len(req.prompt_ids)))
-            return
+            return 1
         prompt = req.prompt_ids
         left = len(prompt) - st.fed
         size = next(b for b in self.buckets if b >= min(left, self.buckets[-1]))
@@ -333,10 +352,12 @@ class BatchEngine:
         args = jax.device_put((tokens, np.int32(st.fed), np.int32(count), np.bool_(last),
                                np.uint32(req.params.seed % 2**32), values))
         e = self.engine
+        self._staged = []  # invalid until the chunk is in
         self.staging_state = self._fn("prefill")(e._llm_params, e._group_params, self.staging_state, *args)
         st.fed += count
+        self._staged = list(prompt[: st.fed])
         if not last:
-            return
+            return size
         slot = self.slots.index(None)
         self.state = self._fn("insert")(self.state, self.staging_state, jax.device_put(np.int32(slot)))
         first = int(jax.device_get(self.staging_state.root)[0])
@@ -350,6 +371,7 @@ class BatchEngine:
         except Exception as exc:  # noqa: BLE001
             if self.slots[slot] is not None:
                 self._retire(slot, "error", error=f"{type(exc).__name__}: {exc}")
+        return size
 
     def _emit(self, i: int, new: list[int]) -> None:
         """Cuts ``new`` at the slot's limits, delivers it, and retires the slot when it finished."""
