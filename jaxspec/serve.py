@@ -55,7 +55,7 @@ NEUTRAL = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
+    "parallel_tool_calls": (None, True, False),  # meaningless without tools
     "response_format": (None, {"type": "text"}),
 }
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # engine reason -> OpenAI finish_reason
@@ -484,10 +484,72 @@ def sampling_param(message: str) -> str | None:
 
 # ---------------------------------------------------------------------------------------- responses
 
-def usage(job: Job, prompt_tokens: int) -> dict:
-    completion = sum(c.completion_tokens for c in job.choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+class Completion:
+    """A launched request in its endpoint's OpenAI shape: text completion or chat completion."""
+
+    def __init__(self, job: Job, chat: bool, model: str, prompt_tokens: int, include_usage: bool) -> None:
+        self.job, self.chat, self.prompt_tokens, self.include_usage = job, chat, prompt_tokens, include_usage
+        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{job.id}",
+                     "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": model}
+        self._started: set[int] = set()  # chat choices whose first chunk (with the role) went out
+
+    def usage(self) -> dict:
+        completion = sum(c.completion_tokens for c in self.job.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def chunk(self, c: Choice, text: str) -> dict:
+        if not self.chat:
+            return {"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
+        delta = {"content": text} if text or c.finish_reason is None else {}
+        if c.index not in self._started:
+            self._started.add(c.index)
+            delta = {"role": "assistant", "content": text}
+        return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason}
+
+    async def events(self) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per choice update, usage if asked, then ``[DONE]``."""
+        try:
+            async for choice, text in self.job.updates():
+                if choice.finish_reason == "error":
+                    yield sse(internal_error(choice).body())
+                    break
+                if text or choice.finish_reason is not None:
+                    yield sse(self.head | {"choices": [self.chunk(choice, text)]})
+            else:
+                if self.include_usage:
+                    yield sse(self.head | {"choices": [], "usage": self.usage()})
+            yield sse("[DONE]")
+        finally:
+            self.job.cancel()  # a client gone mid-stream frees its slots at the next iteration
+
+    async def result(self, request) -> dict:
+        """The whole response once every choice finished (cancelled if the client goes away); 500 on failure."""
+        texts = {c.index: "" for c in self.job.choices}
+
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.5)
+            self.job.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for choice, text in self.job.updates():
+                texts[choice.index] += text
+        finally:
+            watcher.cancel()
+            self.job.cancel()
+        failed = self.job.failure()
+        if failed is not None:
+            raise internal_error(failed)
+        if self.chat:
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
+                        "logprobs": None, "finish_reason": c.finish_reason} for c in self.job.choices]
+        else:
+            choices = [self.chunk(c, texts[c.index]) for c in self.job.choices]
+        return self.head | {"object": "chat.completion" if self.chat else "text_completion", "choices": choices,
+                            "usage": self.usage()}
 
 
 def internal_error(choice: Choice) -> APIError:
@@ -495,51 +557,8 @@ def internal_error(choice: Choice) -> APIError:
                     code="internal_error")
 
 
-async def collect(job: Job, request) -> dict[int, str]:
-    """Runs a non-streaming job to the end (cancelled if the client goes away); index -> text."""
-    texts = {c.index: "" for c in job.choices}
-
-    async def watch() -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            if await request.is_disconnected():
-                job.cancel()
-                return
-
-    watcher = asyncio.create_task(watch())
-    try:
-        async for choice, text in job.updates():
-            texts[choice.index] += text
-    finally:
-        watcher.cancel()
-        job.cancel()
-    failed = job.failure()
-    if failed is not None:
-        raise internal_error(failed)
-    return texts
-
-
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
-
-
-async def stream_events(job: Job, chunk: Callable[[Choice, str], dict], prompt_tokens: int,
-                        head: dict, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events of a job: one chunk per choice update, usage if asked, then ``[DONE]``."""
-    try:
-        async for choice, text in job.updates():
-            if choice.finish_reason == "error":
-                job.cancel()
-                yield sse(internal_error(choice).body())
-                break
-            if text or choice.finish_reason is not None:
-                yield sse(head | {"choices": [chunk(choice, text)]})
-        else:
-            if include_usage:
-                yield sse(head | {"choices": [], "usage": usage(job, prompt_tokens)})
-        yield sse("[DONE]")
-    finally:
-        job.cancel()  # a client gone mid-stream frees its slots at the next iteration
 
 
 # ---------------------------------------------------------------------------------------- the app
@@ -617,26 +636,19 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout: f
         check_model(name)
         return model_card()
 
+    async def respond(completion: Completion, stream: bool, request: Request):
+        if stream:
+            return StreamingResponse(completion.events(), media_type="text/event-stream")
+        return await completion.result(request)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         refuse_unsupported(body)
         prompts = completion_prompts(body.prompt, service)
         job = service.launch(prompts, body, 16 if body.max_tokens is None else body.max_tokens)
-        head = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": int(time.time()),
-                "model": service.model_name}
-        prompt_tokens = sum(map(len, prompts))
-
-        def choice_json(c: Choice, text: str) -> dict:
-            return {"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
-
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream_events(job, choice_json, prompt_tokens, head, include),
-                                     media_type="text/event-stream")
-        texts = await collect(job, request)
-        return head | {"choices": [choice_json(c, texts[c.index]) for c in job.choices],
-                       "usage": usage(job, prompt_tokens)}
+        return await respond(Completion(job, False, service.model_name, sum(map(len, prompts)),
+                                        include_usage(body)), body.stream, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -646,27 +658,14 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout: f
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         ids = service.encode_chat(body.messages)
         job = service.launch([ids], body, body.max_completion_tokens or body.max_tokens)
-        head = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": service.model_name}
-        started: set[int] = set()
-
-        def delta_json(c: Choice, text: str) -> dict:
-            delta = {"content": text} if text or c.finish_reason is None else {}
-            if c.index not in started:
-                started.add(c.index)
-                delta = {"role": "assistant", "content": text}
-            return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason}
-
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream_events(job, delta_json, len(ids), head, include),
-                                     media_type="text/event-stream")
-        texts = await collect(job, request)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
-                    "logprobs": None, "finish_reason": c.finish_reason} for c in job.choices]
-        return head | {"object": "chat.completion", "choices": choices, "usage": usage(job, len(ids))}
+        return await respond(Completion(job, True, service.model_name, len(ids), include_usage(body)),
+                             body.stream, request)
 
     return app
+
+
+def include_usage(body: _Sampling) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
 
 
 def completion_prompts(prompt, service: Service) -> list[list[int]]:
@@ -712,12 +711,12 @@ class BearerAuth:
     """ASGI middleware: every path but ``/health`` needs ``Authorization: Bearer KEY`` (401 otherwise)."""
 
     def __init__(self, app, key: str, on_refuse: Callable[[], None] = lambda: None) -> None:
-        self.app, self.expected, self.on_refuse = app, f"Bearer {key}".encode(), on_refuse
+        self.app, self.key, self.on_refuse = app, key.encode(), on_refuse
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.key):
                 self.on_refuse()
                 body = json.dumps(APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
                                            code="invalid_api_key").body()).encode()
@@ -780,9 +779,13 @@ def main(args: argparse.Namespace) -> int:
                        "/v1/chat/completions applies the chat template")
     if args.verify != "mss":
         raise CliError("jaxspec serve verifies sampled requests with mss; --verify naive is not supported")
-    for flag in ("max_batch", "max_queue", "port"):
-        if getattr(args, flag) < (0 if flag == "port" else 1):
+    if args.recalibrate:
+        raise CliError("--recalibrate is not supported by serve: remove the cost cache ($JAXSPEC_CACHE/costs, "
+                       "default ~/.cache/jaxspec/costs) to measure again")
+    for flag in ("max_batch", "max_queue"):
+        if getattr(args, flag) < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    check_address(args.host, args.port)  # before minutes of loading and compiling
     setup_logging()
     from jaxspec.batch import BatchEngine  # noqa: PLC0415
 
@@ -820,6 +823,23 @@ def main(args: argparse.Namespace) -> int:
             os._exit(0)
     log.info("stopped")
     return 0
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuses an address this process cannot listen on (in use, not local, bad port) with one line."""
+    import socket  # noqa: PLC0415
+
+    from jaxspec.cli_common import CliError  # noqa: PLC0415
+
+    if not 0 <= port <= 65535:
+        raise CliError(f"--port must lie in [0, 65535], got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind(infos[0][4])
+    except OSError as e:
+        raise CliError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def announcing_server(uvicorn, config, name: str):

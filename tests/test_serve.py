@@ -43,17 +43,15 @@ def free_port() -> int:
 class Server:
     """A ``jaxspec serve`` subprocess and clients for it."""
 
-    def __init__(self, log_path) -> None:
+    def __init__(self, log_path, mode_flags: tuple[str, ...] = ("--mode", "incremental")) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
-        env = dict(os.environ, JAXSPEC_SERVE_FAULT=FAULT)
-        self.proc = subprocess.Popen(
-            SERVE_CMD + ["--mode", "incremental", "--port", str(self.port),
-             "--max-batch", "8", "--max-queue", str(MAX_QUEUE), "--max-model-len", str(MAX_MODEL_LEN),
-             "--api-key", KEY, "--shutdown-timeout", "20"],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        flags = [*mode_flags, "--port", str(self.port), "--max-batch", "8", "--max-queue", str(MAX_QUEUE),
+                 "--max-model-len", str(MAX_MODEL_LEN), "--api-key", KEY, "--shutdown-timeout", "20"]
+        self.proc = subprocess.Popen(SERVE_CMD + flags, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, JAXSPEC_SERVE_FAULT=FAULT))
         self.wait_ready()
         self.model = self.client().models.list().data[0].id
 
@@ -80,7 +78,7 @@ class Server:
 
     def post(self, path: str, body, **kw) -> "httpx.Response":
         content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-        return httpx.post(f"{self.url}{path}", content=content, timeout=60,
+        return httpx.post(f"{self.url}{path}", content=content, timeout=kw.pop("timeout", 60),
                           headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, **kw)
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
@@ -301,8 +299,6 @@ def test_engine_failure_is_a_500_for_that_request(server):
     assert complete(server, "Hello", 4, temperature=0).choices[0].text is not None
 
 
-@pytest.mark.xfail(strict=True, reason="jaxspec.batch fails every active slot when one slot's stop check raises "
-                   "(BatchEngine.step catches around the whole _decode, not per slot's _emit)")
 def test_engine_failure_spares_the_request_beside_it(server):
     """The request decoding beside a failing one finishes with its own output."""
     alone = chat(server, PROMPTS[1], 12, temperature=0).choices[0].message.content
@@ -341,17 +337,23 @@ def wait_for(check, what: str, timeout: float = 60) -> None:
     pytest.fail(f"timed out waiting for {what}")
 
 
-def test_client_disconnect_mid_stream_cancels_the_request(server):
-    before = counter(server.metrics(), "jaxspec_requests_total", outcome="cancelled")
+def test_client_disconnect_cancels_the_request(server):
+    """A client gone mid-stream, or while waiting for a whole response, frees its slot at the next iteration."""
+    def cancelled() -> float:
+        return counter(server.metrics(), "jaxspec_requests_total", outcome="cancelled")
+
+    before = cancelled()
     stream = complete(server, "Count to one hundred:", 200, temperature=0, stream=True)
-    received = 0
-    for chunk in stream:
-        received += 1
+    for received, _ in enumerate(stream, 1):
         if received == 3:
             break
     stream.close()
-    wait_for(lambda: counter(server.metrics(), "jaxspec_requests_total", outcome="cancelled") > before,
-             "the cancellation in /metrics")
+    wait_for(lambda: cancelled() > before, "the streaming request's cancellation in /metrics")
+    wait_for(lambda: server.metrics()[("jaxspec_active_slots", ())] == 0, "the slot to free")
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/v1/completions", {"model": server.model, "prompt": "Count to one hundred:",
+                                        "max_tokens": 200, "temperature": 0}, timeout=3)
+    wait_for(lambda: cancelled() > before + 1, "the waiting request's cancellation in /metrics")
     wait_for(lambda: server.metrics()[("jaxspec_active_slots", ())] == 0, "the slot to free")
     assert complete(server, "Hello", 4, temperature=0).choices[0].text is not None
 
@@ -377,6 +379,40 @@ def test_metrics_parse_and_move(server):
                  "jaxspec_spec_decode_num_draft_tokens_total", "jaxspec_spec_decode_num_accepted_tokens_total",
                  "jaxspec_spec_decode_mean_acceptance_length", "jaxspec_time_per_output_token_seconds_count"):
         assert (name, ()) in after, name
+
+
+def test_flags_fail_before_loading(server):
+    """An address in use (the running server's) or a meaningless flag: one error line, exit 2, in seconds."""
+    for flags, words in ((["--port", str(server.port)], ["in use"]), (["--no-chat"], ["--no-chat"])):
+        proc = subprocess.run(SERVE_CMD + flags, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("jaxspec: error:") and all(w in last for w in words), last
+
+
+@pytest.mark.slow
+def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_path):
+    """A second server speculating with the n-gram chain: the same greedy outputs, alone and 8 at once,
+    and the speculation counters move (drafts, draft tokens, accepted per position, mean acceptance length)."""
+    spec = Server(tmp_path / "spec.log", ("--mode", "sequence", "--ssm", "ngram:3", "--expansion", "1,1,1,1"))
+    try:
+        prompts = PROMPTS[:4] + ["Count from one to twenty, separated by commas."]
+        want = [chat(server, p, 16, temperature=0).choices[0].message.content for p in prompts]
+        assert [chat(spec, p, 16, temperature=0).choices[0].message.content for p in prompts] == want
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: chat(spec, p, 16, temperature=0).choices[0].message.content,
+                                     prompts, timeout=300))
+        assert together == want
+        m = spec.metrics()
+        drafts = counter(m, "jaxspec_spec_decode_num_drafts_total")
+        accepted = counter(m, "jaxspec_spec_decode_num_accepted_tokens_total")
+        assert drafts > 0 and counter(m, "jaxspec_spec_decode_num_draft_tokens_total") >= drafts
+        assert accepted == sum(v for (name, _), v in m.items()
+                               if name == "jaxspec_spec_decode_num_accepted_tokens_per_pos_total")
+        assert counter(m, "jaxspec_spec_decode_mean_acceptance_length") == pytest.approx(1 + accepted / drafts)
+        assert counter(m, "jaxspec_iterations_total", tree="tree") > 0
+    finally:
+        spec.stop()
 
 
 def test_sigterm_drains_and_exits_zero(server):
