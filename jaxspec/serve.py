@@ -16,7 +16,8 @@ SIGTERM / Ctrl-C stops accepting, gives in-flight requests ``--shutdown-timeout`
 to finish, cancels the rest and exits 0.
 """
 
-
+# No ``from __future__ import annotations``: FastAPI reads the handlers' annotations when they are
+# defined, and ``fastapi.Request`` is imported inside ``create_app`` (fastapi is slow to import).
 import argparse
 import asyncio
 import dataclasses
@@ -347,14 +348,13 @@ class Service:
 
     def warm_up(self) -> None:
         """Compiles before serving: the decoding family (``BatchEngine.warm``), then greedy and sampled
-        requests whose prompts reach every prefill chunk shape, through the running loop."""
+        requests whose prompts reach every prefill chunk shape (``BatchEngine.buckets``), through the loop."""
         from jaxspec.batch import Request  # noqa: PLC0415
         from jaxspec.sampling import SamplingParams  # noqa: PLC0415
 
         self.batch.warm()
         longest = self.batch.max_model_len - WARMUP_TOKENS
         lengths = sorted({max(1, min(b, longest)) for b in getattr(self.batch, "buckets", (16,))})
-        base = self.encode_text("Hello, world.")
         done = threading.Semaphore(0)
         errors = []
 
@@ -363,9 +363,10 @@ class Service:
                 errors.extend([event.error] if event.finish_reason == "error" else [])
                 done.release()
 
-        for i, n in enumerate(lengths):
+        for i, n in enumerate(lengths):  # distinct first tokens: no prompt reuses another's prefill
+            ids = [(100 + i + 7 * k) % self.vocab_size for k in range(n)]
             params = SamplingParams(temperature=1.0, seed=i) if i % 2 else SamplingParams()
-            self.batch.submit(Request((base * n)[:n], WARMUP_TOKENS, params, id=f"warmup-{i}"), on_event)
+            self.batch.submit(Request(ids, WARMUP_TOKENS, params, id=f"warmup-{i}"), on_event)
         for _ in lengths:
             while not done.acquire(timeout=1.0):
                 if self.dead:
@@ -411,7 +412,7 @@ class Service:
         except SamplingError as e:
             raise APIError(400, f"invalid sampling parameters: {e}", sampling_param(str(e))) from None
         requests = []
-        for p, ids in enumerate(prompts):
+        for ids in prompts:
             new = self.completion_budget(len(ids), max_tokens)
             for j in range(body.n):
                 requests.append(batch_mod.Request(ids, new, params[j], stop=stop_matcher(self.tokenizer, stops)))
