@@ -21,7 +21,8 @@ STEP_TOKEN_BUCKETS = tuple(range(1, 17)) + (24, 32)
 class ServerMetrics:
     """Every series the server exports, in one registry (``asgi_app`` serves it)."""
 
-    def __init__(self, queue_depth: Callable[[], float], active_slots: Callable[[], float]) -> None:
+    def __init__(self, queue_depth: Callable[[], float], active_slots: Callable[[], float],
+                 compilations: Callable[[], float] = lambda: 0) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("jaxspec_requests", "Completions (one per choice) by outcome: stop (EOS or a stop "
                                 "string), length, cancelled, error; HTTP requests refused before decoding: "
@@ -33,6 +34,8 @@ class ServerMetrics:
                                          registry=r)
         Gauge("jaxspec_queue_depth", "Requests waiting for a batch slot", registry=r).set_function(queue_depth)
         Gauge("jaxspec_active_slots", "Batch slots decoding a request", registry=r).set_function(active_slots)
+        Gauge("jaxspec_compilations", "Traces of the decoding executables; flat after the warm-up (a rise is a "
+              "shape compiled while serving, stalling every slot)", registry=r).set_function(compilations)
         self.ttft = Histogram("jaxspec_time_to_first_token_seconds", "From arrival to the first generated token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("jaxspec_time_per_output_token_seconds", "Per request: (last token - first token) "

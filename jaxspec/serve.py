@@ -311,7 +311,7 @@ class Service:
         self.batch, self.tokenizer, self.vocab_size, self.model_name = batch, tokenizer, vocab_size, model_name
         self.max_queue = max_queue
         self.verbose = verbose
-        self.metrics = ServerMetrics(batch.queue_depth, batch.active_slots)
+        self.metrics = ServerMetrics(batch.queue_depth, batch.active_slots, lambda: batch.engine.compilations)
         self.created = int(time.time())
         self.observing = False  # warm-up iterations are not counted
         self.dead: str | None = None

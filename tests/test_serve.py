@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 KEY = "test-key"
 FAULT = "<<injected-fault>>"  # JAXSPEC_SERVE_FAULT: a request stopping at it fails inside the engine thread
 MAX_MODEL_LEN = 256
-MAX_QUEUE = 16
+MAX_QUEUE = 64
 STARTUP_S = 300
 SERVE_CMD = [sys.executable, "-m", "jaxspec.cli", "serve"]
 PROMPTS = ["What is 2+2?", "Name a color.", "Write a haiku about the sea.", "What is the capital of France?",
@@ -54,6 +54,7 @@ class Server:
                                      env=dict(os.environ, JAXSPEC_SERVE_FAULT=FAULT))
         self.wait_ready()
         self.model = self.client().models.list().data[0].id
+        self.compilations = self.metrics()[("jaxspec_compilations", ())]  # after the warm-up
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_S
@@ -413,6 +414,33 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
         assert counter(m, "jaxspec_iterations_total", tree="tree") > 0
     finally:
         spec.stop()
+
+
+@pytest.mark.slow
+def test_64_concurrent_streams_lose_nothing(server):
+    """64 streaming clients at once (8 slots, the rest queued): each gets its whole greedy output, its usage
+    counts what it received, and /metrics counts every token."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
+    want = {p: chat(server, p, 8, temperature=0).choices[0].message.content for p in PROMPTS}
+    before = server.metrics()
+
+    def one(p: str):
+        return streamed(chat(server, p, 8, temperature=0, stream=True, stream_options={"include_usage": True}))
+
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, prompts, timeout=600))
+    assert [pieces[0] for pieces, _, _ in results] == [want[p] for p in prompts]
+    assert all(finish[0] in ("stop", "length") for _, finish, _ in results)
+    tokens = sum(usage.completion_tokens for _, _, usage in results)
+    after = server.metrics()
+    assert counter(after, "jaxspec_generation_tokens_total") - counter(before, "jaxspec_generation_tokens_total") \
+        == tokens
+    assert after[("jaxspec_active_slots", ())] == 0 and after[("jaxspec_queue_depth", ())] == 0
+
+
+def test_no_compilation_while_serving(server):
+    """Every request of this module ran on executables the warm-up compiled."""
+    assert server.metrics()[("jaxspec_compilations", ())] == server.compilations
 
 
 def test_sigterm_drains_and_exits_zero(server):
