@@ -25,7 +25,7 @@ run: setup
 	$(BIN)/jaxspec generate --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS)
 
 test: setup-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-slow: setup-test
 	$(BIN)/python -m pytest -q -m slow
