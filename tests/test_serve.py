@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 KEY = "test-key"
 FAULT = "<<injected-fault>>"  # JAXSPEC_SERVE_FAULT: a request stopping at it fails inside the engine thread
 MAX_MODEL_LEN = 256
+MAX_BATCH = 4  # an iteration computes every slot, busy or not: fewer slots, faster tests
 MAX_QUEUE = 64
 STARTUP_S = 300
 SERVE_CMD = [sys.executable, "-m", "jaxspec.cli", "serve"]
@@ -48,7 +49,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
-        flags = [*mode_flags, "--port", str(self.port), "--max-batch", "8", "--max-queue", str(MAX_QUEUE),
+        flags = [*mode_flags, "--port", str(self.port), "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
                  "--max-model-len", str(MAX_MODEL_LEN), "--api-key", KEY, "--shutdown-timeout", "20"]
         self.proc = subprocess.Popen(SERVE_CMD + flags, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, JAXSPEC_SERVE_FAULT=FAULT))
@@ -101,12 +102,12 @@ def server(tmp_path_factory):
     s.stop()
 
 
-def chat(server, prompt: str, max_tokens: int = 10, **kw):
+def chat(server, prompt: str, max_tokens: int = 8, **kw):
     return server.client().chat.completions.create(
         model=server.model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, **kw)
 
 
-def complete(server, prompt, max_tokens: int = 10, **kw):
+def complete(server, prompt, max_tokens: int = 8, **kw):
     return server.client().completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens, **kw)
 
 
@@ -175,7 +176,7 @@ def test_completions_streaming_and_not(server):
     assert pieces == [text] and finish == [r.choices[0].finish_reason] and usage is None
     ids = complete(server, [1, 2, 3], 4, temperature=0)  # a prompt of token ids
     assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens >= 1
-    two = complete(server, ["The capital of France is", "Once upon a time"], 6, temperature=0)
+    two = complete(server, ["The capital of France is", "Once upon a time"], 4, temperature=0)
     assert [c.index for c in two.choices] == [0, 1] and two.choices[0].text == text[:len(two.choices[0].text)]
 
 
@@ -197,16 +198,14 @@ def test_greedy_outputs_under_concurrency_equal_sequential(server):
 
 
 def test_n_choices_follow_their_seeds(server):
-    """n=2 with seed s: choice i is the single request with seed s+i, whatever runs beside it."""
+    """n=2 with seed s (streamed): choice i is the single request with seed s+i, whatever runs beside it."""
     kw = dict(temperature=1.0, top_p=0.95, extra_body={"top_k": 50})
-    r = complete(server, "Once upon a time", 12, n=2, seed=11, **kw)
-    assert [c.index for c in r.choices] == [0, 1]
+    pieces, finish, usage = streamed(complete(server, "Once upon a time", 12, n=2, seed=11, stream=True,
+                                              stream_options={"include_usage": True}, **kw))
     singles = [complete(server, "Once upon a time", 12, seed=11 + i, **kw) for i in range(2)]
-    assert [c.text for c in r.choices] == [s.choices[0].text for s in singles]
-    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
-    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens  # the prompt counts once
-    pieces, _, _ = streamed(complete(server, "Once upon a time", 12, n=2, seed=11, stream=True, **kw))
-    assert pieces == [c.text for c in r.choices]
+    assert pieces == [s.choices[0].text for s in singles] and len(finish) == 2
+    assert usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert usage.prompt_tokens == singles[0].usage.prompt_tokens  # the prompt counts once
 
 
 def test_stop_strings_cut_before_the_match(server):
@@ -418,7 +417,7 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
 
 @pytest.mark.slow
 def test_64_concurrent_streams_lose_nothing(server):
-    """64 streaming clients at once (8 slots, the rest queued): each gets its whole greedy output, its usage
+    """64 streaming clients at once (MAX_BATCH slots, the rest queued): each gets its whole greedy output, its usage
     counts what it received, and /metrics counts every token."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
     want = {p: chat(server, p, 8, temperature=0).choices[0].message.content for p in PROMPTS}
