@@ -754,15 +754,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch", type=int, default=16, help="batch slots decoded together")
-    p.add_argument("--max-model-len", type=int, help="prompt + completion tokens per request (default: the engine's)")
-    p.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 429")
-    p.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint's file name)")
-    p.add_argument("--api-key", default=os.environ.get("JAXSPEC_API_KEY"),
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--max-batch", type=int, default=16, metavar="N", help="batch slots decoded together (16)")
+    p.add_argument("--max-model-len", type=int, metavar="N",
+                   help="prompt + completion tokens per request; every slot's cache holds this many (default: "
+                        "the batched engine's)")
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests that may wait for a slot (256); more get 429")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model name clients send (default: the checkpoint's file name)")
+    p.add_argument("--api-key", default=os.environ.get("JAXSPEC_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default $JAXSPEC_API_KEY)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="on SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are cancelled")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                   help="on SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are cancelled (10)")
     add_compile_cache_args(p)
     p.set_defaults(func=main)
     return p
