@@ -41,6 +41,7 @@ log = logging.getLogger("jaxspec.serve")
 MAX_STOPS = 16
 FAULT_ENV = "JAXSPEC_SERVE_FAULT"  # tests: a stop string naming this value makes the engine's stop check raise
 WARMUP_TOKENS = 4
+SHUTDOWN_GRACE_S = 5.0  # past --shutdown-timeout, for cancelled requests to end before uvicorn cuts them
 # Parameters this server does not implement, accepted only at values that ask for nothing
 # (clients such as LangChain send them at their defaults); any other value is a 400.
 NEUTRAL = {
@@ -297,9 +298,6 @@ class Job:
             if c.finish_reason is None and c.ticket is not None:
                 c.ticket.cancel()
 
-    def failure(self) -> Choice | None:
-        return next((c for c in self.choices if c.finish_reason == "error"), None)
-
 
 class Service:
     """The batch engine, its thread and what the HTTP handlers ask of it."""
@@ -462,6 +460,13 @@ class Service:
         return APIError(429, f"the server is busy: {waiting} requests already wait for a batch slot "
                         f"(--max-queue {self.max_queue}); retry later", code="queue_full", kind="rate_limit_error")
 
+    def cancel_live(self) -> None:
+        """Cancels every running request (shutdown): each ends with a cancelled event at the next iteration."""
+        with self._lock:
+            live = list(self._live.values())
+        for job, _ in live:
+            job.cancel()
+
     def retire(self, choice: Choice) -> None:
         with self._lock:
             self._live.pop(id(choice), None)
@@ -513,8 +518,8 @@ class Completion:
         """Server-sent events: one chunk per choice update, usage if asked, then ``[DONE]``."""
         try:
             async for choice, text in self.job.updates():
-                if choice.finish_reason == "error":
-                    yield sse(internal_error(choice).body())
+                if choice.finish_reason in ("error", "cancelled"):
+                    yield sse(ended(choice).body())
                     break
                 if text or choice.finish_reason is not None:
                     yield sse(self.head | {"choices": [self.chunk(choice, text)]})
@@ -538,12 +543,14 @@ class Completion:
         try:
             async for choice, text in self.job.updates():
                 texts[choice.index] += text
+        except asyncio.CancelledError:  # uvicorn cut the request short (shutdown)
+            raise APIError(503, SHUTTING_DOWN, kind="server_error", code="shutting_down") from None
         finally:
             watcher.cancel()
             self.job.cancel()
-        failed = self.job.failure()
+        failed = next((c for c in self.job.choices if c.finish_reason in ("error", "cancelled")), None)
         if failed is not None:
-            raise internal_error(failed)
+            raise ended(failed)
         if self.chat:
             choices = [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
                         "logprobs": None, "finish_reason": c.finish_reason} for c in self.job.choices]
@@ -553,7 +560,13 @@ class Completion:
                             "usage": self.usage()}
 
 
-def internal_error(choice: Choice) -> APIError:
+SHUTTING_DOWN = "the server is shutting down: this request was cancelled"
+
+
+def ended(choice: Choice) -> APIError:
+    """The error of a choice that failed (500) or was cancelled by the server's shutdown (503)."""
+    if choice.finish_reason == "cancelled":
+        return APIError(503, SHUTTING_DOWN, kind="server_error", code="shutting_down")
     return APIError(500, f"generating choice {choice.index} failed: {choice.error}", kind="server_error",
                     code="internal_error")
 
@@ -810,8 +823,8 @@ def main(args: argparse.Namespace) -> int:
         log.info("ready in %.1f s: model '%s'", time.perf_counter() - t0, name)
         app = create_app(service, args.api_key, args.shutdown_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
-        server = announcing_server(uvicorn, config, name)
+                                timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, lifespan="on")
+        server = uvicorn_server(uvicorn, config, service, args.shutdown_timeout)
         quiet = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
         try:  # uvicorn re-raises the signal that stopped it once it is done: these no-op handlers catch it
             server.run()
@@ -847,15 +860,21 @@ def check_address(host: str, port: int) -> None:
         raise CliError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
 
 
-def announcing_server(uvicorn, config, name: str):
-    """A uvicorn server that prints the API's URL once it listens."""
+def uvicorn_server(uvicorn, config, service: Service, shutdown_timeout: float):
+    """A uvicorn server that prints the API's URL once it listens and, on shutdown, cancels the requests
+    still running after ``shutdown_timeout`` (they end with an error event or a 503, not a cut connection)."""
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if self.started:
                 host = f"[{config.host}]" if ":" in config.host else config.host
-                log.info("serving '%s' at http://%s:%d/v1 (Ctrl-C to stop)", name, host, config.port)
+                log.info("serving '%s' at http://%s:%d/v1 (Ctrl-C to stop)", service.model_name, host, config.port)
+
+        async def shutdown(self, sockets=None) -> None:
+            log.info("draining: in-flight requests have %.0f s to finish", shutdown_timeout)
+            asyncio.get_running_loop().call_later(shutdown_timeout, service.cancel_live)
+            await super().shutdown(sockets)
 
     return Server(config)
 

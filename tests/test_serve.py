@@ -30,6 +30,8 @@ MAX_MODEL_LEN = 256
 MAX_BATCH = 4  # an iteration computes every slot, busy or not: fewer slots, faster tests
 MAX_QUEUE = 64
 STARTUP_S = 300
+SHUTDOWN_S = 8  # --shutdown-timeout: drain time on SIGTERM
+LONG = "1, 2, 3, 4, 5,"  # a completion prompt that runs to max_tokens (greedy: ", 6, 7, 8, ...")
 SERVE_CMD = [sys.executable, "-m", "jaxspec.cli", "serve"]
 PROMPTS = ["What is 2+2?", "Name a color.", "Write a haiku about the sea.", "What is the capital of France?",
            "Say hello in Spanish.", "Count from one to five.", "What do cats eat?", "Explain rain briefly."]
@@ -50,7 +52,7 @@ class Server:
         self.log_path = log_path
         self.log = open(log_path, "w")
         flags = [*mode_flags, "--port", str(self.port), "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
-                 "--max-model-len", str(MAX_MODEL_LEN), "--api-key", KEY, "--shutdown-timeout", "20"]
+                 "--max-model-len", str(MAX_MODEL_LEN), "--api-key", KEY, "--shutdown-timeout", str(SHUTDOWN_S)]
         self.proc = subprocess.Popen(SERVE_CMD + flags, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, JAXSPEC_SERVE_FAULT=FAULT))
         self.wait_ready()
@@ -313,7 +315,7 @@ def test_engine_failure_spares_the_request_beside_it(server):
 def test_full_queue_is_429(server):
     """Every slot busy and --max-queue requests waiting: the next request is refused with 429, not queued."""
     client = server.client()
-    body = dict(model=server.model, prompt="Count to one hundred:", max_tokens=64, temperature=0, n=MAX_QUEUE)
+    body = dict(model=server.model, prompt=LONG, max_tokens=64, temperature=0, n=MAX_QUEUE)
     streams = []
     try:
         with pytest.raises(openai.RateLimitError) as e:
@@ -343,7 +345,7 @@ def test_client_disconnect_cancels_the_request(server):
         return counter(server.metrics(), "jaxspec_requests_total", outcome="cancelled")
 
     before = cancelled()
-    stream = complete(server, "Count to one hundred:", 200, temperature=0, stream=True)
+    stream = complete(server, LONG, 200, temperature=0, stream=True)
     for received, _ in enumerate(stream, 1):
         if received == 3:
             break
@@ -351,7 +353,7 @@ def test_client_disconnect_cancels_the_request(server):
     wait_for(lambda: cancelled() > before, "the streaming request's cancellation in /metrics")
     wait_for(lambda: server.metrics()[("jaxspec_active_slots", ())] == 0, "the slot to free")
     with pytest.raises(httpx.ReadTimeout):
-        server.post("/v1/completions", {"model": server.model, "prompt": "Count to one hundred:",
+        server.post("/v1/completions", {"model": server.model, "prompt": LONG,
                                         "max_tokens": 200, "temperature": 0}, timeout=3)
     wait_for(lambda: cancelled() > before + 1, "the waiting request's cancellation in /metrics")
     wait_for(lambda: server.metrics()[("jaxspec_active_slots", ())] == 0, "the slot to free")
@@ -443,14 +445,18 @@ def test_no_compilation_while_serving(server):
 
 
 def test_sigterm_drains_and_exits_zero(server):
-    """Runs last: SIGTERM lets the in-flight stream finish, then the process exits 0."""
-    stream = complete(server, "Count to ten:", 16, temperature=0, stream=True)
-    first = next(iter(stream))
+    """Runs last: on SIGTERM a short in-flight stream finishes, one longer than --shutdown-timeout ends with a
+    503 error event, new connections are refused, and the process exits 0 without a traceback."""
+    short = iter(complete(server, "Count to ten:", 6, temperature=0, stream=True))
+    long = iter(complete(server, LONG, 200, temperature=0, stream=True))
+    first = [next(short), next(long)]  # both hold slots now
     server.proc.send_signal(signal.SIGTERM)
-    rest = [first] + list(stream)
-    assert any(c.choices and c.choices[0].finish_reason for c in rest)
+    done = [first[0], *short]
+    assert done[-1].choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.APIError, match="shutting down"):
+        list(long)
     assert server.proc.wait(60) == 0, server.tail()
     log = server.tail(20000)
-    assert "Traceback" not in log and "Shutting down" in log
+    assert "Traceback" not in log and "draining" in log
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.url}/health", timeout=5)
