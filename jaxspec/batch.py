@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxspec import ngram, sampling
 from jaxspec.engine import Engine, Generation, RequestError, _check_fits
-from jaxspec.step import DecodeConfig, DecodeState, insert_row, prefill_row, set_inactive
+from jaxspec.step import DecodeConfig, insert_row, prefill_row, set_inactive
 
 PREFILL_BUCKETS = (16, 64, 256)  # chunk shapes a prompt is fed in (one executable each)
 DEFAULT_MAX_MODEL_LEN = 1024  # every slot's cache holds this many tokens; attention reads all of them

@@ -1,4 +1,4 @@
-"""What every ``jaxspec`` subcommand shares: user errors, prompt files, sampling and compile-cache flags.
+"""What every ``jaxspec`` subcommand shares: user errors, prompt files, sampling, compile-cache and model/mode flags.
 
 ``jaxspec.cli`` (generate, the top-level parser) and ``jaxspec.bench`` both import this
 module and never each other's internals in the other direction: the CLI registers the
@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Sequence
 
 
 class CliError(ValueError):
@@ -89,3 +90,87 @@ def report_compile_cache(directory: Path | None) -> None:
 
     if directory is not None and os.environ.get("JAXSPEC_CACHE_STATS"):
         print(f"[jaxspec] compilation cache {directory}: {STATS.hits} hits, {STATS.misses} misses", file=sys.stderr)
+
+
+MODES = ("auto", "incremental", "sequence", "tree")
+DEFAULT_TREE = "1,1,3,1,1,1,1,1"  # the paper's default expansion config
+DEFAULT_SEQUENCE = "1,1,1,1,1,1,1,1"
+AUTO_SPECULATORS = ("default", "ngram")  # --mode auto without --ssm: the shipped pool and prompt lookup
+AUTO_SSM_TREE = "1,2,1"  # the learned SSMs' tree in the auto family (small: drafting is not free)
+AUTO_NGRAM_CHAIN = "1,1,1,1,1,1"  # the n-gram speculator's chain in the auto family
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="LLM checkpoint: HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--mode", choices=MODES, default="auto",
+                   help="auto (default): before every step pick the tree (or none) with the most expected tokens "
+                        "per second from measured costs and running acceptance; incremental: no speculation; "
+                        f"sequence: <1,..,1>; tree: token trees (default expansion {DEFAULT_TREE})")
+    p.add_argument("--ssm", action="append", default=None, metavar="PATH_OR_SPEC",
+                   help="speculator: layers:N (LLM's first N layers), pool:DIR, a checkpoint path, ngram[:N] "
+                        "(prompt lookup of up to N-token suffixes), or default (the shipped pool); repeat to merge "
+                        f"several speculators' trees (auto default: {' + '.join(AUTO_SPECULATORS)})")
+    p.add_argument("--expansion", help=f"expansion config k1,...,km (tree default {DEFAULT_TREE}; auto: SSMs "
+                   f"{AUTO_SSM_TREE}, n-gram {AUTO_NGRAM_CHAIN}); ';'-separated configs give each speculator its "
+                   "own, e.g. '1,1,3,1;1,2,1' (an n-gram proposes a chain as deep as its config)")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="auto: measure the step costs again instead of reusing the cached calibration")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the tree each step runs (auto) and costs")
+    p.add_argument("--tree-budget", type=int, help="pad/limit the verified tree to N nodes (root included)")
+    p.add_argument("--verify", default="mss", choices=("mss", "naive"),
+                   help="stochastic verifier (temperature > 0): multi-step speculative sampling or naive sampling")
+
+
+def speculator_specs(args) -> list[str]:
+    """The ``--ssm`` specs to load: as given, else the mode's default."""
+    if args.mode == "incremental":
+        return []
+    if args.ssm:
+        return list(args.ssm)
+    return list(AUTO_SPECULATORS) if args.mode == "auto" else ["default"]
+
+
+def expansion_for(args, speculators: Sequence = ()) -> tuple[tuple[int, ...], ...]:
+    """The expansion configs: one shared by every speculator, or ";"-separated, one per speculator."""
+    from jaxspec.ngram import NGramSpeculator
+    from jaxspec.tree import parse_expansion
+
+    if args.mode == "incremental":
+        if args.expansion or args.ssm:
+            raise CliError("--mode incremental takes no --ssm or --expansion (use --mode auto, sequence or tree)")
+        return ()
+    if args.mode == "auto" and not args.expansion:
+        return tuple(parse_expansion(AUTO_NGRAM_CHAIN if isinstance(s, NGramSpeculator) else AUTO_SSM_TREE)
+                     for s in speculators)
+    text = args.expansion or (DEFAULT_TREE if args.mode == "tree" else DEFAULT_SEQUENCE)
+    expansions = tuple(parse_expansion(part) for part in text.split(";"))
+    if not all(expansions):
+        raise CliError(f"--mode {args.mode} needs a non-empty --expansion")
+    if args.mode == "sequence" and any(k != 1 for e in expansions for k in e):
+        raise CliError(f"--mode sequence needs an expansion of 1s, got {args.expansion}")
+    return expansions
+
+
+def build_engine(args, log=None):
+    """Loads the LLM and speculators named by the arguments and returns (engine, llm)."""
+    from jaxspec.engine import Engine
+    from jaxspec.resolve import load_llm, load_ssms
+
+    expansion_for(args)  # validates the mode's flags before loading anything
+    llm = load_llm(args.model, args.dtype)
+    ssms = load_ssms(speculator_specs(args), llm, args.dtype)
+    expansion = expansion_for(args, ssms)
+    if ssms:
+        if len(expansion) not in (1, len(ssms)):
+            raise CliError(f"--expansion gives {len(expansion)} ';'-separated configs for {len(ssms)} speculators "
+                           f"({', '.join(s.name for s in ssms)}): give one shared config or one per speculator")
+        shown = "; ".join("<" + ",".join(map(str, e)) + ">" for e in expansion)
+        names = ", ".join(s.name for s in ssms)
+        print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {args.mode}",
+              file=log or sys.stderr)
+        expansion = expansion[0] if len(expansion) == 1 else expansion
+    engine = Engine(llm, ssms, expansion, args.tree_budget, args.verify if args.temperature > 0 else "greedy",
+                    auto=args.mode == "auto")
+    return engine, llm

@@ -761,7 +761,7 @@ async def report_throughput(service: Service, every: float = 10.0) -> None:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Registers ``jaxspec serve`` (model and mode flags shared with ``jaxspec generate``)."""
-    from jaxspec.cli import add_model_args  # noqa: PLC0415 (the CLI imports this module)
+    from jaxspec.cli_common import add_model_args  # noqa: PLC0415
     from jaxspec.cli_common import add_compile_cache_args  # noqa: PLC0415
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
@@ -789,7 +789,7 @@ def main(args: argparse.Namespace) -> int:
     """``jaxspec serve``: load, compile (warm-up), serve until SIGTERM / Ctrl-C, exit 0."""
     import uvicorn  # noqa: PLC0415
 
-    from jaxspec.cli import build_engine  # noqa: PLC0415
+    from jaxspec.cli_common import build_engine  # noqa: PLC0415
     from jaxspec.cli_common import CliError  # noqa: PLC0415
 
     if args.no_chat:
