@@ -153,6 +153,7 @@ class BatchEngine:
         self.wake = threading.Event()
         self.iterations = 0
         self._compiled: dict = {}
+        self._no_proposal: tuple[jax.Array, jax.Array] | None = None
 
     # -- requests ---------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -420,10 +421,15 @@ class BatchEngine:
         cfg = family[name]
         for i in live:
             _check_fits(self.slots[i].committed + cfg.num_nodes, self.capacity, "a decoding step")
-        toks, count = ngram.proposal_arrays(proposals, e.ngram_depth)
+        if any(proposals) or self._no_proposal is None:
+            arrays = jax.device_put(ngram.proposal_arrays(proposals, e.ngram_depth))
+            if not any(proposals):
+                self._no_proposal = arrays  # sent once: iterations without a proposal transfer nothing
+        else:
+            arrays = self._no_proposal
         start = time.perf_counter()
         step = e._step_fn(cfg)
-        self.state, out = step(e._llm_params, e._group_params, self.state, *jax.device_put((toks, count)))
+        self.state, out = step(e._llm_params, e._group_params, self.state, *arrays)
         emitted, num, depths = jax.device_get((out.tokens, out.num, out.source_depth))
         seconds = time.perf_counter() - start
         self.iterations += 1

@@ -198,8 +198,6 @@ def generate_batched(engine, llm, rows: list[dict], args, out) -> int:
     longest = max(len(r.prompt_ids) for _, _, r in jobs)
     batch = BatchEngine(engine, max_batch=min(args.max_batch, len(jobs)),
                         max_model_len=longest + args.max_new_tokens)
-    for _, _, req in jobs:
-        batch.check(req)
     with tqdm(total=len(jobs), desc="generate", unit="request", file=sys.stderr) as bar:
         gens = batch.generate([r for _, _, r in jobs], on_finish=lambda _: bar.update())
     steps = sum(g.llm_steps for g in gens)
