@@ -35,6 +35,7 @@ import numpy as np
 
 from jaxspec import ngram, sampling
 from jaxspec.engine import Engine, Generation, RequestError, _check_fits
+from jaxspec.sharding import pinned
 from jaxspec.step import DecodeConfig, insert_row, prefill_row, set_inactive
 
 PREFILL_BUCKETS = (16, 64, 256)  # chunk shapes a prompt is fed in (one executable each)
@@ -207,15 +208,15 @@ class BatchEngine:
             if name == "prefill":
                 def fn(llm_params, ssm_params, staged, tokens, start, count, last, seed, values):
                     e.compilations += 1
-                    return prefill_row(cfg, e._llm_forward, ssm_fwds, llm_params, ssm_params, staged,
-                                       jnp.int32(0), tokens, start, count, last, seed, values)
+                    return pinned(prefill_row, e.mesh)(cfg, e._llm_forward, ssm_fwds, llm_params, ssm_params, staged,
+                                                       jnp.int32(0), tokens, start, count, last, seed, values)
 
                 self._compiled[name] = jax.jit(fn, donate_argnums=(2,))
             elif name == "insert":
-                self._compiled[name] = jax.jit(lambda state, staged, slot: insert_row(cfg, state, staged, slot),
-                                               donate_argnums=(0,))
+                self._compiled[name] = jax.jit(pinned(lambda state, staged, slot: insert_row(cfg, state, staged, slot),
+                                                      e.mesh), donate_argnums=(0,))
             else:
-                self._compiled[name] = jax.jit(set_inactive, donate_argnums=(0,))
+                self._compiled[name] = jax.jit(pinned(set_inactive, e.mesh), donate_argnums=(0,))
         return self._compiled[name]
 
     def warm(self, greedy: bool = True, sampled: bool = True) -> None:

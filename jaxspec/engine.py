@@ -8,16 +8,19 @@ recompiles after its first step; ``Engine.compilations`` counts traces to prove 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxspec import ngram, sampling
 from jaxspec.auto import Member, TreeChooser
 from jaxspec.ngram import NGramSpeculator
+from jaxspec.sharding import describe as describe_mesh, pinned
 from jaxspec.step import DecodeConfig, DecodeState, SSMGroup, decode_step, prefill
 from jaxspec.tree import expansion_topology
 from models.config import ModelConfig
@@ -112,10 +115,12 @@ class Engine:
         auto: bool = False,
         costs: dict[str, float] | None = None,
         unroll: bool = True,
+        mesh: Mesh | None = None,
     ) -> None:
         """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward;
         ``unroll`` runs the LLM's layers unrolled over per-layer weights (no per-call weight
-        slicing; slower to compile, faster to run)."""
+        slicing; slower to compile, faster to run); ``mesh`` shards parameters, caches and state by
+        ``jaxspec.sharding.RULES`` (None: one device, as before)."""
         expansions = _per_ssm(expansion, len(ssms))
         ngrams = [s for s in ssms if isinstance(s, NGramSpeculator)]
         if len(ngrams) > 1:
@@ -145,6 +150,9 @@ class Engine:
                        else tuple(SSMGroup((j,)) for j in range(len(self.ssms))))
         self._group_params = tuple(stack_params([self.ssms[j].params for j in g.members], g.shared)
                                    for g in self.groups)
+        self.mesh = mesh
+        if mesh is not None:
+            self._place_on_mesh()
         self.family(sampling.SamplingParams())  # validates every configuration
 
     # -- the family of trees ------------------------------------------------------------
@@ -208,8 +216,8 @@ class Engine:
 
             def step(llm_params, ssm_params, state, proposal_tokens, proposal_count):
                 self.compilations += 1  # runs once per trace, i.e. per compilation
-                return decode_step(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state,
-                                   (proposal_tokens, proposal_count))
+                return pinned(decode_step, self.mesh)(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state,
+                                                      (proposal_tokens, proposal_count))
 
             self._compiled[cfg] = jax.jit(step, donate_argnums=(2,))
         return self._compiled[cfg]
@@ -226,7 +234,8 @@ class Engine:
 
             def pre(llm_params, ssm_params, state, tokens, lengths):
                 self.compilations += 1
-                return prefill(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state, tokens, lengths)
+                return pinned(prefill, self.mesh)(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state, tokens,
+                                                  lengths)
 
             self._compiled[key] = jax.jit(pre, donate_argnums=(2,))
         return self._compiled[key]
@@ -271,6 +280,7 @@ class Engine:
             "capacity": capacity,
             "batch": batch,
             "unroll": self.unroll,
+            **({"mesh": describe_mesh(self.mesh)} if self.mesh is not None else {}),
         }
         self._costs[key] = costs.load_or_measure(ident, lambda: self._measure(params, capacity, batch=batch), refresh)
         return self._costs[key]
@@ -353,6 +363,7 @@ class Engine:
         """
         key = ("init", batch, capacity)
         if key not in self._compiled:
+            @functools.partial(pinned, mesh=self.mesh)
             def init(seeds, values, active):
                 dt = self.llm.dtype
                 return DecodeState(
@@ -374,6 +385,19 @@ class Engine:
         seeds = np.full((batch,), params.seed % 2**32, np.uint32)
         seeds, values, rows = jax.device_put((seeds, values, np.full((batch,), active, bool)))
         return self._compiled[key](seeds, values, rows)
+
+    def _place_on_mesh(self) -> None:
+        """Puts the LLM's and every SSM group's parameters on ``self.mesh`` by the sharding rules."""
+        from jaxspec import sharding  # noqa: PLC0415
+
+        llm = self.llm
+        self._llm_params = sharding.place_params(self._llm_params, sharding.param_names(llm.cfg, self.unroll),
+                                                 self.mesh, f"LLM {llm.name}")
+        self._group_params = tuple(
+            sharding.place_params(p, sharding.group_names(sharding.param_names(self.ssms[g.members[0]].cfg),
+                                                          len(g.members), g.shared),
+                                  self.mesh, f"SSM {self.ssms[g.members[0]].name}")
+            for g, p in zip(self.groups, self._group_params))
 
     def _group_cache(self, group: SSMGroup, batch: int, capacity: int) -> KVCache:
         ssm = self.ssms[group.members[0]]

@@ -53,6 +53,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, k_cache, v_cache, positions, mask, write_at):
         # x [B, T, D]; this layer's k_cache, v_cache [B, S, K, H]
+        x = axes.constrain(x, (axes.BATCH, axes.SEQ, axes.EMBED))  # a layer boundary (no-op without a mesh)
         cfg = self.cfg
         if cfg.arch == "opt":
             norm = lambda name: LayerNorm(1e-5, self.dtype, name=name)  # noqa: E731
