@@ -43,19 +43,20 @@ class LoadedModel:
     params: dict
     dtype: jnp.dtype = jnp.float32
     tokenizer: object | None = None
+    draft_vocab: int = 0  # > 0: a drafting SSM whose params carry a reduced head (``jaxspec.draft_vocab``)
 
     @property
     def forward(self) -> Forward:
-        return _forward_for(self.cfg, jnp.dtype(self.dtype))
+        return _forward_for(self.cfg, jnp.dtype(self.dtype), draft_vocab=self.draft_vocab)
 
 
 _FORWARDS: dict = {}
 
 
-def _forward_for(cfg: ModelConfig, dtype, unrolled: bool = False) -> Forward:
-    key = (cfg, dtype, unrolled)
+def _forward_for(cfg: ModelConfig, dtype, unrolled: bool = False, draft_vocab: int = 0) -> Forward:
+    key = (cfg, dtype, unrolled, draft_vocab)
     if key not in _FORWARDS:
-        _FORWARDS[key] = make_forward(cfg, dtype, unrolled)
+        _FORWARDS[key] = make_forward(cfg, dtype, unrolled, draft_vocab)
     return _FORWARDS[key]
 
 
@@ -273,7 +274,7 @@ class Engine:
             "what": "step-family",
             "device": jax.devices()[0].device_kind,
             "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))],
-            "ssms": [[s.name, repr(s.cfg), str(jnp.dtype(s.dtype))] for s in self.ssms],
+            "ssms": [[s.name, repr(s.cfg), str(jnp.dtype(s.dtype)), s.draft_vocab] for s in self.ssms],
             "ngram": self.ngram_depth,
             "family": {n: self.describe(n) for n in self.family(params)},
             "warp": repr(_warp(params)),
@@ -524,7 +525,7 @@ def ssm_groups(ssms: Sequence[LoadedModel], topologies: Sequence) -> tuple[SSMGr
 
     buckets: dict = {}
     for j, (s, t) in enumerate(zip(ssms, topologies)):
-        buckets.setdefault((s.cfg, jnp.dtype(s.dtype), t), []).append(j)
+        buckets.setdefault((s.cfg, jnp.dtype(s.dtype), s.draft_vocab, t), []).append(j)
     groups = []
     for members in sorted(buckets.values()):
         flats = [flatten(ssms[j].params) for j in members]

@@ -12,9 +12,10 @@ from typing import Sequence
 
 import jax.numpy as jnp
 
+from jaxspec.draft_vocab import read_counts, restrict
 from jaxspec.engine import LoadedModel, RequestError, early_exit
 from jaxspec.ngram import NGramSpeculator
-from jaxspec.pool import load_pool
+from jaxspec.pool import load_pool, read_manifest
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DEFAULT_POOL = Path(__file__).resolve().parent / "pools" / "smollm2_default"
@@ -49,9 +50,14 @@ def ngram_speculator(spec: str) -> NGramSpeculator:
         raise RequestError(f"--ssm {spec!r}: expected ngram or ngram:N with an integer N >= 1") from None
 
 
-def load_ssms(specs: Sequence[str], llm: LoadedModel, dtype: str = "float32") -> list[LoadedModel | NGramSpeculator]:
-    """Resolves every ``--ssm`` spec against the LLM; the order of SSMs follows the specs."""
-    out: list[LoadedModel] = []
+def load_ssms(specs: Sequence[str], llm: LoadedModel, dtype: str = "float32",
+              draft_vocab: int | None = None) -> list[LoadedModel | NGramSpeculator]:
+    """Resolves every ``--ssm`` spec against the LLM; the order of SSMs follows the specs.
+
+    ``draft_vocab``: learned SSMs draft over that many of the most frequent tokens (0: the
+    full vocabulary; None: a pool's own default from its manifest, others the full one).
+    """
+    out: list[LoadedModel | NGramSpeculator] = []
     for spec in specs:
         if spec == "default":
             spec = default_ssm_spec()
@@ -62,13 +68,16 @@ def load_ssms(specs: Sequence[str], llm: LoadedModel, dtype: str = "float32") ->
                 n = int(spec.split(":", 1)[1])
             except ValueError:
                 raise RequestError(f"--ssm {spec!r}: expected layers:N with an integer N") from None
-            out.append(early_exit(llm, n))
+            out.extend(restrict([early_exit(llm, n)], draft_vocab or 0))
         elif spec.startswith("pool:"):
-            out.extend(load_pool(spec.split(":", 1)[1], dtype, llm=llm))
+            directory = spec.split(":", 1)[1]
+            size = read_manifest(directory).get("draft_vocab", 0) if draft_vocab is None else draft_vocab
+            out.extend(restrict(load_pool(directory, dtype, llm=llm), size, read_counts(directory) if size else None))
         else:
             from models.loading import load_checkpoint  # noqa: PLC0415
             from models.tokenizer import load_tokenizer  # noqa: PLC0415
 
             cfg, params = load_checkpoint(spec, dtype)
-            out.append(LoadedModel(Path(spec).name, cfg, params, DTYPES[dtype], load_tokenizer(spec)))
+            ssm = LoadedModel(Path(spec).name, cfg, params, DTYPES[dtype], load_tokenizer(spec))
+            out.extend(restrict([ssm], draft_vocab or 0))
     return out

@@ -87,6 +87,7 @@ class Transformer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     unrolled: bool = False
+    draft_vocab: int = 0  # > 0: logits over a reduced vocabulary (``with_draft_head``), -inf elsewhere
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache, mask, select=None):
@@ -147,7 +148,15 @@ class Transformer(nn.Module):
                           self.unrolled, name="project_out")(x)
         else:
             x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
-        if cfg.tie_word_embeddings and self.unrolled:
+        if self.draft_vocab:
+            # A drafting SSM scores only its draft vocabulary: the head is most of a small
+            # model's work. Other tokens get -inf, i.e. draft probability 0 (MSS stays exact).
+            head = self.param("draft_head", nn.initializers.normal(0.02), (self.draft_vocab, x.shape[-1]))
+            ids = self.param("draft_ids", lambda _, shape: jnp.arange(shape[0], dtype=jnp.int32), (self.draft_vocab,))
+            small = jax.lax.dot_general(x, head.astype(self.dtype), (((2,), (1,)), ((), ())))  # [B, T, V']
+            logits = jnp.full(small.shape[:2] + (cfg.vocab_size,), -jnp.inf, small.dtype)
+            logits = logits.at[:, :, ids].set(small, mode="promise_in_bounds", unique_indices=True)  # [B, T, V]
+        elif cfg.tie_word_embeddings and self.unrolled:
             logits = tall_dot(x, embed.embedding, 1)  # [B, T, V]: the [V, D] table is output-major already
         elif cfg.tie_word_embeddings:
             # [B, T, V]: contract D against the [V, D] table as stored (``attend`` transposes it,
@@ -162,12 +171,13 @@ class Transformer(nn.Module):
 Forward = Callable[..., tuple[jax.Array, KVCache]]
 
 
-def make_forward(cfg: ModelConfig, dtype=jnp.float32, unrolled: bool = False) -> Forward:
+def make_forward(cfg: ModelConfig, dtype=jnp.float32, unrolled: bool = False, draft_vocab: int = 0) -> Forward:
     """Returns ``forward(params, tokens, positions, cache, mask, select=None) -> (logits, cache)``.
 
-    ``unrolled`` takes ``decoding_layout(params)`` and loops over the layers in the graph.
+    ``unrolled`` takes ``decoding_layout(params)`` and loops over the layers in the graph;
+    ``draft_vocab`` takes ``with_draft_head(params, ...)`` and scores only those tokens.
     """
-    model = Transformer(cfg, dtype, unrolled)
+    model = Transformer(cfg, dtype, unrolled, draft_vocab=draft_vocab)
 
     def forward(params, tokens, positions, cache, mask, select=None):
         return model.apply({"params": params}, tokens, positions, cache, mask, select)
@@ -193,6 +203,20 @@ def decoding_layout(params: dict) -> dict:
     for i in range(num):
         out[f"layer_{i}"] = jax.tree_util.tree_map(lambda x, i=i: x[i], params["layers"])
     return jax.tree_util.tree_map_with_path(transpose, out)
+
+
+def with_draft_head(params: dict, cfg: ModelConfig, ids: jax.Array) -> dict:
+    """``params`` plus ``draft_head`` [V', P] (the output rows of tokens ``ids`` [V']) and ``draft_ids``.
+
+    The rows come from the tied embedding or the untied ``lm_head``; the rest of the tree is
+    unchanged, so the full-vocabulary head still exists for anything else that needs it.
+    """
+    ids = jnp.asarray(ids, jnp.int32)
+    if cfg.tie_word_embeddings:
+        head = params["embed"]["embedding"][ids]  # [V', P]
+    else:
+        head = params["lm_head"]["kernel"][:, ids].T  # kernel [P, V] -> [V', P]
+    return {**params, "draft_head": head, "draft_ids": ids}
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):

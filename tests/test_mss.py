@@ -28,6 +28,7 @@ import pytest
 from scipy import stats
 
 from jaxspec import sampling, verify_stochastic
+from jaxspec.draft_vocab import restrict
 from jaxspec.engine import Engine, LoadedModel, early_exit
 from jaxspec.speculate import propose
 from jaxspec.step import DecodeConfig, DecodeState, decode_step, prefill, prefill_model
@@ -295,6 +296,21 @@ def test_enumeration_ngram_one_hot_drafts_are_exact(prefix):
     assert law == llm_law(llm, prefix, 2)
     alone = emitted_law(llm, [ngram_model(v)], [(1, 1, 1)], prefix, 2)
     assert alone == llm_law(llm, prefix, 2)
+
+
+def test_enumeration_reduced_draft_vocabulary_is_exact():
+    """An SSM drafting over a reduced vocabulary (q = 0 on tokens the LLM favours) stays exact."""
+    v = 4
+    llm = random_model(31, v, exact=True, zeros=0.0)
+    full = random_model(32, v, exact=True, zeros=0.0)
+
+    def reduced(prefix):  # the draft head scores tokens {0, 1} only: the rest get q = 0
+        q = full(prefix)
+        kept = [q[0], q[1], Fraction(0), Fraction(0)]
+        return [x / sum(kept) for x in kept]
+
+    law = emitted_law(llm, [reduced, full], [(2, 1), (1,)], (3,), 2)
+    assert law == llm_law(llm, (3,), 2)
 
 
 def test_enumeration_naive_is_exact():
@@ -595,7 +611,8 @@ def _exact_two_token_law(llm: LoadedModel, context, spec, values1) -> np.ndarray
 E2E_PROMPT, E2E_ROOT, E2E_CAP = [3, 1, 4, 1], 5, 32
 
 
-def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int, ngram: tuple[int, ...] = ()):
+def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int, ngram: tuple[int, ...] = (),
+                  draft_vocab: int = 0):
     """A compiled function: (key, values) -> first two emitted tokens [b, 2] and step-1 num [b].
 
     b rows share one prompt and a fixed root (so the target law is one [V, V] table) and
@@ -603,9 +620,10 @@ def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int, ngram: t
     unrelated model) draft a merged tree padded to a budget; two decode steps run, so the
     second token may come from either the first or the second iteration. ``ngram`` merges
     that fixed proposal chain (the n-gram speculator's input) into both iterations' trees.
+    ``draft_vocab`` restricts both SSMs' heads to that many tokens (``jaxspec.draft_vocab``).
     """
     llm, near, far = models
-    ssms = (near, far)
+    ssms = tuple(restrict((near, far), draft_vocab, np.arange(VOCAB)[::-1]))  # the highest ids are "frequent"
     cfg = DecodeConfig((expansion_topology((2, 2)), expansion_topology((1, 1))), spec, verify,
                        tree_budget=10 + len(ngram), ngram_depth=len(ngram), vocab=VOCAB)
     proposal = (jnp.broadcast_to(jnp.asarray(ngram or (0,), jnp.int32), (b, max(len(ngram), 1))),
@@ -686,6 +704,17 @@ def test_end_to_end_tree_mss_with_ngram_matches_llm(models):
     assert (num == 4).any()  # the whole chain got accepted at times
     pval = _two_token_pvalue(firsts, law)
     print(f"mss + ngram: mean tokens/step {num.mean():.3f}, chi2 p-value {pval:.4f}")
+    assert pval > ALPHA, pval
+
+
+def test_end_to_end_tree_mss_with_reduced_draft_vocabulary_matches_llm(models):
+    """Both SSMs draft over 6 of 16 tokens: tokens they never propose still come out at the LLM's rate."""
+    sampler = _tree_sampler(models, ALL_STAGES, "mss", E2E_B, draft_vocab=6)
+    firsts, num, law = sampler(_with_stages(WARPS["t1"]), seed=14)
+    assert (num >= 2).any()  # drafts do get accepted
+    assert np.isin(firsts[:, 0], np.arange(VOCAB - 6)).any()  # tokens outside the draft vocabulary are emitted
+    pval = _two_token_pvalue(firsts, law)
+    print(f"mss, draft vocabulary 6/{VOCAB}: mean tokens/step {num.mean():.3f}, chi2 p-value {pval:.4f}")
     assert pval > ALPHA, pval
 
 
