@@ -43,6 +43,16 @@ class KVCache:
         return self.k.shape[2]
 
 
+def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
+    """The cache with the T new tokens' K/V (k_new, v_new [L, B, T, K, H]) at slots ``[length, length + T)``."""
+    b, t = k_new.shape[1], k_new.shape[2]
+    slots = cache.length[:, None] + jnp.arange(t, dtype=cache.length.dtype)  # [B, T]
+    rows = jnp.arange(b)[:, None]
+    k_all = cache.k.at[:, rows, slots].set(k_new.astype(cache.k.dtype), mode="promise_in_bounds")
+    v_all = cache.v.at[:, rows, slots].set(v_new.astype(cache.v.dtype), mode="promise_in_bounds")
+    return cache.replace(k=k_all, v=v_all)
+
+
 class Block(nn.Module):
     """One pre-norm (or OPT post-norm) transformer block, scanned over the layer axis."""
 
@@ -87,6 +97,7 @@ class Transformer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     unrolled: bool = False
+    layer_stack: Callable | None = None  # runs the stacked ``layers`` instead (models.pipeline, jaxspec.offload)
     draft_vocab: int = 0  # > 0: logits over a reduced vocabulary (``with_draft_head``), -inf elsewhere
 
     @nn.compact
@@ -115,7 +126,10 @@ class Transformer(nn.Module):
                 name="pos_embed",
             )
             x = x + pos_table(positions + OPT_POSITION_OFFSET)
-        if self.unrolled:
+        if self.layer_stack is not None:
+            # layer_stack(layers [L, ...], x, cache, positions, mask) -> (x, cache with the new K/V written)
+            x, cache = self.layer_stack(self.variables["params"]["layers"], x, cache, positions, mask)
+        elif self.unrolled:
             news = []
             for i in range(cfg.num_layers):
                 block = Block(cfg, self.dtype, True, name=f"layer_{i}")
@@ -133,11 +147,8 @@ class Transformer(nn.Module):
                 metadata_params={nn.PARTITION_NAME: axes.LAYERS},
             )(cfg, self.dtype, name="layers")
             x, (k_new, v_new) = blocks(x, cache.k, cache.v, positions, mask, cache.length)  # [L, B, T, K, H]
-        b, t = tokens.shape
-        slots = cache.length[:, None] + jnp.arange(t, dtype=cache.length.dtype)  # [B, T]
-        rows = jnp.arange(b)[:, None]
-        k_all = cache.k.at[:, rows, slots].set(k_new.astype(cache.k.dtype), mode="promise_in_bounds")
-        v_all = cache.v.at[:, rows, slots].set(v_new.astype(cache.v.dtype), mode="promise_in_bounds")
+        if self.layer_stack is None:
+            cache = write_kv(cache, k_new, v_new)
         if select is not None:
             x = jnp.take_along_axis(x, select[:, :, None], axis=1)  # [B, T', D]
         if cfg.arch == "opt":
@@ -165,7 +176,7 @@ class Transformer(nn.Module):
         else:
             logits = Dense((x.shape[-1],), (cfg.vocab_size,), (axes.EMBED,), (axes.VOCAB,), False, self.dtype,
                            self.unrolled, name="lm_head")(x)
-        return logits.astype(jnp.float32), cache.replace(k=k_all, v=v_all)
+        return logits.astype(jnp.float32), cache
 
 
 Forward = Callable[..., tuple[jax.Array, KVCache]]
