@@ -20,10 +20,12 @@ from jax.sharding import Mesh
 from jaxspec import ngram, sampling
 from jaxspec.auto import Member, TreeChooser
 from jaxspec.ngram import NGramSpeculator
+from jaxspec.offload import make_offload_forward, offload_params
 from jaxspec.sharding import describe as describe_mesh, pinned
 from jaxspec.step import DecodeConfig, DecodeState, SSMGroup, decode_step, prefill
 from jaxspec.tree import expansion_topology
 from models.config import ModelConfig
+from models.pipeline import make_pipeline_forward, pipe_size, stacked_layout, stacked_names
 from models.transformer import Forward, KVCache, make_forward, decoding_layout
 
 CAPACITY_BUCKETS = tuple(256 * 2**i for i in range(9))  # 256 … 65536 slots
@@ -117,11 +119,14 @@ class Engine:
         costs: dict[str, float] | None = None,
         unroll: bool = True,
         mesh: Mesh | None = None,
+        offload: bool = False,
     ) -> None:
         """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward;
         ``unroll`` runs the LLM's layers unrolled over per-layer weights (no per-call weight
         slicing; slower to compile, faster to run); ``mesh`` shards parameters, caches and state by
-        ``jaxspec.sharding.RULES`` (None: one device, as before)."""
+        ``jaxspec.sharding.RULES`` (None: one device, as before); a mesh with ``pipe`` > 1 runs the LLM's
+        layers as pipeline stages (``models.pipeline``); ``offload`` keeps them in host memory and streams
+        them in layer by layer (``jaxspec.offload``)."""
         expansions = _per_ssm(expansion, len(ssms))
         ngrams = [s for s in ssms if isinstance(s, NGramSpeculator)]
         if len(ngrams) > 1:
@@ -152,8 +157,14 @@ class Engine:
         self._group_params = tuple(stack_params([self.ssms[j].params for j in g.members], g.shared)
                                    for g in self.groups)
         self.mesh = mesh
+        self.offload = offload
+        self.stacked = offload or pipe_size(mesh) > 1  # the LLM runs models.pipeline.stacked_layout
+        if self.stacked:
+            self._llm_params, self._llm_forward = _stacked_llm(llm, mesh, offload)
         if mesh is not None:
             self._place_on_mesh()
+        if offload:
+            self._llm_params = offload_params(self._llm_params)
         self.family(sampling.SamplingParams())  # validates every configuration
 
     # -- the family of trees ------------------------------------------------------------
@@ -282,6 +293,7 @@ class Engine:
             "batch": batch,
             "unroll": self.unroll,
             **({"mesh": describe_mesh(self.mesh)} if self.mesh is not None else {}),
+            **({"offload": True} if self.offload else {}),
         }
         self._costs[key] = costs.load_or_measure(ident, lambda: self._measure(params, capacity, batch=batch), refresh)
         return self._costs[key]
@@ -392,8 +404,9 @@ class Engine:
         from jaxspec import sharding  # noqa: PLC0415
 
         llm = self.llm
-        self._llm_params = sharding.place_params(self._llm_params, sharding.param_names(llm.cfg, self.unroll),
-                                                 self.mesh, f"LLM {llm.name}")
+        names = (stacked_names(sharding.param_names(llm.cfg)) if self.stacked
+                 else sharding.param_names(llm.cfg, self.unroll))
+        self._llm_params = sharding.place_params(self._llm_params, names, self.mesh, f"LLM {llm.name}")
         self._group_params = tuple(
             sharding.place_params(p, sharding.group_names(sharding.param_names(self.ssms[g.members[0]].cfg),
                                                           len(g.members), g.shared),
@@ -502,6 +515,15 @@ class Engine:
             if cut is not None:
                 return (done + new)[len(done): max(cut, len(done))], "stop"
         return new, reason
+
+
+def _stacked_llm(llm: LoadedModel, mesh: Mesh | None, offload: bool) -> tuple[dict, Forward]:
+    """The LLM's stacked parameters and forward: pipeline stages over ``mesh``'s pipe axis, or offloaded layers."""
+    dtype = jnp.dtype(llm.dtype)
+    if offload and pipe_size(mesh) > 1:
+        raise RequestError("--offload runs on one pipeline stage: use a mesh with pipe=1")
+    forward = make_offload_forward(llm.cfg, dtype) if offload else make_pipeline_forward(llm.cfg, mesh, dtype)
+    return stacked_layout(llm.params), forward
 
 
 def _warp(params: sampling.SamplingParams | sampling.WarpSpec) -> sampling.WarpSpec:

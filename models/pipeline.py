@@ -20,11 +20,11 @@ zeros) for the final norm and head. The signature is the project's one
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from models.config import ModelConfig
 from models.transformer import KERNEL_IN_DIMS, Block, Forward, KVCache, Transformer, write_kv
@@ -54,19 +54,18 @@ def stacked_layout(params: dict) -> dict:
     return jax.tree_util.tree_map_with_path(transpose, params)
 
 
-def stacked_axes(axes_tree: dict) -> dict:
-    """Logical axis names of ``stacked_layout``'s tree, from those of the scanned tree (``logical_axes``)."""
-
-    def transpose(path, names):
-        keys = [getattr(k, "key", None) for k in path]
-        if keys[-1] != "kernel":
-            return names
-        lead = 1 if keys[0] == "layers" else 0
-        n_in = KERNEL_IN_DIMS.get(keys[-2], 1)
-        names = tuple(names)
-        return PartitionSpec(*names[:lead], *names[lead + n_in:], *names[lead: lead + n_in])
-
-    return jax.tree_util.tree_map_with_path(transpose, axes_tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+def stacked_names(names: Mapping[str, tuple]) -> dict[str, tuple]:
+    """Logical axis names of ``stacked_layout``'s tree from the scanned tree's (flattened ``a/b/kernel`` keys,
+    as ``jaxspec.sharding.param_names`` gives them): kernels' input names move behind their output names."""
+    out = {}
+    for key, n in names.items():
+        parts = key.split("/")
+        if parts[-1] == "kernel":
+            lead = 1 if parts[0] == "layers" else 0
+            k = KERNEL_IN_DIMS.get(parts[-2], 1)
+            n = tuple(n[:lead]) + tuple(n[lead + k:]) + tuple(n[lead: lead + k])
+        out[key] = tuple(n)
+    return out
 
 
 def pipe_size(mesh: Mesh | None) -> int:
@@ -206,21 +205,3 @@ def make_pipeline_forward(cfg: ModelConfig, mesh: Mesh, dtype=jnp.float32, micro
         return model.apply({"params": params}, tokens, positions, cache, mask, select)
 
     return forward
-
-
-def pipeline_specs(params: dict) -> dict:
-    """PartitionSpecs of a stacked tree on its own: ``layers`` split over ``pipe`` on L, the rest replicated."""
-    return {k: jax.tree_util.tree_map(lambda _: PartitionSpec(PIPE) if k == "layers" else PartitionSpec(), v)
-            for k, v in params.items()}
-
-
-def place_params(params: dict, mesh: Mesh, specs: dict | None = None) -> dict:
-    """The stacked tree on the mesh: ``specs`` (e.g. the sharding rules') or ``pipeline_specs``."""
-    specs = pipeline_specs(params) if specs is None else specs
-    return jax.tree_util.tree_map(lambda s, x: jax.device_put(x, NamedSharding(mesh, s)), specs, params,
-                                  is_leaf=lambda s: isinstance(s, PartitionSpec))
-
-
-def cache_spec() -> PartitionSpec:
-    """The KV cache k/v [L, B, S, K, H] split over ``pipe`` on L (each stage holds its layers' cache)."""
-    return PartitionSpec(PIPE)
