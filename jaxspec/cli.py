@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Iterable, Sequence
 
-from jaxspec import bench
+from jaxspec import bench, distributed
 from jaxspec.cli_common import (
     CliError,
     add_compile_cache_args,
@@ -24,6 +24,9 @@ from jaxspec.cli_common import (
     setup_compile_cache,
     user_errors,
 )
+
+IN_PROCESS_BENCHES = ("speculative", "coverage", "step-costs")  # bench kinds that run their engines in this process
+
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -51,12 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", help="write one JSON line per completion")
     gen.add_argument("--limit", type=int, help="use the first N prompts of --prompt-file")
     add_compile_cache_args(gen)
+    distributed.add_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     bench.add_parser(sub)
     from jaxspec import serve
 
-    serve.add_parser(sub)
+    distributed.add_args(serve.add_parser(sub))
+    for kind in IN_PROCESS_BENCHES:
+        distributed.add_args(distributed.subcommand(sub.choices["bench"], kind))
     try:
         from training import cli as train_cli
     except ImportError:  # training extras missing: the rest of the CLI still works
@@ -144,6 +150,7 @@ def cmd_generate(args) -> int:
     sampling_params(args)  # validate before loading anything
     rows = read_prompts(args.prompt_file, args.limit) if args.prompt_file else [{"id": "prompt", "prompt": args.prompt}]
     engine, llm = build_engine(args)
+    distributed.agree_engine(engine)
     if engine.auto and (args.verbose or args.recalibrate):
         report_calibration(engine, llm, args, rows[0]["prompt"])
     out = open(args.output, "w", encoding="utf-8") if args.output else None
@@ -216,7 +223,10 @@ def main(argv: Iterable[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     cache = setup_compile_cache(args)
     try:
-        return args.func(args) or 0
+        distributed.initialize(args)  # before anything touches a device
+        code = args.func(args) or 0
+        distributed.finish()
+        return code
     except KeyboardInterrupt:
         print("jaxspec: interrupted", file=sys.stderr)
         return 130
@@ -224,6 +234,12 @@ def main(argv: Iterable[str] | None = None) -> int:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"jaxspec: error: {msg}", file=sys.stderr)
         return 2
+    except Exception as e:
+        lost = distributed.lost_peer(e)
+        if lost is None:
+            raise
+        distributed.exit_lost_peer(lost)
+        raise
     finally:
         report_compile_cache(cache)
 

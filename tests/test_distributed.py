@@ -1,0 +1,197 @@
+"""Multi-host runs: real processes on 127.0.0.1 print what one process prints; bad flags and lost peers fail clearly."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxspec import cli, distributed
+
+PROMPT = "Hello"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A random 2-layer LLaMA (8 heads, 4 KV heads: tensor=2 and 4 divide) with the default LLM's tokenizer."""
+    import torch
+    import transformers
+
+    from models.loading import default_model_path
+    from models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # O(1) weights: peaked, prompt-dependent distributions
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 1.0 if "embed" in name else p.shape[1] ** -0.5)
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    for key in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
+        env.pop(key, None)
+    return env
+
+
+def _cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "jaxspec.cli", *args]
+
+
+def launch(n: int, devices: int, args: list[str], logs: Path) -> list[subprocess.Popen]:
+    """``n`` processes of ``jaxspec <args>`` joined at 127.0.0.1 (a free port), ``devices`` fake CPU devices each.
+
+    Process i writes ``logs/i.out`` and ``logs/i.err``.
+    """
+    port = free_port()
+    procs = []
+    for i in range(n):
+        cmd = _cmd(*args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i))
+        with open(logs / f"{i}.out", "w") as out, open(logs / f"{i}.err", "w") as err:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=_env(devices)))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], logs: Path, timeout: float) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each process; every process is killed if one outlives ``timeout``."""
+    end = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(end - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a process hung past {timeout} s")
+    return [(p.returncode, (logs / f"{i}.out").read_text(), (logs / f"{i}.err").read_text())
+            for i, p in enumerate(procs)]
+
+
+def generate_args(checkpoint: Path, *extra: str) -> list[str]:
+    return ["generate", "--model", str(checkpoint), "--prompt", PROMPT, "--max-new-tokens", "10", *extra]
+
+
+def single(checkpoint: Path, *extra: str) -> str:
+    proc = subprocess.run(_cmd(*generate_args(checkpoint, *extra)), capture_output=True, text=True, timeout=300,
+                          env=_env(1))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_two_processes_print_what_one_process_prints(tiny_checkpoint, tmp_path) -> None:
+    """tensor=2 over two processes (one device each): process 0 prints the single-process text, process 1 nothing."""
+    reference = single(tiny_checkpoint, "--mode", "incremental")
+    assert reference.strip()
+    args = generate_args(tiny_checkpoint, "--mode", "incremental", "--mesh", "tensor=2")
+    results = finish(launch(2, 1, args, tmp_path), tmp_path, 300)
+    for code, _, stderr in results:
+        assert code == 0, stderr[-2000:]
+    assert results[0][1] == reference
+    assert results[1][1] == ""
+    assert "process 1 of 2 joined" in results[1][2]
+
+
+@pytest.mark.slow
+def test_four_processes_tree_mode_and_prompt_file(tiny_checkpoint, tmp_path) -> None:
+    """4 processes x 2 devices, tensor=4 x data=2: speculative tree mode and a batched prompt file agree."""
+    tree = ("--mode", "tree", "--ssm", "layers:1", "--expansion", "1,2")
+    reference = single(tiny_checkpoint, *tree)
+    logs = tmp_path / "tree"
+    logs.mkdir()
+    results = finish(launch(4, 2, generate_args(tiny_checkpoint, *tree, "--mesh", "data=2,tensor=4"), logs), logs, 600)
+    assert [r[0] for r in results] == [0] * 4, results[0][2][-2000:]
+    assert results[0][1] == reference and all(r[1] == "" for r in results[1:])
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "Hello"}\n{"id": "b", "prompt": "The sky is"}\n')
+    batch = ["generate", "--model", str(tiny_checkpoint), "--prompt-file", str(prompts), "--max-new-tokens", "8",
+             "--mode", "incremental"]
+    one = subprocess.run(_cmd(*batch), capture_output=True, text=True, timeout=300, env=_env(1))
+    assert one.returncode == 0, one.stderr[-2000:]
+    results = finish(launch(4, 2, [*batch, "--mesh", "data=2,tensor=4"], tmp_path), tmp_path, 600)
+    assert [r[0] for r in results] == [0] * 4, results[0][2][-2000:]
+    texts = [line.split('"seconds"')[0] for line in results[0][1].splitlines()]  # timings differ
+    assert texts == [line.split('"seconds"')[0] for line in one.stdout.splitlines()]
+
+
+@pytest.mark.slow
+def test_killed_peer_ends_the_others_with_a_clear_error(tiny_checkpoint, tmp_path) -> None:
+    """Process 1 killed mid-run: process 0 exits non-zero within the heartbeat timeout, naming the lost peer."""
+    args = [*generate_args(tiny_checkpoint, "--mode", "incremental", "--mesh", "tensor=2"),
+            "--max-new-tokens", "400", "--heartbeat-timeout", "5"]
+    procs = launch(2, 1, args, tmp_path)
+    deadline = time.monotonic() + 240
+    while "joined" not in (tmp_path / "1.err").read_text() and time.monotonic() < deadline:
+        assert procs[1].poll() is None, (tmp_path / "1.err").read_text()[-2000:]
+        time.sleep(0.5)
+    time.sleep(5)  # loading, compiling or decoding: any point of the run
+    procs[1].kill()
+    killed = time.monotonic()
+    code, _, stderr = finish(procs[:1], tmp_path, 120)[0]
+    procs[1].wait()
+    assert code != 0
+    assert time.monotonic() - killed < 60
+    assert "jaxspec: error:" in stderr or "another task died" in stderr, stderr[-2000:]
+    assert "Traceback" not in stderr
+
+
+def test_missing_peer_times_out_with_a_clear_error(capsys) -> None:
+    """Process 0 of 2 whose peer never starts: one error line after --init-timeout, no hang."""
+    proc = subprocess.run(_cmd("generate", "--prompt", PROMPT, "--coordinator", f"127.0.0.1:{free_port()}",
+                               "--num-processes", "2", "--process-id", "0", "--init-timeout", "3"),
+                          capture_output=True, text=True, timeout=120, env=_env(1))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("jaxspec: error: process 0 could not join 2 processes at 127.0.0.1:"), last
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("flags, env, words", [
+    (["--num-processes", "2", "--process-id", "2", "--coordinator", "127.0.0.1:1234"], {}, "--process-id 2 is outside"),
+    (["--num-processes", "2", "--process-id", "0"], {}, "needs --coordinator HOST:PORT"),
+    (["--coordinator", "127.0.0.1:1234"], {}, "needs --num-processes N, --process-id I"),
+    (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0"], {}, "expected HOST:PORT"),
+    (["--num-processes", "0", "--process-id", "0", "--coordinator", "h:1"], {}, "--num-processes must be >= 1"),
+    ([], {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"},
+     "$JAX_NUM_PROCESSES='two' is not an integer"),
+    ([], {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "5"},
+     "--process-id 5 is outside [0, 1]"),
+])
+def test_bad_flags_give_one_line(flags, env, words, monkeypatch, capsys) -> None:
+    for key in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert cli.main(["generate", "--prompt", PROMPT, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("jaxspec: error:") and words in err[-1], err
+    assert distributed.active() is None
+
+
+def test_single_process_needs_no_flags() -> None:
+    args = cli.build_parser().parse_args(["generate", "--prompt", PROMPT])
+    assert distributed.cluster_from(args, {}) is None
+    assert distributed.cluster_from(args, {"JAX_NUM_PROCESSES": "1"}) is None
+    for command in (["serve"], ["bench", "step-costs"]):
+        args = cli.build_parser().parse_args([*command, "--coordinator", "h:1", "--num-processes", "3",
+                                              "--process-id", "2"])
+        assert distributed.cluster_from(args, {}) == distributed.Cluster("h:1", 3, 2, 60, 15)
