@@ -25,9 +25,6 @@ from jaxspec.cli_common import (
     user_errors,
 )
 
-IN_PROCESS_BENCHES = ("speculative", "coverage", "step-costs")  # bench kinds that run their engines in this process
-
-
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -60,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     from jaxspec import serve
 
-    distributed.add_args(serve.add_parser(sub))
-    for kind in IN_PROCESS_BENCHES:
+    serve.add_parser(sub)
+    for kind in distributed.IN_PROCESS_BENCHES:
         distributed.add_args(distributed.subcommand(sub.choices["bench"], kind))
     try:
         from training import cli as train_cli

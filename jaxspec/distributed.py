@@ -32,6 +32,9 @@ DEFAULT_INIT_TIMEOUT = 60  # seconds to wait for every process to join
 DEFAULT_HEARTBEAT_TIMEOUT = 15  # seconds without a heartbeat before a peer counts as dead
 POLL_SECONDS = 1.0  # watchdog period
 LOST_PEER_EXIT = 3  # exit status of a process whose peer is gone
+IN_PROCESS_BENCHES = ("speculative", "coverage", "step-costs")  # bench kinds that run their engines in-process
+# serve does not yet broadcast its admissions; the other benches start child processes
+MULTI_PROCESS_COMMANDS = ("generate", *(f"bench {kind}" for kind in IN_PROCESS_BENCHES))
 JOIN_GRACE = 5  # jax's own join timeout runs this much longer than ours, so ours reports first
 
 
@@ -160,6 +163,11 @@ def initialize(args: argparse.Namespace, environ: Mapping[str, str] = os.environ
     cluster = cluster_from(args, environ)
     if cluster is None:
         return None
+    command = " ".join(str(c) for c in (getattr(args, "command", None), getattr(args, "kind", None)) if c)
+    if command not in MULTI_PROCESS_COMMANDS:
+        raise DistributedError(f"jaxspec {command} runs in one process (unset ${ENV_COORDINATOR}, "
+                               f"${ENV_NUM_PROCESSES}, ${ENV_PROCESS_ID}); multi-process runs: "
+                               f"{', '.join(MULTI_PROCESS_COMMANDS)}")
     import jax  # noqa: PLC0415
     from jax._src import distributed as jax_distributed  # noqa: PLC0415
 

@@ -191,7 +191,15 @@ def test_single_process_needs_no_flags() -> None:
     args = cli.build_parser().parse_args(["generate", "--prompt", PROMPT])
     assert distributed.cluster_from(args, {}) is None
     assert distributed.cluster_from(args, {"JAX_NUM_PROCESSES": "1"}) is None
-    for command in (["serve"], ["bench", "step-costs"]):
-        args = cli.build_parser().parse_args([*command, "--coordinator", "h:1", "--num-processes", "3",
-                                              "--process-id", "2"])
-        assert distributed.cluster_from(args, {}) == distributed.Cluster("h:1", 3, 2, 60, 15)
+    args = cli.build_parser().parse_args(["bench", "step-costs", "--coordinator", "h:1", "--num-processes", "3",
+                                          "--process-id", "2"])
+    assert distributed.cluster_from(args, {}) == distributed.Cluster("h:1", 3, 2, 60, 15)
+
+
+def test_serve_refuses_a_multi_process_run(monkeypatch, capsys) -> None:
+    monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1234")
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+    monkeypatch.setenv(distributed.ENV_PROCESS_ID, "0")
+    assert cli.main(["serve"]) == 2
+    assert "jaxspec serve runs in one process" in capsys.readouterr().err
+    assert distributed.active() is None
