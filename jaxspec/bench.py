@@ -113,7 +113,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="out/bench.csv", help="CSV path (PNG files are written beside it)")
+    p.add_argument("--mesh", metavar="data=D,tensor=T,pipe=P", help="device mesh of the jaxspec engines "
+                   "(as jaxspec generate --mesh; default: one device)")
     add_compile_cache_args(p)
+
+
+def _mesh(spec: str | None):
+    """The ``--mesh`` as a Mesh, or None (one device)."""
+    from jaxspec.sharding import parse_mesh  # noqa: PLC0415
+
+    return parse_mesh(spec) if spec else None
 
 
 def _encode_all(llm, rows, no_chat: bool) -> list[list[int]]:
@@ -164,7 +173,7 @@ def cmd_incremental(args) -> int:
         "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                      "seed": params.seed},
         "prompts": [{"id": r["id"], "ids": encode_prompt(tokenizer, r["prompt"], chat=not args.no_chat)} for r in rows],
-        "threads": args.hf_threads, "compile_cache": str(cache) if cache else None,
+        "threads": args.hf_threads, "compile_cache": str(cache) if cache else None, "mesh": args.mesh,
     }
     workers = [("jaxspec", "jaxspec.bench")] + ([] if args.no_transformers else [("transformers", "jaxspec.hf_baseline")])
     with tempfile.TemporaryDirectory(prefix="jaxspec-bench-") as tmp:
@@ -236,7 +245,7 @@ def run_jaxspec_job(job: dict) -> dict:
     s = job["sampling"]
     params = SamplingParams(s["temperature"], s["top_k"], s["top_p"], s["seed"])
     start = time.perf_counter()
-    engine = Engine(load_llm(job["model"], job["dtype"]))
+    engine = Engine(load_llm(job["model"], job["dtype"]), mesh=_mesh(job.get("mesh")))
     load_seconds = time.perf_counter() - start
     rows = []
     for prompt in job["prompts"]:
@@ -304,7 +313,7 @@ def cmd_speculative(args) -> int:
     results = []
     for mode, w, verify, exp, tree, m, budget in tqdm(configs, desc="bench speculative", unit="config",
                                                        file=sys.stderr):
-        engine = Engine(llm, ssms[:m], exp, tree_budget=budget if m else None, verify=verify)
+        engine = Engine(llm, ssms[:m], exp, tree_budget=budget if m else None, verify=verify, mesh=_mesh(args.mesh))
         for row, ids in zip(rows, prompts):
             gen, secs = _timed_generate(engine, ids, args.max_new_tokens, params)
             results.append({
@@ -460,7 +469,7 @@ def cmd_coverage(args) -> int:
     rows = read_prompts(args.prompt_file, args.limit)
     llm = load_llm(args.model, args.dtype)
     ssms = load_ssms(args.ssm or [default_ssm_spec()], llm, args.dtype)
-    engine = Engine(llm)
+    engine = Engine(llm, mesh=_mesh(args.mesh))
     temperature = args.temperature or 1.0
     results = []
     for row, ids in tqdm(list(zip(rows, _encode_all(llm, rows, args.no_chat))), desc="bench coverage",
@@ -667,6 +676,8 @@ def _generate_command(mode: str, args, prompts: Path, limit: int, output: Path) 
         cmd += [flag for spec in args.ssm or [] for flag in ("--ssm", spec)]
     if args.expansion and mode != "incremental":
         cmd += ["--expansion", args.expansion]
+    if args.mesh:
+        cmd += ["--mesh", args.mesh]
     if args.no_compile_cache:
         cmd.append("--no-compile-cache")
     elif args.compile_cache:

@@ -121,6 +121,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=int, help="pad/limit the verified tree to N nodes (root included)")
     p.add_argument("--verify", default="mss", choices=("mss", "naive"),
                    help="stochastic verifier (temperature > 0): multi-step speculative sampling or naive sampling")
+    p.add_argument("--mesh", metavar="data=D,tensor=T,pipe=P",
+                   help="shard over a device mesh (product = devices across processes; omitted axes are 1): "
+                        "tensor splits heads/MLP/vocabulary, data the slots and SSM groups (default: one device)")
 
 
 def speculator_specs(args) -> list[str]:
@@ -159,6 +162,11 @@ def build_engine(args, log=None):
     from jaxspec.resolve import load_llm, load_ssms
 
     expansion_for(args)  # validates the mode's flags before loading anything
+    mesh = None
+    if getattr(args, "mesh", None):
+        from jaxspec.sharding import parse_mesh  # noqa: PLC0415
+
+        mesh = parse_mesh(args.mesh)
     llm = load_llm(args.model, args.dtype)
     ssms = load_ssms(speculator_specs(args), llm, args.dtype)
     expansion = expansion_for(args, ssms)
@@ -172,5 +180,5 @@ def build_engine(args, log=None):
               file=log or sys.stderr)
         expansion = expansion[0] if len(expansion) == 1 else expansion
     engine = Engine(llm, ssms, expansion, args.tree_budget, args.verify if args.temperature > 0 else "greedy",
-                    auto=args.mode == "auto")
+                    auto=args.mode == "auto", mesh=mesh)
     return engine, llm
