@@ -118,6 +118,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recalibrate", action="store_true",
                    help="auto: measure the step costs again instead of reusing the cached calibration")
     p.add_argument("-v", "--verbose", action="store_true", help="print the tree each step runs (auto) and costs")
+    p.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="learned SSMs score only the N most frequent tokens (a pool's counts, else the first N ids); "
+                        "0: the full vocabulary (default: the pool's own setting, else full)")
     p.add_argument("--tree-budget", type=int, help="pad/limit the verified tree to N nodes (root included)")
     p.add_argument("--verify", default="mss", choices=("mss", "naive"),
                    help="stochastic verifier (temperature > 0): multi-step speculative sampling or naive sampling")
@@ -168,7 +171,7 @@ def build_engine(args, log=None):
 
         mesh = parse_mesh(args.mesh)
     llm = load_llm(args.model, args.dtype)
-    ssms = load_ssms(speculator_specs(args), llm, args.dtype)
+    ssms = load_ssms(speculator_specs(args), llm, args.dtype, getattr(args, "draft_vocab", None))
     expansion = expansion_for(args, ssms)
     if ssms:
         if len(expansion) not in (1, len(ssms)):

@@ -12,6 +12,7 @@ import pytest
 
 from jaxspec.engine import Engine, LoadedModel, VocabularyMismatch
 from jaxspec.pool import PoolError, llm_identity, load_pool, read_manifest
+from models.transformer import KVCache
 from training import cli
 from training.config import ConfigError, load_config
 from training.data import (
@@ -95,6 +96,34 @@ def test_later_ssms_share_the_first_ones_frozen_embedding_stored_once(tiny_run):
     for file, has_embedding in (("ssm-0", False), ("ssm-1", False), ("shared", True)):
         with safe_open(str(out / "pool" / f"{file}.safetensors"), "numpy") as f:
             assert ("embed/embedding" in set(f.keys())) == has_embedding, file
+
+
+def test_pool_ships_the_llms_token_counts_and_serves_its_draft_vocabulary_losslessly(tiny_run):
+    """The pool's counts are the LLM's emitted tokens; its SSMs draft over the 128 most frequent; output unchanged."""
+    from jaxspec.draft_vocab import frequent_ids, read_counts
+    from jaxspec.resolve import load_ssms
+
+    cfg, out, llm = tiny_run
+    emitted = load_samples(out / "data").subset(np.arange(cfg.data.num_prompts - cfg.data.eval_prompts)).continuation()
+    counts = read_counts(out / "pool")
+    np.testing.assert_array_equal(counts, np.bincount(emitted[emitted >= 0], minlength=llm.cfg.vocab_size))
+    assert read_manifest(out / "pool")["draft_vocab"] == cfg.boost.draft_vocab == 128
+    ssms = load_ssms([f"pool:{out / 'pool'}"], llm)
+    ids = frequent_ids(counts, 128, llm.cfg.vocab_size)
+    assert [s.draft_vocab for s in ssms] == [128, 128]
+    assert ssms[0].params["draft_head"] is ssms[1].params["draft_head"], "built once from the shared embedding"
+    np.testing.assert_array_equal(np.asarray(ssms[0].params["draft_ids"]), ids)
+    full = load_ssms([f"pool:{out / 'pool'}"], llm, draft_vocab=0)
+    assert [s.draft_vocab for s in full] == [0, 0]
+    prompt = [5, 17, 3, 9, 200, 31]
+    plain = Engine(llm).generate(prompt, 24).token_ids
+    restricted = Engine(llm, ssms, (2, 1)).generate(prompt, 24)
+    assert restricted.token_ids == plain
+    # a drafting SSM only ever proposes tokens of its draft vocabulary
+    logits, _ = ssms[0].forward(ssms[0].params, jnp.asarray([prompt]), jnp.arange(len(prompt))[None],
+                                KVCache.create(ssms[0].cfg, 1, 16), jnp.tril(jnp.ones((1, len(prompt), 16), bool)))
+    finite = np.isfinite(np.asarray(logits[0]))
+    assert (finite.sum(-1) == 128).all() and finite[:, ids].all()
 
 
 def test_second_ssm_trains_on_exactly_the_unmarked_samples(tiny_run):

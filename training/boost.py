@@ -94,6 +94,9 @@ def run_boost(run: RunConfig, llm: LoadedModel, identity: dict, out_dir: str | o
         "pool_coverage_train": float((marked_by >= 0).mean()),
         "pool_coverage_eval": float(eval_marked.mean()),
     }
-    save_pool(out / "pool", pool, identity, run.boost.pool_dtype, {"boost": report, "run": to_dict(run)})
+    emitted = train.continuation()  # [n, N], PAD_ID past each continuation's end
+    counts = np.bincount(emitted[emitted >= 0], minlength=llm.cfg.vocab_size)  # [V]
+    save_pool(out / "pool", pool, identity, run.boost.pool_dtype, {"boost": report, "run": to_dict(run)},
+              token_counts=counts, draft_vocab=min(run.boost.draft_vocab, llm.cfg.vocab_size))
     (out / REPORT).write_text(json.dumps(report, indent=2))
     return report

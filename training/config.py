@@ -124,11 +124,15 @@ class BoostConfig:
     # SSMs after the first start from SSM 1's trained token embedding (= tied LM head, the bulk of a
     # small SSM: 49152 x D) and keep it frozen, so the pool stores and holds it once.
     share_embedding: bool = True
+    # The pool's default draft vocabulary: its SSMs score the N tokens the LLM emitted most
+    # often in the distilled continuations (jaxspec.draft_vocab); 0 keeps the full vocabulary.
+    draft_vocab: int = 8192
 
     def __post_init__(self) -> None:
         _check(self.num_ssms >= 1, "boost.num_ssms must be >= 1")
         _check(self.match_tokens >= 1, "boost.match_tokens must be >= 1")
         _check(self.pool_dtype in POOL_DTYPES, f"boost.pool_dtype must be one of {', '.join(POOL_DTYPES)}")
+        _check(self.draft_vocab >= 0, "boost.draft_vocab must be >= 0 (0: the full vocabulary)")
 
 
 @dataclasses.dataclass(frozen=True)

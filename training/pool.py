@@ -23,6 +23,8 @@ def save_pool(
     identity: dict,
     dtype: str = "bfloat16",
     extra: dict | None = None,
+    token_counts: np.ndarray | None = None,
+    draft_vocab: int = 0,
 ) -> Path:
     """Writes ``ssm-<i>.safetensors`` per SSM and ``pool.json`` (written last: its presence means complete).
 
@@ -32,6 +34,9 @@ def save_pool(
     keyed by content, not name: two different shared tensors of one name (SSMs 0, 1 share
     embedding A, SSMs 2, 3 embedding B) go to different shared files
     (``shared.safetensors``, ``shared-1.safetensors``, ...), each holding one per name.
+
+    ``token_counts`` [V] (how often the LLM emitted each id) and ``draft_vocab`` give the pool
+    its default reduced draft vocabulary (``jaxspec.draft_vocab``; 0: the full one).
     """
     from safetensors.flax import save_file
 
@@ -66,6 +71,11 @@ def save_pool(
         write(file, {name: v for name, v in flat.items() if name not in shared})
         entries.append({"file": file, "config": config_to_dict(cfg), **({"shared": shared} if shared else {})})
     manifest = {"format": POOL_FORMAT, "dtype": dtype, "llm": identity, "ssms": entries, **(extra or {})}
+    if token_counts is not None:
+        from jaxspec.draft_vocab import write_counts  # noqa: PLC0415
+
+        write_counts(out, token_counts)
+        manifest["draft_vocab"] = int(draft_vocab)
     tmp = out / (POOL_FILE + ".partial")
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, out / POOL_FILE)
