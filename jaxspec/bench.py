@@ -115,6 +115,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="out/bench.csv", help="CSV path (PNG files are written beside it)")
     p.add_argument("--mesh", metavar="data=D,tensor=T,pipe=P", help="device mesh of the jaxspec engines "
                    "(as jaxspec generate --mesh; default: one device)")
+    p.add_argument("--offload", action="store_true", help="the jaxspec LLM's layers in pinned host memory, streamed "
+                   "to the device per layer (as jaxspec generate --offload)")
     add_compile_cache_args(p)
 
 
@@ -174,6 +176,7 @@ def cmd_incremental(args) -> int:
                      "seed": params.seed},
         "prompts": [{"id": r["id"], "ids": encode_prompt(tokenizer, r["prompt"], chat=not args.no_chat)} for r in rows],
         "threads": args.hf_threads, "compile_cache": str(cache) if cache else None, "mesh": args.mesh,
+        "offload": args.offload,
     }
     workers = [("jaxspec", "jaxspec.bench")] + ([] if args.no_transformers else [("transformers", "jaxspec.hf_baseline")])
     with tempfile.TemporaryDirectory(prefix="jaxspec-bench-") as tmp:
@@ -245,7 +248,8 @@ def run_jaxspec_job(job: dict) -> dict:
     s = job["sampling"]
     params = SamplingParams(s["temperature"], s["top_k"], s["top_p"], s["seed"])
     start = time.perf_counter()
-    engine = Engine(load_llm(job["model"], job["dtype"]), mesh=_mesh(job.get("mesh")))
+    engine = Engine(load_llm(job["model"], job["dtype"]), mesh=_mesh(job.get("mesh")),
+                    offload=job.get("offload", False))
     load_seconds = time.perf_counter() - start
     rows = []
     for prompt in job["prompts"]:
@@ -313,7 +317,8 @@ def cmd_speculative(args) -> int:
     results = []
     for mode, w, verify, exp, tree, m, budget in tqdm(configs, desc="bench speculative", unit="config",
                                                        file=sys.stderr):
-        engine = Engine(llm, ssms[:m], exp, tree_budget=budget if m else None, verify=verify, mesh=_mesh(args.mesh))
+        engine = Engine(llm, ssms[:m], exp, tree_budget=budget if m else None, verify=verify, mesh=_mesh(args.mesh),
+                        offload=args.offload)
         for row, ids in zip(rows, prompts):
             gen, secs = _timed_generate(engine, ids, args.max_new_tokens, params)
             results.append({
@@ -469,7 +474,7 @@ def cmd_coverage(args) -> int:
     rows = read_prompts(args.prompt_file, args.limit)
     llm = load_llm(args.model, args.dtype)
     ssms = load_ssms(args.ssm or [default_ssm_spec()], llm, args.dtype)
-    engine = Engine(llm, mesh=_mesh(args.mesh))
+    engine = Engine(llm, mesh=_mesh(args.mesh), offload=args.offload)
     temperature = args.temperature or 1.0
     results = []
     for row, ids in tqdm(list(zip(rows, _encode_all(llm, rows, args.no_chat))), desc="bench coverage",
@@ -678,6 +683,8 @@ def _generate_command(mode: str, args, prompts: Path, limit: int, output: Path) 
         cmd += ["--expansion", args.expansion]
     if args.mesh:
         cmd += ["--mesh", args.mesh]
+    if args.offload:
+        cmd.append("--offload")
     if args.no_compile_cache:
         cmd.append("--no-compile-cache")
     elif args.compile_cache:

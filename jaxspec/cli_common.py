@@ -127,6 +127,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", metavar="data=D,tensor=T,pipe=P",
                    help="shard over a device mesh (product = devices across processes; omitted axes are 1): "
                         "tensor splits heads/MLP/vocabulary, data the slots and SSM groups (default: one device)")
+    p.add_argument("--offload", action="store_true",
+                   help="keep the LLM's layers in pinned host memory and stream them to the device layer by layer "
+                        "inside each step (a model larger than the device; speculation saves whole weight sweeps)")
 
 
 def speculator_specs(args) -> list[str]:
@@ -183,5 +186,5 @@ def build_engine(args, log=None):
               file=log or sys.stderr)
         expansion = expansion[0] if len(expansion) == 1 else expansion
     engine = Engine(llm, ssms, expansion, args.tree_budget, args.verify if args.temperature > 0 else "greedy",
-                    auto=args.mode == "auto", mesh=mesh)
+                    auto=args.mode == "auto", mesh=mesh, offload=getattr(args, "offload", False))
     return engine, llm

@@ -48,7 +48,7 @@ def offload_params(params: dict) -> dict:
     """The stacked tree with its ``layers`` [L, ...] in pinned host memory; the rest stays on the device."""
     check_backend()
     if "layers" not in params:
-        raise OffloadError("offloading needs the stacked layout (a 'layers' subtree): see models.pipeline.stacked_layout")
+        raise OffloadError("offloading needs the stacked layout (a 'layers' subtree, models.pipeline.stacked_layout)")
     return {k: jax.tree_util.tree_map(to_host, v) if k == "layers" else v for k, v in params.items()}
 
 
@@ -71,7 +71,7 @@ class OffloadStack:
 
 def make_offload_forward(cfg: ModelConfig, dtype=jnp.float32) -> Forward:
     """``forward(params, tokens, positions, cache, mask, select=None)`` over ``offload_params`` output."""
-    model = Transformer(cfg, dtype, True, OffloadStack(cfg, jnp.dtype(dtype)))
+    model = Transformer(cfg, dtype, True, layer_stack=OffloadStack(cfg, jnp.dtype(dtype)))
 
     def forward(params, tokens, positions, cache, mask, select=None):
         return model.apply({"params": params}, tokens, positions, cache, mask, select)

@@ -199,7 +199,7 @@ class PipelineStack:
 def make_pipeline_forward(cfg: ModelConfig, mesh: Mesh, dtype=jnp.float32, microbatches: int | None = None) -> Forward:
     """``forward(params, tokens, positions, cache, mask, select=None)`` over ``stacked_layout`` params, P stages."""
     check_stages(cfg, mesh)
-    model = Transformer(cfg, dtype, True, PipelineStack(cfg, jnp.dtype(dtype), mesh, microbatches))
+    model = Transformer(cfg, dtype, True, layer_stack=PipelineStack(cfg, jnp.dtype(dtype), mesh, microbatches))
 
     def forward(params, tokens, positions, cache, mask, select=None):
         return model.apply({"params": params}, tokens, positions, cache, mask, select)
