@@ -408,7 +408,8 @@ class Engine:
                  else sharding.param_names(llm.cfg, self.unroll))
         self._llm_params = sharding.place_params(self._llm_params, names, self.mesh, f"LLM {llm.name}")
         self._group_params = tuple(
-            sharding.place_params(p, sharding.group_names(sharding.param_names(self.ssms[g.members[0]].cfg),
+            sharding.place_params(p, sharding.group_names(sharding.param_names(self.ssms[g.members[0]].cfg, False,
+                                                                               self.ssms[g.members[0]].draft_vocab),
                                                           len(g.members), g.shared),
                                   self.mesh, f"SSM {self.ssms[g.members[0]].name}")
             for g, p in zip(self.groups, self._group_params))

@@ -165,11 +165,12 @@ def _flat_specs(tree) -> dict[str, Names]:
     return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(spec) for path, spec in leaves}
 
 
-def param_names(cfg: ModelConfig, unrolled: bool = False) -> dict[str, Names]:
-    """Flattened parameter name -> logical axis names, for the scanned or the decoding layout."""
+def param_names(cfg: ModelConfig, unrolled: bool = False, draft_vocab: int = 0) -> dict[str, Names]:
+    """Flattened parameter name -> logical axis names, for the scanned or the decoding layout
+    (``draft_vocab``: with a drafting SSM's reduced head, ``jaxspec.draft_vocab``)."""
     from models.transformer import logical_axes  # noqa: PLC0415
 
-    names = _flat_specs(logical_axes(cfg))
+    names = _flat_specs(logical_axes(cfg, draft_vocab))
     return decoding_names(names, cfg.num_layers) if unrolled else names
 
 
@@ -225,6 +226,14 @@ def put(x, sharding: NamedSharding) -> jax.Array:
         return jax.device_put(x, sharding)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def replicate(tree, mesh: Mesh | None):
+    """Host values (numpy trees) onto every device of ``mesh`` (a global array on a multi-process mesh);
+    a plain ``jax.device_put`` when ``mesh`` is None."""
+    if mesh is None:
+        return jax.device_put(tree)
+    return jax.tree_util.tree_map(lambda x: put(x, NamedSharding(mesh, PartitionSpec())), tree)
 
 
 def place_params(params: dict, names: Mapping[str, Names], mesh: Mesh, what: str = "parameters") -> dict:

@@ -245,12 +245,19 @@ def param_shapes(cfg: ModelConfig, dtype=jnp.float32):
     return jax.eval_shape(lambda: init_params(cfg, 0, dtype))
 
 
-def logical_axes(cfg: ModelConfig):
-    """The tree of logical axis-name tuples, one per parameter (for sharding rules)."""
+DRAFT_HEAD_AXES = {"draft_head": (axes.VOCAB, axes.EMBED), "draft_ids": (axes.VOCAB,)}  # ``with_draft_head``'s
+
+
+def logical_axes(cfg: ModelConfig, draft_vocab: int = 0):
+    """The tree of logical axis-name tuples, one per parameter (for sharding rules); ``draft_vocab``
+    adds a drafting SSM's reduced head (``with_draft_head``)."""
     model = Transformer(cfg)
     cache = KVCache.create(cfg, 1, 4)
     tokens = jnp.zeros((1, 1), jnp.int32)
     abstract = jax.eval_shape(
         lambda: model.init(jax.random.PRNGKey(0), tokens, tokens, cache, jnp.ones((1, 1, 4), bool))
     )
-    return nn.get_partition_spec(abstract)["params"]
+    names = nn.get_partition_spec(abstract)["params"]
+    if draft_vocab:
+        names = {**names, **{k: jax.sharding.PartitionSpec(*n) for k, n in DRAFT_HEAD_AXES.items()}}
+    return names
