@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import ngram, sampling
+from jaxspec.distributed import fetch
 from jaxspec.engine import Engine, Generation, RequestError, _check_fits
 from jaxspec.sharding import pinned
 from jaxspec.step import DecodeConfig, insert_row, prefill_row, set_inactive
@@ -56,6 +57,7 @@ class Request:
     stop_ids: Sequence[int] | None = None  # None: the LLM's EOS ids
     stop: Callable[[list[int]], int | None] | None = None  # stop-string matcher: generated ids -> cut index
     id: str = ""
+    stop_strings: tuple[str, ...] = ()  # what ``stop`` matches (a multi-host server sends them to its peers)
 
 
 @dataclasses.dataclass
@@ -90,6 +92,8 @@ class Ticket:
     def __init__(self, request: Request) -> None:
         self.request = request
         self.cancelled = threading.Event()
+        self.agreed_cancel = False  # multi-process: process 0 announced the cancellation to every process
+        self.seq = -1  # multi-process: the admission number every process knows this request by
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -155,6 +159,10 @@ class BatchEngine:
         self.iterations = 0
         self._compiled: dict = {}
         self._no_proposal: tuple[jax.Array, jax.Array] | None = None
+        # Multi-process serving (jaxspec.distributed): ``sync(stopping) -> stop`` agrees on process 0's
+        # admissions, cancellations and stop before each iteration; submissions wait in ``incoming``.
+        self.sync: Callable[[bool], bool] | None = None
+        self.incoming: collections.deque[tuple[Ticket, Callable[[Event], None]]] | None = None
 
     # -- requests ---------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -181,14 +189,16 @@ class BatchEngine:
         self.check(req)
         ticket = Ticket(req)
         with self.lock:
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are already waiting (--max-queue {self.max_queue})")
-            self.waiting.append((ticket, on_event))
+            queue = self.waiting if self.incoming is None else self.incoming
+            waiting = len(self.waiting) + len(self.incoming or ())
+            if waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests are already waiting (--max-queue {self.max_queue})")
+            queue.append((ticket, on_event))
         self.wake.set()
         return ticket
 
     def queue_depth(self) -> int:
-        return len(self.waiting) + (self.staging is not None)
+        return len(self.waiting) + len(self.incoming or ()) + (self.staging is not None)
 
     def active_slots(self) -> int:
         return sum(s is not None for s in self.slots)
@@ -231,7 +241,12 @@ class BatchEngine:
     # -- the loop ---------------------------------------------------------------------
     def run(self, stop: threading.Event, drain: bool = False) -> None:
         """The engine loop (its own thread) until ``stop``; then drains or cancels what is in flight."""
-        while not stop.is_set():
+        while True:
+            stopping = stop.is_set()
+            if self.sync is not None:
+                stopping = self.sync(stopping)
+            if stopping:
+                break
             if self.idle():
                 self.wake.wait(0.05)
                 self.wake.clear()
@@ -245,7 +260,9 @@ class BatchEngine:
     def cancel_all(self, reason: str) -> None:
         """Ends every waiting, staged and running request with ``reason``."""
         with self.lock:
-            waiting, self.waiting = list(self.waiting), collections.deque()
+            waiting, self.waiting = list(self.waiting) + list(self.incoming or ()), collections.deque()
+            if self.incoming is not None:
+                self.incoming.clear()
         for ticket, on_event in waiting:
             _deliver(on_event, Event(ticket.request.id, [], reason, prompt_tokens=len(ticket.request.prompt_ids)))
         if self.staging is not None:
@@ -294,7 +311,7 @@ class BatchEngine:
         iteration, so the running slots keep streaming while it is prefilled.
         """
         for i, slot in enumerate(self.slots):
-            if slot is not None and slot.ticket.cancelled.is_set():
+            if slot is not None and self._cancelled(slot.ticket):
                 self._retire(i, "cancelled")
         budget = self.buckets[-1]
         while budget > 0:
@@ -319,6 +336,10 @@ class BatchEngine:
                         _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error",
                                                       f"{type(exc).__name__}: {exc}"))
 
+    def _cancelled(self, ticket: Ticket) -> bool:
+        """Whether to end ``ticket`` now; across processes only once process 0 announced it (``sync``)."""
+        return ticket.agreed_cancel if self.sync is not None else ticket.cancelled.is_set()
+
     def _admit(self) -> int:
         """Feeds the staged request's next chunk (staging the next waiting one first); returns tokens fed.
 
@@ -338,7 +359,7 @@ class BatchEngine:
             self.staging = _Staging(ticket, on_event, fed=min(shared, len(prompt) - 1))
         st = self.staging
         req = st.ticket.request
-        if st.ticket.cancelled.is_set():
+        if self._cancelled(st.ticket):
             self.staging = None
             _deliver(st.on_event, Event(req.id, [], "cancelled", prompt_tokens=len(req.prompt_ids)))
             return 1
@@ -362,7 +383,7 @@ class BatchEngine:
             return size
         slot = self.slots.index(None)
         self.state = self._fn("insert")(self.state, self.staging_state, jax.device_put(np.int32(slot)))
-        first = int(jax.device_get(self.staging_state.root)[0])
+        first = int(fetch(self.staging_state.root)[0])
         self.staging = None
         index = ngram.NGramIndex(prompt, e.ngram.max_n, e.ngram.min_n) if e.ngram else None
         stop_ids = set(e.llm.cfg.eos_token_ids if req.stop_ids is None else req.stop_ids)
@@ -431,7 +452,7 @@ class BatchEngine:
         start = time.perf_counter()
         step = e._step_fn(cfg)
         self.state, out = step(e._llm_params, e._group_params, self.state, *arrays)
-        emitted, num, depths = jax.device_get((out.tokens, out.num, out.source_depth))
+        emitted, num, depths = fetch((out.tokens, out.num, out.source_depth))
         seconds = time.perf_counter() - start
         self.iterations += 1
         stats = IterationStats(name, seconds, len(live), self.queue_depth(), [], [], [])

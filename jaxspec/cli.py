@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     from jaxspec import serve
 
-    serve.add_parser(sub)
+    distributed.add_args(serve.add_parser(sub))
     for kind in distributed.IN_PROCESS_BENCHES:
         distributed.add_args(distributed.subcommand(sub.choices["bench"], kind))
     try:

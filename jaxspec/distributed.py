@@ -33,8 +33,8 @@ DEFAULT_HEARTBEAT_TIMEOUT = 15  # seconds without a heartbeat before a peer coun
 POLL_SECONDS = 1.0  # watchdog period
 LOST_PEER_EXIT = 3  # exit status of a process whose peer is gone
 IN_PROCESS_BENCHES = ("speculative", "coverage", "step-costs")  # bench kinds that run their engines in-process
-# serve does not yet broadcast its admissions; the other benches start child processes
-MULTI_PROCESS_COMMANDS = ("generate", *(f"bench {kind}" for kind in IN_PROCESS_BENCHES))
+# the other benches start child processes, train-ssm is single-process
+MULTI_PROCESS_COMMANDS = ("generate", "serve", *(f"bench {kind}" for kind in IN_PROCESS_BENCHES))
 JOIN_GRACE = 5  # jax's own join timeout runs this much longer than ours, so ours reports first
 
 
@@ -190,6 +190,9 @@ def initialize(args: argparse.Namespace, environ: Mapping[str, str] = os.environ
     watchdog.thread.start()
     _STATE.update(cluster=cluster, watchdog=watchdog)
     _own_stdout(cluster.process_id == 0)
+    # The first collective over every device sets up gloo's connections, which must happen within
+    # 30 s on every process: do it now, while the processes are in step, not after uneven loading.
+    agree(np.zeros(1, np.int32))
     print(f"[jaxspec] process {cluster.process_id} of {cluster.num_processes} joined {cluster.coordinator}: "
           f"{len(jax.local_devices())} local of {len(jax.devices())} devices", file=sys.stderr)
     return cluster
@@ -230,6 +233,22 @@ def agree(values: np.ndarray) -> np.ndarray:
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
     return np.asarray(multihost_utils.broadcast_one_to_all(values))
+
+
+def fetch(tree: Any) -> Any:
+    """Host copies of device arrays: ``jax.device_get``, or, for an array split over other processes'
+    devices (slots over ``data``), an all-gather that every process takes part in."""
+    import jax  # noqa: PLC0415
+
+    def local(x: Any) -> bool:
+        return not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated
+
+    if all(local(x) for x in jax.tree_util.tree_leaves(tree)):
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return jax.tree_util.tree_map(
+        lambda x: np.asarray(x) if local(x) else np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
 
 
 def finish() -> None:
@@ -315,3 +334,142 @@ def agree_engine(engine: Any) -> Any:
     engine.calibrate = agreed_calibrate
     engine.chooser = agreed_chooser
     return engine
+
+
+# -- a multi-process server: process 0's queue, every process's batch -----------------------------
+HEADER = 4  # [stop, cancellations, admissions, words used]
+RECORD = 10  # per admission: seq, prompt length, max new tokens, seed, top-k, temperature, top-p, stop chars, ...
+
+
+def message_size(max_model_len: int) -> int:
+    """Words of the per-iteration message: room for at least one longest prompt and its stop strings."""
+    return HEADER + 256 + 2 * (RECORD + max_model_len) + 4096
+
+
+def _bits(x: float) -> int:
+    return int(np.asarray(x, np.float32).view(np.int32))
+
+
+def _float(word: int) -> float:
+    return float(np.asarray(word, np.int32).view(np.float32))
+
+
+def _encode(ticket: Any) -> list[int]:
+    """One admission as int32 words (floats by their bits, stop strings as code points of their JSON)."""
+    import json  # noqa: PLC0415
+
+    req = ticket.request
+    stops = [ord(c) for c in json.dumps(list(req.stop_strings))] if req.stop_strings else []
+    stop_ids = list(req.stop_ids) if req.stop_ids is not None else []
+    p = req.params
+    head = [ticket.seq, len(req.prompt_ids), req.max_new_tokens, int(np.uint32(p.seed % 2**32).view(np.int32)),
+            p.top_k, _bits(p.temperature), _bits(p.top_p), len(stops), int(req.stop_ids is not None), len(stop_ids)]
+    return head + list(req.prompt_ids) + stops + stop_ids
+
+
+class LeaderSync:
+    """Process 0's side of ``BatchEngine.sync``: moves submissions into the queue and announces them."""
+
+    def __init__(self, batch: Any) -> None:
+        import collections  # noqa: PLC0415
+
+        self.batch = batch
+        self.size = message_size(batch.max_model_len)
+        self.next_seq = 0
+        batch.incoming = collections.deque()
+        batch.sync = self
+
+    def __call__(self, stopping: bool) -> bool:
+        b = self.batch
+        live = [t for t, _ in b.waiting] + ([b.staging.ticket] if b.staging else []) + \
+            [s.ticket for s in b.slots if s is not None]
+        cancels = [t for t in live if t.cancelled.is_set() and not t.agreed_cancel][: 256]
+        words = [t.seq for t in cancels]
+        admitted = []
+        with b.lock:
+            while b.incoming:
+                ticket, on_event = b.incoming[0]
+                ticket.seq = self.next_seq
+                record = _encode(ticket)
+                if HEADER + len(words) + len(record) > self.size:
+                    if not admitted and not words:
+                        raise RuntimeError(f"request {ticket.request.id} does not fit the multi-process message")
+                    break
+                b.incoming.popleft()
+                self.next_seq += 1
+                words += record
+                admitted.append((ticket, on_event))
+        msg = np.zeros(self.size, np.int32)  # [size]
+        msg[:HEADER] = (int(stopping), len(cancels), len(admitted), HEADER + len(words))
+        msg[HEADER: HEADER + len(words)] = words
+        agree(msg)
+        for t in cancels:
+            t.agreed_cancel = True
+        with b.lock:
+            b.waiting.extend(admitted)
+        return stopping
+
+
+class FollowerSync:
+    """Another process's side of ``BatchEngine.sync``: queues what process 0 announced, cancels what it cancelled."""
+
+    def __init__(self, batch: Any, make_stop: Callable[[list[str]], Any]) -> None:
+        self.batch = batch
+        self.make_stop = make_stop
+        self.size = message_size(batch.max_model_len)
+        self.tickets: dict[int, Any] = {}
+        batch.sync = self
+        batch.on_iteration = None  # metrics live on process 0
+
+    def __call__(self, stopping: bool) -> bool:
+        import json  # noqa: PLC0415
+
+        from jaxspec.batch import Request, Ticket  # noqa: PLC0415
+        from jaxspec.sampling import SamplingParams  # noqa: PLC0415
+
+        msg = agree(np.zeros(self.size, np.int32)).tolist()
+        stop, n_cancel, n_admit, _ = msg[:HEADER]
+        at = HEADER
+        for seq in msg[at: at + n_cancel]:
+            if seq in self.tickets:
+                self.tickets[seq].agreed_cancel = True
+        at += n_cancel
+        for _ in range(n_admit):
+            seq, n, max_new, seed, top_k, temp, top_p, n_stop, has_ids, n_ids = msg[at: at + RECORD]
+            at += RECORD
+            prompt = msg[at: at + n]
+            stops = json.loads("".join(map(chr, msg[at + n: at + n + n_stop]))) if n_stop else []
+            stop_ids = msg[at + n + n_stop: at + n + n_stop + n_ids] if has_ids else None
+            at += n + n_stop + n_ids
+            params = SamplingParams(_float(temp), top_k, _float(top_p), int(np.int32(seed).view(np.uint32)))
+            req = Request(prompt, max_new, params, stop_ids=stop_ids, stop=self.make_stop(stops) if stops else None,
+                          id=f"peer-{seq}", stop_strings=tuple(stops))
+            ticket = Ticket(req)
+            ticket.seq = seq
+            self.tickets[seq] = ticket
+            self.batch.waiting.append((ticket, self._forget(seq)))
+        return bool(stop)
+
+    def _forget(self, seq: int) -> Callable[[Any], None]:
+        def on_event(event: Any) -> None:
+            if event.finish_reason is not None:
+                self.tickets.pop(seq, None)
+        return on_event
+
+
+def serve_role(batch: Any, make_stop: Callable[[list[str]], Any]) -> bool:
+    """Sets a multi-process server's batch up; runs a follower's loop to process 0's stop and returns False there.
+
+    Returns True where this process should go on serving HTTP (process 0, or a single-process run).
+    Every process compiles and calibrates first, so the loop's broadcasts never interleave
+    with warm-up collectives.
+    """
+    if active() is None:
+        return True
+    batch.warm()
+    if is_leader():
+        LeaderSync(batch)
+        return True
+    FollowerSync(batch, make_stop)
+    batch.run(threading.Event())
+    return False

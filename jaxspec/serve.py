@@ -413,7 +413,8 @@ class Service:
         for ids in prompts:
             new = self.completion_budget(len(ids), max_tokens)
             for j in range(body.n):
-                requests.append(batch_mod.Request(ids, new, params[j], stop=stop_matcher(self.tokenizer, stops)))
+                requests.append(batch_mod.Request(ids, new, params[j], stop=stop_matcher(self.tokenizer, stops),
+                                                  stop_strings=tuple(stops)))
         job = Job(self, asyncio.get_running_loop())
         arrival = time.monotonic()
         for i, req in enumerate(requests):
@@ -813,6 +814,10 @@ def main(args: argparse.Namespace) -> int:
     service: Service | None = None
     batch = BatchEngine(engine, max_batch=args.max_batch, max_model_len=args.max_model_len,
                         max_queue=args.max_queue, on_iteration=lambda stats: service.on_iteration(stats))
+    from jaxspec import distributed  # noqa: PLC0415
+
+    if not distributed.serve_role(batch, lambda stops: stop_matcher(llm.tokenizer, stops)):
+        return 0  # another process of a multi-host server: it followed process 0 until its stop
     service = Service(batch, llm.tokenizer, llm.cfg.vocab_size, name, args.max_queue, verbose=args.verbose)
     service.start()
     try:

@@ -24,25 +24,38 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
-    """A random 2-layer LLaMA (8 heads, 4 KV heads: tensor=2 and 4 divide) with the default LLM's tokenizer."""
-    import torch
-    import transformers
+    """A random 2-layer LLaMA HF directory (8 heads, 4 KV heads: tensor=2 and 4 divide) with the default LLM's tokenizer."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
 
     from models.loading import default_model_path
     from models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_path())
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
-                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # O(1) weights: peaked, prompt-dependent distributions
-        for name, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 1.0 if "embed" in name else p.shape[1] ** -0.5)
+    vocab, d, f, layers, heads, kv, h = len(tok), 64, 128, 2, 8, 4, 8
+    rng = np.random.default_rng(0)
+
+    def w(rows: int, cols: int) -> np.ndarray:  # [out, in], O(1) outputs: peaked, prompt-dependent logits
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": rng.standard_normal((vocab, d)).astype(np.float32),
+               "model.norm.weight": np.ones(d, np.float32), "lm_head.weight": w(vocab, d)}
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        tensors |= {pre + "self_attn.q_proj.weight": w(heads * h, d), pre + "self_attn.k_proj.weight": w(kv * h, d),
+                    pre + "self_attn.v_proj.weight": w(kv * h, d), pre + "self_attn.o_proj.weight": w(d, heads * h),
+                    pre + "mlp.gate_proj.weight": w(f, d), pre + "mlp.up_proj.weight": w(f, d),
+                    pre + "mlp.down_proj.weight": w(d, f), pre + "input_layernorm.weight": np.ones(d, np.float32),
+                    pre + "post_attention_layernorm.weight": np.ones(d, np.float32)}
     directory = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(directory)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": d,
+        "intermediate_size": f, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": h, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "tie_word_embeddings": False}))
     tok.save_pretrained(directory)
     return directory
 
@@ -99,13 +112,15 @@ def single(checkpoint: Path, *extra: str) -> str:
 
 def test_two_processes_print_what_one_process_prints(tiny_checkpoint, tmp_path) -> None:
     """tensor=2 over two processes (one device each): process 0 prints the single-process text, process 1 nothing."""
-    reference = single(tiny_checkpoint, "--mode", "incremental")
-    assert reference.strip()
-    args = generate_args(tiny_checkpoint, "--mode", "incremental", "--mesh", "tensor=2")
-    results = finish(launch(2, 1, args, tmp_path), tmp_path, 300)
+    args = generate_args(tiny_checkpoint, "--mode", "incremental")
+    with open(tmp_path / "one.out", "w") as out, open(tmp_path / "one.err", "w") as err:
+        one = subprocess.Popen(_cmd(*args), stdout=out, stderr=err, text=True, env=_env(1))  # runs beside them
+    results = finish(launch(2, 1, [*args, "--mesh", "tensor=2"], tmp_path), tmp_path, 300)
+    assert one.wait(timeout=300) == 0, (tmp_path / "one.err").read_text()[-2000:]
+    reference = (tmp_path / "one.out").read_text()
     for code, _, stderr in results:
         assert code == 0, stderr[-2000:]
-    assert results[0][1] == reference
+    assert reference.strip() and results[0][1] == reference
     assert results[1][1] == ""
     assert "process 1 of 2 joined" in results[1][2]
 
@@ -196,10 +211,11 @@ def test_single_process_needs_no_flags() -> None:
     assert distributed.cluster_from(args, {}) == distributed.Cluster("h:1", 3, 2, 60, 15)
 
 
-def test_serve_refuses_a_multi_process_run(monkeypatch, capsys) -> None:
+def test_child_process_benches_refuse_a_multi_process_run(monkeypatch, capsys) -> None:
+    """``bench incremental`` starts its own child processes: under JAX_* variables it says so instead of joining."""
     monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1234")
     monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
     monkeypatch.setenv(distributed.ENV_PROCESS_ID, "0")
-    assert cli.main(["serve"]) == 2
-    assert "jaxspec serve runs in one process" in capsys.readouterr().err
+    assert cli.main(["bench", "incremental", "--prompt-file", "x.jsonl"]) == 2
+    assert "jaxspec bench incremental runs in one process" in capsys.readouterr().err
     assert distributed.active() is None
