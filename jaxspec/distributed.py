@@ -5,7 +5,9 @@ Every process runs the same program and the same jitted steps on the global mesh
 between processes (the auto chooser's measured costs and picks) are taken by process 0
 and broadcast (``agree``: ``multihost_utils.broadcast_one_to_all`` of a fixed-size
 array), so every process compiles and runs the same executables in the same order.
-Only process 0 writes to stdout. A watchdog thread polls the coordination service: a
+A server listens on process 0 only: before each batch iteration it broadcasts what it
+admits, cancels and whether it stops (``LeaderSync``); the others replay that into their
+own batch loop (``FollowerSync``). Only process 0 writes to stdout. A watchdog thread polls the coordination service: a
 peer that stops heart-beating, or a coordinator that is gone, ends this process with one
 ``jaxspec: error:`` line instead of a hang; a collective that fails because a peer
 closed its connection is reported the same way (``lost_peer``).
