@@ -114,7 +114,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         f"several speculators' trees (auto default: {' + '.join(AUTO_SPECULATORS)})")
     p.add_argument("--expansion", help=f"expansion config k1,...,km (tree default {DEFAULT_TREE}; auto: SSMs "
                    f"{AUTO_SSM_TREE}, n-gram {AUTO_NGRAM_CHAIN}); ';'-separated configs give each speculator its "
-                   "own, e.g. '1,1,3,1;1,2,1' (an n-gram proposes a chain as deep as its config)")
+                   "own, e.g. '1,1,3,1;1,2,1' (an n-gram proposes a chain as deep as its config); "
+                   "dynamic:NODES[:DEPTH[:WIDTH]] grows an SSM's tree by its own confidence (greedy; EAGLE-2)")
     p.add_argument("--recalibrate", action="store_true",
                    help="auto: measure the step costs again instead of reusing the cached calibration")
     p.add_argument("-v", "--verbose", action="store_true", help="print the tree each step runs (auto) and costs")
@@ -144,7 +145,7 @@ def speculator_specs(args) -> list[str]:
 def expansion_for(args, speculators: Sequence = ()) -> tuple[tuple[int, ...], ...]:
     """The expansion configs: one shared by every speculator, or ";"-separated, one per speculator."""
     from jaxspec.ngram import NGramSpeculator
-    from jaxspec.tree import parse_expansion
+    from jaxspec.tree import DynamicTree, parse_expansion
 
     if args.mode == "incremental":
         if args.expansion or args.ssm:
@@ -157,7 +158,7 @@ def expansion_for(args, speculators: Sequence = ()) -> tuple[tuple[int, ...], ..
     expansions = tuple(parse_expansion(part) for part in text.split(";"))
     if not all(expansions):
         raise CliError(f"--mode {args.mode} needs a non-empty --expansion")
-    if args.mode == "sequence" and any(k != 1 for e in expansions for k in e):
+    if args.mode == "sequence" and any(isinstance(e, DynamicTree) or any(k != 1 for k in e) for e in expansions):
         raise CliError(f"--mode sequence needs an expansion of 1s, got {args.expansion}")
     return expansions
 
@@ -180,7 +181,7 @@ def build_engine(args, log=None):
         if len(expansion) not in (1, len(ssms)):
             raise CliError(f"--expansion gives {len(expansion)} ';'-separated configs for {len(ssms)} speculators "
                            f"({', '.join(s.name for s in ssms)}): give one shared config or one per speculator")
-        shown = "; ".join("<" + ",".join(map(str, e)) + ">" for e in expansion)
+        shown = "; ".join(getattr(e, "label", None) or "<" + ",".join(map(str, e)) + ">" for e in expansion)
         names = ", ".join(s.name for s in ssms)
         print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {args.mode}",
               file=log or sys.stderr)

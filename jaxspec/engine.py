@@ -23,7 +23,7 @@ from jaxspec.ngram import NGramSpeculator
 from jaxspec.offload import make_offload_forward, offload_params
 from jaxspec.sharding import describe as describe_mesh, pinned
 from jaxspec.step import DecodeConfig, DecodeState, SSMGroup, decode_step, prefill
-from jaxspec.tree import expansion_topology
+from jaxspec.tree import DynamicTree, expansion_topology
 from models.config import ModelConfig
 from models.pipeline import make_pipeline_forward, pipe_size, stacked_layout, stacked_names
 from models.transformer import Forward, KVCache, make_forward, decoding_layout
@@ -139,9 +139,13 @@ class Engine:
         self._llm_params = decoding_layout(llm.params) if unroll else llm.params
         self._llm_forward = _forward_for(llm.cfg, jnp.dtype(llm.dtype), unroll)
         self.ngram = ngrams[0] if ngrams else None
-        self.ngram_depth = len(next(e for s, e in zip(ssms, expansions) if s is self.ngram)) if self.ngram else 0
+        ngram_expansion = next((e for s, e in zip(ssms, expansions) if s is self.ngram), ())
+        if isinstance(ngram_expansion, DynamicTree):
+            raise RequestError("the n-gram speculator proposes a chain: give it a fixed expansion such as 1,1,1,1 "
+                               "(a dynamic tree needs an SSM's probabilities)")
+        self.ngram_depth = len(ngram_expansion)
         self.ssms = tuple(s for s, _ in models)
-        self.topologies = tuple(expansion_topology(e) for _, e in models)
+        self.topologies = tuple(e if isinstance(e, DynamicTree) else expansion_topology(e) for _, e in models)
         self.tree_budget = tree_budget
         self.verify = verify
         self.auto = auto
@@ -177,6 +181,8 @@ class Engine:
         warp = _warp(params)
         verify = "greedy" if warp.greedy else (self.verify if self.verify != "greedy" else "mss")
         off = (None,) * len(self.topologies)
+        # dynamic trees draft greedily; a sampled warp drafts their fixed fallback
+        topologies = tuple(t.fallback if isinstance(t, DynamicTree) and not warp.greedy else t for t in self.topologies)
         vocab = self.llm.cfg.vocab_size
 
         def cfg(topologies, ngram_depth, budget=None):
@@ -184,14 +190,14 @@ class Engine:
 
         if not self.auto:
             name = "tree" if (self.topologies or self.ngram) else "none"
-            return {name: cfg(self.topologies, self.ngram_depth, self.tree_budget)}
+            return {name: cfg(topologies, self.ngram_depth, self.tree_budget)}
         out = {"none": cfg(off, 0)}
         if self.ngram:
             out["ngram"] = cfg(off, self.ngram_depth)
         if self.topologies:
-            out["ssm"] = cfg(self.topologies, 0)
+            out["ssm"] = cfg(topologies, 0)
             if self.ngram:
-                out["ssm+ngram"] = cfg(self.topologies, self.ngram_depth)
+                out["ssm+ngram"] = cfg(topologies, self.ngram_depth)
         return out
 
     def describe(self, name: str) -> str:
@@ -199,7 +205,7 @@ class Engine:
         cfg = self.family(sampling.SamplingParams())[name]
         parts = []
         if cfg.active:
-            shown = sorted({"<" + ",".join(map(str, t.expansion)) + ">" for t in cfg.topologies if t is not None})
+            shown = sorted({t.label for t in cfg.topologies if t is not None})
             parts.append(f"{len(cfg.active)} SSM {' '.join(shown)}")
         if cfg.ngram_depth:
             parts.append(f"ngram <1x{cfg.ngram_depth}>")
@@ -567,17 +573,19 @@ def stack_params(params: Sequence[dict], shared: Sequence[str] = ()) -> dict:
     return unflatten({k: v if k in shared else jnp.stack([f[k] for f in flats]) for k, v in flats[0].items()})
 
 
-def _per_ssm(expansion, num_ssms: int) -> tuple[tuple[int, ...], ...]:
-    """One expansion config per SSM (a single config is shared by all)."""
+def _per_ssm(expansion, num_ssms: int) -> tuple[tuple[int, ...] | DynamicTree, ...]:
+    """One expansion config (or ``DynamicTree``) per SSM (a single one is shared by all)."""
     if num_ssms == 0:
         return ()
+    if isinstance(expansion, DynamicTree):
+        return (expansion,) * num_ssms
     if not expansion:
         raise RequestError("an SSM was given but the expansion config is empty")
     if isinstance(expansion[0], int):
         return tuple(tuple(expansion) for _ in range(num_ssms))
     if len(expansion) != num_ssms:
         raise RequestError(f"{len(expansion)} expansion configs for {num_ssms} SSMs")
-    return tuple(tuple(e) for e in expansion)
+    return tuple(e if isinstance(e, DynamicTree) else tuple(e) for e in expansion)
 
 
 class VocabularyMismatch(ValueError):

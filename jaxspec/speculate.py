@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxspec import sampling
 from jaxspec.kv_cache import causal_mask, tree_mask
-from jaxspec.tree import Topology, TokenTree, ancestor_mask
+from jaxspec.tree import DynamicTree, Topology, TokenTree, ancestor_mask
 from models.transformer import Forward, KVCache
 
 
@@ -94,6 +94,92 @@ def catch_up(forward: Forward, params, cache: KVCache, history: jax.Array, lengt
     return jax.lax.while_loop(lambda c: jnp.any(behind(c)), feed, cache)
 
 
+def feed_root(forward: Forward, params, cache: KVCache, history: jax.Array, length: jax.Array, root: jax.Array,
+              window: int) -> tuple[jax.Array, KVCache]:
+    """Draft step 0: re-feeds the last ``window`` committed tokens and the root (slot ``length``).
+
+    Keeps the SSM cache exact whatever path the LLM accepted last time. Returns the root's
+    logits [B, 1, V] and the cache (length == length).
+    """
+    cap = cache.capacity
+    cache = catch_up(forward, params, cache, history, length, window)
+    start = jnp.maximum(length - window, 0)
+    idx = start[:, None] + jnp.arange(window + 1)  # [B, W0]
+    hist = jnp.take_along_axis(history, jnp.minimum(idx, history.shape[1] - 1), axis=1)
+    toks0 = jnp.where(idx < length[:, None], hist, jnp.where(idx == length[:, None], root[:, None], 0))
+    logits0, cache = forward(
+        params, toks0, idx, cache.replace(length=start), causal_mask(start, window + 1, cap), (length - start)[:, None]
+    )
+    return logits0, cache.replace(length=length)
+
+
+def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree, history: jax.Array,
+                      length: jax.Array, root: jax.Array, ssm_id: int = 0) -> tuple[TokenTree, jax.Array, KVCache]:
+    """Greedy drafting of a ``DynamicTree``: grow where the SSM is confident, keep the best nodes.
+
+    Every drafted node scores its cumulative draft log-probability (the sum along its
+    path). Level i feeds the ``width`` best-scoring nodes of depth i (written at SSM cache
+    slots ``length + 1 + (i-1)·width + w``, each attending to its fed ancestors), each of
+    which drafts its ``width`` most likely children. The ``nodes`` - 1 best of all drafted
+    nodes form the tree, in depth order (a parent before its children); a node whose
+    parent missed the cut (possible only on tied scores) is marked invalid.
+    Returns (tree [B, N], scalar 0 draft probabilities, cache with length == length).
+    """
+    b = root.shape[0]
+    m, w, n = dyn.depth, dyn.width, dyn.nodes
+    cap = cache.capacity
+    pool = 1 + dyn.drafted  # every drafted node plus the root
+    fed = dyn.fed
+    logits0, cache = feed_root(forward, params, cache, history, length, root, m + 1)
+    logp0 = jax.nn.log_softmax(logits0[:, 0])  # [B, V]
+    score0, tok0 = jax.lax.top_k(logp0, w)  # [B, W]
+    tokens = jnp.zeros((b, pool), jnp.int32).at[:, 0].set(root).at[:, 1: 1 + w].set(tok0)
+    parent = jnp.full((b, pool), -1, jnp.int32).at[:, 1: 1 + w].set(0)
+    score = jnp.zeros((b, pool), jnp.float32).at[:, 1: 1 + w].set(score0)
+    depth = np.zeros(pool, np.int32)  # static: level i's candidates are one slab
+    depth[1: 1 + w] = 1
+    fed_slot = jnp.full((b, pool), -1, jnp.int32).at[:, 0].set(0)  # [B, pool] fed slot of a node, -1 if not fed
+    anc = jnp.zeros((b, fed, fed), bool).at[:, 0, 0].set(True)  # [B, F, F] fed ancestor-or-self
+    lo, hi = 1, 1 + w  # the current level's candidates
+    rows_b = jnp.arange(b)[:, None]
+    for i in range(1, m):
+        best = jax.lax.top_k(score[:, lo:hi], w)[1] + lo  # [B, W] pool index of the nodes to expand
+        slots = 1 + (i - 1) * w + jnp.arange(w)  # [W] their fed slots
+        fed_slot = fed_slot.at[rows_b, best].set(jnp.broadcast_to(slots, (b, w)))
+        up = jnp.take_along_axis(fed_slot, jnp.take_along_axis(parent, best, axis=1), axis=1)  # [B, W] parents' slots
+        anc = anc.at[:, slots].set(jnp.take_along_axis(anc, up[:, :, None], axis=1)
+                                   | (jnp.arange(fed)[None, None, :] == slots[None, :, None]))
+        toks = jnp.take_along_axis(tokens, best, axis=1)
+        positions = jnp.broadcast_to(length[:, None] + i, (b, w))
+        mask = tree_mask(length, anc, jnp.broadcast_to(slots, (b, w)), cap)
+        logits, cache = forward(params, toks, positions, cache.replace(length=length + slots[0]), mask)
+        child_lp, child_tok = jax.lax.top_k(jax.nn.log_softmax(logits), w)  # [B, W, W]
+        nlo, nhi = hi, hi + w * w
+        tokens = tokens.at[:, nlo:nhi].set(child_tok.reshape(b, w * w))
+        parent = parent.at[:, nlo:nhi].set(jnp.repeat(best, w, axis=1))
+        score = score.at[:, nlo:nhi].set((jnp.take_along_axis(score, best, axis=1)[:, :, None] + child_lp).reshape(b, -1))
+        depth[nlo:nhi] = i + 1
+        lo, hi = nlo, nhi
+    cache = cache.replace(length=length)
+
+    keep = jax.lax.top_k(score[:, 1:], n - 1)[1] + 1  # [B, N-1] best nodes, by score
+    depth_j = jnp.asarray(depth)
+    order = jnp.argsort(depth_j[keep] * pool + jnp.arange(n - 1)[None, :], axis=1)  # depth first, then score
+    keep = jnp.take_along_axis(keep, order, axis=1)
+    chosen = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), keep], axis=1)  # [B, N] pool index per tree node
+    tree_index = jnp.full((b, pool), -1, jnp.int32).at[rows_b, chosen].set(jnp.arange(n, dtype=jnp.int32))
+    par_pool = jnp.take_along_axis(parent, chosen, axis=1)
+    par_tree = jnp.where(par_pool >= 0, jnp.take_along_axis(tree_index, jnp.maximum(par_pool, 0), axis=1), -1)
+    valid = (par_tree >= 0) | (jnp.arange(n) == 0)[None, :]
+    for _ in range(m - 1):  # a node is valid only under a valid parent
+        valid = valid & ((par_tree < 0) | jnp.take_along_axis(valid, jnp.maximum(par_tree, 0), axis=1))
+    par_tree = jnp.where((jnp.arange(n) > 0)[None, :] & (par_tree < 0), 0, par_tree)
+    node_depth = jnp.broadcast_to(depth_j[chosen], (b, n)).astype(jnp.int32)
+    ssm = jnp.where(jnp.arange(n)[None, :] > 0, ssm_id, -1).astype(jnp.int32) + jnp.zeros((b, n), jnp.int32)
+    tree = TokenTree(jnp.take_along_axis(tokens, chosen, axis=1), par_tree, node_depth, valid, ssm, par_tree)
+    return tree, jnp.zeros((), jnp.float32), cache
+
+
 def speculate(
     forward: Forward,
     params,
@@ -122,17 +208,7 @@ def speculate(
     anc = ancestor_mask(parent, m)  # [B, N, N]
     keys = sampling.split_rows(key, m)  # [B, m, 2] (or [m, 2] for a shared key)
 
-    # Step 0: re-feed the last m+1 committed tokens and the root.
-    window = m + 1
-    cache = catch_up(forward, params, cache, history, length, window)
-    start = jnp.maximum(length - window, 0)
-    idx = start[:, None] + jnp.arange(window + 1)  # [B, W0]
-    hist = jnp.take_along_axis(history, jnp.minimum(idx, history.shape[1] - 1), axis=1)
-    toks0 = jnp.where(idx < length[:, None], hist, jnp.where(idx == length[:, None], root[:, None], 0))
-    logits0, cache = forward(
-        params, toks0, idx, cache.replace(length=start), causal_mask(start, window + 1, cap), (length - start)[:, None]
-    )  # logits0 [B, 1, V]
-    cache = cache.replace(length=length)
+    logits0, cache = feed_root(forward, params, cache, history, length, root, m + 1)  # [B, 1, V]
 
     tokens = jnp.zeros((b, n + 1), jnp.int32).at[:, 0].set(root)  # slot N is trash
     vocab = logits0.shape[-1]

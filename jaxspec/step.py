@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from jaxspec import ngram, sampling
 from jaxspec.kv_cache import KVCache, causal_mask, commit, tree_mask
-from jaxspec.speculate import speculate
-from jaxspec.tree import Topology, TokenTree, ancestor_mask, deduplicate, merge, single_root
+from jaxspec.speculate import speculate, speculate_dynamic
+from jaxspec.tree import DynamicTree, Topology, TokenTree, ancestor_mask, deduplicate, merge, single_root
 from jaxspec.verify import Verdict, verify_greedy
 from models.transformer import Forward
 
@@ -55,7 +55,7 @@ class DecodeConfig:
     many tokens (the n-gram speculator) into the tree.
     """
 
-    topologies: tuple[Topology | None, ...] = ()  # one per SSM; all None (or empty) + no n-gram = incremental
+    topologies: tuple[Topology | DynamicTree | None, ...] = ()  # one per SSM; all None (or empty) + no n-gram = incremental
     warp: sampling.WarpSpec = sampling.WarpSpec()
     verify: str = "greedy"  # greedy | mss | naive (the last two need a stochastic warp)
     tree_budget: int | None = None  # pad the merged tree to this many nodes
@@ -73,6 +73,8 @@ class DecodeConfig:
         members = sorted(j for g in self.ssm_groups for j in g.members)
         if members != list(range(len(self.topologies))):
             raise ValueError(f"SSM groups {members} must cover SSMs 0..{len(self.topologies) - 1} once each")
+        if not self.warp.greedy and any(isinstance(t, DynamicTree) for t in self.topologies):
+            raise ValueError("dynamic trees draft greedily: a sampled request drafts the fixed fallback tree")
         for g in self.ssm_groups:
             if len({self.topologies[j] for j in g.members}) != 1:
                 raise ValueError(f"SSM group {g.members} mixes expansion configs: one vmapped draft needs one")
@@ -179,6 +181,8 @@ def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, 
             continue
 
         def run(p, c, k, pos, fwd=fwd, topo=topo):
+            if isinstance(topo, DynamicTree):
+                return speculate_dynamic(fwd, p, c, topo, state.history, length, state.root, pos)
             return speculate(fwd, p, c, topo, state.history, length, state.root, k, cfg.warp, state.values, pos)
 
         if len(group.members) == 1:

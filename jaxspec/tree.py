@@ -43,9 +43,81 @@ class Topology:
         """Widest level among those an SSM feeds (levels 1..m-1); 1 when there are none."""
         return max([self.level_size(i) for i in range(1, self.max_depth)] or [1])
 
+    @property
+    def label(self) -> str:
+        return "<" + ",".join(map(str, self.expansion)) + ">"
 
-def parse_expansion(text: str | Sequence[int]) -> tuple[int, ...]:
-    """Parses "1,1,3,1" (or a sequence) into an expansion config; empty means incremental."""
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """A draft tree grown by the SSM's own confidence within a node budget (EAGLE-2's rule).
+
+    Each of ``depth`` draft levels expands the ``width`` nodes of highest cumulative draft
+    log-probability, each into its ``width`` most likely children; the ``nodes`` - 1 best
+    of all drafted nodes (and the root) are verified. Greedy decoding only: under
+    sampling the shape would depend on sampled tokens, so stochastic requests draft the
+    fixed ``fallback`` tree instead.
+    """
+
+    nodes: int  # N: verified nodes, root included
+    depth: int  # m: draft levels (the deepest path)
+    width: int  # W: nodes expanded per level, children per expanded node
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.width < 1 or self.nodes < 2:
+            raise ValueError(f"a dynamic tree needs depth >= 1, width >= 1 and >= 2 nodes, got {self.label}")
+        if self.nodes > self.drafted + 1:
+            raise ValueError(f"dynamic tree {self.label} keeps {self.nodes - 1} nodes but drafts only {self.drafted}")
+        if self.fed > self.nodes:
+            raise ValueError(f"dynamic tree {self.label} feeds {self.fed} nodes to the SSM, more than its "
+                             f"{self.nodes}-node budget: lower depth or width, or raise nodes")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def drafted(self) -> int:
+        """Candidate nodes drafted (root excluded): width at level 1, width² below."""
+        return self.width + (self.depth - 1) * self.width * self.width
+
+    @property
+    def fed(self) -> int:
+        """Nodes the SSM feeds (root, then ``width`` per level below the last): its cache slots."""
+        return 1 + (self.depth - 1) * self.width
+
+    @property
+    def fallback(self) -> Topology:
+        """The fixed tree of stochastic requests: ``width`` children of the root, chains below."""
+        return expansion_topology((min(self.width, self.nodes - 1),) + (1,) * (self.depth - 1))
+
+    @property
+    def label(self) -> str:
+        return f"dynamic:{self.nodes}:{self.depth}:{self.width}"
+
+
+def parse_dynamic(text: str) -> DynamicTree:
+    """``dynamic:NODES[:DEPTH[:WIDTH]]`` (defaults: depth 4, width 4)."""
+    parts = text.split(":")[1:]
+    try:
+        values = [int(v) for v in parts]
+    except ValueError:
+        raise ValueError(f"--expansion {text!r}: expected dynamic:NODES[:DEPTH[:WIDTH]] with integers") from None
+    if not 1 <= len(values) <= 3:
+        raise ValueError(f"--expansion {text!r}: expected dynamic:NODES[:DEPTH[:WIDTH]]")
+    nodes, depth, width = values + [4, 4][len(values) - 1:]
+    return DynamicTree(nodes, depth, width)
+
+
+def parse_expansion(text: str | Sequence[int]) -> tuple[int, ...] | DynamicTree:
+    """Parses "1,1,3,1" (or a sequence) into an expansion config; empty means incremental;
+    ``dynamic:NODES[:DEPTH[:WIDTH]]`` gives a ``DynamicTree``."""
+    if isinstance(text, str) and text.strip().startswith("dynamic"):
+        return parse_dynamic(text.strip())
     if isinstance(text, str):
         parts = [p for p in text.replace(" ", "").split(",") if p]
         try:
