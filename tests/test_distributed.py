@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -146,6 +147,67 @@ def test_four_processes_tree_mode_and_prompt_file(tiny_checkpoint, tmp_path) -> 
     assert [r[0] for r in results] == [0] * 4, results[0][2][-2000:]
     texts = [line.split('"seconds"')[0] for line in results[0][1].splitlines()]  # timings differ
     assert texts == [line.split('"seconds"')[0] for line in one.stdout.splitlines()]
+
+
+def _serve_until_ready(procs: list[subprocess.Popen], url: str, logs: Path, timeout: float = 400) -> None:
+    import httpx
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert all(p.poll() is None for p in procs), (logs / "0.err").read_text()[-2000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    pytest.fail("the server did not come up")
+
+
+def _completions(url: str) -> list[str]:
+    """Greedy, greedy with a stop string, and seeded sampled completions, sent concurrently."""
+    import concurrent.futures
+
+    import httpx
+
+    bodies = [{"prompt": "Hello", "max_tokens": 10, "temperature": 0},
+              {"prompt": "The sky is", "max_tokens": 10, "temperature": 0, "stop": ["ard"]},
+              {"prompt": "Once upon", "max_tokens": 10, "temperature": 0.8, "seed": 3}]
+
+    def post(body: dict) -> str:
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        return list(pool.map(post, bodies))
+
+
+@pytest.mark.slow
+def test_two_process_server_answers_as_one_process(tiny_checkpoint, tmp_path) -> None:
+    """serve over 2 processes (tensor=2): process 0's HTTP answers equal a one-process server's; SIGTERM stops both."""
+    serve = ["serve", "--model", str(tiny_checkpoint), "--served-model-name", "tiny", "--mode", "incremental",
+             "--max-batch", "2", "--max-model-len", "128"]
+    answers = []
+    for n in (1, 2):
+        logs = tmp_path / str(n)
+        logs.mkdir()
+        port = free_port()
+        args = [*serve, "--port", str(port)]
+        if n == 1:
+            with open(logs / "0.out", "w") as out, open(logs / "0.err", "w") as err:
+                procs = [subprocess.Popen(_cmd(*args), stdout=out, stderr=err, text=True, env=_env(1))]
+        else:
+            procs = launch(2, 1, [*args, "--mesh", "tensor=2"], logs)
+        try:
+            _serve_until_ready(procs, f"http://127.0.0.1:{port}", logs)
+            answers.append(_completions(f"http://127.0.0.1:{port}"))
+        finally:
+            procs[0].send_signal(signal.SIGTERM)
+            results = finish(procs, logs, 120)
+        assert [r[0] for r in results] == [0] * n, results[-1][2][-2000:]
+    assert answers[0] == answers[1]
+    assert all(answers[0]) and "ard" not in answers[0][1]
 
 
 @pytest.mark.slow

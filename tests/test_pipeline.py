@@ -189,30 +189,11 @@ def _forward_case(family: str, tensor: int, pipe: int, batch: int) -> dict:
     )
 
 
-def _recompute_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens on one device with no cache reuse: the whole sequence re-run (scanned forward) per token."""
-    import jax
-    import jax.numpy as jnp
-
-    from models.transformer import KVCache
-
-    capacity = len(prompt) + n
-    forward = jax.jit(model.forward)
-    positions = jnp.arange(capacity)[None]  # [1, S]
-    mask = positions[:, None, :] <= positions[:, :, None]  # [1, S, S] causal
-    seq = list(prompt)
-    for _ in range(n):
-        tokens = jnp.asarray([seq + [0] * (capacity - len(seq))])  # [1, S]
-        logits, _ = forward(model.params, tokens, positions, KVCache.create(model.cfg, 1, capacity), mask,
-                            jnp.asarray([[len(seq) - 1]]))
-        seq.append(int(jnp.argmax(logits[0, 0])))
-    return seq[len(prompt):]
-
-
 def _engine_case(family: str, tensor: int, pipe: int, modes: tuple[str, ...], references: dict) -> dict:
     """Generations of engines on the mesh vs one-device engines, per mode, plus where the layers live."""
     from conftest import random_prompts
     from jaxspec.engine import Engine, early_exit
+    from test_engine import full_recompute_greedy
     from jaxspec.sampling import SamplingParams
 
     model = _model(family)
@@ -228,7 +209,7 @@ def _engine_case(family: str, tensor: int, pipe: int, modes: tuple[str, ...], re
             one = Engine(model, ssms, expansion, verify="mss")
             references[key] = [one.generate(p, NEW_TOKENS, params).token_ids for p in prompts]
         elif key not in references:
-            references[key] = [_recompute_greedy(model, p, NEW_TOKENS) for p in prompts]
+            references[key] = [full_recompute_greedy(model, p, NEW_TOKENS) for p in prompts]
         same[mode] = [engine.generate(p, NEW_TOKENS, params).token_ids for p in prompts] == references[key]
     leaf = engine._llm_params["layers"]["mlp"]["up" if family != "opt" else "fc1"]["kernel"]
     stage_rows, stage_ok = _rows_by_device(leaf, pipe, model.cfg.num_layers)
