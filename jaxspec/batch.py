@@ -310,6 +310,7 @@ class BatchEngine:
         Short prompts are admitted several per iteration; a long one is fed one chunk per
         iteration, so the running slots keep streaming while it is prefilled.
         """
+        self._drop_cancelled_waiting()
         for i, slot in enumerate(self.slots):
             if slot is not None and self._cancelled(slot.ticket):
                 self._retire(i, "cancelled")
@@ -335,6 +336,16 @@ class BatchEngine:
                         self.slots[i] = None
                         _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error",
                                                       f"{type(exc).__name__}: {exc}"))
+
+    def _drop_cancelled_waiting(self) -> None:
+        """Ends cancelled requests still in the queue now, so they stop counting against ``max_queue``."""
+        with self.lock:
+            flags = [self._cancelled(t) for t, _ in self.waiting]
+            gone = [w for w, c in zip(self.waiting, flags) if c]
+            if gone:
+                self.waiting = collections.deque(w for w, c in zip(self.waiting, flags) if not c)
+        for ticket, on_event in gone:
+            _deliver(on_event, Event(ticket.request.id, [], "cancelled", prompt_tokens=len(ticket.request.prompt_ids)))
 
     def _cancelled(self, ticket: Ticket) -> bool:
         """Whether to end ``ticket`` now; across processes only once process 0 announced it (``sync``)."""

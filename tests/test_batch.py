@@ -81,6 +81,27 @@ def test_cancel_frees_the_slot_and_idle_slots_stay_empty(llm):
     assert gen.token_ids == engine.generate(PROMPTS[1], 5).token_ids
 
 
+def test_cancelled_requests_leave_the_queue_at_the_next_iteration(llm):
+    """A waiting request that is cancelled ends at once and stops counting against --max-queue."""
+    batch = BatchEngine(engines(llm)["incremental"], max_batch=1, max_model_len=64, max_queue=3)
+    events: dict[str, list[Event]] = {}
+    def submit(k: int):
+        return batch.submit(Request(PROMPTS[0], 30, id=str(k)), events.setdefault(str(k), []).append)
+
+    tickets = [submit(k) for k in range(3)]
+    batch.step()  # one runs
+    tickets.append(submit(3))  # three wait
+    assert batch.active_slots() == 1 and len(batch.waiting) == 3
+    with pytest.raises(QueueFull):
+        batch.submit(Request(PROMPTS[1], 4), lambda e: None)
+    for t in tickets[1:]:
+        t.cancel()
+    batch.step()
+    assert not batch.waiting and batch.active_slots() == 1
+    assert [events[str(k)][-1].finish_reason for k in range(1, 4)] == ["cancelled"] * 3
+    batch.submit(Request(PROMPTS[1], 4), lambda e: None)  # room again
+
+
 def test_bad_requests_and_a_full_queue_are_refused(llm):
     batch = BatchEngine(engines(llm)["incremental"], max_batch=1, max_model_len=32, max_queue=1)
     with pytest.raises(RequestError, match="exceeds --max-model-len 32"):
