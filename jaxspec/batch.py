@@ -15,9 +15,10 @@ to every call, so requests come and go without a recompilation (the JetStream / 
   paying);
 * retirement: EOS, a stop string, the token limit or a cancellation frees the slot.
 
-Greedy and sampled requests share one executable (``sampling.MIXED``: a greedy row is a
-one-hot distribution, which multi-step speculative sampling verifies exactly as argmax);
-a batch of greedy rows alone runs the greedy executables. A request's output depends on
+Greedy and sampled requests share one executable (a greedy row is a one-hot distribution,
+which multi-step speculative sampling verifies exactly as argmax); each iteration runs the
+cheapest warp its rows need (``sampling.batch_warp``: greedy alone, temperature only, or
+with the top-k / top-p stages, which sort the vocabulary at every tree node). A request's output depends on
 its own seed only: each slot draws from its own key.
 """
 
@@ -159,6 +160,9 @@ class BatchEngine:
         self.iterations = 0
         self._compiled: dict = {}
         self._no_proposal: tuple[jax.Array, jax.Array] | None = None
+        self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
+        self._last_done = 0.0
+        self.overlapped = 0  # iterations dispatched before the previous one's tokens were read
         # Multi-process serving (jaxspec.distributed): ``sync(stopping) -> stop`` agrees on process 0's
         # admissions, cancellations and stop before each iteration; submissions wait in ``incoming``.
         self.sync: Callable[[bool], bool] | None = None
@@ -231,8 +235,8 @@ class BatchEngine:
 
     def warm(self, greedy: bool = True, sampled: bool = True) -> None:
         """Compiles (and, under auto, calibrates) the decoding family now instead of at the first request."""
-        for warp, wanted in ((sampling.WarpSpec(), greedy), (sampling.MIXED, sampled)):
-            if wanted:
+        for warp in sampling.BATCH_WARPS:
+            if greedy if warp.greedy else sampled:
                 self._chooser(warp) if self.engine.auto else self.engine.warm(warp, self.capacity, self.max_batch)
 
     def _chooser(self, warp: sampling.WarpSpec):
@@ -326,16 +330,19 @@ class BatchEngine:
             if not fed:
                 break
             budget -= fed
-        if self.active_slots():
-            try:
-                self._decode()
-            except Exception as exc:  # noqa: BLE001 — fail the batch's requests, keep serving
-                self.state = self.engine.init_state(self.max_batch, self.capacity, sampling.MIXED, active=False)
-                for i, slot in enumerate(self.slots):
-                    if slot is not None:
-                        self.slots[i] = None
-                        _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error",
-                                                      f"{type(exc).__name__}: {exc}"))
+        if not self.active_slots():
+            self._pending = None  # an iteration of retired rows only: nothing left to read
+            return
+        try:
+            self._decode()
+        except Exception as exc:  # noqa: BLE001 — fail the batch's requests, keep serving
+            self._pending = None
+            self.state = self.engine.init_state(self.max_batch, self.capacity, sampling.MIXED, active=False)
+            for i, slot in enumerate(self.slots):
+                if slot is not None:
+                    self.slots[i] = None
+                    _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error",
+                                                  f"{type(exc).__name__}: {exc}"))
 
     def _drop_cancelled_waiting(self) -> None:
         """Ends cancelled requests still in the queue now, so they stop counting against ``max_queue``."""
@@ -430,30 +437,68 @@ class BatchEngine:
         _deliver(slot.on_event, Event(req.id, list(new), reason, error, prompt_tokens=len(req.prompt_ids),
                                       completion_tokens=len(slot.gen.token_ids), generation=slot.gen))
         if self.engine.auto:
-            for warp in (sampling.WarpSpec(), sampling.MIXED):
+            for warp in sampling.BATCH_WARPS:
                 chooser = self.engine._choosers.get((warp, self.max_batch))
                 if chooser is not None:
                     chooser.new_request()
 
     def _decode(self) -> None:
+        """Dispatches the next iteration, then reads and emits the previous one's tokens while it runs.
+
+        Host and device overlap where the data allows: the next iteration needs only device
+        state, unless it drafts with the n-gram speculator (whose proposal needs the tokens
+        still in flight) or every live row is about to reach its token limit. A row that
+        finished in the iteration being read runs one iteration more, whose tokens are
+        dropped (its slot is retired, or already serves another request).
+        """
+        overlap = self._pending is not None and self._may_overlap()
+        if self._pending is not None and not overlap:
+            self._process(self._pending)
+            self._pending = None
+        if not self.active_slots():
+            self._pending = None
+            return
+        nxt = self._dispatch(stale=overlap)
+        if nxt is None:  # the choice needs the n-gram's proposal, i.e. the tokens in flight: read them first
+            self._process(self._pending)
+            self._pending = None
+            if not self.active_slots():
+                return
+            nxt = self._dispatch(stale=False)
+        else:
+            self.overlapped += overlap
+        if self._pending is not None:
+            self._process(self._pending)
+        self._pending = nxt
+
+    def _may_overlap(self) -> bool:
+        """Whether some live row may still run after the iteration in flight (each emits at least one token)."""
+        return any(s is not None and s.ticket.request.max_new_tokens - len(s.gen.token_ids) > 1 for s in self.slots)
+
+    def _dispatch(self, stale: bool) -> "_InFlight | None":
+        """Picks this iteration's tree and launches it; None if ``stale`` and the pick drafts with the n-gram.
+
+        ``stale``: an iteration is still in flight, so the host's counts (committed tokens,
+        n-gram index, acceptance statistics) lag it by one iteration.
+        """
         e = self.engine
-        live = [i for i, s in enumerate(self.slots) if s is not None]
-        warp = sampling.WarpSpec() if all(self.slots[i].ticket.request.params.greedy for i in live) else sampling.MIXED
+        live = [(i, s) for i, s in enumerate(self.slots) if s is not None]
+        warp = sampling.batch_warp([s.ticket.request.params for _, s in live])
         family = e.family(warp)
         proposals = [[] for _ in range(self.max_batch)]
         matched = [0] * self.max_batch
         if e.ngram is not None:
-            for i in live:
-                proposals[i] = self.slots[i].index.propose(e.ngram_depth)
-                matched[i] = self.slots[i].index.matched
-        if e.auto:
-            chooser = self._chooser(warp)
-            name = chooser.pick_batch([(len(proposals[i]), matched[i]) for i in live])
-        else:
-            name = next(iter(family))
+            for i, s in live:
+                proposals[i] = s.index.propose(e.ngram_depth)
+                matched[i] = s.index.matched
+        chooser = self._chooser(warp) if e.auto else None
+        name = chooser.pick_batch([(len(proposals[i]), matched[i]) for i, _ in live]) if e.auto else next(iter(family))
         cfg = family[name]
-        for i in live:
-            _check_fits(self.slots[i].committed + cfg.num_nodes, self.capacity, "a decoding step")
+        if stale and cfg.ngram_depth:
+            return None
+        ahead = e._worst().max_emit if stale else 0  # tokens the iteration in flight may still commit
+        for _, s in live:
+            _check_fits(s.committed + ahead + cfg.num_nodes, self.capacity, "a decoding step")
         if any(proposals) or self._no_proposal is None:
             arrays = jax.device_put(ngram.proposal_arrays(proposals, e.ngram_depth))
             if not any(proposals):
@@ -461,34 +506,53 @@ class BatchEngine:
         else:
             arrays = self._no_proposal
         start = time.perf_counter()
-        step = e._step_fn(cfg)
-        self.state, out = step(e._llm_params, e._group_params, self.state, *arrays)
-        emitted, num, depths = fetch((out.tokens, out.num, out.source_depth))
-        seconds = time.perf_counter() - start
+        self.state, out = e._step_fn(cfg)(e._llm_params, e._group_params, self.state, *arrays)
         self.iterations += 1
-        stats = IterationStats(name, seconds, len(live), self.queue_depth(), [], [], [])
+        return _InFlight(name, cfg, live, proposals, matched, chooser, out, start)
+
+    def _process(self, it: "_InFlight") -> None:
+        """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
+        e, cfg = self.engine, it.cfg
+        emitted, num, depths = fetch((it.out.tokens, it.out.num, it.out.source_depth))
+        now = time.perf_counter()
+        seconds, self._last_done = now - max(it.start, self._last_done), now
+        live = [(i, s) for i, s in it.live if self.slots[i] is s]  # a row retired meanwhile: its tokens are dropped
+        stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
         ssm_nodes = cfg.num_nodes - 1 - (cfg.ngram_depth if cfg.ngram_depth else 0)
-        for i in live:
-            slot = self.slots[i]
+        for i, slot in live:
             n = int(num[i])
-            if e.auto:
-                chooser.observe(name, depths[i], len(proposals[i]), matched[i])
+            if it.chooser is not None:
+                it.chooser.observe(it.name, depths[i], len(it.proposals[i]), it.matched[i])
             slot.committed += n
             slot.gen.llm_steps += 1
             slot.gen.ssm_steps += cfg.draft_levels
             slot.gen.step_tokens.append(n)
-            slot.gen.trees.append(name)
+            slot.gen.trees.append(it.name)
             stats.emitted.append(n)
-            stats.drafted.append(ssm_nodes + (min(len(proposals[i]), cfg.ngram_depth) if cfg.ngram_depth else 0))
+            stats.drafted.append(ssm_nodes + (min(len(it.proposals[i]), cfg.ngram_depth) if cfg.ngram_depth else 0))
             stats.accepted_depth.append(n - 1)
-        for i in live:
+        for i, slot in live:
             try:
                 self._emit(i, [int(t) for t in emitted[i, : int(num[i])]])
             except Exception as exc:  # noqa: BLE001 — e.g. a stop matcher that raised: fail this request only
                 if self.slots[i] is not None:
                     self._retire(i, "error", error=f"{type(exc).__name__}: {exc}")
-        if self.on_iteration is not None:
+        if self.on_iteration is not None and live:
             self.on_iteration(stats)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched iteration whose tokens the host has not read yet."""
+
+    name: str  # family member
+    cfg: DecodeConfig
+    live: list[tuple[int, _Slot]]  # (slot index, its request) at dispatch
+    proposals: list[list[int]]  # n-gram proposal per slot
+    matched: list[int]  # n-gram matched suffix length per slot
+    chooser: object | None  # auto's TreeChooser for this warp
+    out: object  # StepOutput (device arrays)
+    start: float
 
 
 def _deliver(on_event: Callable[[Event], None], event: Event) -> None:

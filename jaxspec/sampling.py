@@ -7,6 +7,7 @@ SSMs' logits, so speculative sampling compares the distributions a user asked fo
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +53,25 @@ class WarpSpec:
         return cls(params.greedy, not params.greedy and params.top_k > 0, not params.greedy and params.top_p < 1.0)
 
 
+SAMPLED = WarpSpec(greedy=False)
+"""A batch of greedy and sampled rows that use temperature alone: no top-k / top-p stage compiled."""
 MIXED = WarpSpec(greedy=False, use_top_k=True, use_top_p=True)
-"""The warp of a batch mixing greedy and sampled rows: every stage compiled, each row's values decide."""
+"""A batch where some sampled row uses top-k or top-p: every stage compiled, each row's values decide."""
+BATCH_WARPS = (WarpSpec(), SAMPLED, MIXED)  # what a batch of rows can run (``batch_warp``)
+
+
+def batch_warp(rows: Sequence[SamplingParams]) -> WarpSpec:
+    """The cheapest of ``BATCH_WARPS`` that serves every row: greedy, temperature only, or every stage.
+
+    The top-k / top-p stages sort the vocabulary of every tree node of every row; a row that
+    does not ask for them keeps its exact distribution in either executable (its top-k is
+    the vocabulary size and its top-p 1, which keep every token as it is).
+    """
+    if all(p.greedy for p in rows):
+        return WarpSpec()
+    if any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in rows):
+        return MIXED
+    return SAMPLED
 
 
 def warp_arrays(params: SamplingParams, batch: int) -> dict[str, jax.Array]:

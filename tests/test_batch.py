@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -50,6 +51,23 @@ def test_batch_greedy_equals_one_request_at_a_time_without_recompiling(llm, mode
         assert sum(sum(g.step_tokens) for g in first) > sum(g.llm_steps for g in first)  # speculation accepted
 
 
+@pytest.mark.parametrize("mode", ["incremental", "tree"])
+def test_overlapped_iterations_keep_every_output(llm, mode):
+    """Iteration k+1 is dispatched before k's tokens are read: rows that stop (token limit, a stop id) in
+    k run one dropped iteration more, their slots serve the next requests, and every output equals the
+    request run alone."""
+    engine = Engine(llm) if mode == "incremental" else Engine(llm, [early_exit(llm, 1)], (1, 2, 1))
+    single = [engine.generate(p, 12).token_ids for p in PROMPTS]
+    stop_at = {1: single[1][4], 4: single[4][2]}  # these two end on a stop id mid-generation
+    requests = [Request(p, 12 - 2 * (k % 3), stop_ids=[stop_at[k]] if k in stop_at else None)
+                for k, p in enumerate(PROMPTS)]
+    want = [engine.generate(r.prompt_ids, r.max_new_tokens, stop_ids=r.stop_ids).token_ids for r in requests]
+    assert len(want[1]) <= 5 and len(want[4]) <= 3  # ended early, on the stop id
+    batch = BatchEngine(engine, max_batch=2, max_model_len=64, prefill_chunk=16)
+    assert [g.token_ids for g in batch.generate(requests)] == want
+    assert batch.overlapped >= batch.iterations // 2  # most iterations ran while the host read the last one
+
+
 def test_a_request_depends_on_its_own_seed_only(llm):
     engine = engines(llm)["tree"]
     batch = BatchEngine(engine, max_batch=3, max_model_len=64)
@@ -58,6 +76,10 @@ def test_a_request_depends_on_its_own_seed_only(llm):
     b = batch.generate([Request(PROMPTS[2], 10, sampling.SamplingParams(0.5, top_k=5, seed=9)),
                         Request(PROMPTS[3], 10), mine])
     assert a[0].token_ids == b[2].token_ids
+    # a temperature-only row samples the same tokens in a batch without the top-k/top-p stages as beside
+    # a top-p row (batch a), whose rows run every stage
+    alone = batch.generate([Request(PROMPTS[1], 10, sampling.SamplingParams(0.7, seed=1))])
+    assert alone[0].token_ids == a[1].token_ids
     # the greedy row of a mixed (greedy + sampled) batch is still exactly greedy
     assert b[1].token_ids == engine.generate(PROMPTS[3], 10).token_ids
     other = batch.generate([Request(PROMPTS[0], 10, sampling.SamplingParams(0.9, top_p=0.95, seed=4))])
@@ -159,9 +181,11 @@ def test_compilations_stay_at_warm_up_across_100_admissions(llm):
     engine = engines(llm)["tree"]
     batch = BatchEngine(engine, max_batch=4, max_model_len=48)
     rng = np.random.default_rng(0)
+    warps = [sampling.SamplingParams(), sampling.SamplingParams(0.8), sampling.SamplingParams(0.8, top_p=0.9)]
     make = lambda k: Request(rng.integers(1, 60, size=int(rng.integers(1, 30))).tolist(), int(rng.integers(1, 4)),
-                             sampling.SamplingParams(0.8, seed=k) if k % 3 else sampling.SamplingParams())  # noqa: E731
-    batch.generate([make(k) for k in range(8)])  # warm-up: greedy and mixed batches, every chunk shape
+                             dataclasses.replace(warps[k % 3], seed=k))  # noqa: E731
+    batch.warm()  # every batch warp (greedy, temperature only, top-k/top-p)
+    batch.generate([make(k) for k in range(8)])  # every prefill chunk shape
     compiled = engine.compilations
     gens = batch.generate([make(k) for k in range(100)])
     assert len(gens) == 100 and all(1 <= len(g.token_ids) <= 3 for g in gens)

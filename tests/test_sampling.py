@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxspec.engine import Engine
-from jaxspec.sampling import SamplingError, SamplingParams, WarpSpec, sample, warp_arrays, warped_probs
+from jaxspec.sampling import (MIXED, SAMPLED, SamplingError, SamplingParams, WarpSpec, batch_warp, row_values, sample,
+                              warp_arrays, warped_probs)
 
 
 def reference_warp(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
@@ -77,3 +78,22 @@ def test_same_seed_same_output(tiny_llm):
     c = engine.generate([1, 2, 3], 24, SamplingParams(temperature=1.0, seed=8)).token_ids
     assert a == b
     assert a != c
+
+
+def test_batch_warp_compiles_only_the_stages_some_row_needs():
+    """Greedy rows alone run greedy; temperature-only rows skip the sorting stages; any top-k/top-p row adds them."""
+    greedy, hot = SamplingParams(), SamplingParams(0.7)
+    assert batch_warp([greedy, greedy]) == WarpSpec()
+    assert batch_warp([greedy, hot]) == SAMPLED and not (SAMPLED.use_top_k or SAMPLED.use_top_p)
+    assert batch_warp([hot, SamplingParams(0.7, top_p=0.9)]) == MIXED
+    assert batch_warp([greedy, SamplingParams(0.7, top_k=5)]) == MIXED
+    assert batch_warp([SamplingParams(top_k=5), hot]) == SAMPLED  # a greedy row's top-k does nothing
+
+
+def test_a_row_without_top_k_or_top_p_has_the_same_distribution_under_mixed():
+    """Top-k = vocabulary and top-p = 1 keep every token exactly: the MIXED warp equals the SAMPLED one."""
+    logits = jax.random.normal(jax.random.PRNGKey(0), (3, 4, 50)) * 3  # [B, T, V]
+    rows = [SamplingParams(0.7), SamplingParams(), SamplingParams(1.3)]
+    values = jax.device_put(row_values(rows, 50))
+    np.testing.assert_array_equal(np.asarray(warped_probs(logits, SAMPLED, values)),
+                                  np.asarray(warped_probs(logits, MIXED, values)))
