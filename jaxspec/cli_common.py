@@ -163,6 +163,13 @@ def expansion_for(args, speculators: Sequence = ()) -> tuple[tuple[int, ...], ..
     return expansions
 
 
+def peak_host_gb() -> float:
+    """This process's peak resident memory so far (GB; Linux reports ru_maxrss in KiB)."""
+    import resource  # noqa: PLC0415
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def build_engine(args, log=None):
     """Loads the LLM and speculators named by the arguments and returns (engine, llm)."""
     from jaxspec.engine import Engine
@@ -174,7 +181,10 @@ def build_engine(args, log=None):
         from jaxspec.sharding import parse_mesh  # noqa: PLC0415
 
         mesh = parse_mesh(args.mesh)
-    llm = load_llm(args.model, args.dtype)
+    llm = load_llm(args.model, args.dtype, mesh=mesh)
+    if getattr(args, "verbose", False):
+        print(f"[jaxspec] loaded {llm.name}: peak host memory of this process {peak_host_gb():.2f} GB",
+              file=log or sys.stderr)
     ssms = load_ssms(speculator_specs(args), llm, args.dtype, getattr(args, "draft_vocab", None))
     expansion = expansion_for(args, ssms)
     if ssms:

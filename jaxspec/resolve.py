@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxspec.draft_vocab import read_counts, restrict
 from jaxspec.engine import LoadedModel, RequestError, early_exit
@@ -22,13 +23,23 @@ DEFAULT_POOL = Path(__file__).resolve().parent / "pools" / "smollm2_default"
 FALLBACK_SSM = "layers:4"
 
 
-def load_llm(path: str | None, dtype: str = "float32", with_tokenizer: bool = True) -> LoadedModel:
-    """Loads the LLM (default: the embedded SmolLM2-135M-Instruct GGUF) and its tokenizer."""
+def load_llm(path: str | None, dtype: str = "float32", with_tokenizer: bool = True,
+             mesh: Mesh | None = None) -> LoadedModel:
+    """Loads the LLM (default: the embedded SmolLM2-135M-Instruct GGUF) and its tokenizer.
+
+    With a ``mesh``, each tensor goes straight onto its shards as it is read (no device, and
+    no host, holds the whole model on the way).
+    """
     from models.loading import default_model_path, load_checkpoint  # noqa: PLC0415
     from models.tokenizer import load_tokenizer  # noqa: PLC0415
 
     path = path or default_model_path()
-    cfg, params = load_checkpoint(path, dtype)
+    place = None
+    if mesh is not None:
+        from jaxspec.sharding import placer  # noqa: PLC0415
+
+        place = placer(mesh, f"LLM {Path(path).name}")
+    cfg, params = load_checkpoint(path, dtype, place)
     tok = load_tokenizer(path) if with_tokenizer else None
     if tok is not None and not cfg.eos_token_ids and tok.eos_token_id is not None:
         cfg = cfg.replace(eos_token_ids=(int(tok.eos_token_id),))

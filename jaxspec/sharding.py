@@ -221,8 +221,9 @@ def param_shardings(params: dict, names: Mapping[str, Names], mesh: Mesh, what: 
 
 
 def put(x, sharding: NamedSharding) -> jax.Array:
-    """One array onto its sharding; a mesh spanning other processes is filled shard by shard."""
-    if sharding.is_fully_addressable:
+    """One array onto its sharding; a mesh spanning other processes is filled shard by shard from a
+    host array, or resharded from a global one (every process takes part)."""
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
         return jax.device_put(x, sharding)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
@@ -240,6 +241,25 @@ def place_params(params: dict, names: Mapping[str, Names], mesh: Mesh, what: str
     """``params`` placed on ``mesh`` by the rules (see ``param_shardings``)."""
     shardings = param_shardings(params, names, mesh, what)
     return jax.tree_util.tree_map(put, params, shardings)
+
+
+def placer(mesh: Mesh, what: str = "LLM") -> Callable[[ModelConfig], Callable[[str, np.ndarray], jax.Array]]:
+    """A loader's ``place`` (``models.loading.load_checkpoint``): each tensor of the scanned layout,
+    as it is read, straight onto its shards of ``mesh`` (a multi-process mesh takes only this
+    process's slices of it). The engine reports replicate fallbacks when it lays the model out."""
+
+    def for_config(cfg: ModelConfig) -> Callable[[str, np.ndarray], jax.Array]:
+        names = param_names(cfg)
+
+        def place(name: str, host: np.ndarray) -> jax.Array:
+            if name not in names:
+                raise ShardingRuleError(f"{what}: parameter {name!r} has no logical axis names, so no sharding "
+                                        f"rule matches it")
+            return put(host, sharding_for(names[name], host.shape, mesh, f"{what}: parameter {name!r}", []))
+
+        return place
+
+    return for_config
 
 
 # -- caches, decode state, activations ------------------------------------------------

@@ -373,8 +373,15 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
 # --------------------------------------------------------------------------- assembly
 
 
-def _assemble(cfg: ModelConfig, table, source: _Source, dtype: str, ignore: set[str]):
-    """Reads, transforms and stacks every tensor of ``table``; checks the tree against param_shapes."""
+Placer = Callable[[ModelConfig], Callable[[str, np.ndarray], jax.Array]]
+"""Given the checkpoint's config, a function putting one host tensor (flattened name, array) where it belongs."""
+
+
+def _assemble(cfg: ModelConfig, table, source: _Source, dtype: str, ignore: set[str], place: Placer | None = None):
+    """Reads, transforms and stacks every tensor of ``table``; checks the tree against param_shapes.
+
+    Each tensor leaves host memory before the next is read (``place``, else the default device).
+    """
     np_dtype = DTYPES[dtype]
     names = set(source.readers)
     wanted = {src.format(i=i) for src, _ in table.values() for i in range(cfg.num_layers if "{i}" in src else 1)}
@@ -387,6 +394,7 @@ def _assemble(cfg: ModelConfig, table, source: _Source, dtype: str, ignore: set[
         more = f" (+{len(unused) - 5} more)" if len(unused) > 5 else ""
         raise CheckpointError(f"checkpoint has tensors this config does not use: {', '.join(unused[:5])}{more}: "
                               f"{source.path}")
+    put = place(cfg) if place is not None else (lambda _, host: jnp.asarray(host))
     flat = {}
     for ours, (src, transform) in table.items():
         if "{i}" in src:
@@ -401,7 +409,7 @@ def _assemble(cfg: ModelConfig, table, source: _Source, dtype: str, ignore: set[
                 out[i] = layer
         else:
             out = np.ascontiguousarray(transform(source.read(src)), dtype=np_dtype)
-        flat[ours] = jnp.asarray(out)
+        flat[ours] = put(ours, out)
         del out
     return _check_tree(cfg, flat, source.path)
 
@@ -445,7 +453,7 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def _load_hf_dir(directory: Path, dtype: str):
+def _load_hf_dir(directory: Path, dtype: str, place: Placer | None = None):
     cfg = _hf_config(directory)
     readers: dict[str, Callable[[], np.ndarray]] = {}
     for file in _weight_files(directory):
@@ -453,7 +461,7 @@ def _load_hf_dir(directory: Path, dtype: str):
         readers.update({_normalise(k): v for k, v in file_readers.items()})
     table = _opt_hf_table(cfg) if cfg.arch == "opt" else _llama_hf_table(cfg)
     ignore = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    return cfg, _assemble(cfg, table, _Source(directory, readers), dtype, ignore)
+    return cfg, _assemble(cfg, table, _Source(directory, readers), dtype, ignore, place)
 
 
 def _gguf_reader(path: Path):
@@ -477,7 +485,7 @@ def _gguf_reader(path: Path):
     return Reader(path)
 
 
-def _load_gguf(path: Path, dtype: str):
+def _load_gguf(path: Path, dtype: str, place: Placer | None = None):
     from gguf.quants import dequantize
 
     try:
@@ -486,14 +494,18 @@ def _load_gguf(path: Path, dtype: str):
         raise CheckpointError(f"cannot read GGUF file, truncated or corrupt? ({_short(e)}): {path}") from e
     cfg = _gguf_config(reader, path)
     readers = {t.name: (lambda t=t: dequantize(t.data, t.tensor_type)) for t in reader.tensors}
-    return cfg, _assemble(cfg, _gguf_table(cfg), _Source(path, readers), dtype, set())
+    return cfg, _assemble(cfg, _gguf_table(cfg), _Source(path, readers), dtype, set(), place)
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+def load_checkpoint(path: str | os.PathLike, dtype: str = "float32",
+                    place: Placer | None = None) -> tuple[ModelConfig, dict]:
     """Loads a HF directory (llama, qwen2, mistral, opt) or a .gguf file (llama, qwen2).
 
     Returns ``(cfg, params)`` with params in the tree of ``param_shapes(cfg)``, as jax arrays
     of ``dtype`` ("float32" or "bfloat16"). Raises ``CheckpointError`` on any bad input.
+    Tensors are read one at a time; ``place`` puts each straight where it belongs (e.g. its
+    shards on a mesh: ``jaxspec.sharding.placer``), so neither the host nor any one device
+    holds the whole model on the way.
     """
     if dtype not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)}): {path}")
@@ -502,13 +514,13 @@ def load_checkpoint(path: str | os.PathLike, dtype: str = "float32") -> tuple[Mo
         raise CheckpointError(f"checkpoint not found: {p}")
     try:
         if p.is_dir():
-            return _load_hf_dir(p, dtype)
+            return _load_hf_dir(p, dtype, place)
         with open(p, "rb") as f:
             magic = f.read(4)
         if p.suffix == ".gguf" or magic == b"GGUF":
             if magic != b"GGUF":
                 raise CheckpointError(f"not a GGUF file (bad magic {magic!r}): {p}")
-            return _load_gguf(p, dtype)
+            return _load_gguf(p, dtype, place)
     except OSError as e:  # unreadable file or directory
         raise CheckpointError(f"cannot read checkpoint ({_short(e)}): {p}") from e
     raise CheckpointError(f"not a checkpoint (expected a Hugging Face directory or a .gguf file): {p}")

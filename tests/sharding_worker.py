@@ -197,6 +197,24 @@ def errors() -> dict:
     return out
 
 
+def load_into_shards() -> dict:
+    """The default GGUF loaded straight onto tensor=2 (``sharding.placer``) vs loaded plainly."""
+    from jaxspec.resolve import load_llm
+    from models.loading import flatten
+
+    mesh = mesh_of("tensor=2")
+    plain = flatten(load_llm(None, "float32", with_tokenizer=False).params)
+    placed = flatten(load_llm(None, "float32", with_tokenizer=False, mesh=mesh).params)
+    want = sharding.param_names(load_llm(None, "float32", with_tokenizer=False).cfg)
+    out = {"equal": sorted(k for k in plain if np.array_equal(np.asarray(plain[k]), np.asarray(placed[k]))),
+           "names": sorted(plain), "specs": {}, "shards": {}}
+    for k, leaf in placed.items():
+        expected = sharding.sharding_for(want[k], leaf.shape, mesh, k, [])
+        out["specs"][k] = leaf.sharding.is_equivalent_to(expected, leaf.ndim)
+        out["shards"][k] = [list(leaf.shape), [list(x.data.shape) for x in leaf.addressable_shards]]
+    return out
+
+
 def default_model() -> dict:
     """The embedded SmolLM2-135M (9 / 3 heads) under tensor=2: replicate fallback, same greedy output."""
     from conftest import dev_prompts
@@ -220,6 +238,7 @@ GROUPS = {
         "pool": lambda: data_parallel_pool(("data=2",)),
         "fallback": fallback,
         "errors": errors,
+        "load": load_into_shards,
     },
     "slow": {
         "tp_llama_2": lambda: tensor_parallel("llama", "tensor=2", ("incremental", "mss")),

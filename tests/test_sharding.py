@@ -197,6 +197,17 @@ def test_heads_not_dividing_the_tensor_axis_fall_back_to_replication_once(defaul
     assert shards == [split(shape, 0, 2)] * 2
 
 
+def test_checkpoint_loads_straight_into_its_shards(default_checks):
+    """load_llm(mesh=...) puts each tensor on its rule's sharding as it is read; values equal a plain load."""
+    r = check(default_checks, "load")
+    assert r["equal"] == r["names"] and len(r["names"]) > 10
+    assert all(r["specs"].values()), [k for k, ok in r["specs"].items() if not ok]
+    shape, shards = r["shards"]["layers/mlp/up/kernel"]  # [L, D, F]: F = 1536 split over tensor=2
+    assert shards == [[shape[0], shape[1], shape[2] // 2]] * 2
+    shape, shards = r["shards"]["layers/attn/q/kernel"]  # 9 heads do not divide 2: replicated
+    assert shards == [shape] * 2
+
+
 def test_worker_errors_are_clear_value_errors(default_checks):
     r = check(default_checks, "errors")
     assert r["unnamed_parameter"]["raised"] == "ShardingRuleError" and "'extra/kernel'" in \
