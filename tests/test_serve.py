@@ -326,7 +326,11 @@ def test_full_queue_is_429(server):
         for s in streams:
             s.close()
     assert counter(server.metrics(), "jaxspec_requests_total", outcome="queue_full") >= 1
-    wait_for(lambda: server.metrics()[("jaxspec_active_slots", ())] == 0, "slots freed after closed streams")
+    def drained() -> bool:  # the closed stream's choices cancelled: none running, none waiting
+        m = server.metrics()
+        return m[("jaxspec_active_slots", ())] == 0 and m[("jaxspec_queue_depth", ())] == 0
+
+    wait_for(drained, "slots and queue freed after closed streams")
     assert complete(server, "Hello", 4, temperature=0).choices[0].text is not None
 
 
