@@ -18,8 +18,8 @@ to every call, so requests come and go without a recompilation (the JetStream / 
 Greedy and sampled requests share one executable (a greedy row is a one-hot distribution,
 which multi-step speculative sampling verifies exactly as argmax); each iteration runs the
 cheapest warp its rows need (``sampling.batch_warp``: greedy alone, temperature only, or
-with the top-k / top-p stages, which sort the vocabulary at every tree node). A request's output depends on
-its own seed only: each slot draws from its own key.
+with the top-k / top-p stages, which sort the vocabulary at every tree node). A request's
+output depends on its own seed only: each slot draws from its own key.
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import ngram, sampling
+from jaxspec.auto import TreeChooser
 from jaxspec.distributed import fetch
 from jaxspec.engine import Engine, Generation, RequestError, _check_fits
 from jaxspec.sharding import pinned
-from jaxspec.step import DecodeConfig, insert_row, prefill_row, set_inactive
+from jaxspec.step import DecodeConfig, StepOutput, insert_row, prefill_row, set_inactive
 
 PREFILL_BUCKETS = (16, 64, 256)  # chunk shapes a prompt is fed in (one executable each)
 DEFAULT_MAX_MODEL_LEN = 1024  # every slot's cache holds this many tokens; attention reads all of them
@@ -148,6 +149,7 @@ class BatchEngine:
         # Every write fits by construction: a slot holds < max_model_len committed tokens
         # before a step that writes num_nodes more; a prefill chunk ends within a bucket.
         self.capacity = max_model_len + max(worst.num_nodes + worst.max_emit, self.buckets[-1])
+        self._max_emit = worst.max_emit  # most tokens one iteration commits per row (any family member)
         self.vocab = engine.llm.cfg.vocab_size
         self.state = engine.init_state(max_batch, self.capacity, sampling.MIXED, active=False)
         self.staging_state = engine.init_state(1, self.capacity, sampling.MIXED, active=False)
@@ -451,25 +453,23 @@ class BatchEngine:
         finished in the iteration being read runs one iteration more, whose tokens are
         dropped (its slot is retired, or already serves another request).
         """
-        overlap = self._pending is not None and self._may_overlap()
-        if self._pending is not None and not overlap:
-            self._process(self._pending)
-            self._pending = None
-        if not self.active_slots():
-            self._pending = None
-            return
-        nxt = self._dispatch(stale=overlap)
-        if nxt is None:  # the choice needs the n-gram's proposal, i.e. the tokens in flight: read them first
-            self._process(self._pending)
-            self._pending = None
-            if not self.active_slots():
-                return
-            nxt = self._dispatch(stale=False)
-        else:
-            self.overlapped += overlap
+        if self._pending is not None and not self._may_overlap():
+            self._read_pending()
+        nxt = None
+        if self.active_slots():
+            nxt = self._dispatch(stale=self._pending is not None)
+            if nxt is None:  # the pick drafts with the n-gram: its proposal needs the tokens in flight
+                self._read_pending()
+                nxt = self._dispatch(stale=False) if self.active_slots() else None
+            elif self._pending is not None:
+                self.overlapped += 1
         if self._pending is not None:
-            self._process(self._pending)
+            self._read_pending()
         self._pending = nxt
+
+    def _read_pending(self) -> None:
+        it, self._pending = self._pending, None
+        self._process(it)
 
     def _may_overlap(self) -> bool:
         """Whether some live row may still run after the iteration in flight (each emits at least one token)."""
@@ -496,7 +496,7 @@ class BatchEngine:
         cfg = family[name]
         if stale and cfg.ngram_depth:
             return None
-        ahead = e._worst().max_emit if stale else 0  # tokens the iteration in flight may still commit
+        ahead = self._max_emit if stale else 0  # tokens the iteration in flight may still commit
         for _, s in live:
             _check_fits(s.committed + ahead + cfg.num_nodes, self.capacity, "a decoding step")
         if any(proposals) or self._no_proposal is None:
@@ -550,9 +550,9 @@ class _InFlight:
     live: list[tuple[int, _Slot]]  # (slot index, its request) at dispatch
     proposals: list[list[int]]  # n-gram proposal per slot
     matched: list[int]  # n-gram matched suffix length per slot
-    chooser: object | None  # auto's TreeChooser for this warp
-    out: object  # StepOutput (device arrays)
-    start: float
+    chooser: TreeChooser | None  # auto's chooser for this warp
+    out: StepOutput  # device arrays, not read yet
+    start: float  # perf_counter at dispatch
 
 
 def _deliver(on_event: Callable[[Event], None], event: Event) -> None:

@@ -203,9 +203,10 @@ def load_into_shards() -> dict:
     from models.loading import flatten
 
     mesh = mesh_of("tensor=2")
-    plain = flatten(load_llm(None, "float32", with_tokenizer=False).params)
+    llm = load_llm(None, "float32", with_tokenizer=False)
+    plain = flatten(llm.params)
     placed = flatten(load_llm(None, "float32", with_tokenizer=False, mesh=mesh).params)
-    want = sharding.param_names(load_llm(None, "float32", with_tokenizer=False).cfg)
+    want = sharding.param_names(llm.cfg)
     out = {"equal": sorted(k for k in plain if np.array_equal(np.asarray(plain[k]), np.asarray(placed[k]))),
            "names": sorted(plain), "specs": {}, "shards": {}}
     for k, leaf in placed.items():
