@@ -26,6 +26,7 @@ from jaxspec.step import DecodeConfig, DecodeState, SSMGroup, decode_step, prefi
 from jaxspec.tree import DynamicTree, expansion_topology
 from models.config import ModelConfig
 from models.pipeline import make_pipeline_forward, pipe_size, stacked_layout, stacked_names
+from models.drafter import make_drafter_forward
 from models.transformer import Forward, KVCache, make_forward, decoding_layout
 
 CAPACITY_BUCKETS = tuple(256 * 2**i for i in range(9))  # 256 … 65536 slots
@@ -46,9 +47,15 @@ class LoadedModel:
     dtype: jnp.dtype = jnp.float32
     tokenizer: object | None = None
     draft_vocab: int = 0  # > 0: a drafting SSM whose params carry a reduced head (``jaxspec.draft_vocab``)
+    features: bool = False  # a feature drafter (``models.drafter``): reads the LLM's states, not a Transformer
 
     @property
     def forward(self) -> Forward:
+        if self.features:
+            key = ("drafter", self.cfg, jnp.dtype(self.dtype), self.draft_vocab)
+            if key not in _FORWARDS:
+                _FORWARDS[key] = make_drafter_forward(self.cfg, jnp.dtype(self.dtype), self.draft_vocab)
+            return _FORWARDS[key]
         return _forward_for(self.cfg, jnp.dtype(self.dtype), draft_vocab=self.draft_vocab)
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from models import axes
-from models.config import ModelConfig
+from models.config import ModelConfig, ModelConfigError
 from models.layers import MLP, Attention, Dense, LayerNorm, RMSNorm, tall_dot, transpose_kernel
 
 OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
@@ -99,6 +99,7 @@ class Transformer(nn.Module):
     unrolled: bool = False
     layer_stack: Callable | None = None  # runs the stacked ``layers`` instead (models.pipeline, jaxspec.offload)
     draft_vocab: int = 0  # > 0: logits over a reduced vocabulary (``with_draft_head``), -inf elsewhere
+    hidden: bool = False  # also return the final-norm hidden states of every token (a feature drafter reads them)
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache, mask, select=None):
@@ -149,9 +150,17 @@ class Transformer(nn.Module):
             x, (k_new, v_new) = blocks(x, cache.k, cache.v, positions, mask, cache.length)  # [L, B, T, K, H]
         if self.layer_stack is None:
             cache = write_kv(cache, k_new, v_new)
+        features = None
+        if self.hidden:
+            if cfg.arch == "opt":
+                raise ModelConfigError("feature drafters read LLaMA/Qwen-style final-norm states; OPT is not supported")
+            x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
+            features = x  # [B, T, D] every token's, before ``select``
         if select is not None:
             x = jnp.take_along_axis(x, select[:, :, None], axis=1)  # [B, T', D]
-        if cfg.arch == "opt":
+        if self.hidden:
+            pass  # already normed above, over every token
+        elif cfg.arch == "opt":
             if cfg.final_layer_norm:
                 x = LayerNorm(1e-5, self.dtype, name="final_norm")(x)
             if cfg.proj_dim != cfg.hidden_size:
@@ -159,36 +168,52 @@ class Transformer(nn.Module):
                           self.unrolled, name="project_out")(x)
         else:
             x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
-        if self.draft_vocab:
-            # A drafting SSM scores only its draft vocabulary: the head is most of a small
-            # model's work. Other tokens get -inf, i.e. draft probability 0 (MSS stays exact).
-            head = self.param("draft_head", nn.initializers.normal(0.02), (self.draft_vocab, x.shape[-1]))
-            ids = self.param("draft_ids", lambda _, shape: jnp.arange(shape[0], dtype=jnp.int32), (self.draft_vocab,))
-            small = jax.lax.dot_general(x, head.astype(self.dtype), (((2,), (1,)), ((), ())))  # [B, T, V']
-            logits = jnp.full(small.shape[:2] + (cfg.vocab_size,), -jnp.inf, small.dtype)
-            logits = logits.at[:, :, ids].set(small, mode="promise_in_bounds", unique_indices=True)  # [B, T, V]
-        elif cfg.tie_word_embeddings and self.unrolled:
-            logits = tall_dot(x, embed.embedding, 1)  # [B, T, V]: the [V, D] table is output-major already
-        elif cfg.tie_word_embeddings:
-            # [B, T, V]: contract D against the [V, D] table as stored (``attend`` transposes it,
-            # which XLA's CPU backend materialises: a full copy of the table per call).
-            logits = jax.lax.dot_general(x, embed.embedding.astype(self.dtype), (((2,), (1,)), ((), ())))
-        else:
-            logits = Dense((x.shape[-1],), (cfg.vocab_size,), (axes.EMBED,), (axes.VOCAB,), False, self.dtype,
-                           self.unrolled, name="lm_head")(x)
-        return logits.astype(jnp.float32), cache
+        logits = output_head(self, cfg, x, embed.embedding, self.draft_vocab, self.unrolled)
+        if self.hidden:
+            return logits, cache, features
+        return logits, cache
+
+
+def output_head(module: nn.Module, cfg: ModelConfig, x: jax.Array, embedding: jax.Array, draft_vocab: int,
+                unrolled: bool) -> jax.Array:
+    """The LM head of ``module`` on final states x [B, T, D]: tied, untied, or a draft vocabulary's. [B, T, V] f32
+
+    Call it inside ``module``'s compact method: its parameters (``lm_head``, ``draft_head``)
+    belong to ``module``.
+    """
+    dtype = x.dtype
+    if draft_vocab:
+        # A drafting SSM scores only its draft vocabulary: the head is most of a small
+        # model's work. Other tokens get -inf, i.e. draft probability 0 (MSS stays exact).
+        head = module.param("draft_head", nn.initializers.normal(0.02), (draft_vocab, x.shape[-1]))
+        ids = module.param("draft_ids", lambda _, shape: jnp.arange(shape[0], dtype=jnp.int32), (draft_vocab,))
+        small = jax.lax.dot_general(x, head.astype(dtype), (((2,), (1,)), ((), ())))  # [B, T, V']
+        logits = jnp.full(small.shape[:2] + (cfg.vocab_size,), -jnp.inf, small.dtype)
+        logits = logits.at[:, :, ids].set(small, mode="promise_in_bounds", unique_indices=True)  # [B, T, V]
+    elif cfg.tie_word_embeddings and unrolled:
+        logits = tall_dot(x, embedding, 1)  # [B, T, V]: the [V, D] table is output-major already
+    elif cfg.tie_word_embeddings:
+        # [B, T, V]: contract D against the [V, D] table as stored (``attend`` transposes it,
+        # which XLA's CPU backend materialises: a full copy of the table per call).
+        logits = jax.lax.dot_general(x, embedding.astype(dtype), (((2,), (1,)), ((), ())))
+    else:
+        logits = Dense((x.shape[-1],), (cfg.vocab_size,), (axes.EMBED,), (axes.VOCAB,), False, dtype,
+                       unrolled, name="lm_head", parent=module)(x)
+    return logits.astype(jnp.float32)
 
 
 Forward = Callable[..., tuple[jax.Array, KVCache]]
 
 
-def make_forward(cfg: ModelConfig, dtype=jnp.float32, unrolled: bool = False, draft_vocab: int = 0) -> Forward:
+def make_forward(cfg: ModelConfig, dtype=jnp.float32, unrolled: bool = False, draft_vocab: int = 0,
+                 hidden: bool = False) -> Forward:
     """Returns ``forward(params, tokens, positions, cache, mask, select=None) -> (logits, cache)``.
 
     ``unrolled`` takes ``decoding_layout(params)`` and loops over the layers in the graph;
-    ``draft_vocab`` takes ``with_draft_head(params, ...)`` and scores only those tokens.
+    ``draft_vocab`` takes ``with_draft_head(params, ...)`` and scores only those tokens;
+    ``hidden`` returns ``(logits, cache, features [B, T, D])``, every token's final-norm state.
     """
-    model = Transformer(cfg, dtype, unrolled, draft_vocab=draft_vocab)
+    model = Transformer(cfg, dtype, unrolled, draft_vocab=draft_vocab, hidden=hidden)
 
     def forward(params, tokens, positions, cache, mask, select=None):
         return model.apply({"params": params}, tokens, positions, cache, mask, select)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from training.config import ConfigError, RunConfig, load_config
 
 DESCRIPTION = "Boost-tune a pool of SSMs against an LLM (SpecInfer adaptive boosting); rerun to resume."
+DRAFTER_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "drafter" / "smollm2_default.yaml"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "boost" / "smollm2_default.yaml"
 
 
@@ -51,7 +52,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=DESCRIPTION)
     _arguments(p)
     p.set_defaults(func=run)
+    d = subparsers.add_parser("train-drafter", help="train a feature drafter (EAGLE-style) against an LLM",
+                              description="Trains a one-layer drafter that reads the LLM's hidden states "
+                                          "(resumable: rerun the same command to continue).")
+    d.add_argument("--config", default=str(DRAFTER_CONFIG), help="YAML run config (configs/drafter/*.yaml)")
+    d.add_argument("--out", default=None, help="run directory (overrides the config's `out`)")
+    d.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=100")
+    d.set_defaults(func=run_drafter)
     return p
+
+
+def run_drafter(args: argparse.Namespace) -> int:
+    """``jaxspec train-drafter``: trains (or resumes) a drafter and prints where it was written."""
+    from training.drafter import DrafterConfig, train_drafter
+
+    try:
+        cfg = DrafterConfig.load(args.config, list(args.overrides) + ([f"out={args.out}"] if args.out else []))
+    except (ValueError, TypeError, OSError) as e:
+        print(f"jaxspec train-drafter: {e}", file=sys.stderr)
+        return 2
+    print(f"drafter written to {train_drafter(cfg)}")
+    return 0
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,117 @@
+"""The feature-drafter format and its reader: a directory the engine serves without the trainer.
+
+A drafter directory holds ``drafter.json`` (format, the drafter's ModelConfig, the LLM it was
+trained against: vocabulary size and tokenizer digest, its default draft vocabulary, the run),
+``drafter.safetensors`` (its own tensors: ``fc`` and ``layer_0``; the embedding and head are
+the LLM's, taken at load time) and ``token_counts.safetensors`` (the LLM's greedy tokens seen
+in training, which pick the draft vocabulary). ``training.drafter`` writes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.draft_vocab import frequent_ids, read_counts, write_counts
+from jaxspec.engine import LoadedModel
+from jaxspec.pool import DTYPES, PoolError, check_llm, config_from_dict, config_to_dict
+from models.config import ModelConfig
+from models.drafter import OWN, FeatureDrafter
+from models.loading import flatten, unflatten
+from models.transformer import KVCache, with_draft_head
+
+MANIFEST = "drafter.json"
+WEIGHTS = "drafter.safetensors"
+FORMAT = 1
+
+
+def is_drafter(path: str | Path) -> bool:
+    """Whether ``path`` is a feature-drafter directory."""
+    return (Path(path).expanduser() / MANIFEST).is_file()
+
+
+def save_drafter(directory: str | Path, cfg: ModelConfig, own: dict, llm_identity: dict, counts: np.ndarray,
+                 draft_vocab: int, run: dict, dtype: str = "bfloat16") -> Path:
+    """Writes a drafter directory from its own parameters (``fc``, ``layer_0``)."""
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    flat = {k: np.asarray(jnp.asarray(v, DTYPES[dtype]).astype(jnp.float32) if dtype == "float32" else
+                          jnp.asarray(v, DTYPES[dtype]).view(jnp.uint16)) for k, v in flatten(own).items()}
+    save_file(flat, str(d / WEIGHTS))
+    write_counts(d, counts)
+    manifest = {"format": FORMAT, "kind": "feature", "dtype": dtype, "config": config_to_dict(cfg),
+                "llm": llm_identity, "draft_vocab": int(draft_vocab), "file": WEIGHTS, "run": run}
+    (d / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+    return d
+
+
+def read_drafter_manifest(path: str | Path) -> dict:
+    p = Path(path).expanduser()
+    if not (p / MANIFEST).is_file():
+        raise PoolError(f"not a feature drafter (no {MANIFEST}): {p}")
+    try:
+        manifest = json.loads((p / MANIFEST).read_text())
+    except json.JSONDecodeError as e:
+        raise PoolError(f"{p / MANIFEST} is not valid JSON ({e.msg})") from e
+    if manifest.get("format") != FORMAT or manifest.get("kind") != "feature":
+        raise PoolError(f"{p / MANIFEST}: unsupported drafter format")
+    return manifest
+
+
+def load_drafter(path: str | Path, llm: LoadedModel, dtype: str = "float32",
+                 draft_vocab: int | None = None) -> LoadedModel:
+    """The drafter at ``path`` on this LLM's embedding/head, as a ``LoadedModel`` with ``features=True``.
+
+    ``draft_vocab``: score that many of the most frequent tokens (0: the full vocabulary;
+    None: the drafter's own default). Refuses (VocabularyMismatch) a drafter trained for
+    another vocabulary, and a drafter whose width is not the LLM's.
+    """
+    from safetensors.numpy import load_file  # noqa: PLC0415
+
+    p = Path(path).expanduser()
+    manifest = read_drafter_manifest(p)
+    check_llm(manifest, llm, str(p))
+    cfg = config_from_dict(manifest["config"])
+    if (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) != (
+            llm.cfg.hidden_size, llm.cfg.num_heads, llm.cfg.num_kv_heads, llm.cfg.head_dim):
+        raise PoolError(f"drafter {p} was trained for an LLM of width {cfg.hidden_size}, "
+                        f"not {llm.name!r} (width {llm.cfg.hidden_size})")
+    if not (p / manifest["file"]).is_file():
+        raise PoolError(f"drafter {p}: {manifest['file']} is missing")
+    raw = load_file(str(p / manifest["file"]))
+    stored = manifest.get("dtype", "float32")
+    flat = {k: (jnp.asarray(v).view(jnp.bfloat16) if stored == "bfloat16" else jnp.asarray(v)).astype(DTYPES[dtype])
+            for k, v in raw.items()}
+    own = unflatten(flat)
+    expected = {k: v for k, v in flatten(_shapes(cfg)).items() if k.split("/")[0] in OWN}
+    if set(flat) != set(expected) or any(tuple(flat[k].shape) != tuple(expected[k].shape) for k in expected):
+        raise PoolError(f"drafter {p}: its tensors do not match its config")
+    params = {**own, "embed": {"embedding": jnp.asarray(llm.params["embed"]["embedding"], DTYPES[dtype])}}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = {"kernel": jnp.asarray(llm.params["lm_head"]["kernel"], DTYPES[dtype])}
+    size = manifest.get("draft_vocab", 0) if draft_vocab is None else draft_vocab
+    if size and size < cfg.vocab_size:
+        ids = jnp.asarray(frequent_ids(read_counts(p), size, cfg.vocab_size))
+        params = with_draft_head(params, cfg, ids)
+    else:
+        size = 0
+    return dataclasses.replace(LoadedModel(f"{p.name}", cfg, params, DTYPES[dtype], llm.tokenizer, size),
+                               features=True)
+
+
+def _shapes(cfg: ModelConfig) -> dict:
+    import jax  # noqa: PLC0415
+
+    model = FeatureDrafter(cfg)
+    cache = KVCache.create(cfg, 1, 4)
+    tok = jnp.zeros((1, 1), jnp.int32)
+    from flax import linen as nn  # noqa: PLC0415
+
+    return jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), tok, jnp.zeros(
+        (1, 1, cfg.hidden_size)), tok, cache, jnp.ones((1, 1, 4), bool))["params"]))
