@@ -62,10 +62,11 @@ class LoadedModel:
 _FORWARDS: dict = {}
 
 
-def _forward_for(cfg: ModelConfig, dtype, unrolled: bool = False, draft_vocab: int = 0) -> Forward:
-    key = (cfg, dtype, unrolled, draft_vocab)
+def _forward_for(cfg: ModelConfig, dtype, unrolled: bool = False, draft_vocab: int = 0,
+                 hidden: bool = False) -> Forward:
+    key = (cfg, dtype, unrolled, draft_vocab, hidden)
     if key not in _FORWARDS:
-        _FORWARDS[key] = make_forward(cfg, dtype, unrolled, draft_vocab)
+        _FORWARDS[key] = make_forward(cfg, dtype, unrolled, draft_vocab, hidden)
     return _FORWARDS[key]
 
 
@@ -141,10 +142,16 @@ class Engine:
         models = [(s, e) for s, e in zip(ssms, expansions) if not isinstance(s, NGramSpeculator)]
         for ssm, _ in models:
             check_vocab(llm, ssm)
+            if ssm.features and ssm.cfg.hidden_size != llm.cfg.hidden_size:
+                raise VocabularyMismatch(f"feature drafter {ssm.name!r} reads states of width {ssm.cfg.hidden_size} "
+                                         f"but the LLM {llm.name!r} has {llm.cfg.hidden_size}")
         self.llm = llm
         self.unroll = unroll
         self._llm_params = decoding_layout(llm.params) if unroll else llm.params
-        self._llm_forward = _forward_for(llm.cfg, jnp.dtype(llm.dtype), unroll)
+        self.features = any(getattr(s, "features", False) for s in ssms)  # a feature drafter reads the LLM's states
+        if self.features and (mesh is not None or offload):
+            raise RequestError("feature drafters run on one device for now: drop --mesh/--offload or the drafter")
+        self._llm_forward = _forward_for(llm.cfg, jnp.dtype(llm.dtype), unroll, hidden=self.features)
         self.ngram = ngrams[0] if ngrams else None
         ngram_expansion = next((e for s, e in zip(ssms, expansions) if s is self.ngram), ())
         if isinstance(ngram_expansion, DynamicTree):
@@ -164,7 +171,7 @@ class Engine:
         self._no_proposal: tuple[jax.Array, jax.Array] | None = None
         self._warmed: set = set()  # (warp, capacity) whose family is compiled
         self.groups = (ssm_groups(self.ssms, self.topologies) if batch_ssms
-                       else tuple(SSMGroup((j,)) for j in range(len(self.ssms))))
+                       else tuple(SSMGroup((j,), (), self.ssms[j].features) for j in range(len(self.ssms))))
         self._group_params = tuple(stack_params([self.ssms[j].params for j in g.members], g.shared)
                                    for g in self.groups)
         self.mesh = mesh
@@ -400,6 +407,7 @@ class Engine:
                     key=jax.vmap(jax.random.PRNGKey)(seeds),
                     values=values,
                     active=active,
+                    features=(jnp.zeros((batch, capacity, self.llm.cfg.hidden_size), dt) if self.features else None),
                 )
 
             self._compiled[key] = jax.jit(init)
@@ -561,12 +569,12 @@ def ssm_groups(ssms: Sequence[LoadedModel], topologies: Sequence) -> tuple[SSMGr
 
     buckets: dict = {}
     for j, (s, t) in enumerate(zip(ssms, topologies)):
-        buckets.setdefault((s.cfg, jnp.dtype(s.dtype), s.draft_vocab, t), []).append(j)
+        buckets.setdefault((s.cfg, jnp.dtype(s.dtype), s.draft_vocab, s.features, t), []).append(j)
     groups = []
     for members in sorted(buckets.values()):
         flats = [flatten(ssms[j].params) for j in members]
         shared = tuple(k for k in flats[0] if len(members) > 1 and all(f[k] is flats[0][k] for f in flats))
-        groups.append(SSMGroup(tuple(members), shared))
+        groups.append(SSMGroup(tuple(members), shared, ssms[members[0]].features))
     return tuple(groups)
 
 

@@ -1,8 +1,9 @@
 """Turns command-line model specs into LoadedModels: the LLM path and every ``--ssm`` spec.
 
 SSM specs: ``ngram[:N]`` (prompt lookup), ``layers:N`` (early exit from the LLM's first N layers), ``pool:PATH`` (every
-SSM of a boost-tuned pool), ``default`` (the shipped pool, else ``layers:4``), or a path
-to a checkpoint (HF directory or GGUF) sharing the LLM's tokenizer.
+SSM of a boost-tuned pool), ``drafter:PATH`` (a feature drafter, ``jaxspec.drafter_io``; ``drafter`` alone: the
+shipped one), ``default`` (the shipped pool, else ``layers:4``), or a path to a drafter directory or a checkpoint
+(HF directory or GGUF) sharing the LLM's tokenizer.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxspec.draft_vocab import read_counts, restrict
+from jaxspec.drafter_io import is_drafter, load_drafter
 from jaxspec.engine import LoadedModel, RequestError, early_exit
 from jaxspec.ngram import NGramSpeculator
 from jaxspec.pool import load_pool, read_manifest
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DEFAULT_POOL = Path(__file__).resolve().parent / "pools" / "smollm2_default"
+DEFAULT_DRAFTER = Path(__file__).resolve().parent / "pools" / "smollm2_drafter"
 FALLBACK_SSM = "layers:4"
 
 
@@ -72,8 +75,13 @@ def load_ssms(specs: Sequence[str], llm: LoadedModel, dtype: str = "float32",
     for spec in specs:
         if spec == "default":
             spec = default_ssm_spec()
+        if spec == "drafter":
+            spec = f"drafter:{DEFAULT_DRAFTER}"
         if spec == "ngram" or spec.startswith("ngram:"):
             out.append(ngram_speculator(spec))
+        elif spec.startswith("drafter:") or is_drafter(spec):
+            out.append(load_drafter(spec.split(":", 1)[1] if spec.startswith("drafter:") else spec, llm, dtype,
+                                    draft_vocab))
         elif spec.startswith("layers:"):
             try:
                 n = int(spec.split(":", 1)[1])

@@ -56,6 +56,22 @@ class LevelTables:
         return cls(fed, child, child_parent, child_rank)
 
 
+def call(forward, params, toks, feats, positions, cache: KVCache, mask, select=None):
+    """(logits, cache, states or None): a feature drafter reads feats [B, T, D]; an SSM has none."""
+    if feats is None:
+        logits, cache = forward(params, toks, positions, cache, mask, select)
+        return logits, cache, None
+    return forward(params, toks, feats, positions, cache, mask, select)
+
+
+def previous_features(features: jax.Array | None, idx: jax.Array) -> jax.Array | None:
+    """f_{p-1} for slots idx [B, W] from the LLM's states features [B, S, D] (zeros at p = 0)."""
+    if features is None:
+        return None
+    prev = jnp.take_along_axis(features, jnp.clip(idx - 1, 0, features.shape[1] - 1)[:, :, None], axis=1)
+    return jnp.where((idx > 0)[:, :, None], prev, 0).astype(features.dtype)  # [B, W, D]
+
+
 def propose(key: jax.Array, logits: jax.Array, k: int, spec: sampling.WarpSpec, values) -> tuple[jax.Array, jax.Array]:
     """k children per row of logits [B, W, V]: top-k (greedy) or k i.i.d. warped draws.
 
@@ -69,12 +85,13 @@ def propose(key: jax.Array, logits: jax.Array, k: int, spec: sampling.WarpSpec, 
 
 
 def catch_up(forward: Forward, params, cache: KVCache, history: jax.Array, length: jax.Array,
-             window: int) -> KVCache:
+             window: int, features: jax.Array | None = None) -> KVCache:
     """Feeds the committed tokens the SSM cache lacks until at most ``window`` are missing.
 
     cache.length [B] is how many committed tokens the SSM cache holds, length [B] how many
-    the LLM committed, history [B, S] the committed ids. Rows already close enough
-    re-feed their last ``window`` tokens, which rewrites their K/V unchanged.
+    the LLM committed, history [B, S] the committed ids (and features [B, S, D] the LLM's
+    states, for a feature drafter). Rows already close enough re-feed their last ``window``
+    tokens, which rewrites their K/V unchanged.
     """
     cap = cache.capacity
     last = history.shape[1] - 1
@@ -88,33 +105,36 @@ def catch_up(forward: Forward, params, cache: KVCache, history: jax.Array, lengt
         idx = start[:, None] + jnp.arange(window)  # [B, W]
         toks = jnp.take_along_axis(history, jnp.minimum(idx, last), axis=1)
         select = jnp.zeros((start.shape[0], 1), jnp.int32)
-        _, c = forward(params, toks, idx, c.replace(length=start), causal_mask(start, window, cap), select)
+        _, c, _ = call(forward, params, toks, previous_features(features, idx), idx, c.replace(length=start),
+                       causal_mask(start, window, cap), select)
         return c.replace(length=jnp.where(late, start + window, jnp.maximum(length - window, 0)))
 
     return jax.lax.while_loop(lambda c: jnp.any(behind(c)), feed, cache)
 
 
 def feed_root(forward: Forward, params, cache: KVCache, history: jax.Array, length: jax.Array, root: jax.Array,
-              window: int) -> tuple[jax.Array, KVCache]:
+              window: int, features: jax.Array | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """Draft step 0: re-feeds the last ``window`` committed tokens and the root (slot ``length``).
 
     Keeps the SSM cache exact whatever path the LLM accepted last time. Returns the root's
-    logits [B, 1, V] and the cache (length == length).
+    logits [B, 1, V], the cache (length == length) and, for a feature drafter (``features``
+    [B, S, D] given), its predicted state at the root [B, 1, D] (the state its children read).
     """
     cap = cache.capacity
-    cache = catch_up(forward, params, cache, history, length, window)
+    cache = catch_up(forward, params, cache, history, length, window, features)
     start = jnp.maximum(length - window, 0)
     idx = start[:, None] + jnp.arange(window + 1)  # [B, W0]
     hist = jnp.take_along_axis(history, jnp.minimum(idx, history.shape[1] - 1), axis=1)
     toks0 = jnp.where(idx < length[:, None], hist, jnp.where(idx == length[:, None], root[:, None], 0))
-    logits0, cache = forward(
-        params, toks0, idx, cache.replace(length=start), causal_mask(start, window + 1, cap), (length - start)[:, None]
-    )
-    return logits0, cache.replace(length=length)
+    logits0, cache, state0 = call(forward, params, toks0, previous_features(features, idx), idx,
+                                  cache.replace(length=start), causal_mask(start, window + 1, cap),
+                                  (length - start)[:, None])
+    return logits0, cache.replace(length=length), state0
 
 
 def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree, history: jax.Array,
-                      length: jax.Array, root: jax.Array, ssm_id: int = 0) -> tuple[TokenTree, jax.Array, KVCache]:
+                      length: jax.Array, root: jax.Array, ssm_id: int = 0,
+                      features: jax.Array | None = None) -> tuple[TokenTree, jax.Array, KVCache]:
     """Greedy drafting of a ``DynamicTree``: grow where the SSM is confident, keep the best nodes.
 
     Every drafted node scores its cumulative draft log-probability (the sum along its
@@ -123,6 +143,8 @@ def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree
     which drafts its ``width`` most likely children. The ``nodes`` - 1 best of all drafted
     nodes form the tree, in depth order (a parent before its children); a node whose
     parent missed the cut (possible only on tied scores) is marked invalid.
+    A feature drafter (``features`` [B, S, D]: the LLM's states) feeds each node with the state
+    it predicted at the node's parent.
     Returns (tree [B, N], scalar 0 draft probabilities, cache with length == length).
     """
     b = root.shape[0]
@@ -130,7 +152,7 @@ def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree
     cap = cache.capacity
     pool = 1 + dyn.drafted  # every drafted node plus the root
     fed = dyn.fed
-    logits0, cache = feed_root(forward, params, cache, history, length, root, m + 1)
+    logits0, cache, state0 = feed_root(forward, params, cache, history, length, root, m + 1, features)
     logp0 = jax.nn.log_softmax(logits0[:, 0])  # [B, V]
     score0, tok0 = jax.lax.top_k(logp0, w)  # [B, W]
     tokens = jnp.zeros((b, pool), jnp.int32).at[:, 0].set(root).at[:, 1: 1 + w].set(tok0)
@@ -142,6 +164,10 @@ def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree
     anc = jnp.zeros((b, fed, fed), bool).at[:, 0, 0].set(True)  # [B, F, F] fed ancestor-or-self
     lo, hi = 1, 1 + w  # the current level's candidates
     rows_b = jnp.arange(b)[:, None]
+    node_state = None  # [B, pool, D] feature drafter: the state a node is fed with (its parent's prediction)
+    if state0 is not None:
+        node_state = jnp.zeros((b, pool, state0.shape[-1]), state0.dtype).at[:, 1: 1 + w].set(
+            jnp.broadcast_to(state0, (b, w, state0.shape[-1])))
     for i in range(1, m):
         best = jax.lax.top_k(score[:, lo:hi], w)[1] + lo  # [B, W] pool index of the nodes to expand
         slots = 1 + (i - 1) * w + jnp.arange(w)  # [W] their fed slots
@@ -152,9 +178,13 @@ def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree
         toks = jnp.take_along_axis(tokens, best, axis=1)
         positions = jnp.broadcast_to(length[:, None] + i, (b, w))
         mask = tree_mask(length, anc, jnp.broadcast_to(slots, (b, w)), cap)
-        logits, cache = forward(params, toks, positions, cache.replace(length=length + slots[0]), mask)
+        fed_state = None if node_state is None else jnp.take_along_axis(node_state, best[:, :, None], axis=1)
+        logits, cache, out = call(forward, params, toks, fed_state, positions, cache.replace(length=length + slots[0]),
+                                  mask)
         child_lp, child_tok = jax.lax.top_k(jax.nn.log_softmax(logits), w)  # [B, W, W]
         nlo, nhi = hi, hi + w * w
+        if node_state is not None:
+            node_state = node_state.at[:, nlo:nhi].set(jnp.repeat(out, w, axis=1))
         tokens = tokens.at[:, nlo:nhi].set(child_tok.reshape(b, w * w))
         parent = parent.at[:, nlo:nhi].set(jnp.repeat(best, w, axis=1))
         score = score.at[:, nlo:nhi].set((jnp.take_along_axis(score, best, axis=1)[:, :, None] + child_lp).reshape(b, -1))
@@ -192,11 +222,13 @@ def speculate(
     spec: sampling.WarpSpec,
     values,
     ssm_id: int = 0,
+    features: jax.Array | None = None,
 ) -> tuple[TokenTree, jax.Array, KVCache]:
     """Drafts one expansion tree per row.
 
     history [B, S] holds committed tokens, length [B] their count (= the LLM cache
-    length), root [B] the pending token. Returns (tree [B, N], draft_probs [B, N, V] or a
+    length), root [B] the pending token; features [B, S, D] the LLM's states when the
+    drafter is a feature drafter (each node is then fed its parent's predicted state). Returns (tree [B, N], draft_probs [B, N, V] or a
     scalar zero under greedy, new SSM cache with length == length).
     """
     b = root.shape[0]
@@ -208,40 +240,46 @@ def speculate(
     anc = ancestor_mask(parent, m)  # [B, N, N]
     keys = sampling.split_rows(key, m)  # [B, m, 2] (or [m, 2] for a shared key)
 
-    logits0, cache = feed_root(forward, params, cache, history, length, root, m + 1)  # [B, 1, V]
+    logits0, cache, state0 = feed_root(forward, params, cache, history, length, root, m + 1, features)  # [B, 1, V]
 
     tokens = jnp.zeros((b, n + 1), jnp.int32).at[:, 0].set(root)  # slot N is trash
+    # [B, N + 1, D] feature drafter: the state each node is fed with (its parent's prediction)
+    states = None if state0 is None else jnp.zeros((b, n + 1, state0.shape[-1]), state0.dtype)
     vocab = logits0.shape[-1]
     stochastic = not spec.greedy
     probs = jnp.zeros((b, n + 1, vocab) if stochastic else (), jnp.float32)
 
-    def expand(i, logits, tokens, probs, key):
+    def expand(i, logits, out, tokens, probs, states, key):
         draws, q = propose(key, logits, kmax, spec, values)  # [B, W, kmax]
         child = jnp.asarray(tables.child)[i]
-        picked = draws[:, jnp.asarray(tables.child_parent)[i], jnp.asarray(tables.child_rank)[i]]  # [B, C]
+        child_parent = jnp.asarray(tables.child_parent)[i]
+        picked = draws[:, child_parent, jnp.asarray(tables.child_rank)[i]]  # [B, C]
         tokens = tokens.at[:, child].set(picked)
         if stochastic:
             fed = jnp.asarray(tables.fed)[i]
             probs = probs.at[:, fed[: logits.shape[1]]].set(q)
-        return tokens, probs
+        if states is not None:
+            states = states.at[:, child].set(out[:, jnp.minimum(child_parent, out.shape[1] - 1)])
+        return tokens, probs, states
 
-    tokens, probs = expand(0, logits0, tokens, probs, sampling.pick_key(keys, 0))
+    tokens, probs, states = expand(0, logits0, state0, tokens, probs, states, sampling.pick_key(keys, 0))
 
     def level(i, carry):
-        tokens, probs, cache = carry
+        tokens, probs, states, cache = carry
         fed = jnp.asarray(tables.fed)[i]  # [W]
         rows = jnp.broadcast_to(fed, (b, fed.shape[0]))
         toks = jnp.take_along_axis(tokens, rows, axis=1)
+        fed_states = None if states is None else jnp.take_along_axis(states, rows[:, :, None], axis=1)
         first = jnp.asarray(topo.level_offsets)[i]
         write_at = length + first
         positions = jnp.broadcast_to(length[:, None] + i, rows.shape)
         mask = tree_mask(length, anc, rows, cap)
-        logits, cache = forward(params, toks, positions, cache.replace(length=write_at), mask)
-        tokens, probs = expand(i, logits, tokens, probs, sampling.pick_key(keys, i))
-        return tokens, probs, cache.replace(length=length)
+        logits, cache, out = call(forward, params, toks, fed_states, positions, cache.replace(length=write_at), mask)
+        tokens, probs, states = expand(i, logits, out, tokens, probs, states, sampling.pick_key(keys, i))
+        return tokens, probs, states, cache.replace(length=length)
 
     if m > 1:
-        tokens, probs, cache = jax.lax.fori_loop(1, m, level, (tokens, probs, cache))
+        tokens, probs, states, cache = jax.lax.fori_loop(1, m, level, (tokens, probs, states, cache))
 
     depth = jnp.broadcast_to(jnp.asarray(topo.depth, jnp.int32), (b, n))
     ssm = jnp.where(parent >= 0, ssm_id, -1).astype(jnp.int32)

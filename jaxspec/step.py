@@ -37,6 +37,7 @@ class SSMGroup:
 
     members: tuple[int, ...]  # SSM indices, i.e. positions in the merged tree's SSM order
     shared: tuple[str, ...] = ()
+    features: bool = False  # feature drafters (``models.drafter``): they read the LLM's states
 
     def param_axes(self, params: dict) -> dict:
         """vmap in_axes for the group's parameter tree: 0 for stacked leaves, None for shared ones."""
@@ -90,6 +91,11 @@ class DecodeConfig:
         return self.groups or tuple(SSMGroup((j,)) for j in range(len(self.topologies)))
 
     @property
+    def features(self) -> bool:
+        """Whether a feature drafter is among the SSMs: the LLM then returns its states every iteration."""
+        return any(g.features for g in self.ssm_groups)
+
+    @property
     def active(self) -> tuple[int, ...]:
         """SSMs that draft in this configuration, in merge order."""
         return tuple(j for j, t in enumerate(self.topologies) if t is not None)
@@ -138,6 +144,7 @@ class DecodeState:
     key: jax.Array  # [B, 2] one PRNG key per row: a row's draws depend on its own seed only
     values: dict  # traced sampling values, each [B]
     active: jax.Array | None = None  # [B] bool: rows being decoded (None: all); an idle row keeps length 0
+    features: jax.Array | None = None  # [B, S, D] the LLM's final-norm state at each committed slot (feature drafters)
 
 
 @flax.struct.dataclass
@@ -180,10 +187,13 @@ def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, 
             caches.append(cache)
             continue
 
-        def run(p, c, k, pos, fwd=fwd, topo=topo):
+        feats = state.features if group.features else None
+
+        def run(p, c, k, pos, fwd=fwd, topo=topo, feats=feats):
             if isinstance(topo, DynamicTree):
-                return speculate_dynamic(fwd, p, c, topo, state.history, length, state.root, pos)
-            return speculate(fwd, p, c, topo, state.history, length, state.root, k, cfg.warp, state.values, pos)
+                return speculate_dynamic(fwd, p, c, topo, state.history, length, state.root, pos, feats)
+            return speculate(fwd, p, c, topo, state.history, length, state.root, k, cfg.warp, state.values, pos,
+                             feats)
 
         if len(group.members) == 1:
             j = group.members[0]
@@ -281,7 +291,8 @@ def decode_step(
     anc = ancestor_mask(tree.parent, cfg.max_depth)  # [B, N, N]
     rows = jnp.broadcast_to(jnp.arange(n), tree.tokens.shape)
     mask = tree_mask(length, anc, rows, cap)
-    logits, llm_cache = llm_forward(llm_params, tree.tokens, length[:, None] + tree.depth, state.llm_cache, mask)
+    out = llm_forward(llm_params, tree.tokens, length[:, None] + tree.depth, state.llm_cache, mask)
+    logits, llm_cache = out[:2]  # a feature drafter's engine also gets the states [B, N, D] of the tree
     verdict = accept(cfg, tree, logits, draft_probs, state, k_verify)
     verdict = Verdict(verdict.path, jnp.where(act, verdict.num, 0), verdict.next_token)  # idle rows emit nothing
 
@@ -295,6 +306,10 @@ def decode_step(
     trash = state.history.shape[1]  # padding entries of the path are written nowhere
     dst = jnp.where(real, length[:, None] + jnp.arange(p), trash)
     history = state.history.at[jnp.arange(b)[:, None], dst].set(path_tokens, mode="drop")
+    features = state.features
+    if cfg.features:  # the accepted path's states become committed features (f at the slot of its token)
+        path_states = jnp.take_along_axis(out[2], jnp.maximum(verdict.path, 0)[:, :, None], axis=1)  # [B, P, D]
+        features = features.at[jnp.arange(b)[:, None], dst].set(path_states.astype(features.dtype), mode="drop")
     # Emitted: accepted tokens (path minus the root), then the bonus/recovered token.
     shifted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(jnp.arange(p)[None, :] < verdict.num[:, None] - 1, shifted, -1)
@@ -302,19 +317,35 @@ def decode_step(
     depths = source_depths(tree, proposed, emitted, verdict.num, len(cfg.sources), cfg.max_depth)
     new_state = state.replace(
         llm_cache=llm_cache, ssm_caches=ssm_caches, history=history, root=jnp.where(act, verdict.next_token, 0),
-        key=key,
+        key=key, features=features,
     )
     return new_state, StepOutput(emitted.astype(jnp.int32), verdict.num, depths)
 
 
-def prefill_model(forward: Forward, params, cache: KVCache, tokens, lengths) -> tuple[jax.Array, KVCache]:
-    """Feeds padded prompts tokens [B, Tp] (true lengths [B]); returns last-token logits [B, V]."""
+def prefill_model(forward: Forward, params, cache: KVCache, tokens, lengths,
+                  feats: jax.Array | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
+    """Feeds padded prompts tokens [B, Tp] (true lengths [B]); returns last-token logits [B, V].
+
+    A feature drafter reads ``feats`` [B, Tp, D] (f_{p-1} per slot). Also returns every slot's
+    states [B, Tp, D] when the forward gives them (an LLM serving a feature drafter), else None.
+    """
     b, tp = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(tp), (b, tp))
     start = jnp.zeros((b,), jnp.int32)
     mask = causal_mask(start, tp, cache.capacity)
-    logits, cache = forward(params, tokens, positions, cache.replace(length=start), mask, (lengths - 1)[:, None])
-    return logits[:, 0], cache.replace(length=lengths.astype(jnp.int32))
+    select = (lengths - 1)[:, None]
+    if feats is not None:
+        logits, cache, _ = forward(params, tokens, feats, positions, cache.replace(length=start), mask, select)
+        states = None
+    else:
+        out = forward(params, tokens, positions, cache.replace(length=start), mask, select)
+        logits, cache, states = out[0], out[1], (out[2] if len(out) > 2 else None)
+    return logits[:, 0], cache.replace(length=lengths.astype(jnp.int32)), states
+
+
+def shift_features(states: jax.Array) -> jax.Array:
+    """f_{p-1} at every slot p of states [B, T, D] (zeros at p = 0): what a feature drafter reads."""
+    return jnp.pad(states[:, :-1], ((0, 0), (1, 0), (0, 0)))
 
 
 def prefill(
@@ -328,10 +359,11 @@ def prefill(
     lengths: jax.Array,
 ) -> tuple[DecodeState, jax.Array]:
     """Prefills the LLM and every SSM with the prompts and samples the first token [B]."""
-    logits, llm_cache = prefill_model(llm_forward, llm_params, state.llm_cache, tokens, lengths)
+    logits, llm_cache, states = prefill_model(llm_forward, llm_params, state.llm_cache, tokens, lengths)
     ssm_caches = []
     for group, f, p, c in zip(cfg.ssm_groups, ssm_forwards, ssm_params, state.ssm_caches):
-        fill = lambda p, c, f=f: prefill_model(f, p, c, tokens, lengths)[1]  # noqa: E731
+        feats = shift_features(states) if group.features else None
+        fill = lambda p, c, f=f, feats=feats: prefill_model(f, p, c, tokens, lengths, feats)[1]  # noqa: E731
         ssm_caches.append(fill(p, c) if len(group.members) == 1 else jax.vmap(fill, (group.param_axes(p), 0))(p, c))
     ssm_caches = tuple(ssm_caches)
     keys = sampling.split_rows(state.key, 2)
@@ -340,7 +372,11 @@ def prefill(
     s = state.history.shape[1]
     tp = tokens.shape[1]
     history = state.history.at[:, :tp].set(tokens) if tp <= s else state.history
-    new_state = state.replace(llm_cache=llm_cache, ssm_caches=ssm_caches, history=history, root=first, key=key)
+    features = state.features
+    if cfg.features:
+        features = features.at[:, :tp].set(states[:, :s].astype(features.dtype))
+    new_state = state.replace(llm_cache=llm_cache, ssm_caches=ssm_caches, history=history, root=first, key=key,
+                              features=features)
     return new_state, first
 
 
@@ -397,20 +433,33 @@ def prefill_row(
     mask = causal_mask(begin, c, cap)  # [1, C, S]
     select = jnp.reshape(count - 1, (1, 1)).astype(jnp.int32)
 
-    def feed(forward, params, cache):
-        logits, cache = forward(params, tokens, positions, cache.replace(length=begin), mask, select)
-        return logits[:, 0], cache.replace(length=begin + count)
+    def feed(forward, params, cache, feats=None):
+        if feats is not None:
+            logits, cache, _ = forward(params, tokens, feats, positions, cache.replace(length=begin), mask, select)
+            return logits[:, 0], cache.replace(length=begin + count), None
+        out = forward(params, tokens, positions, cache.replace(length=begin), mask, select)
+        return out[0][:, 0], out[1].replace(length=begin + count), (out[2] if len(out) > 2 else None)
 
-    logits, llm_row = feed(llm_forward, llm_params, _cache_row(state.llm_cache, slot, False))
+    logits, llm_row, states = feed(llm_forward, llm_params, _cache_row(state.llm_cache, slot, False))
     llm_cache = _put_cache_row(state.llm_cache, llm_row, slot, False)
+    features = state.features
+    feats = None
+    if cfg.features:  # [1, C, D]: f_{p-1} per chunk slot, the first from the previous chunk (zeros at p = 0)
+        feat_row = _row(features, slot, 0)  # [1, S, D]
+        before = jax.lax.dynamic_slice_in_dim(feat_row, jnp.maximum(start - 1, 0), 1, 1)  # [1, 1, D]
+        before = jnp.where(start > 0, before, 0)
+        feats = jnp.concatenate([before, states[:, :-1].astype(before.dtype)], axis=1)
+        feat_row = jax.lax.dynamic_update_slice_in_dim(feat_row, states.astype(feat_row.dtype), start, 1)
+        features = _put_row(features, feat_row, slot, 0)
     ssm_caches = []
     for group, f, p, cache in zip(cfg.ssm_groups, ssm_forwards, ssm_params, state.ssm_caches):
         grouped = len(group.members) > 1
         row = _cache_row(cache, slot, grouped)
+        fe = feats if group.features else None
         if grouped:
-            row = jax.vmap(lambda p, c, f=f: feed(f, p, c)[1], (group.param_axes(p), 0))(p, row)
+            row = jax.vmap(lambda p, c, f=f, fe=fe: feed(f, p, c, fe)[1], (group.param_axes(p), 0))(p, row)
         else:
-            row = feed(f, p, row)[1]
+            row = feed(f, p, row, fe)[1]
         ssm_caches.append(_put_cache_row(cache, row, slot, grouped))
     hist_row = jax.lax.dynamic_update_slice_in_dim(_row(state.history, slot, 0), tokens, start, 1)
     history = _put_row(state.history, hist_row, slot, 0)
@@ -427,6 +476,7 @@ def prefill_row(
         key=jnp.where(last, _put_row(state.key, keys[:1], slot, 0), state.key),
         values=new_values,
         active=jnp.where(last, _put_row(active, jnp.ones((1,), bool), slot, 0), active),
+        features=features,
     )
 
 
@@ -442,6 +492,7 @@ def insert_row(cfg: DecodeConfig, state: DecodeState, staged: DecodeState, slot:
         key=_put_row(state.key, staged.key, slot, 0),
         values={k: _put_row(v, staged.values[k], slot, 0) for k, v in state.values.items()},
         active=_put_row(state.active, staged.active, slot, 0),
+        features=None if state.features is None else _put_row(state.features, staged.features, slot, 0),
     )
 
 

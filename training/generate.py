@@ -60,7 +60,7 @@ def make_generator(
         b, tp = tokens.shape
         capacity = tp + new_tokens
         cache = KVCache.create(cfg, b, capacity, cache_dtype)
-        logits, cache = prefill_model(forward, params, cache, tokens, lengths)
+        logits, cache, _ = prefill_model(forward, params, cache, tokens, lengths)
         first = pick(logits)
         done = jnp.isin(first[0], eos)
 
