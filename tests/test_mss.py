@@ -31,10 +31,11 @@ from jaxspec import sampling, verify_stochastic
 from jaxspec.draft_vocab import restrict
 from jaxspec.engine import Engine, LoadedModel, early_exit
 from jaxspec.speculate import propose
-from jaxspec.step import DecodeConfig, DecodeState, decode_step, prefill, prefill_model
+from jaxspec.step import DecodeConfig, DecodeState, SSMGroup, decode_step, prefill, prefill_model
 from jaxspec.tree import TokenTree, expansion_topology
 from models.config import ModelConfig
-from models.transformer import KVCache, init_params
+from models.drafter import drafter_config, init_drafter
+from models.transformer import KVCache, init_params, make_forward
 
 # Tests compile many small graphs: skip XLA's expensive CPU optimisations (results stay
 # deterministic for a given setting; only compile time changes).
@@ -612,7 +613,7 @@ E2E_PROMPT, E2E_ROOT, E2E_CAP = [3, 1, 4, 1], 5, 32
 
 
 def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int, ngram: tuple[int, ...] = (),
-                  draft_vocab: int = 0):
+                  draft_vocab: int = 0, feature_drafter: bool = False):
     """A compiled function: (key, values) -> first two emitted tokens [b, 2] and step-1 num [b].
 
     b rows share one prompt and a fixed root (so the target law is one [V, V] table) and
@@ -621,19 +622,31 @@ def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int, ngram: t
     second token may come from either the first or the second iteration. ``ngram`` merges
     that fixed proposal chain (the n-gram speculator's input) into both iterations' trees.
     ``draft_vocab`` restricts both SSMs' heads to that many tokens (``jaxspec.draft_vocab``).
+    ``feature_drafter`` replaces the near SSM by a feature drafter (``models.drafter``) reading the
+    LLM's states.
     """
     llm, near, far = models
+    groups = ()
+    if feature_drafter:
+        params = init_drafter(drafter_config(TINY), llm.params, 2)
+        params["fc"]["kernel"] = params["fc"]["kernel"] + 0.3 * jax.random.normal(jax.random.PRNGKey(4),
+                                                                                 params["fc"]["kernel"].shape)
+        near = LoadedModel("drafter", drafter_config(TINY), params, features=True)
+        groups = (SSMGroup((0,), (), True), SSMGroup((1,)))
     ssms = tuple(restrict((near, far), draft_vocab, np.arange(VOCAB)[::-1]))  # the highest ids are "frequent"
     cfg = DecodeConfig((expansion_topology((2, 2)), expansion_topology((1, 1))), spec, verify,
-                       tree_budget=10 + len(ngram), ngram_depth=len(ngram), vocab=VOCAB)
+                       tree_budget=10 + len(ngram), groups=groups, ngram_depth=len(ngram), vocab=VOCAB)
     proposal = (jnp.broadcast_to(jnp.asarray(ngram or (0,), jnp.int32), (b, max(len(ngram), 1))),
                 jnp.full((b,), len(ngram), jnp.int32))
-    fw, sfw = llm.forward, tuple(s.forward for s in ssms)
+    fw = make_forward(TINY, hidden=True) if feature_drafter else llm.forward
+    sfw = tuple(s.forward for s in ssms)
     prompt = jnp.asarray(E2E_PROMPT, jnp.int32)
 
     def run(llm_params, ssm_params, key, values):
+        feats = jnp.zeros((b, E2E_CAP, TINY.hidden_size)) if feature_drafter else None
         state = DecodeState(KVCache.create(TINY, b, E2E_CAP), tuple(KVCache.create(s.cfg, b, E2E_CAP) for s in ssms),
-                            jnp.zeros((b, E2E_CAP), jnp.int32), jnp.zeros((b,), jnp.int32), key, values)
+                            jnp.zeros((b, E2E_CAP), jnp.int32), jnp.zeros((b,), jnp.int32), key, values,
+                            features=feats)
         toks = jnp.broadcast_to(prompt, (b, prompt.shape[0]))
         state, _ = prefill(cfg, fw, sfw, llm_params, ssm_params, state, toks, jnp.full((b,), prompt.shape[0]))
         state = state.replace(root=jnp.full((b,), E2E_ROOT, jnp.int32))  # condition on a fixed root
@@ -715,6 +728,16 @@ def test_end_to_end_tree_mss_with_reduced_draft_vocabulary_matches_llm(models):
     assert np.isin(firsts[:, 0], np.arange(VOCAB - 6)).any()  # tokens outside the draft vocabulary are emitted
     pval = _two_token_pvalue(firsts, law)
     print(f"mss, draft vocabulary 6/{VOCAB}: mean tokens/step {num.mean():.3f}, chi2 p-value {pval:.4f}")
+    assert pval > ALPHA, pval
+
+
+def test_end_to_end_tree_mss_with_feature_drafter_matches_llm(models):
+    """A feature drafter (reading the LLM's states, feeding deeper nodes its own) beside an SSM: still exact."""
+    sampler = _tree_sampler(models, ALL_STAGES, "mss", E2E_B, feature_drafter=True)
+    firsts, num, law = sampler(_with_stages(WARPS["t0.7_p0.9"]), seed=15)
+    assert (num >= 2).any() and (num == 1).any()  # drafts are both accepted and rejected
+    pval = _two_token_pvalue(firsts, law)
+    print(f"mss, feature drafter: mean tokens/step {num.mean():.3f}, chi2 p-value {pval:.4f}")
     assert pval > ALPHA, pval
 
 
