@@ -80,8 +80,14 @@ def measure_llm_costs(
         raise ValueError("repeats and batch must be >= 1")
     forward = make_forward(model.cfg, model.dtype, unrolled) if unrolled else model.forward
     params = decoding_layout(model.params) if unrolled else model.params
-    step = jax.jit(lambda params, toks, pos, cache, mask: forward(params, toks, pos, cache, mask),
-                   donate_argnums=(3,))
+    if model.features:  # a feature drafter also reads a state per token (its values do not change the cost)
+        def run(params, toks, pos, cache, mask):
+            return forward(params, toks, jnp.zeros(toks.shape + (model.cfg.hidden_size,), model.dtype), pos, cache,
+                           mask)[:2]
+    else:
+        def run(params, toks, pos, cache, mask):
+            return forward(params, toks, pos, cache, mask)
+    step = jax.jit(run, donate_argnums=(3,))
     cache = KVCache.create(model.cfg, batch, capacity, model.dtype)
     costs = {}
     for t in tokens:
