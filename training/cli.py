@@ -57,6 +57,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                           "(resumable: rerun the same command to continue).")
     d.add_argument("--config", default=str(DRAFTER_CONFIG), help="YAML run config (configs/drafter/*.yaml)")
     d.add_argument("--out", default=None, help="run directory (overrides the config's `out`)")
+    d.add_argument("--export", action="store_true", help="write the drafter of the latest checkpoint, no training")
     d.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=100")
     d.set_defaults(func=run_drafter)
     return p
@@ -71,7 +72,7 @@ def run_drafter(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as e:
         print(f"jaxspec train-drafter: {e}", file=sys.stderr)
         return 2
-    print(f"drafter written to {train_drafter(cfg)}")
+    print(f"drafter written to {train_drafter(cfg, export_only=args.export)}")
     return 0
 
 

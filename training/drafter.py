@@ -7,8 +7,9 @@ forward: its final-norm states f [B, T, D] and its greedy next tokens), then the
      so the drafter is trained on them too (a one-step "training-time test").
 Loss per step: SmoothL1(predicted f_p, f_p) (both divided by f_p's RMS) + ``ce_weight`` · CE(the LLM's greedy x_{p+1}),
 the CE over the draft vocabulary (the LLM's most emitted tokens); positions whose target lies
-outside it are not scored. The LLM's greedy tokens are counted as the run goes: they become the
-drafter's ``token_counts.safetensors`` (its draft vocabulary at serving time).
+outside it are not scored. The draft vocabulary's counts (``counts_from``, else the LLM's greedy
+tokens counted as the run goes) become the drafter's ``token_counts.safetensors``, so it serves
+the vocabulary it was trained on.
 
 Resumable: the batch of step s is a pure function of (seed, s); ``checkpoint.msgpack`` holds
 parameters, optimiser state and step, so a resumed run continues where it stopped.
@@ -169,8 +170,12 @@ def make_step(llm, dcfg, ids: jax.Array, cfg: DrafterConfig, opt):
     return jax.jit(step, donate_argnums=(0, 2)), jax.jit(evaluate)
 
 
-def train_drafter(cfg: DrafterConfig) -> Path:
-    """Runs (or resumes) a drafter training run; writes the drafter directory ``cfg.out``/drafter."""
+def train_drafter(cfg: DrafterConfig, export_only: bool = False) -> Path:
+    """Runs (or resumes) a drafter training run; writes the drafter directory ``cfg.out``/drafter.
+
+    ``export_only`` writes the drafter of the latest checkpoint without training (a run still going
+    can be tried out).
+    """
     from jaxspec.draft_vocab import read_counts  # noqa: PLC0415
     from jaxspec.pool import llm_identity  # noqa: PLC0415
     from training.cli import load_llm  # noqa: PLC0415
@@ -184,8 +189,6 @@ def train_drafter(cfg: DrafterConfig) -> Path:
     vocab = llm.cfg.vocab_size
     prior = read_counts(cfg.counts_from) if cfg.counts_from else None
     ids = jnp.asarray(frequent_ids(prior, cfg.draft_vocab, vocab) if cfg.draft_vocab else np.arange(vocab))
-    data = conversation_ids(llm.tokenizer, cfg.num_conversations, cfg.seq_len, cfg.min_tokens)
-    train, held = data[: -cfg.eval_sequences], data[-cfg.eval_sequences:]
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps,
                                                   cfg.learning_rate * 0.1)
     opt = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
@@ -200,6 +203,17 @@ def train_drafter(cfg: DrafterConfig) -> Path:
         state = serialization.from_bytes({"own": own, "opt": opt_state, "step": 0, "counts": counts},
                                          ckpt.read_bytes())
         own, opt_state, start, counts = state["own"], state["opt"], int(state["step"]), np.asarray(state["counts"])
+    identity = llm_identity(llm, source)
+
+    def vocab_counts(seen: np.ndarray) -> np.ndarray:
+        """The counts that pick the served draft vocabulary: the ones it was trained on, when given."""
+        return prior if prior is not None else seen
+
+    if export_only:
+        return save_drafter(out / "drafter", dcfg, own, identity, vocab_counts(counts), cfg.draft_vocab,
+                            {"steps": start, "config": dataclasses.asdict(cfg)})
+    data = conversation_ids(llm.tokenizer, cfg.num_conversations, cfg.seq_len, cfg.min_tokens)
+    train, held = data[: -cfg.eval_sequences], data[-cfg.eval_sequences:]
     step_fn, eval_fn = make_step(llm, dcfg, ids, cfg, opt)
 
     def save(step: int) -> None:
@@ -239,6 +253,5 @@ def train_drafter(cfg: DrafterConfig) -> Path:
     save(step)
     final = held_out()
     tqdm.write(json.dumps({"step": step, **{f"eval_{k}": round(v, 4) for k, v in final.items()}}))
-    identity = llm_identity(llm, source)
-    return save_drafter(out / "drafter", dcfg, own, identity, counts, cfg.draft_vocab,
+    return save_drafter(out / "drafter", dcfg, own, identity, vocab_counts(counts), cfg.draft_vocab,
                         {"steps": step, "config": dataclasses.asdict(cfg), "eval": final})
