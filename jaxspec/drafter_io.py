@@ -13,12 +13,14 @@ import dataclasses
 import json
 from pathlib import Path
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.draft_vocab import frequent_ids, read_counts, write_counts
 from jaxspec.engine import LoadedModel
-from jaxspec.pool import DTYPES, PoolError, check_llm, config_from_dict, config_to_dict
+from jaxspec.pool import DTYPES, PoolError, check_llm, config_from_dict, config_to_dict, read_json
 from models.config import ModelConfig
 from models.drafter import OWN, FeatureDrafter
 from models.loading import flatten, unflatten
@@ -37,12 +39,11 @@ def is_drafter(path: str | Path) -> bool:
 def save_drafter(directory: str | Path, cfg: ModelConfig, own: dict, llm_identity: dict, counts: np.ndarray,
                  draft_vocab: int, run: dict, dtype: str = "bfloat16") -> Path:
     """Writes a drafter directory from its own parameters (``fc``, ``layer_0``)."""
-    from safetensors.numpy import save_file  # noqa: PLC0415
+    from safetensors.flax import save_file  # noqa: PLC0415
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    flat = {k: np.asarray(jnp.asarray(v, DTYPES[dtype]).astype(jnp.float32) if dtype == "float32" else
-                          jnp.asarray(v, DTYPES[dtype]).view(jnp.uint16)) for k, v in flatten(own).items()}
+    flat = {k: jnp.asarray(v, DTYPES[dtype]) for k, v in flatten(own).items()}
     save_file(flat, str(d / WEIGHTS))
     write_counts(d, counts)
     manifest = {"format": FORMAT, "kind": "feature", "dtype": dtype, "config": config_to_dict(cfg),
@@ -52,13 +53,9 @@ def save_drafter(directory: str | Path, cfg: ModelConfig, own: dict, llm_identit
 
 
 def read_drafter_manifest(path: str | Path) -> dict:
+    """The parsed ``drafter.json`` of a drafter directory, or PoolError saying what is wrong."""
     p = Path(path).expanduser()
-    if not (p / MANIFEST).is_file():
-        raise PoolError(f"not a feature drafter (no {MANIFEST}): {p}")
-    try:
-        manifest = json.loads((p / MANIFEST).read_text())
-    except json.JSONDecodeError as e:
-        raise PoolError(f"{p / MANIFEST} is not valid JSON ({e.msg})") from e
+    manifest = read_json(p, MANIFEST, "feature drafter")
     if manifest.get("format") != FORMAT or manifest.get("kind") != "feature":
         raise PoolError(f"{p / MANIFEST}: unsupported drafter format")
     return manifest
@@ -72,7 +69,7 @@ def load_drafter(path: str | Path, llm: LoadedModel, dtype: str = "float32",
     None: the drafter's own default). Refuses (VocabularyMismatch) a drafter trained for
     another vocabulary, and a drafter whose width is not the LLM's.
     """
-    from safetensors.numpy import load_file  # noqa: PLC0415
+    from safetensors.flax import load_file  # noqa: PLC0415
 
     p = Path(path).expanduser()
     manifest = read_drafter_manifest(p)
@@ -84,10 +81,7 @@ def load_drafter(path: str | Path, llm: LoadedModel, dtype: str = "float32",
                         f"not {llm.name!r} (width {llm.cfg.hidden_size})")
     if not (p / manifest["file"]).is_file():
         raise PoolError(f"drafter {p}: {manifest['file']} is missing")
-    raw = load_file(str(p / manifest["file"]))
-    stored = manifest.get("dtype", "float32")
-    flat = {k: (jnp.asarray(v).view(jnp.bfloat16) if stored == "bfloat16" else jnp.asarray(v)).astype(DTYPES[dtype])
-            for k, v in raw.items()}
+    flat = {k: v.astype(DTYPES[dtype]) for k, v in load_file(str(p / manifest["file"])).items()}
     own = unflatten(flat)
     expected = {k: v for k, v in flatten(_shapes(cfg)).items() if k.split("/")[0] in OWN}
     if set(flat) != set(expected) or any(tuple(flat[k].shape) != tuple(expected[k].shape) for k in expected):
@@ -106,12 +100,10 @@ def load_drafter(path: str | Path, llm: LoadedModel, dtype: str = "float32",
 
 
 def _shapes(cfg: ModelConfig) -> dict:
-    import jax  # noqa: PLC0415
-
+    """ShapeDtypeStructs of a drafter's whole parameter tree, without allocating it."""
     model = FeatureDrafter(cfg)
     cache = KVCache.create(cfg, 1, 4)
     tok = jnp.zeros((1, 1), jnp.int32)
-    from flax import linen as nn  # noqa: PLC0415
-
-    return jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), tok, jnp.zeros(
-        (1, 1, cfg.hidden_size)), tok, cache, jnp.ones((1, 1, 4), bool))["params"]))
+    feats = jnp.zeros((1, 1, cfg.hidden_size))
+    return jax.eval_shape(lambda: nn.meta.unbox(
+        model.init(jax.random.PRNGKey(0), tok, feats, tok, cache, jnp.ones((1, 1, 4), bool))["params"]))

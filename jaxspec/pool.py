@@ -71,17 +71,22 @@ def config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in d.items() if k in known})
 
 
+def read_json(directory: Path, name: str, what: str) -> dict:
+    """The parsed manifest ``name`` of a ``what`` directory ("SSM pool", "feature drafter"), or PoolError."""
+    if not directory.exists():
+        raise PoolError(f"{what} not found: {directory}")
+    if not (directory / name).is_file():
+        raise PoolError(f"not a {what} (no {name}): {directory}")
+    try:
+        return json.loads((directory / name).read_text())
+    except json.JSONDecodeError as e:
+        raise PoolError(f"{directory / name} is not valid JSON ({e.msg})") from e
+
+
 def read_manifest(path: str | os.PathLike) -> dict:
     """The parsed ``pool.json`` of a pool directory, or PoolError saying what is wrong."""
     p = Path(path).expanduser()
-    if not p.exists():
-        raise PoolError(f"SSM pool not found: {p}")
-    if not (p / POOL_FILE).is_file():
-        raise PoolError(f"not an SSM pool (no {POOL_FILE}): {p}")
-    try:
-        manifest = json.loads((p / POOL_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise PoolError(f"{p / POOL_FILE} is not valid JSON ({e.msg})") from e
+    manifest = read_json(p, POOL_FILE, "SSM pool")
     if manifest.get("format") != POOL_FORMAT or not manifest.get("ssms"):
         raise PoolError(f"{p / POOL_FILE}: unsupported pool format or no SSMs")
     return manifest

@@ -32,7 +32,7 @@ def reference_paths(ssm, context: list[int], root: int, dyn: DynamicTree) -> set
     def logp(prefix: list[int]) -> np.ndarray:
         ids = jnp.asarray([prefix])
         cache = KVCache.create(ssm.cfg, 1, len(prefix))
-        logits, _ = prefill_model(ssm.forward, ssm.params, cache, ids, jnp.asarray([len(prefix)]))
+        logits, _, _ = prefill_model(ssm.forward, ssm.params, cache, ids, jnp.asarray([len(prefix)]))
         return np.asarray(jax.nn.log_softmax(logits[0]), np.float64)
 
     w = dyn.width

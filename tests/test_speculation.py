@@ -59,7 +59,7 @@ def test_stale_ssm_cache_is_caught_up(tiny_llm):
     def filled(n):
         cache = KVCache.create(ssm.cfg, 1, cap)
         toks = history[:, :n]
-        _, cache = prefill_model(fwd, ssm.params, cache, toks, jnp.asarray([n], jnp.int32))
+        _, cache, _ = prefill_model(fwd, ssm.params, cache, toks, jnp.asarray([n], jnp.int32))
         return cache
 
     root = jnp.asarray([seq[length]], jnp.int32)
