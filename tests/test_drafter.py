@@ -66,6 +66,14 @@ def test_greedy_drafter_trees_equal_incremental(llm, kind):
     assert accepted > 0  # the drafter's proposals do get accepted at times
 
 
+def test_a_drafter_iteration_makes_no_implicit_transfers(llm):
+    engine = Engine(llm, [drafter(llm)], [(2, 1)])
+    prompt = random_prompts(1, VOCAB, seed=4)[0]
+    want = engine.generate(prompt, 12)  # compile outside the guard
+    with jax.transfer_guard("disallow"):
+        assert engine.generate(prompt, 12).token_ids == want.token_ids
+
+
 def test_committed_features_are_the_llms_states(llm):
     """After prefill and several multi-token iterations (and after chunked admission into a batch slot),
     the state's feature at slot p is the LLM's own state of token p, as one plain forward computes it."""
