@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROMPT ?= Explain speculative decoding in two sentences.
 MAX_NEW_TOKENS ?= 128
 
-.PHONY: setup setup-test setup-train run test test-slow train-pool
+.PHONY: setup setup-test setup-train run test test-slow train-pool train-drafter
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,3 +33,7 @@ test-slow: setup-test
 # Boost-tune the default SSM pool against the default LLM (resumable: rerun to continue).
 train-pool: setup-train
 	$(BIN)/jaxspec train-ssm --config configs/boost/smollm2_default.yaml
+
+# Train the default feature drafter against the default LLM (resumable: rerun to continue).
+train-drafter: setup-train
+	$(BIN)/jaxspec train-drafter --config configs/drafter/smollm2_default.yaml
