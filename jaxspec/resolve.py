@@ -76,6 +76,8 @@ def load_ssms(specs: Sequence[str], llm: LoadedModel, dtype: str = "float32",
         if spec == "default":
             spec = default_ssm_spec()
         if spec == "drafter":
+            if not is_drafter(DEFAULT_DRAFTER):
+                raise RequestError(f"no shipped feature drafter at {DEFAULT_DRAFTER}: pass --ssm drafter:DIR")
             spec = f"drafter:{DEFAULT_DRAFTER}"
         if spec == "ngram" or spec.startswith("ngram:"):
             out.append(ngram_speculator(spec))

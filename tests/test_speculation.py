@@ -206,13 +206,14 @@ def test_an_iteration_makes_no_implicit_transfers(tiny_llm):
 
 
 def test_default_speculators_auto_identity_on_dev_prompts(default_llm):
-    """The default model with the shipped pool and the n-gram, auto: greedy output unchanged."""
+    """The default model with the shipped speculators (feature drafter, pool, n-gram), auto: greedy output unchanged."""
     from jaxspec.resolve import load_ssms
 
     from models.tokenizer import encode_prompt
 
-    ssms = load_ssms(["default"], default_llm) + [NGramSpeculator()]
-    expansions = [(1, 2, 1)] * (len(ssms) - 1) + [(1,) * 6]
+    ssms = load_ssms(["drafter", "default"], default_llm) + [NGramSpeculator()]
+    assert ssms[0].features  # the shipped drafter reads the LLM's states
+    expansions = [(1, 1, 1)] * (len(ssms) - 1) + [(1,) * 6]
     engine = Engine(default_llm, ssms, expansions, auto=True, costs=ALL_TRIED)
     base = Engine(default_llm)
     for row in dev_prompts(3):
