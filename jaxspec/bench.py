@@ -451,29 +451,26 @@ def coverage_rates(llm_logits, ssm_logits, max_k: int, temperature: float):
     return greedy.astype(float), stochastic
 
 
-def _teacher_forced_logits(model, ids: list[int], llm=None):
-    """Logits [T, V] of a model over a whole sequence (no reuse), in one forward.
+def _teacher_forced(model, ids: list[int], states=None, hidden: bool = False):
+    """(logits [T, V], states [1, T, D] or None) of a model over a whole sequence (no reuse), in one forward.
 
-    A feature drafter reads the LLM's states of the sequence (one forward of ``llm``), so its
-    rates are those of its first draft level.
+    ``hidden`` also returns the model's (an LLM's) final-norm states; a feature drafter reads
+    those ``states``, so its rates are those of its first draft level.
     """
     import jax.numpy as jnp
 
+    from jaxspec.speculate import call
     from jaxspec.step import shift_features
     from models.transformer import KVCache, make_forward
 
     n = len(ids)
     p = jnp.arange(n)[None]
     mask = jnp.arange(n)[None, None, :] <= p[:, :, None]
-    toks = jnp.asarray([ids])
-    if getattr(model, "features", False):
-        fwd = make_forward(llm.cfg, llm.dtype, hidden=True)
-        _, _, states = fwd(llm.params, toks, p, KVCache.create(llm.cfg, 1, n, llm.dtype), mask)
-        logits, _, _ = model.forward(model.params, toks, shift_features(states), p,
-                                     KVCache.create(model.cfg, 1, n, model.dtype), mask)
-        return logits[0]
-    logits, _ = model.forward(model.params, toks, p, KVCache.create(model.cfg, 1, n, model.dtype), mask)
-    return logits[0]
+    forward = make_forward(model.cfg, model.dtype, hidden=True) if hidden else model.forward
+    feats = None if states is None else shift_features(states)
+    logits, _, out = call(forward, model.params, jnp.asarray([ids]), feats, p,
+                          KVCache.create(model.cfg, 1, n, model.dtype), mask)
+    return logits[0], out
 
 
 def cmd_coverage(args) -> int:
@@ -493,9 +490,11 @@ def cmd_coverage(args) -> int:
                          unit="prompt", file=sys.stderr):
         gen = engine.generate(ids, args.max_new_tokens)
         seq = ids + gen.token_ids
-        ref = np.asarray(_teacher_forced_logits(llm, seq))[len(ids) - 1 : -1]  # positions predicting the output
+        ref, states = _teacher_forced(llm, seq, hidden=any(ssm.features for ssm in ssms))
+        ref = np.asarray(ref)[len(ids) - 1 : -1]  # positions predicting the output
         for j, ssm in enumerate(ssms):
-            draft = np.asarray(_teacher_forced_logits(ssm, seq, llm))[len(ids) - 1 : -1]
+            draft, _ = _teacher_forced(ssm, seq, states if ssm.features else None)
+            draft = np.asarray(draft)[len(ids) - 1 : -1]
             greedy, stochastic = coverage_rates(ref, draft, args.max_k, temperature)
             for kind, rates in (("greedy", greedy), ("stochastic", stochastic)):
                 line = {"id": row["id"], "ssm": ssm.name, "ssm_index": j, "decoding": kind, "positions": len(rates)}

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxspec.cache import cache_root
 from jaxspec.engine import LoadedModel
 from jaxspec.kv_cache import causal_mask
+from jaxspec.speculate import call
 from models.config import ModelConfig
 from models.transformer import KVCache, init_params, make_forward, decoding_layout
 
@@ -80,13 +81,10 @@ def measure_llm_costs(
         raise ValueError("repeats and batch must be >= 1")
     forward = make_forward(model.cfg, model.dtype, unrolled) if unrolled else model.forward
     params = decoding_layout(model.params) if unrolled else model.params
-    if model.features:  # a feature drafter also reads a state per token (its values do not change the cost)
-        def run(params, toks, pos, cache, mask):
-            return forward(params, toks, jnp.zeros(toks.shape + (model.cfg.hidden_size,), model.dtype), pos, cache,
-                           mask)[:2]
-    else:
-        def run(params, toks, pos, cache, mask):
-            return forward(params, toks, pos, cache, mask)
+    def run(params, toks, pos, cache, mask):  # a feature drafter also reads a state per token (zeros cost the same)
+        feats = jnp.zeros(toks.shape + (model.cfg.hidden_size,), model.dtype) if model.features else None
+        return call(forward, params, toks, feats, pos, cache, mask)[:2]
+
     step = jax.jit(run, donate_argnums=(3,))
     cache = KVCache.create(model.cfg, batch, capacity, model.dtype)
     costs = {}

@@ -13,7 +13,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,9 +21,9 @@ from jaxspec.draft_vocab import frequent_ids, read_counts, write_counts
 from jaxspec.engine import LoadedModel
 from jaxspec.pool import DTYPES, PoolError, check_llm, config_from_dict, config_to_dict, read_json
 from models.config import ModelConfig
-from models.drafter import OWN, FeatureDrafter
+from models.drafter import OWN, param_tree
 from models.loading import flatten, unflatten
-from models.transformer import KVCache, with_draft_head
+from models.transformer import with_draft_head
 
 MANIFEST = "drafter.json"
 WEIGHTS = "drafter.safetensors"
@@ -83,7 +82,7 @@ def load_drafter(path: str | Path, llm: LoadedModel, dtype: str = "float32",
         raise PoolError(f"drafter {p}: {manifest['file']} is missing")
     flat = {k: v.astype(DTYPES[dtype]) for k, v in load_file(str(p / manifest["file"])).items()}
     own = unflatten(flat)
-    expected = {k: v for k, v in flatten(_shapes(cfg)).items() if k.split("/")[0] in OWN}
+    expected = {k: v for k, v in flatten(jax.eval_shape(lambda: param_tree(cfg))).items() if k.split("/")[0] in OWN}
     if set(flat) != set(expected) or any(tuple(flat[k].shape) != tuple(expected[k].shape) for k in expected):
         raise PoolError(f"drafter {p}: its tensors do not match its config")
     params = {**own, "embed": {"embedding": jnp.asarray(llm.params["embed"]["embedding"], DTYPES[dtype])}}
@@ -97,13 +96,3 @@ def load_drafter(path: str | Path, llm: LoadedModel, dtype: str = "float32",
         size = 0
     return dataclasses.replace(LoadedModel(f"{p.name}", cfg, params, DTYPES[dtype], llm.tokenizer, size),
                                features=True)
-
-
-def _shapes(cfg: ModelConfig) -> dict:
-    """ShapeDtypeStructs of a drafter's whole parameter tree, without allocating it."""
-    model = FeatureDrafter(cfg)
-    cache = KVCache.create(cfg, 1, 4)
-    tok = jnp.zeros((1, 1), jnp.int32)
-    feats = jnp.zeros((1, 1, cfg.hidden_size))
-    return jax.eval_shape(lambda: nn.meta.unbox(
-        model.init(jax.random.PRNGKey(0), tok, feats, tok, cache, jnp.ones((1, 1, 4), bool))["params"]))

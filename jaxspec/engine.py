@@ -51,22 +51,19 @@ class LoadedModel:
 
     @property
     def forward(self) -> Forward:
-        if self.features:
-            key = ("drafter", self.cfg, jnp.dtype(self.dtype), self.draft_vocab)
-            if key not in _FORWARDS:
-                _FORWARDS[key] = make_drafter_forward(self.cfg, jnp.dtype(self.dtype), self.draft_vocab)
-            return _FORWARDS[key]
-        return _forward_for(self.cfg, jnp.dtype(self.dtype), draft_vocab=self.draft_vocab)
+        return _forward_for(self.cfg, jnp.dtype(self.dtype), draft_vocab=self.draft_vocab, drafter=self.features)
 
 
 _FORWARDS: dict = {}
 
 
 def _forward_for(cfg: ModelConfig, dtype, unrolled: bool = False, draft_vocab: int = 0,
-                 hidden: bool = False) -> Forward:
-    key = (cfg, dtype, unrolled, draft_vocab, hidden)
+                 hidden: bool = False, drafter: bool = False) -> Forward:
+    """One forward per configuration: a Transformer's, or a feature drafter's (``drafter``)."""
+    key = (cfg, dtype, unrolled, draft_vocab, hidden, drafter)
     if key not in _FORWARDS:
-        _FORWARDS[key] = make_forward(cfg, dtype, unrolled, draft_vocab, hidden)
+        _FORWARDS[key] = (make_drafter_forward(cfg, dtype, draft_vocab) if drafter
+                          else make_forward(cfg, dtype, unrolled, draft_vocab, hidden))
     return _FORWARDS[key]
 
 

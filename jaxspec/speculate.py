@@ -57,11 +57,13 @@ class LevelTables:
 
 
 def call(forward, params, toks, feats, positions, cache: KVCache, mask, select=None):
-    """(logits, cache, states or None): a feature drafter reads feats [B, T, D]; an SSM has none."""
-    if feats is None:
-        logits, cache = forward(params, toks, positions, cache, mask, select)
-        return logits, cache, None
-    return forward(params, toks, feats, positions, cache, mask, select)
+    """(logits, cache, states or None) of any forward: a feature drafter reads feats [B, T, D]
+    (and returns its predicted states); a Transformer reads none (and returns its states only
+    when made with ``hidden=True``)."""
+    if feats is not None:
+        return forward(params, toks, feats, positions, cache, mask, select)
+    out = forward(params, toks, positions, cache, mask, select)
+    return out[0], out[1], (out[2] if len(out) > 2 else None)
 
 
 def previous_features(features: jax.Array | None, idx: jax.Array) -> jax.Array | None:
@@ -228,8 +230,9 @@ def speculate(
 
     history [B, S] holds committed tokens, length [B] their count (= the LLM cache
     length), root [B] the pending token; features [B, S, D] the LLM's states when the
-    drafter is a feature drafter (each node is then fed its parent's predicted state). Returns (tree [B, N], draft_probs [B, N, V] or a
-    scalar zero under greedy, new SSM cache with length == length).
+    drafter is a feature drafter (each node is then fed its parent's predicted state).
+    Returns (tree [B, N], draft_probs [B, N, V] or a scalar zero under greedy, new SSM cache
+    with length == length).
     """
     b = root.shape[0]
     m, n = topo.max_depth, topo.num_nodes
@@ -259,7 +262,7 @@ def speculate(
             fed = jnp.asarray(tables.fed)[i]
             probs = probs.at[:, fed[: logits.shape[1]]].set(q)
         if states is not None:
-            states = states.at[:, child].set(out[:, jnp.minimum(child_parent, out.shape[1] - 1)])
+            states = states.at[:, child].set(out[:, child_parent])
         return tokens, probs, states
 
     tokens, probs, states = expand(0, logits0, state0, tokens, probs, states, sampling.pick_key(keys, 0))

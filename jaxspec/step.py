@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxspec import ngram, sampling
 from jaxspec.kv_cache import KVCache, causal_mask, commit, tree_mask
-from jaxspec.speculate import speculate, speculate_dynamic
+from jaxspec.speculate import call, speculate, speculate_dynamic
 from jaxspec.tree import DynamicTree, Topology, TokenTree, ancestor_mask, deduplicate, merge, single_root
 from jaxspec.verify import Verdict, verify_greedy
 from models.transformer import Forward
@@ -291,8 +291,9 @@ def decode_step(
     anc = ancestor_mask(tree.parent, cfg.max_depth)  # [B, N, N]
     rows = jnp.broadcast_to(jnp.arange(n), tree.tokens.shape)
     mask = tree_mask(length, anc, rows, cap)
-    out = llm_forward(llm_params, tree.tokens, length[:, None] + tree.depth, state.llm_cache, mask)
-    logits, llm_cache = out[:2]  # a feature drafter's engine also gets the states [B, N, D] of the tree
+    # states [B, N, D]: the tree's final-norm states when a feature drafter needs them, else None
+    logits, llm_cache, states = call(llm_forward, llm_params, tree.tokens, None, length[:, None] + tree.depth,
+                                     state.llm_cache, mask)
     verdict = accept(cfg, tree, logits, draft_probs, state, k_verify)
     verdict = Verdict(verdict.path, jnp.where(act, verdict.num, 0), verdict.next_token)  # idle rows emit nothing
 
@@ -308,7 +309,7 @@ def decode_step(
     history = state.history.at[jnp.arange(b)[:, None], dst].set(path_tokens, mode="drop")
     features = state.features
     if cfg.features:  # the accepted path's states become committed features (f at the slot of its token)
-        path_states = jnp.take_along_axis(out[2], jnp.maximum(verdict.path, 0)[:, :, None], axis=1)  # [B, P, D]
+        path_states = jnp.take_along_axis(states, jnp.maximum(verdict.path, 0)[:, :, None], axis=1)  # [B, P, D]
         features = features.at[jnp.arange(b)[:, None], dst].set(path_states.astype(features.dtype), mode="drop")
     # Emitted: accepted tokens (path minus the root), then the bonus/recovered token.
     shifted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
@@ -326,20 +327,15 @@ def prefill_model(forward: Forward, params, cache: KVCache, tokens, lengths,
                   feats: jax.Array | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """Feeds padded prompts tokens [B, Tp] (true lengths [B]); returns last-token logits [B, V].
 
-    A feature drafter reads ``feats`` [B, Tp, D] (f_{p-1} per slot). Also returns every slot's
-    states [B, Tp, D] when the forward gives them (an LLM serving a feature drafter), else None.
+    A feature drafter reads ``feats`` [B, Tp, D] (f_{p-1} per slot). Also returns the forward's
+    states (``speculate.call``): every slot's [B, Tp, D] for an LLM serving a feature drafter.
     """
     b, tp = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(tp), (b, tp))
     start = jnp.zeros((b,), jnp.int32)
     mask = causal_mask(start, tp, cache.capacity)
-    select = (lengths - 1)[:, None]
-    if feats is not None:
-        logits, cache, _ = forward(params, tokens, feats, positions, cache.replace(length=start), mask, select)
-        states = None
-    else:
-        out = forward(params, tokens, positions, cache.replace(length=start), mask, select)
-        logits, cache, states = out[0], out[1], (out[2] if len(out) > 2 else None)
+    logits, cache, states = call(forward, params, tokens, feats, positions, cache.replace(length=start), mask,
+                                 (lengths - 1)[:, None])
     return logits[:, 0], cache.replace(length=lengths.astype(jnp.int32)), states
 
 
@@ -434,11 +430,9 @@ def prefill_row(
     select = jnp.reshape(count - 1, (1, 1)).astype(jnp.int32)
 
     def feed(forward, params, cache, feats=None):
-        if feats is not None:
-            logits, cache, _ = forward(params, tokens, feats, positions, cache.replace(length=begin), mask, select)
-            return logits[:, 0], cache.replace(length=begin + count), None
-        out = forward(params, tokens, positions, cache.replace(length=begin), mask, select)
-        return out[0][:, 0], out[1].replace(length=begin + count), (out[2] if len(out) > 2 else None)
+        logits, cache, states = call(forward, params, tokens, feats, positions, cache.replace(length=begin), mask,
+                                     select)
+        return logits[:, 0], cache.replace(length=begin + count), states
 
     logits, llm_row, states = feed(llm_forward, llm_params, _cache_row(state.llm_cache, slot, False))
     llm_cache = _put_cache_row(state.llm_cache, llm_row, slot, False)

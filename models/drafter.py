@@ -76,6 +76,15 @@ def make_drafter_forward(cfg: ModelConfig, dtype=jnp.float32, draft_vocab: int =
     return forward
 
 
+def param_tree(cfg: ModelConfig, seed: int = 0) -> dict:
+    """A randomly initialised drafter parameter tree (unboxed): the exact tree a loader must produce."""
+    cache = KVCache.create(cfg, 1, 4)
+    tok = jnp.zeros((1, 1), jnp.int32)
+    feats = jnp.zeros((1, 1, cfg.hidden_size))
+    return nn.meta.unbox(FeatureDrafter(cfg).init(jax.random.PRNGKey(seed), tok, feats, tok, cache,
+                                                  jnp.ones((1, 1, 4), bool))["params"])
+
+
 def init_drafter(cfg: ModelConfig, llm_params: dict, seed: int = 0) -> dict:
     """A fresh drafter on the LLM's embedding/head that starts as "predict f_p = f_{p-1}".
 
@@ -83,12 +92,8 @@ def init_drafter(cfg: ModelConfig, llm_params: dict, seed: int = 0) -> dict:
     output projections start at zero, so the block is the identity: training begins from a
     drafter whose states are already on the LLM's scale instead of from noise.
     """
-    model = FeatureDrafter(cfg)
     d = cfg.hidden_size
-    cache = KVCache.create(cfg, 1, 4)
-    tok = jnp.zeros((1, 1), jnp.int32)
-    params = nn.meta.unbox(model.init(jax.random.PRNGKey(seed), tok, jnp.zeros((1, 1, d)), tok, cache,
-                                      jnp.ones((1, 1, 4), bool))["params"])
+    params = param_tree(cfg, seed)
     fc = params["fc"]["kernel"] * 0.1  # [2D, D]
     params["fc"]["kernel"] = fc.at[d:].set(jnp.eye(d, dtype=fc.dtype))
 

@@ -150,24 +150,26 @@ class Transformer(nn.Module):
             x, (k_new, v_new) = blocks(x, cache.k, cache.v, positions, mask, cache.length)  # [L, B, T, K, H]
         if self.layer_stack is None:
             cache = write_kv(cache, k_new, v_new)
-        features = None
-        if self.hidden:
-            if cfg.arch == "opt":
-                raise ModelConfigError("feature drafters read LLaMA/Qwen-style final-norm states; OPT is not supported")
-            x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
-            features = x  # [B, T, D] every token's, before ``select``
-        if select is not None:
-            x = jnp.take_along_axis(x, select[:, :, None], axis=1)  # [B, T', D]
-        if self.hidden:
-            pass  # already normed above, over every token
-        elif cfg.arch == "opt":
+
+        def final(x):  # the final norm (OPT: and its output projection)
+            if cfg.arch != "opt":
+                return RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
             if cfg.final_layer_norm:
                 x = LayerNorm(1e-5, self.dtype, name="final_norm")(x)
             if cfg.proj_dim != cfg.hidden_size:
                 x = Dense((cfg.hidden_size,), (cfg.proj_dim,), (axes.EMBED,), (axes.EMBED,), False, self.dtype,
                           self.unrolled, name="project_out")(x)
-        else:
-            x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
+            return x
+
+        features = None
+        if self.hidden:  # every token's final-norm state [B, T, D], normed before ``select``
+            if cfg.arch == "opt":
+                raise ModelConfigError("feature drafters read LLaMA/Qwen-style final-norm states; OPT is not supported")
+            x = features = final(x)
+        if select is not None:
+            x = jnp.take_along_axis(x, select[:, :, None], axis=1)  # [B, T', D]
+        if features is None:
+            x = final(x)
         logits = output_head(self, cfg, x, embed.embedding, self.draft_vocab, self.unrolled)
         if self.hidden:
             return logits, cache, features

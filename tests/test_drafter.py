@@ -87,10 +87,8 @@ def test_committed_features_are_the_llms_states(llm):
     assert out[1].token_ids == gen.token_ids
     state = jax.device_get(batch.state)
     row = 1 if state.history[1, 0] == prompt[0] else 0
-    committed = int(state.llm_cache.length[row]) if state.active is None or state.active[row] else None
     ids = prompt + gen.token_ids
     n = len(prompt) + len(gen.token_ids) - 1  # the last emitted token is never fed
-    assert committed in (None, n)
     assert list(state.history[row, :n]) == ids[:n]
     np.testing.assert_allclose(state.features[row, :n], llm_states(llm, ids[:n]), rtol=2e-4, atol=2e-4)
 
@@ -106,7 +104,7 @@ def test_batched_requests_with_a_drafter_equal_single_ones(llm):
 def test_training_teaches_the_drafter_and_it_round_trips(llm, tmp_path):
     """A few hundred tokens of training raise the drafter's agreement with the LLM; saved and loaded through
     ``--ssm drafter:PATH`` it drafts the same, accepts more than the untrained one, and stays lossless."""
-    cfg = DrafterConfig(draft_vocab=0, learning_rate=3e-3, warmup_steps=5, steps=60, ce_weight=1.0)
+    cfg = DrafterConfig(draft_vocab=0, ce_weight=1.0)  # the loss's settings; the optimiser is the test's own
     dcfg = drafter_config(llm.cfg)
     import optax  # noqa: PLC0415
 

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from jaxspec.drafter_io import save_drafter
 from jaxspec.draft_vocab import frequent_ids
 from jaxspec.kv_cache import causal_mask
+from jaxspec.step import shift_features
 from models.drafter import OWN, drafter_config, init_drafter, make_drafter_forward
 from models.transformer import KVCache, make_forward
 from training.data import DataError, read_sharegpt
@@ -121,17 +122,13 @@ def make_step(llm, dcfg, ids: jax.Array, cfg: DrafterConfig, opt):
                                    causal_mask(jnp.zeros((b,), jnp.int32), t, t))
         return jax.lax.stop_gradient(feats), jnp.argmax(logits, -1).astype(jnp.int32)
 
-    def run(params, tokens, feats_in):
+    def run(params, head, tokens, feats_in):  # head [V', D]: the draft vocabulary's output rows
         b, t = tokens.shape
         cache = KVCache.create(dcfg, b, t)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         _, _, h = draft(params, jnp.maximum(tokens, 0), feats_in, pos, cache,
                         causal_mask(jnp.zeros((b,), jnp.int32), t, t))
-        head = params["embed"]["embedding"][ids] if dcfg.tie_word_embeddings else params["lm_head"]["kernel"][:, ids].T
         return h, h @ head.T  # [B, T, D], [B, T, V']
-
-    def shift(f):  # f_{p-1} at slot p; zeros at p = 0
-        return jnp.pad(f[:, :-1], ((0, 0), (1, 0), (0, 0)))
 
     def losses(params, tokens, feats, target, key):
         valid = (tokens >= 0) & (jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)), constant_values=-1) >= 0)  # [B, T]
@@ -139,8 +136,9 @@ def make_step(llm, dcfg, ids: jax.Array, cfg: DrafterConfig, opt):
         scored = valid & (tslot >= 0)
         scale = jax.lax.stop_gradient(jnp.sqrt(jnp.mean(jnp.square(feats), axis=-1, keepdims=True)))  # [B, T, 1]
         noise = scale * jax.random.uniform(key, feats.shape, minval=-cfg.feature_noise, maxval=cfg.feature_noise)
-        h1, l1 = run(params, tokens, shift(feats) + noise)
-        h2, l2 = run(params, tokens, shift(jax.lax.stop_gradient(h1)))
+        head = params["embed"]["embedding"][ids] if dcfg.tie_word_embeddings else params["lm_head"]["kernel"][:, ids].T
+        h1, l1 = run(params, head, tokens, shift_features(feats) + noise)
+        h2, l2 = run(params, head, tokens, shift_features(jax.lax.stop_gradient(h1)))
         out = {}
         total = 0.0
         for name, h, lg in (("1", h1, l1), ("2", h2, l2)):
