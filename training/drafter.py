@@ -36,7 +36,7 @@ from jaxspec.draft_vocab import frequent_ids
 from jaxspec.kv_cache import causal_mask
 from jaxspec.step import shift_features
 from models.drafter import OWN, drafter_config, init_drafter, make_drafter_forward
-from models.transformer import KVCache, make_forward
+from models.transformer import KVCache, make_forward, with_draft_head
 from training.data import DataError, read_sharegpt
 
 CHECKPOINT = "checkpoint.msgpack"
@@ -136,7 +136,7 @@ def make_step(llm, dcfg, ids: jax.Array, cfg: DrafterConfig, opt):
         scored = valid & (tslot >= 0)
         scale = jax.lax.stop_gradient(jnp.sqrt(jnp.mean(jnp.square(feats), axis=-1, keepdims=True)))  # [B, T, 1]
         noise = scale * jax.random.uniform(key, feats.shape, minval=-cfg.feature_noise, maxval=cfg.feature_noise)
-        head = params["embed"]["embedding"][ids] if dcfg.tie_word_embeddings else params["lm_head"]["kernel"][:, ids].T
+        head = with_draft_head(params, dcfg, ids)["draft_head"]  # [V', D]
         h1, l1 = run(params, head, tokens, shift_features(feats) + noise)
         h2, l2 = run(params, head, tokens, shift_features(jax.lax.stop_gradient(h1)))
         out = {}
