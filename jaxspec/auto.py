@@ -16,10 +16,19 @@ requests (at most ``GLOBAL_WEIGHT`` pseudo-iterations) and an optimistic prior, 
 gets tried before it is judged and a request with unusual text adapts within a few
 iterations. A merged tree accepts at depth i when any of its kinds does; kinds are
 treated as independent.
+
+The choice explores by Thompson sampling: each pick draws every kind's per-depth rates
+from their Beta posteriors (seeded, so a run is reproducible) instead of taking the
+means, so a speculator that failed its first few tries is tried again now and then
+rather than locked out for good. Costs start from the calibration and follow what
+iterations really take: once a member has run ``MIN_TIMINGS`` times, its calibrated cost
+is scaled by the median ratio of observed to calibrated seconds, so a calibration
+measured on a busy machine (or stale) corrects itself.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -28,7 +37,10 @@ NGRAM_BUCKETS = 3  # n-gram statistics per matched suffix length 1, 2, 3+
 KINDS = ("ssm",) + tuple(f"ngram:{n}" for n in range(1, NGRAM_BUCKETS + 1))
 PRIOR_RATE = 0.6  # optimistic prior acceptance per depth, worth PRIOR_WEIGHT iterations
 PRIOR_WEIGHT = 1.0
-GLOBAL_WEIGHT = 8.0  # earlier requests count as at most this many iterations
+GLOBAL_WEIGHT = 8.0  # earlier requests count as at most this many iterations in the estimated rates
+GLOBAL_CONFIDENCE = 64.0  # ... and as at most this many in how sure the estimate is (exploration)
+MIN_TIMINGS = 4  # observed iterations of a member before they rescale its calibrated cost
+TIMING_WINDOW = 32  # the newest observed/calibrated ratios kept per member
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,16 +65,27 @@ class DepthStats:
 
 
 class TreeChooser:
-    """Picks a family member per iteration and learns from what each iteration accepted."""
+    """Picks a family member per iteration and learns from what each iteration accepted and cost.
 
-    def __init__(self, members: list[Member], costs: dict[str, float]) -> None:
+    ``explore`` draws acceptance rates from their posteriors at each pick (Thompson
+    sampling, from a generator seeded by ``seed``); without it picks use the posterior
+    means (deterministic). ``adapt_costs`` rescales calibrated costs by observed ones
+    (``observe_time``); an injected cost table is kept as given.
+    """
+
+    def __init__(self, members: list[Member], costs: dict[str, float], explore: bool = True,
+                 adapt_costs: bool = True, seed: int = 0) -> None:
         if "none" not in {m.name for m in members}:
             raise ValueError("the family must include 'none' (no speculation)")
         missing = [m.name for m in members if m.name not in costs]
         if missing:
             raise ValueError(f"no measured cost for {', '.join(missing)}")
         self.members = {m.name: m for m in members}
-        self.costs = dict(costs)
+        self.costs = dict(costs)  # calibrated seconds per iteration (the engine refreshes them per capacity)
+        self.explore = explore
+        self.adapt_costs = adapt_costs
+        self.rng = np.random.default_rng(seed)
+        self.timings = {m.name: collections.deque(maxlen=TIMING_WINDOW) for m in members}
         self.max_depth = max([d for m in members for d in m.depth.values()] + [1])
         self.global_stats = {k: DepthStats(self.max_depth) for k in KINDS}
         self.request = {k: DepthStats(self.max_depth) for k in KINDS}
@@ -81,42 +104,76 @@ class TreeChooser:
         trials = r.trials + scale * g.trials + PRIOR_WEIGHT
         return hits / trials
 
+    def posterior(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """Beta parameters (a, b) per depth, [max_depth + 1] each, that Thompson sampling draws from.
+
+        Their mean is ``rates``; their weight counts up to ``GLOBAL_CONFIDENCE`` earlier
+        iterations (more than the mean does), so a speculator judged on many iterations is
+        rarely re-tried while one judged on a few still is.
+        """
+        g, r = self.global_stats[kind], self.request[kind]
+        weight = r.trials + np.minimum(g.trials, GLOBAL_CONFIDENCE) + PRIOR_WEIGHT
+        mean = self.rates(kind)
+        return mean * weight, (1.0 - mean) * weight
+
+    def _draw(self) -> dict[str, np.ndarray]:
+        """Per-depth rates of every kind for one pick: posterior draws when exploring, else the means."""
+        if not self.explore:
+            return {k: self.rates(k) for k in KINDS}
+        return {k: self.rng.beta(*self.posterior(k)) for k in KINDS}
+
     @staticmethod
     def _stats_kind(kind: str, ngram_match: int) -> str:
         return f"ngram:{min(max(ngram_match, 1), NGRAM_BUCKETS)}" if kind == "ngram" else kind
 
-    def expected_tokens(self, name: str, ngram_len: int = 0, ngram_match: int = 1) -> float:
+    def expected_tokens(self, name: str, ngram_len: int = 0, ngram_match: int = 1,
+                        rates: dict[str, np.ndarray] | None = None) -> float:
         """1 + Σ_i P(the merged tree agrees down to depth i): expected tokens of one iteration.
 
         ``ngram_len`` is how many tokens the n-gram proposes now, ``ngram_match`` how long a
-        suffix it matched.
+        suffix it matched; ``rates`` (kind -> per-depth rates) defaults to the posterior means.
         """
         m = self.members[name]
         miss = np.ones(self.max_depth + 1)  # P(no kind reaches depth i)
         for kind, depth in m.depth.items():
             d = min(depth, ngram_len) if kind == "ngram" else depth
+            stats_kind = self._stats_kind(kind, ngram_match)
+            r = rates[stats_kind] if rates is not None else self.rates(stats_kind)
             reach = np.zeros(self.max_depth + 1)
-            reach[1 : d + 1] = np.cumprod(self.rates(self._stats_kind(kind, ngram_match))[1 : d + 1])
+            reach[1 : d + 1] = np.cumprod(r[1 : d + 1])
             miss *= 1.0 - reach
         return 1.0 + float((1.0 - miss)[1:].sum())
 
+    def cost(self, name: str) -> float:
+        """Seconds one iteration of ``name`` is expected to take: calibrated, rescaled by observed timings."""
+        seen = self.timings[name]
+        if not self.adapt_costs or len(seen) < MIN_TIMINGS:
+            return self.costs[name]
+        return self.costs[name] * float(np.median(seen))
+
+    def observe_time(self, name: str, seconds: float) -> None:
+        """Records what one iteration of ``name`` took (dispatch to tokens on the host)."""
+        if self.costs[name] > 0 and seconds > 0:
+            self.timings[name].append(seconds / self.costs[name])
+
     def scores(self, ngram_len: int = 0, ngram_match: int = 1) -> dict[str, float]:
-        """Expected tokens per second of every member."""
-        return {n: self.expected_tokens(n, ngram_len, ngram_match) / self.costs[n] for n in self.members}
+        """Expected tokens per second of every member (posterior means)."""
+        return {n: self.expected_tokens(n, ngram_len, ngram_match) / self.cost(n) for n in self.members}
 
     def pick(self, ngram_len: int = 0, ngram_match: int = 1) -> str:
         """The member with the most expected tokens per second ("none" wins ties)."""
-        scores = self.scores(ngram_len, ngram_match)
-        return max(scores, key=lambda n: (scores[n], n == "none"))
+        return self.pick_batch([(ngram_len, ngram_match)])
 
     def pick_batch(self, rows: list[tuple[int, int]]) -> str:
         """The member with the most expected tokens per second summed over a batch's rows.
 
         ``rows`` holds each active row's (n-gram proposal length, matched suffix length);
         the costs are those of the batch's executable, so a large batch (where a tree
-        costs more than it saves) falls back to no speculation.
+        costs more than it saves) falls back to no speculation. One draw of the rates
+        serves every row and member of the pick.
         """
-        scores = {n: sum(self.expected_tokens(n, length, match) for length, match in rows) / self.costs[n]
+        rates = self._draw()
+        scores = {n: sum(self.expected_tokens(n, length, match, rates) for length, match in rows) / self.cost(n)
                   for n in self.members}
         return max(scores, key=lambda n: (scores[n], n == "none"))
 

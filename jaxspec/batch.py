@@ -523,6 +523,8 @@ class BatchEngine:
             n = int(num[i])
             if it.chooser is not None:
                 it.chooser.observe(it.name, depths[i], len(it.proposals[i]), it.matched[i])
+        if it.chooser is not None and live:
+            it.chooser.observe_time(it.name, seconds)
             slot.committed += n
             slot.gen.llm_steps += 1
             slot.gen.ssm_steps += cfg.draft_levels

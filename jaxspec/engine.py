@@ -350,7 +350,7 @@ class Engine:
         key = (_warp(params), batch)
         costs = self.calibrate(params, capacity, batch=batch)
         if key not in self._choosers:
-            self._choosers[key] = TreeChooser(self.members(params), costs)
+            self._choosers[key] = TreeChooser(self.members(params), costs, adapt_costs=self._injected_costs is None)
         self._choosers[key].costs = dict(costs)
         self.warm(params, capacity, batch)
         return self._choosers[key]
@@ -495,9 +495,11 @@ class Engine:
                 name = chooser.pick(len(proposal), matched) if chooser else next(iter(family))
                 cfg = family[name]
                 _check_fits(committed + cfg.num_nodes, capacity, "a decoding step")
+                began = time.perf_counter()
                 state, out = steps[name](self._llm_params, ssm_params, state, *self._proposal(proposal))
                 emitted, num, depths = jax.device_get((out.tokens, out.num, out.source_depth))
                 if chooser:
+                    chooser.observe_time(name, time.perf_counter() - began)
                     chooser.observe(name, depths[0], len(proposal), matched)
                 committed += int(num[0])
                 gen.llm_steps += 1

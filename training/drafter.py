@@ -200,7 +200,8 @@ def train_drafter(cfg: DrafterConfig, export_only: bool = False) -> Path:
     if ckpt.exists():
         state = serialization.from_bytes({"own": own, "opt": opt_state, "step": 0, "counts": counts},
                                          ckpt.read_bytes())
-        own, opt_state, start, counts = state["own"], state["opt"], int(state["step"]), np.asarray(state["counts"])
+        own, opt_state, start = state["own"], state["opt"], int(state["step"])
+        counts = np.array(state["counts"], np.int64)  # a writable copy: steps add to it
     identity = llm_identity(llm, source)
 
     def vocab_counts(seen: np.ndarray) -> np.ndarray:
