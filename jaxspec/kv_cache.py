@@ -41,6 +41,7 @@ def commit(cache: KVCache, path: jax.Array, num: jax.Array) -> KVCache:
     keep = jnp.arange(p)[None, :] < num[:, None]
     src = jnp.where(keep, cache.length[:, None] + jnp.maximum(path, 0), dst)
     rows = jnp.arange(b)[:, None]
-    k = cache.k.at[:, rows, dst].set(cache.k[:, rows, src], mode="promise_in_bounds")
-    v = cache.v.at[:, rows, dst].set(cache.v[:, rows, src], mode="promise_in_bounds")
+    # cache [L, B, K, S, H]; the [B, P] index dims come first: the moved blocks are [B, P, L, K, H]
+    k = cache.k.at[:, rows, :, dst].set(cache.k[:, rows, :, src], mode="promise_in_bounds")
+    v = cache.v.at[:, rows, :, dst].set(cache.v[:, rows, :, src], mode="promise_in_bounds")
     return KVCache(k, v, cache.length + num.astype(cache.length.dtype))

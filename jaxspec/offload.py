@@ -65,7 +65,7 @@ class OffloadStack:
     dtype: jnp.dtype
 
     def __call__(self, layers: dict, x: jax.Array, cache: KVCache, positions, mask) -> tuple[jax.Array, KVCache]:
-        # layers [L, ...] in host memory; x [B, T, D]; cache.k/v [L, B, S, K, H] on the device
+        # layers [L, ...] in host memory; x [B, T, D]; cache.k/v [L, B, K, S, H] on the device
         return scan_layers(self.cfg, self.dtype, layers, x, cache, positions, mask, fetch=fetch)
 
 

@@ -44,7 +44,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     (axes.SEQ, None),
 )
 
-KV_NAMES = (axes.LAYERS, axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM)  # KVCache.k/v [L, B, S, K, H]
+KV_NAMES = (axes.LAYERS, axes.BATCH, axes.KV_HEADS, axes.SEQ, axes.HEAD_DIM)  # KVCache.k/v [L, B, K, S, H]
 RESIDUAL_NAMES = (axes.BATCH, axes.SEQ, axes.EMBED)  # the residual stream [B, T, D] between layers
 
 
@@ -264,7 +264,7 @@ def placer(mesh: Mesh, what: str = "LLM") -> Callable[[ModelConfig], Callable[[s
 
 # -- caches, decode state, activations ------------------------------------------------
 def cache_shardings(cache, mesh: Mesh, grouped: bool = False):
-    """NamedShardings of a KVCache (k, v [L, B, S, K, H], length [B]; a group's with a leading G)."""
+    """NamedShardings of a KVCache (k, v [L, B, K, S, H], length [B]; a group's with a leading G)."""
     pre = (axes.SSM_GROUP,) if grouped else ()
     fallbacks: list = []
     kv = sharding_for(pre + KV_NAMES, cache.k.shape, mesh, "KV cache", fallbacks)

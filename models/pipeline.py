@@ -137,7 +137,7 @@ class PipelineStack:
     microbatches: int | None = None  # None: as many as stages, as far as the batch divides
 
     def __call__(self, layers: dict, x: jax.Array, cache: KVCache, positions, mask) -> tuple[jax.Array, KVCache]:
-        # x [B, T, D]; layers [L, ...] and cache.k/v [L, B, S, K, H] sharded over pipe on L
+        # x [B, T, D]; layers [L, ...] and cache.k/v [L, B, K, S, H] sharded over pipe on L
         stages = check_stages(self.cfg, self.mesh)
         m = microbatches_for(x.shape[0], stages, self.microbatches)
         stage = jax.shard_map(
@@ -154,11 +154,11 @@ class PipelineStack:
 
     def _stage(self, stages: int, m: int, layers, x, k_cache, v_cache, length, positions, mask):
         """One stage's program: M + P - 1 ticks over its own layers and cache rows (runs per pipe index)."""
-        # layers [L/P, ...]; x [B, T, D]; k_cache, v_cache [L/P, B, S, K, H]; length [B]; positions [B, T]
+        # layers [L/P, ...]; x [B, T, D]; k_cache, v_cache [L/P, B, K, S, H]; length [B]; positions [B, T]
         s = jax.lax.axis_index(PIPE)
         rows = x.shape[0] // m  # R: rows per microbatch
         t_len = x.shape[1]
-        lp, kv, hd = k_cache.shape[0], k_cache.shape[3], k_cache.shape[4]
+        lp, kv, hd = k_cache.shape[0], k_cache.shape[2], k_cache.shape[4]
         run = block_fn(self.cfg, self.dtype)
         forward_perm = [(i, i + 1) for i in range(stages - 1)]
 

@@ -29,27 +29,36 @@ OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 class KVCache:
     """Keys/values of every layer for B slots of capacity S, plus each slot's committed length."""
 
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
+    k: jax.Array  # [L, B, K, S, H]: per (row, KV head) the slots are contiguous, as attention reads them
+    v: jax.Array  # [L, B, K, S, H]
     length: jax.Array  # [B] int32: slots [0, length) hold committed tokens
 
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
-        shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[-2]
 
 
-def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
-    """The cache with the T new tokens' K/V (k_new, v_new [L, B, T, K, H]) at slots ``[length, length + T)``."""
-    b, t = k_new.shape[1], k_new.shape[2]
-    slots = cache.length[:, None] + jnp.arange(t, dtype=cache.length.dtype)  # [B, T]
-    rows = jnp.arange(b)[:, None]
-    k_all = cache.k.at[:, rows, slots].set(k_new.astype(cache.k.dtype), mode="promise_in_bounds")
-    v_all = cache.v.at[:, rows, slots].set(v_new.astype(cache.v.dtype), mode="promise_in_bounds")
+def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array, layer: int = 0) -> KVCache:
+    """The cache with new K/V (k_new, v_new [L', B, T, K, H], layers ``layer`` …) at slots ``[length, length + T)``.
+
+    One dynamic-update-slice per row: XLA updates a donated cache in place, where a scatter
+    is lowered to a select over the whole cache (a full copy per step). The caller keeps
+    length + T <= capacity (a slice start past it would be clamped, not dropped).
+    """
+    k_new = k_new.transpose(0, 1, 3, 2, 4).astype(cache.k.dtype)  # [L', B, K, T, H], the cache's layout
+    v_new = v_new.transpose(0, 1, 3, 2, 4).astype(cache.v.dtype)
+    k_all, v_all = cache.k, cache.v
+    dt = cache.length.dtype
+    zero = jnp.zeros((), dt)
+    for b in range(k_new.shape[1]):
+        at = (jnp.asarray(layer, dt), jnp.asarray(b, dt), zero, cache.length[b], zero)
+        k_all = jax.lax.dynamic_update_slice(k_all, k_new[:, b : b + 1], at)
+        v_all = jax.lax.dynamic_update_slice(v_all, v_new[:, b : b + 1], at)
     return cache.replace(k=k_all, v=v_all)
 
 
@@ -61,8 +70,8 @@ class Block(nn.Module):
     transposed: bool = False  # kernels stored output-major (Dense.transposed)
 
     @nn.compact
-    def __call__(self, x, k_cache, v_cache, positions, mask, write_at):
-        # x [B, T, D]; this layer's k_cache, v_cache [B, S, K, H]
+    def __call__(self, x, k_cache, v_cache, positions, mask, write_at, store=None):
+        # x [B, T, D]; this layer's k_cache, v_cache [B, K, S, H]; store: see ``Attention``
         x = axes.constrain(x, (axes.BATCH, axes.SEQ, axes.EMBED))  # a layer boundary (no-op without a mesh)
         cfg = self.cfg
         if cfg.arch == "opt":
@@ -74,7 +83,7 @@ class Block(nn.Module):
         pre = cfg.arch != "opt" or cfg.do_layer_norm_before
         attn_norm, mlp_norm = norm("attn_norm"), norm("mlp_norm")
         h = attn_norm(x) if pre else x
-        a, k_new, v_new = attn(h, positions, mask, k_cache, v_cache, write_at)
+        a, k_new, v_new = attn(h, positions, mask, k_cache, v_cache, write_at, store)
         x = x + a
         if not pre:
             x = attn_norm(x)
@@ -131,13 +140,16 @@ class Transformer(nn.Module):
             # layer_stack(layers [L, ...], x, cache, positions, mask) -> (x, cache with the new K/V written)
             x, cache = self.layer_stack(self.variables["params"]["layers"], x, cache, positions, mask)
         elif self.unrolled:
-            news = []
+            # Each layer writes its new K/V into the cache first, then attends over its slice:
+            # a write precedes the reads of its layer, so XLA updates the donated cache in place.
             for i in range(cfg.num_layers):
-                block = Block(cfg, self.dtype, True, name=f"layer_{i}")
-                x, kv = block(x, cache.k[i], cache.v[i], positions, mask, cache.length)
-                news.append(kv)
-            k_new = jnp.stack([k for k, _ in news])  # [L, B, T, K, H]
-            v_new = jnp.stack([v for _, v in news])
+                def store(k, v, i=i):  # k, v [B, T, K, H] -> this layer's [B, K, S, H], new tokens included
+                    nonlocal cache
+                    cache = write_kv(cache, k[None], v[None], layer=i)
+                    return cache.k[i], cache.v[i]
+
+                x, _ = Block(cfg, self.dtype, True, name=f"layer_{i}")(x, None, None, positions, mask, cache.length,
+                                                                      store)
         else:
             blocks = nn.scan(
                 Block,
@@ -148,7 +160,7 @@ class Transformer(nn.Module):
                 metadata_params={nn.PARTITION_NAME: axes.LAYERS},
             )(cfg, self.dtype, name="layers")
             x, (k_new, v_new) = blocks(x, cache.k, cache.v, positions, mask, cache.length)  # [L, B, T, K, H]
-        if self.layer_stack is None:
+        if self.layer_stack is None and not self.unrolled:
             cache = write_kv(cache, k_new, v_new)
 
         def final(x):  # the final norm (OPT: and its output projection)

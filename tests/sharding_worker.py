@@ -121,7 +121,7 @@ def tensor_parallel(family: str, mesh_spec: str, modes: tuple[str, ...]) -> dict
                  "layer_0/attn/o/kernel"]
     out["shards"] = shard_shapes(placed, names)
     cache = KVCache.create(m.cfg, 2, 256)
-    k = jax.device_put(cache.k, sharding.cache_shardings(cache, mesh).k)  # [L, B, S, K, H]
+    k = jax.device_put(cache.k, sharding.cache_shardings(cache, mesh).k)  # [L, B, K, S, H]
     out["cache_shard"] = [list(k.shape), list(k.addressable_shards[0].data.shape)]
     return out
 

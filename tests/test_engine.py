@@ -132,8 +132,8 @@ def test_kv_commit_equals_incremental_cache(tiny_llm):
     ref = KVCache.create(tiny_llm.cfg, 1, cap)
     p = jnp.arange(n)[None]
     _, ref = tiny_llm.forward(tiny_llm.params, seq[None], p, ref, jnp.arange(cap)[None, None, :] <= p[:, :, None])
-    np.testing.assert_allclose(np.asarray(state.llm_cache.k[:, :, :n]), np.asarray(ref.k[:, :, :n]), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(state.llm_cache.v[:, :, :n]), np.asarray(ref.v[:, :, :n]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.llm_cache.k[..., :n, :]), np.asarray(ref.k[..., :n, :]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.llm_cache.v[..., :n, :]), np.asarray(ref.v[..., :n, :]), atol=1e-5)
 
 
 def test_bad_requests_are_refused_clearly(tiny_llm):

@@ -69,8 +69,8 @@ def test_stale_ssm_cache_is_caught_up(tiny_llm):
                                       root, jax.random.PRNGKey(0), spec, values)
     fresh, _, fresh_cache = speculate(ssm.forward, ssm.params, filled(length), topo, history,
                                       jnp.asarray([length]), root, jax.random.PRNGKey(0), spec, values)
-    np.testing.assert_allclose(lag_cache.k[:, :, :length], fresh_cache.k[:, :, :length], atol=1e-5)
-    np.testing.assert_allclose(lag_cache.v[:, :, :length], fresh_cache.v[:, :, :length], atol=1e-5)
+    np.testing.assert_allclose(lag_cache.k[..., :length, :], fresh_cache.k[..., :length, :], atol=1e-5)
+    np.testing.assert_allclose(lag_cache.v[..., :length, :], fresh_cache.v[..., :length, :], atol=1e-5)
     assert np.array_equal(lagging.tokens, fresh.tokens)
     assert int(lag_cache.length[0]) == length
 
