@@ -523,8 +523,6 @@ class BatchEngine:
             n = int(num[i])
             if it.chooser is not None:
                 it.chooser.observe(it.name, depths[i], len(it.proposals[i]), it.matched[i])
-        if it.chooser is not None and live:
-            it.chooser.observe_time(it.name, seconds)
             slot.committed += n
             slot.gen.llm_steps += 1
             slot.gen.ssm_steps += cfg.draft_levels
@@ -533,6 +531,8 @@ class BatchEngine:
             stats.emitted.append(n)
             stats.drafted.append(ssm_nodes + (min(len(it.proposals[i]), cfg.ngram_depth) if cfg.ngram_depth else 0))
             stats.accepted_depth.append(n - 1)
+        if it.chooser is not None and live:
+            it.chooser.observe_time(it.name, seconds)
         for i, slot in live:
             try:
                 self._emit(i, [int(t) for t in emitted[i, : int(num[i])]])

@@ -3,7 +3,7 @@
 The parameters use the *stacked decoding layout* (``stacked_layout``): blocks stacked on
 a leading layer axis ``layers`` [L, ...] as in the scanned model, every Dense kernel
 stored output-major as in ``decoding_layout``. Split over the mesh axis ``pipe``, stage
-s holds layers ``[s·L/P, (s+1)·L/P)`` of the weights and of the KV cache [L, B, S, K, H]
+s holds layers ``[s·L/P, (s+1)·L/P)`` of the weights and of the KV cache [L, B, K, S, H]
 and nothing of the other stages' layers.
 
 One forward (``PipelineStack`` inside ``Transformer``) embeds the tokens, then runs the

@@ -67,7 +67,7 @@ def tree_logits(m: LoadedModel, params, mesh) -> np.ndarray:
     length = jnp.asarray([5, 9], jnp.int32)  # [B] committed tokens
     tokens = jax.random.randint(jax.random.PRNGKey(3), parent.shape, 0, cfg.vocab_size)  # [B, N]
     mask = tree_mask(length, ancestor_mask(parent, 3), jnp.broadcast_to(jnp.arange(6), parent.shape), cap)
-    shape = (cfg.num_layers, b, cap, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, b, cfg.num_kv_heads, cap, cfg.head_dim)  # KVCache layout [L, B, K, S, H]
     cache = KVCache(jax.random.normal(jax.random.PRNGKey(1), shape), jax.random.normal(jax.random.PRNGKey(2), shape),
                     length)
     fwd = make_forward(cfg, unrolled=True)

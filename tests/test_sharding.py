@@ -167,10 +167,10 @@ def test_parameters_and_kv_cache_are_split(default_checks):
     for name in ("embed/embedding", "lm_head/kernel", "layer_0/mlp/fc1/kernel", "layer_0/attn/q/kernel"):
         shape, shards = opt[name]
         assert shards == [split(shape, 0, 8)] * 8, (name, shape, shards)
-    shape, shard = check(default_checks, "tp_llama_2")["cache_shard"]  # [L, B, S, K, H]: K over tensor=2
-    assert shard == split(shape, 3, 2)
+    shape, shard = check(default_checks, "tp_llama_2")["cache_shard"]  # [L, B, K, S, H]: K over tensor=2
+    assert shard == split(shape, 2, 2)
     shape, shard = check(default_checks, "tp_opt_8")["cache_shard"]
-    assert shard == split(shape, 3, 8)
+    assert shard == split(shape, 2, 8)
 
 
 def test_ssm_group_is_data_parallel_and_output_unchanged(default_checks):
@@ -181,7 +181,7 @@ def test_ssm_group_is_data_parallel_and_output_unchanged(default_checks):
     assert shape[0] == 2 and shards == [split(shape, 0, 2)] * 2
     shape, shards = r["shards"]["embed/embedding"]  # the pool's shared embedding: one copy per device
     assert shards == [shape] * 2
-    shape, shard = r["cache_shard"]  # [G, L, B, S, K, H]
+    shape, shard = r["cache_shard"]  # [G, L, B, K, S, H]
     assert shard == split(shape, 0, 2)
 
 
