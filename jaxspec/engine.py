@@ -96,6 +96,10 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
             return b
     raise RequestError(f"needs {n} cache slots, more than the largest bucket {buckets[-1]}")
 
+# Bumped when a change moves what a decoding step costs (e.g. the KV cache layout), so calibrations
+# cached by an older jaxspec are measured again rather than trusted.
+STEP_REVISION = 2
+
 
 def prompt_bucket(n: int) -> int:
     return max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length())
@@ -300,6 +304,8 @@ class Engine:
 
         ident = {
             "what": "step-family",
+            "revision": STEP_REVISION,
+            "jax": jax.__version__,
             "device": jax.devices()[0].device_kind,
             "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))],
             "ssms": [[s.name, repr(s.cfg), str(jnp.dtype(s.dtype)), s.draft_vocab] for s in self.ssms],
