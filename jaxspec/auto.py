@@ -156,10 +156,6 @@ class TreeChooser:
         if self.costs[name] > 0 and seconds > 0:
             self.timings[name].append(seconds / self.costs[name])
 
-    def scores(self, ngram_len: int = 0, ngram_match: int = 1) -> dict[str, float]:
-        """Expected tokens per second of every member (posterior means)."""
-        return {n: self.expected_tokens(n, ngram_len, ngram_match) / self.cost(n) for n in self.members}
-
     def pick(self, ngram_len: int = 0, ngram_match: int = 1) -> str:
         """The member with the most expected tokens per second ("none" wins ties)."""
         return self.pick_batch([(ngram_len, ngram_match)])

@@ -190,13 +190,12 @@ def cmd_generate(args) -> int:
 def report_learned(engine) -> None:
     """``-v`` with ``--mode auto``: what the chooser learned (acceptance per depth, costs as observed)."""
     for (_, batch), chooser in engine._choosers.items():
-        chooser.new_request()  # folds the last request's counts in
         for name in chooser.members:
             seen = len(chooser.timings[name])
             print(f"[jaxspec] learned: tree {name:<10} {chooser.cost(name) * 1e3:7.1f} ms/step "
                   f"(calibrated {chooser.costs[name] * 1e3:.1f}, {seen} timed), batch {batch}", file=sys.stderr)
-        for kind in chooser.global_stats:
-            trials = chooser.global_stats[kind].trials[1:]
+        for kind in chooser.global_stats:  # rates() blends the running request's counts in; so do the tries
+            trials = chooser.global_stats[kind].trials[1:] + chooser.request[kind].trials[1:]
             if trials.any():
                 rates = " ".join(f"{r:.2f}" for r in chooser.rates(kind)[1:])
                 print(f"[jaxspec] learned: {kind:<8} acceptance by depth {rates} "
