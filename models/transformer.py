@@ -4,8 +4,8 @@
 SSM draft steps and tree verification alike: the T new tokens' keys/values are written
 to cache slots ``[cache.length, cache.length + T)`` and every query attends to the slots
 its mask row allows among the committed ones ``[0, cache.length)`` and the new tokens'
-own (anything else is never visible). Inside the layer loop the cache is only read; the
-new K/V are scattered into it once, after the loop. ``cache.length`` is not advanced
+own (anything else is never visible). The new K/V are written in place (``write_kv``): by
+each unrolled layer before it attends, or once after a scanned stack. ``cache.length`` is not advanced
 here; committing is the engine's job (``jaxspec.kv_cache.commit``).
 """
 
@@ -46,19 +46,23 @@ class KVCache:
 def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array, layer: int = 0) -> KVCache:
     """The cache with new K/V (k_new, v_new [L', B, T, K, H], layers ``layer`` …) at slots ``[length, length + T)``.
 
-    One dynamic-update-slice per row: XLA updates a donated cache in place, where a scatter
-    is lowered to a select over the whole cache (a full copy per step). The caller keeps
-    length + T <= capacity (a slice start past it would be clamped, not dropped).
+    A loop over rows of one dynamic-update-slice each: XLA updates a donated cache in place
+    (a scatter is lowered to a select over the whole cache), and the graph stays one loop
+    whatever B is (unrolled rows made compile time and memory grow with the batch). The
+    caller keeps length + T <= capacity (a slice start past it would be clamped, not dropped).
     """
     k_new = k_new.transpose(0, 1, 3, 2, 4).astype(cache.k.dtype)  # [L', B, K, T, H], the cache's layout
     v_new = v_new.transpose(0, 1, 3, 2, 4).astype(cache.v.dtype)
-    k_all, v_all = cache.k, cache.v
     dt = cache.length.dtype
     zero = jnp.zeros((), dt)
-    for b in range(k_new.shape[1]):
-        at = (jnp.asarray(layer, dt), jnp.asarray(b, dt), zero, cache.length[b], zero)
-        k_all = jax.lax.dynamic_update_slice(k_all, k_new[:, b : b + 1], at)
-        v_all = jax.lax.dynamic_update_slice(v_all, v_new[:, b : b + 1], at)
+
+    def row(b, kv):
+        at = (jnp.asarray(layer, dt), b.astype(dt), zero, cache.length[b], zero)
+        k_b = jax.lax.dynamic_slice_in_dim(k_new, b, 1, axis=1)  # [L', 1, K, T, H]
+        v_b = jax.lax.dynamic_slice_in_dim(v_new, b, 1, axis=1)
+        return jax.lax.dynamic_update_slice(kv[0], k_b, at), jax.lax.dynamic_update_slice(kv[1], v_b, at)
+
+    k_all, v_all = jax.lax.fori_loop(0, k_new.shape[1], row, (cache.k, cache.v))
     return cache.replace(k=k_all, v=v_all)
 
 
