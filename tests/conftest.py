@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -19,6 +20,15 @@ DEV_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "prompts" / "dev_
 # One persistent compilation cache (outside the repository, as the CLI's): an engine
 # configuration that several tests build is compiled once per machine, not once per test.
 enable_compile_cache(cache_root() / "xla")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_executables():
+    """Frees each module's compiled executables after it: a worker runs many modules, and JAX
+    keeps every executable it compiled (a worker otherwise grows past 8 GB over the suite)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def tiny_config(**overrides) -> ModelConfig:
