@@ -88,6 +88,8 @@ def add_parser(sub) -> None:
                             "mode's own speculators")
     modes.add_argument("--expansion", help="passed to every mode but incremental (sequence takes only 1s); default: "
                        "each mode's own")
+    modes.add_argument("--draft-vocab", type=int, metavar="N",
+                       help="passed to every mode but incremental (as jaxspec generate --draft-vocab)")
     modes.add_argument("--warmup", type=int, default=1,
                        help="warm-up rounds before the measured prompts, excluded from ms/token: each runs the "
                             "shortest and longest prompt of every prompt-length bucket, so nothing measured compiles")
@@ -692,6 +694,8 @@ def _generate_command(mode: str, args, prompts: Path, limit: int, output: Path) 
         cmd += [flag for spec in args.ssm or [] for flag in ("--ssm", spec)]
     if args.expansion and mode != "incremental":
         cmd += ["--expansion", args.expansion]
+    if args.draft_vocab is not None and mode != "incremental":
+        cmd += ["--draft-vocab", str(args.draft_vocab)]
     if args.mesh:
         cmd += ["--mesh", args.mesh]
     if args.offload:

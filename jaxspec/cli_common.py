@@ -195,7 +195,8 @@ def build_engine(args, log=None):
             raise CliError(f"--expansion gives {len(expansion)} ';'-separated configs for {len(ssms)} speculators "
                            f"({', '.join(s.name for s in ssms)}): give one shared config or one per speculator")
         shown = "; ".join(getattr(e, "label", None) or "<" + ",".join(map(str, e)) + ">" for e in expansion)
-        names = ", ".join(s.name for s in ssms)
+        names = ", ".join(s.name + (f" (draft vocabulary {s.draft_vocab})" if getattr(s, "draft_vocab", 0) else "")
+                          for s in ssms)
         print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {args.mode}",
               file=log or sys.stderr)
         expansion = expansion[0] if len(expansion) == 1 else expansion

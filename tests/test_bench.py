@@ -130,7 +130,7 @@ def test_bench_modes_runs_each_mode_as_generate_in_its_own_process(tmp_path, cap
     out = tmp_path / "modes.csv"
     assert cli.main(["bench", "modes", "--prompt-file", _prompts(tmp_path, 2), "--limit", "2", "--max-new-tokens", "4",
                      "--modes", "incremental,sequence", "--ssm", "layers:4", "--expansion", "1,1",
-                     "--output", str(out)]) == 0
+                     "--draft-vocab", "4096", "--output", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
     assert [(r["mode"], r["id"]) for r in rows] == [("incremental", "q0"), ("incremental", "q1"),
                                                      ("sequence", "q0"), ("sequence", "q1")]  # no warm-up rows
@@ -143,7 +143,8 @@ def test_bench_modes_runs_each_mode_as_generate_in_its_own_process(tmp_path, cap
     assert int(seq["warmup_prompts"]) >= 1 and float(seq["warmup_seconds"]) > 0
     assert float(seq["seconds"]) == pytest.approx(sum(float(r["seconds"]) for r in rows if r["mode"] == "sequence"))
     assert (tmp_path / "modes.png").stat().st_size > 1000
-    assert (tmp_path / "modes_sequence.log").is_file()
+    assert "] (draft vocabulary 4096); expansion" in (tmp_path / "modes_sequence.log").read_text()
+    assert "draft vocabulary" not in (tmp_path / "modes_incremental.log").read_text()
     assert "2/2" in capsys.readouterr().out
 
     assert cli.main(["bench", "modes", "--prompt-file", _prompts(tmp_path), "--modes", "incremental,sequence",

@@ -273,10 +273,12 @@ def test_interrupt_stops_the_started_server(tmp_path, sig):
     non-interactive shell's background jobs (CI's, say) inherit SIGINT ignored, and Python
     then leaves it ignored.
     """
-    bench = subprocess.Popen([sys.executable, "-m", "jaxspec", "bench", "serve", "--prompt-file", _prompts(tmp_path),
-                              "--modes", "incremental", "--output", str(tmp_path / "int.csv")],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    argv = [sys.executable, "-m", "jaxspec", "bench", "serve", "--prompt-file", _prompts(tmp_path),
+            "--modes", "incremental", "--output", str(tmp_path / "int.csv")]
+    # SIG_DFL survives exec (no preexec_fn: forking a multithreaded JAX process to run Python is unsafe)
+    reset = f"import os, signal; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv({argv[0]!r}, {argv!r})"
+    bench = subprocess.Popen([sys.executable, "-c", reset], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
     server = None
     try:
         deadline = time.monotonic() + 60
