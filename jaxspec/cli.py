@@ -233,6 +233,8 @@ def generate_batched(engine, llm, rows: list[dict], args, out) -> int:
 
 def main(argv: Iterable[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # transformers serves only the tokenizer here; on a runtime install (no torch) it warns that models are unavailable
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     cache = setup_compile_cache(args)
