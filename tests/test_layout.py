@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 
 from conftest import tiny_config
 from models.layers import tall_dot, transpose_kernel
-from models.transformer import KVCache, decoding_layout, init_params, make_forward
+from models.transformer import KVCache, decoding_layout, init_params, make_forward, write_kv
 
 FAMILIES = {
     "llama-tied": dict(tie_word_embeddings=True),
@@ -46,3 +48,34 @@ def test_tall_dot_is_a_contraction_over_the_input_axes():
     for rows in [(1, 1), (2, 3)]:
         got = tall_dot(x[: rows[0], : rows[1]], transpose_kernel(w, 2), 2)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want[: rows[0], : rows[1]]), rtol=1e-5, atol=1e-5)
+
+
+def test_cache_write_is_one_loop_whatever_the_batch_and_updates_in_place():
+    """``write_kv``'s graph does not grow with B (a 20,000-row sampler compiles), each row lands at its
+    own length, and the compiled unrolled forward copies no whole cache (the write is in place)."""
+    cfg = tiny_config(num_layers=2)
+
+    def eqns(batch: int) -> int:
+        cache = KVCache.create(cfg, batch, 16)
+        new = jnp.zeros((cfg.num_layers, batch, 3, cfg.num_kv_heads, cfg.head_dim))  # [L, B, T, K, H]
+        return len(jax.make_jaxpr(write_kv)(cache, new, new).eqns)
+
+    assert eqns(2) == eqns(64) == eqns(20_000)
+
+    length = jnp.array([0, 5, 13], jnp.int32)  # [B]; 13 + 3 = capacity: the last row fills the cache
+    cache = KVCache.create(cfg, 3, 16).replace(length=length)
+    new = jax.random.normal(jax.random.PRNGKey(0), (cfg.num_layers, 3, 3, cfg.num_kv_heads, cfg.head_dim))
+    out = write_kv(cache, new, -new)
+    for b, n in enumerate(np.asarray(length)):
+        np.testing.assert_array_equal(np.asarray(out.k[:, b, :, n : n + 3]), np.asarray(new[:, b].transpose(0, 2, 1, 3)))
+        np.testing.assert_array_equal(np.asarray(out.v[:, b, :, n : n + 3]), -np.asarray(new[:, b].transpose(0, 2, 1, 3)))
+        assert not np.asarray(out.k[:, b, :, :n]).any() and not np.asarray(out.k[:, b, :, n + 3 :]).any()
+
+    params = decoding_layout(init_params(cfg, 0))
+    cache = KVCache.create(cfg, 4, 64)
+    toks, pos = jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 2), jnp.int32)  # [B, T]
+    mask = jnp.ones((4, 2, 64), bool)  # [B, T, S]
+    step = jax.jit(make_forward(cfg, unrolled=True), donate_argnums=(3,))
+    hlo = step.lower(params, toks, pos, cache, mask).compile().as_text()
+    whole = "f32[{},4,{},64,{}]".format(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    assert re.search(re.escape(whole) + r"\{[^}]*\} copy\(", hlo) is None
