@@ -690,12 +690,10 @@ def _generate_command(mode: str, args, prompts: Path, limit: int, output: Path) 
         cmd += ["--model", args.model]
     if args.no_chat:
         cmd.append("--no-chat")
-    if mode != "incremental":
+    if mode != "incremental":  # the speculators' settings
         cmd += [flag for spec in args.ssm or [] for flag in ("--ssm", spec)]
-    if args.expansion and mode != "incremental":
-        cmd += ["--expansion", args.expansion]
-    if args.draft_vocab is not None and mode != "incremental":
-        cmd += ["--draft-vocab", str(args.draft_vocab)]
+        cmd += ["--expansion", args.expansion] if args.expansion else []
+        cmd += ["--draft-vocab", str(args.draft_vocab)] if args.draft_vocab is not None else []
     if args.mesh:
         cmd += ["--mesh", args.mesh]
     if args.offload:
