@@ -81,7 +81,7 @@ class TreeChooser:
         if missing:
             raise ValueError(f"no measured cost for {', '.join(missing)}")
         self.members = {m.name: m for m in members}
-        self.costs = dict(costs)  # calibrated seconds per iteration (the engine refreshes them per capacity)
+        self.costs = dict(costs)  # calibrated seconds per iteration, unless a pick brings its bucket's own
         self.explore = explore
         self.adapt_costs = adapt_costs
         self.rng = np.random.default_rng(seed)
@@ -144,32 +144,39 @@ class TreeChooser:
             miss *= 1.0 - reach
         return 1.0 + float((1.0 - miss)[1:].sum())
 
-    def cost(self, name: str) -> float:
-        """Seconds one iteration of ``name`` is expected to take: calibrated, rescaled by observed timings."""
+    def cost(self, name: str, costs: dict[str, float] | None = None) -> float:
+        """Seconds one iteration of ``name`` is expected to take: calibrated (``costs``, the bucket's; default
+        ``self.costs``), rescaled by observed timings.
+
+        The timings are kept as ratios to the calibrated cost of the bucket each iteration ran
+        in, so what is learned at one batch or cache bucket carries over to the others.
+        """
+        base = (costs or self.costs)[name]
         seen = self.timings[name]
         if not self.adapt_costs or len(seen) < MIN_TIMINGS:
-            return self.costs[name]
-        return self.costs[name] * float(np.median(seen))
+            return base
+        return base * float(np.median(seen))
 
-    def observe_time(self, name: str, seconds: float) -> None:
-        """Records what one iteration of ``name`` took (dispatch to tokens on the host)."""
-        if self.costs[name] > 0 and seconds > 0:
-            self.timings[name].append(seconds / self.costs[name])
+    def observe_time(self, name: str, seconds: float, costs: dict[str, float] | None = None) -> None:
+        """Records what one iteration of ``name`` took (dispatch to tokens on the host) against ``costs``."""
+        base = (costs or self.costs)[name]
+        if base > 0 and seconds > 0:
+            self.timings[name].append(seconds / base)
 
     def pick(self, ngram_len: int = 0, ngram_match: int = 1) -> str:
         """The member with the most expected tokens per second ("none" wins ties)."""
         return self.pick_batch([(ngram_len, ngram_match)])
 
-    def pick_batch(self, rows: list[tuple[int, int]]) -> str:
+    def pick_batch(self, rows: list[tuple[int, int]], costs: dict[str, float] | None = None) -> str:
         """The member with the most expected tokens per second summed over a batch's rows.
 
         ``rows`` holds each active row's (n-gram proposal length, matched suffix length);
-        the costs are those of the batch's executable, so a large batch (where a tree
-        costs more than it saves) falls back to no speculation. One draw of the rates
-        serves every row and member of the pick.
+        ``costs`` are those of the bucket the batch runs in (default ``self.costs``), so a
+        large batch (where a tree costs more than it saves) falls back to no speculation.
+        One draw of the rates serves every row and member of the pick.
         """
         rates = self._draw()
-        scores = {n: sum(self.expected_tokens(n, length, match, rates) for length, match in rows) / self.cost(n)
+        scores = {n: sum(self.expected_tokens(n, length, match, rates) for length, match in rows) / self.cost(n, costs)
                   for n in self.members}
         return max(scores, key=lambda n: (scores[n], n == "none"))
 

@@ -1,18 +1,23 @@
-"""Continuous batching: a fixed set of slots decoded together, one jitted iteration for all of them.
+"""The one scheduling loop: continuous batching of every request, one jitted iteration for all of them.
 
-The device state (KV caches of ``max_batch`` slots × a fixed capacity, histories, roots,
-one PRNG key and sampling values per slot, an active mask) is allocated once and donated
-to every call, so requests come and go without a recompilation (the JetStream / MaxText
-``prefill`` / ``insert`` / ``generate`` split):
+``jaxspec generate`` (every ``--max-batch``, 1 included), ``Engine.generate``, the benches
+and ``jaxspec serve`` all run requests through ``BatchEngine``. The device state (KV
+caches, histories, roots, one PRNG key and sampling values per row, an active mask) is
+donated to every call. Its shape follows the work: the live rows are kept contiguous
+(a retired row's place is taken by the last live row) and the state is laid out for
+the smallest batch bucket (1, 2, 4, ... ``max_batch``) holding them and the smallest
+capacity bucket (256, 512, ... up to ``max_model_len`` plus a step's slack) holding
+their caches, so one request in a 16-slot server costs what it costs alone. Each
+(bucket, tree) pair is one executable, compiled on first use or by ``warm`` (the JetStream
+/ MaxText ``prefill`` / ``insert`` / ``generate`` split):
 
 * admission: a waiting request is prefilled chunk by chunk into a one-row staging state
   (one chunk per iteration, so a long prompt does not stall the other slots' streams),
   then inserted into a free slot;
-* ``generate``: ONE iteration for every slot — draft, every slot's tree packed into one
+* the iteration: ONE jitted step for every live row — draft, every slot's tree packed into one
   LLM pass, accept, commit — of the family member the cost model picks for the current
   batch (``jaxspec.auto``: expected tokens summed over the active slots per second of
-  that member at this batch size, so speculation shrinks to nothing where it stops
-  paying);
+  that member at this bucket, so speculation shrinks to nothing where it stops paying);
 * retirement: EOS, a stop string, the token limit or a cancellation frees the slot.
 
 Greedy and sampled requests share one executable (a greedy row is a one-hot distribution,
@@ -36,13 +41,59 @@ import numpy as np
 
 from jaxspec import ngram, sampling
 from jaxspec.auto import TreeChooser
-from jaxspec.distributed import fetch
 from jaxspec.engine import Engine, Generation, RequestError, _check_fits
-from jaxspec.sharding import pinned
-from jaxspec.step import DecodeConfig, StepOutput, insert_row, prefill_row, set_inactive
+from jaxspec.sharding import fetch, pinned
+from jaxspec.step import DecodeConfig, StepOutput, insert_row, move_row, prefill_row, resize, set_inactive
 
 PREFILL_BUCKETS = (16, 64, 256)  # chunk shapes a prompt is fed in (one executable each)
-DEFAULT_MAX_MODEL_LEN = 1024  # every slot's cache holds this many tokens; attention reads all of them
+DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
+MIN_CAPACITY = 256  # the smallest cache bucket: below it a step's cost hardly depends on the cache
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """Row counts the state is laid out for: 1, 2, 4, ... below ``max_batch``, then ``max_batch``."""
+    out = []
+    b = 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_batch,)
+
+
+def capacity_buckets(top: int) -> tuple[int, ...]:
+    """Cache capacities the state is laid out for: 256, 512, ... below ``top``, then ``top``."""
+    out = []
+    c = MIN_CAPACITY
+    while c < top:
+        out.append(c)
+        c *= 2
+    return tuple(out) + (top,)
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+def cut_tokens(done: list[int], new: list[int], limit: int, stop_ids: set[int],
+               stop: Callable[[list[int]], int | None] | None) -> tuple[list[int], str | None]:
+    """Truncates one step's tokens at the token limit, then at EOS or a stop string; returns (kept, reason).
+
+    EOS is looked for first, then a stop string over the text so far (a stop string that ends
+    inside the tokens before an EOS wins, since the EOS is cut away with what follows it).
+    """
+    reason = None
+    if len(done) + len(new) >= limit:
+        new = new[: limit - len(done)]
+        reason = "length"
+    for i, t in enumerate(new):
+        if t in stop_ids:
+            new, reason = new[: i + 1], "eos"
+            break
+    if stop is not None:
+        cut = stop(done + new)
+        if cut is not None:
+            return (done + new)[len(done): max(cut, len(done))], "stop"
+    return new, reason
 
 
 class QueueFull(RuntimeError):
@@ -73,6 +124,7 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total so far
     generation: Generation | None = None  # counters, on the final event
+    tree: str | None = None  # the family member whose iteration emitted these tokens (None: the prefill)
 
 
 @dataclasses.dataclass
@@ -108,8 +160,9 @@ class _Slot:
     gen: Generation
     start: float
     index: ngram.NGramIndex | None
-    committed: int  # tokens in the slot's LLM cache
+    committed: int  # tokens in the row's LLM cache
     stop_ids: set[int]
+    row: int  # the state row it owns; -1 once retired
 
 
 @dataclasses.dataclass
@@ -121,8 +174,28 @@ class _Staging:
     fed: int = 0
 
 
+class LoopSync:
+    """What the processes of a multi-process run agree on each iteration; a single process agrees with itself.
+
+    ``exchange`` runs before every iteration (process 0 announces its admissions, cancellations
+    and whether to stop; the others replay them); ``agree_pick`` makes auto's pick process 0's.
+    ``fresh_costs``: every process measures auto's costs itself (the measuring steps are
+    collectives, so no process may skip them by reading a cached calibration). ``local``:
+    this process's own submissions and cancellations take effect at once (nothing to announce).
+    """
+
+    fresh_costs = False
+    local = True
+
+    def exchange(self, batch: "BatchEngine", stopping: bool) -> bool:
+        return stopping
+
+    def agree_pick(self, name: str, names: list[str]) -> str:
+        return name
+
+
 class BatchEngine:
-    """Slots, admission, one jitted iteration for every active slot, retirement."""
+    """Slots, admission, one jitted iteration for every live row, retirement: the one scheduling loop."""
 
     def __init__(
         self,
@@ -132,7 +205,10 @@ class BatchEngine:
         max_queue: int = 256,
         on_iteration: Callable[[IterationStats], None] | None = None,
         prefill_chunk: int = PREFILL_BUCKETS[-1],
+        sync: LoopSync | None = None,
+        verbose: Callable[[str], None] | None = None,
     ) -> None:
+        """``sync`` joins a multi-process run (``jaxspec.distributed``); ``verbose`` hears what compiles when."""
         if max_batch < 1:
             raise RequestError(f"--max-batch must be >= 1, got {max_batch}")
         limit = engine.llm.cfg.max_position_embeddings
@@ -144,31 +220,36 @@ class BatchEngine:
         self.max_model_len = max_model_len
         self.max_queue = max_queue
         self.on_iteration = on_iteration
+        self.sync = sync or LoopSync()
+        self.verbose = verbose
         self.buckets = tuple(b for b in PREFILL_BUCKETS if b < prefill_chunk) + (prefill_chunk,)
         worst = engine._worst()
-        # Every write fits by construction: a slot holds < max_model_len committed tokens
-        # before a step that writes num_nodes more; a prefill chunk ends within a bucket.
-        self.capacity = max_model_len + max(worst.num_nodes + worst.max_emit, self.buckets[-1])
         self._max_emit = worst.max_emit  # most tokens one iteration commits per row (any family member)
+        self._max_nodes = worst.num_nodes  # most cache slots one iteration writes per row
+        # Every write fits by construction: a row holds < max_model_len committed tokens before a
+        # step that writes num_nodes more; a prefill chunk ends within a bucket.
+        self.max_capacity = max_model_len + max(worst.num_nodes + worst.max_emit, self.buckets[-1])
+        self.row_buckets = batch_buckets(max_batch)
+        self.capacity_buckets = capacity_buckets(self.max_capacity)
         self.vocab = engine.llm.cfg.vocab_size
-        self.state = engine.init_state(max_batch, self.capacity, sampling.MIXED, active=False)
+        self.rows, self.capacity = self.row_buckets[0], self.capacity_buckets[0]
+        self.state = engine.init_state(self.rows, self.capacity, sampling.MIXED, active=False)
         self.staging_state = engine.init_state(1, self.capacity, sampling.MIXED, active=False)
-        self.slots: list[_Slot | None] = [None] * max_batch
+        self.slots: list[_Slot] = []  # live requests; slots[i] owns row i of the state
         self.staging: _Staging | None = None
         self._staged: list[int] = []  # the prompt prefix whose K/V the staging row holds
         self.waiting: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
+        self.incoming: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.iterations = 0
+        self.resizes = 0  # state re-layouts (bucket changes)
         self._compiled: dict = {}
-        self._no_proposal: tuple[jax.Array, jax.Array] | None = None
+        self._bucket_costs: dict = {}  # (warp, rows, capacity) -> auto's costs there (None without auto)
+        self._no_proposal: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
         self._last_done = 0.0
         self.overlapped = 0  # iterations dispatched before the previous one's tokens were read
-        # Multi-process serving (jaxspec.distributed): ``sync(stopping) -> stop`` agrees on process 0's
-        # admissions, cancellations and stop before each iteration; submissions wait in ``incoming``.
-        self.sync: Callable[[bool], bool] | None = None
-        self.incoming: collections.deque[tuple[Ticket, Callable[[Event], None]]] | None = None
 
     # -- requests ---------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -179,10 +260,10 @@ class BatchEngine:
         if req.max_new_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {req.max_new_tokens}")
         if n + req.max_new_tokens > self.max_model_len:
-            raise RequestError(
-                f"prompt of {n} tokens plus {req.max_new_tokens} new tokens exceeds --max-model-len "
-                f"{self.max_model_len}"
-            )
+            limit = self.engine.llm.cfg.max_position_embeddings
+            what = (f"the model's context of {limit} tokens" if self.max_model_len == limit
+                    else f"--max-model-len {self.max_model_len}")
+            raise RequestError(f"prompt of {n} tokens plus {req.max_new_tokens} new tokens exceeds {what}")
         bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.vocab}")
@@ -191,26 +272,29 @@ class BatchEngine:
             raise RequestError(f"--verify {self.engine.verify} needs stochastic decoding (temperature > 0)")
 
     def submit(self, req: Request, on_event: Callable[[Event], None]) -> Ticket:
-        """Queues ``req`` (thread-safe); ``on_event`` hears its tokens from the engine thread."""
+        """Queues ``req`` (thread-safe); ``on_event`` hears its tokens from the engine thread.
+
+        Submissions wait in ``incoming`` until the loop's next ``sync.exchange`` moves them
+        into ``waiting`` (a multi-process run announces them there first).
+        """
         self.check(req)
         ticket = Ticket(req)
         with self.lock:
-            queue = self.waiting if self.incoming is None else self.incoming
-            waiting = len(self.waiting) + len(self.incoming or ())
+            waiting = len(self.waiting) + len(self.incoming)
             if waiting >= self.max_queue:
                 raise QueueFull(f"{waiting} requests are already waiting (--max-queue {self.max_queue})")
-            queue.append((ticket, on_event))
+            self.incoming.append((ticket, on_event))
         self.wake.set()
         return ticket
 
     def queue_depth(self) -> int:
-        return len(self.waiting) + len(self.incoming or ()) + (self.staging is not None)
+        return len(self.waiting) + len(self.incoming) + (self.staging is not None)
 
     def active_slots(self) -> int:
-        return sum(s is not None for s in self.slots)
+        return len(self.slots)
 
     def idle(self) -> bool:
-        return not self.waiting and self.staging is None and not self.active_slots()
+        return not self.waiting and not self.incoming and self.staging is None and not self.slots
 
     # -- compiled pieces --------------------------------------------------------------
     def _prefill_cfg(self) -> DecodeConfig:
@@ -231,78 +315,108 @@ class BatchEngine:
             elif name == "insert":
                 self._compiled[name] = jax.jit(pinned(lambda state, staged, slot: insert_row(cfg, state, staged, slot),
                                                       e.mesh), donate_argnums=(0,))
-            else:
+            elif name == "move":
+                self._compiled[name] = jax.jit(pinned(move_row, e.mesh), donate_argnums=(0,))
+            elif name == "retire":
                 self._compiled[name] = jax.jit(pinned(set_inactive, e.mesh), donate_argnums=(0,))
+            else:
+                raise KeyError(name)
         return self._compiled[name]
 
-    def warm(self, greedy: bool = True, sampled: bool = True) -> None:
-        """Compiles (and, under auto, calibrates) the decoding family now instead of at the first request."""
-        for warp in sampling.BATCH_WARPS:
-            if greedy if warp.greedy else sampled:
-                self._chooser(warp) if self.engine.auto else self.engine.warm(warp, self.capacity, self.max_batch)
+    def _resize(self, state, rows: int, capacity: int):
+        key = ("resize", rows, capacity)
+        if key not in self._compiled:
+            self._compiled[key] = jax.jit(pinned(lambda s: resize(s, rows, capacity), self.engine.mesh))
+        return self._compiled[key](state)
 
-    def _chooser(self, warp: sampling.WarpSpec):
-        return self.engine.chooser(warp, self.capacity, self.max_batch)
+    def warm(self, greedy: bool = True, sampled: bool = True, rows: Sequence[int] | None = None,
+             capacities: Sequence[int] | None = None) -> None:
+        """Compiles (and, under auto, calibrates) the decoding family now instead of at first use.
+
+        Defaults: every batch bucket at the smallest capacity bucket (longer caches compile
+        when a request first needs one).
+        """
+        for warp in sampling.BATCH_WARPS:
+            if not (greedy if warp.greedy else sampled):
+                continue
+            for b in rows or self.row_buckets:
+                for cap in capacities or self.capacity_buckets[:1]:
+                    self._costs(warp, b, cap)
+
+    def _costs(self, warp: sampling.WarpSpec, rows: int, capacity: int) -> dict[str, float] | None:
+        """Compiles the family for a bucket (auto: and measures it); returns auto's costs there."""
+        key = (warp, rows, capacity)
+        if key in self._bucket_costs:
+            return self._bucket_costs[key]
+        e = self.engine
+        fresh = (warp, capacity, rows) not in e._warmed
+        began = time.perf_counter()
+        costs = e.costs_at(warp, capacity, rows, refresh=self.sync.fresh_costs) if e.auto else None
+        if not e.auto:
+            e.warm(warp, capacity, rows)
+        self._bucket_costs[key] = costs
+        if fresh and self.verbose is not None:
+            self.verbose(f"compiled {len(e.family(warp))} step(s) for {rows} row(s) x {capacity} slots, "
+                         f"{warp.label}: {time.perf_counter() - began:.1f} s")
+        return costs
 
     # -- the loop ---------------------------------------------------------------------
-    def run(self, stop: threading.Event, drain: bool = False) -> None:
-        """The engine loop (its own thread) until ``stop``; then drains or cancels what is in flight."""
+    def run(self, stop: threading.Event) -> None:
+        """The engine loop (its own thread) until ``stop``; then cancels what is in flight."""
         while True:
-            stopping = stop.is_set()
-            if self.sync is not None:
-                stopping = self.sync(stopping)
-            if stopping:
+            if self.sync.exchange(self, stop.is_set()):
                 break
             if self.idle():
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
             self.step()
-        if drain:
-            while not self.idle():
-                self.step()
         self.cancel_all("cancelled")
 
     def cancel_all(self, reason: str) -> None:
         """Ends every waiting, staged and running request with ``reason``."""
         with self.lock:
-            waiting, self.waiting = list(self.waiting) + list(self.incoming or ()), collections.deque()
-            if self.incoming is not None:
-                self.incoming.clear()
+            waiting = list(self.waiting) + list(self.incoming)
+            self.waiting.clear()
+            self.incoming.clear()
         for ticket, on_event in waiting:
             _deliver(on_event, Event(ticket.request.id, [], reason, prompt_tokens=len(ticket.request.prompt_ids)))
         if self.staging is not None:
             st, self.staging = self.staging, None
             _deliver(st.on_event, Event(st.ticket.request.id, [], reason,
                                         prompt_tokens=len(st.ticket.request.prompt_ids)))
-        for i, slot in enumerate(self.slots):
-            if slot is not None:
-                self._retire(i, reason)
+        for slot in list(self.slots):
+            self._retire(slot, reason)
+        self._pending = None
 
     def generate(self, requests: Sequence[Request],
-                 on_finish: Callable[[int], None] | None = None) -> list[Generation]:
-        """Runs ``requests`` through the batch in this thread and returns their Generations in order.
+                 on_finish: Callable[[int], None] | None = None,
+                 on_event: Callable[[int, Event], None] | None = None) -> list[Generation]:
+        """Runs ``requests`` through the loop in this thread and returns their Generations in order.
 
-        ``on_finish(k)`` hears that request k finished (progress bars).
+        ``on_finish(k)`` hears that request k finished (progress bars); ``on_event(k, event)``
+        hears every event of request k (streaming).
         """
         out: dict[int, Generation] = {}
         errors: list[str] = []
-        for k, req in enumerate(requests):
+        for req in requests:
             self.check(req)
 
         def hear(k: int) -> Callable[[Event], None]:
-            def on_event(ev: Event) -> None:
+            def listener(ev: Event) -> None:
+                if on_event is not None:
+                    on_event(k, ev)
                 if ev.finish_reason == "error":
                     errors.append(ev.error or "error")
                 if ev.finish_reason is not None:
                     out[k] = ev.generation
                     if on_finish is not None:
                         on_finish(k)
-            return on_event
+            return listener
 
         pending = collections.deque(enumerate(requests))
         while pending or not self.idle():
-            while pending and len(self.waiting) < self.max_queue:
+            while pending and len(self.waiting) + len(self.incoming) < self.max_queue:
                 k, req = pending.popleft()
                 self.submit(req, hear(k))
             self.step()
@@ -314,12 +428,15 @@ class BatchEngine:
         """One iteration: cancellations, admission (prefill chunks of at most one largest bucket), decoding.
 
         Short prompts are admitted several per iteration; a long one is fed one chunk per
-        iteration, so the running slots keep streaming while it is prefilled.
+        iteration, so the running rows keep streaming while it is prefilled.
         """
+        if self.sync.local:  # nothing to announce: submissions queue at once
+            with self.lock:
+                self.waiting.extend(self.incoming)
+                self.incoming.clear()
         self._drop_cancelled_waiting()
-        for i, slot in enumerate(self.slots):
-            if slot is not None and self._cancelled(slot.ticket):
-                self._retire(i, "cancelled")
+        for slot in [s for s in self.slots if self._cancelled(s.ticket)]:
+            self._retire(slot, "cancelled")
         budget = self.buckets[-1]
         while budget > 0:
             try:
@@ -332,19 +449,19 @@ class BatchEngine:
             if not fed:
                 break
             budget -= fed
-        if not self.active_slots():
+        if not self.slots:
             self._pending = None  # an iteration of retired rows only: nothing left to read
+            self._fit()
             return
         try:
             self._decode()
         except Exception as exc:  # noqa: BLE001 — fail the batch's requests, keep serving
             self._pending = None
-            self.state = self.engine.init_state(self.max_batch, self.capacity, sampling.MIXED, active=False)
-            for i, slot in enumerate(self.slots):
-                if slot is not None:
-                    self.slots[i] = None
-                    _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error",
-                                                  f"{type(exc).__name__}: {exc}"))
+            self.state = self.engine.init_state(self.rows, self.capacity, sampling.MIXED, active=False)
+            slots, self.slots = self.slots, []
+            for slot in slots:
+                slot.row = -1
+                _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error", f"{type(exc).__name__}: {exc}"))
 
     def _drop_cancelled_waiting(self) -> None:
         """Ends cancelled requests still in the queue now, so they stop counting against ``max_queue``."""
@@ -357,8 +474,31 @@ class BatchEngine:
             _deliver(on_event, Event(ticket.request.id, [], "cancelled", prompt_tokens=len(ticket.request.prompt_ids)))
 
     def _cancelled(self, ticket: Ticket) -> bool:
-        """Whether to end ``ticket`` now; across processes only once process 0 announced it (``sync``)."""
-        return ticket.agreed_cancel if self.sync is not None else ticket.cancelled.is_set()
+        """Whether to end ``ticket`` now; across processes only once process 0 announced it."""
+        return ticket.cancelled.is_set() if self.sync.local else ticket.agreed_cancel
+
+    # -- the state's shape follows the work ---------------------------------------------
+    def _need(self, committed: int) -> int:
+        """Cache slots a row of ``committed`` tokens may touch before the host reads its next tokens."""
+        return committed + self._max_emit + self._max_nodes
+
+    def _fit(self, extra_rows: int = 0, need: int = 0) -> None:
+        """Lays the state out for the live rows (+ ``extra_rows``) and the longest cache (at least ``need``).
+
+        Grows at once; shrinks only to a smaller bucket (rows only grow while they live, so
+        a bucket changes a few times per request at most).
+        """
+        rows = _bucket(max(len(self.slots) + extra_rows, 1), self.row_buckets)
+        want = max([need] + [self._need(s.committed) for s in self.slots]
+                   + ([self._need(len(self.staging.ticket.request.prompt_ids))] if self.staging else []))
+        capacity = _bucket(min(want, self.max_capacity), self.capacity_buckets)
+        if (rows, capacity) == (self.rows, self.capacity):
+            return
+        self.state = self._resize(self.state, rows, capacity)
+        if capacity != self.capacity:
+            self.staging_state = self._resize(self.staging_state, 1, capacity)
+        self.rows, self.capacity = rows, capacity
+        self.resizes += 1
 
     def _admit(self) -> int:
         """Feeds the staged request's next chunk (staging the next waiting one first); returns tokens fed.
@@ -367,7 +507,7 @@ class BatchEngine:
         prefix with it (``--num-samples``, a common system prompt) starts after that prefix.
         """
         if self.staging is None:
-            if None not in self.slots:
+            if len(self.slots) >= self.max_batch:
                 return 0
             with self.lock:
                 if not self.waiting:
@@ -388,6 +528,7 @@ class BatchEngine:
         size = next(b for b in self.buckets if b >= min(left, self.buckets[-1]))
         count = min(left, size)
         last = count == left
+        self._fit(need=st.fed + size)
         tokens = np.zeros((1, size), np.int32)
         tokens[0, :count] = prompt[st.fed: st.fed + count]
         _check_fits(st.fed + size, self.capacity, "a prefill chunk")
@@ -401,48 +542,58 @@ class BatchEngine:
         self._staged = list(prompt[: st.fed])
         if not last:
             return size
-        slot = self.slots.index(None)
-        self.state = self._fn("insert")(self.state, self.staging_state, jax.device_put(np.int32(slot)))
+        self._fit(extra_rows=1)
+        row = len(self.slots)
+        self.state = self._fn("insert")(self.state, self.staging_state, jax.device_put(np.int32(row)))
         first = int(fetch(self.staging_state.root)[0])
         self.staging = None
         index = ngram.NGramIndex(prompt, e.ngram.max_n, e.ngram.min_n) if e.ngram else None
         stop_ids = set(e.llm.cfg.eos_token_ids if req.stop_ids is None else req.stop_ids)
-        self.slots[slot] = _Slot(st.ticket, st.on_event, Generation([], 0, 0, 0.0, "length"), time.perf_counter(),
-                                 index, len(prompt), stop_ids)
+        slot = _Slot(st.ticket, st.on_event, Generation([], 0, 0, 0.0, "length"), time.perf_counter(), index,
+                     len(prompt), stop_ids, row)
+        self.slots.append(slot)
         try:
             self._emit(slot, [first])
         except Exception as exc:  # noqa: BLE001
-            if self.slots[slot] is not None:
+            if slot.row >= 0:
                 self._retire(slot, "error", error=f"{type(exc).__name__}: {exc}")
         return size
 
-    def _emit(self, i: int, new: list[int]) -> None:
-        """Cuts ``new`` at the slot's limits, delivers it, and retires the slot when it finished."""
-        slot = self.slots[i]
+    def _emit(self, slot: "_Slot", new: list[int], tree: str | None = None) -> None:
+        """Cuts ``new`` at the request's limits, delivers it, and retires the row when it finished."""
         req = slot.ticket.request
-        new, reason = Engine._cut(slot.gen.token_ids, new, req.max_new_tokens, slot.stop_ids, req.stop)
+        new, reason = cut_tokens(slot.gen.token_ids, new, req.max_new_tokens, slot.stop_ids, req.stop)
         slot.gen.token_ids.extend(new)
         slot.gen.seconds = time.perf_counter() - slot.start
         if slot.index is not None:
             slot.index.extend(new)
         if reason:
-            self._retire(i, reason, new)
+            self._retire(slot, reason, new, tree=tree)
             return
         _deliver(slot.on_event, Event(req.id, new, None, prompt_tokens=len(req.prompt_ids),
-                                      completion_tokens=len(slot.gen.token_ids)))
+                                      completion_tokens=len(slot.gen.token_ids), tree=tree))
 
-    def _retire(self, i: int, reason: str, new: Sequence[int] = (), error: str | None = None) -> None:
-        slot, self.slots[i] = self.slots[i], None
-        self.state = self._fn("retire")(self.state, jax.device_put(np.int32(i)))
+    def _retire(self, slot: "_Slot", reason: str, new: Sequence[int] = (), error: str | None = None,
+                tree: str | None = None) -> None:
+        """Ends ``slot``'s request; the last live row moves into its row, and the state shrinks if it can."""
+        row, last = slot.row, len(self.slots) - 1
+        slot.row = -1
+        if row != last:
+            moved = self.slots[last]
+            self.state = self._fn("move")(self.state, *jax.device_put((np.int32(last), np.int32(row))))
+            moved.row = row
+            self.slots[row] = moved
+        else:
+            self.state = self._fn("retire")(self.state, jax.device_put(np.int32(row)))
+        self.slots.pop()
+        self._fit()
         slot.gen.finish_reason = reason
         req = slot.ticket.request
         _deliver(slot.on_event, Event(req.id, list(new), reason, error, prompt_tokens=len(req.prompt_ids),
-                                      completion_tokens=len(slot.gen.token_ids), generation=slot.gen))
+                                      completion_tokens=len(slot.gen.token_ids), generation=slot.gen, tree=tree))
         if self.engine.auto:
-            for warp in sampling.BATCH_WARPS:
-                chooser = self.engine._choosers.get((warp, self.max_batch))
-                if chooser is not None:
-                    chooser.new_request()
+            for chooser in self.engine._choosers.values():
+                chooser.new_request()
 
     def _decode(self) -> None:
         """Dispatches the next iteration, then reads and emits the previous one's tokens while it runs.
@@ -451,16 +602,16 @@ class BatchEngine:
         state, unless it drafts with the n-gram speculator (whose proposal needs the tokens
         still in flight) or every live row is about to reach its token limit. A row that
         finished in the iteration being read runs one iteration more, whose tokens are
-        dropped (its slot is retired, or already serves another request).
+        dropped (its row is retired, or already serves another request).
         """
         if self._pending is not None and not self._may_overlap():
             self._read_pending()
         nxt = None
-        if self.active_slots():
+        if self.slots:
             nxt = self._dispatch(stale=self._pending is not None)
             if nxt is None:  # the pick drafts with the n-gram: its proposal needs the tokens in flight
                 self._read_pending()
-                nxt = self._dispatch(stale=False) if self.active_slots() else None
+                nxt = self._dispatch(stale=False) if self.slots else None
             elif self._pending is not None:
                 self.overlapped += 1
         if self._pending is not None:
@@ -473,7 +624,16 @@ class BatchEngine:
 
     def _may_overlap(self) -> bool:
         """Whether some live row may still run after the iteration in flight (each emits at least one token)."""
-        return any(s is not None and s.ticket.request.max_new_tokens - len(s.gen.token_ids) > 1 for s in self.slots)
+        return any(s.ticket.request.max_new_tokens - len(s.gen.token_ids) > 1 for s in self.slots)
+
+    def _proposal_arrays(self, proposals: list[list[int]]) -> tuple[jax.Array, jax.Array]:
+        """Device arrays (tokens [B, D], count [B]) of the rows' n-gram proposals; the empty one is sent once per B."""
+        depth = self.engine.ngram_depth
+        if any(proposals):
+            return jax.device_put(ngram.proposal_arrays(proposals, depth))
+        if self.rows not in self._no_proposal:
+            self._no_proposal[self.rows] = jax.device_put(ngram.proposal_arrays(proposals, depth))
+        return self._no_proposal[self.rows]
 
     def _dispatch(self, stale: bool) -> "_InFlight | None":
         """Picks this iteration's tree and launches it; None if ``stale`` and the pick drafts with the n-gram.
@@ -482,41 +642,42 @@ class BatchEngine:
         n-gram index, acceptance statistics) lag it by one iteration.
         """
         e = self.engine
-        live = [(i, s) for i, s in enumerate(self.slots) if s is not None]
+        self._fit()
+        live = list(enumerate(self.slots))
         warp = sampling.batch_warp([s.ticket.request.params for _, s in live])
         family = e.family(warp)
-        proposals = [[] for _ in range(self.max_batch)]
-        matched = [0] * self.max_batch
+        proposals = [[] for _ in range(self.rows)]
+        matched = [0] * self.rows
         if e.ngram is not None:
             for i, s in live:
                 proposals[i] = s.index.propose(e.ngram_depth)
                 matched[i] = s.index.matched
-        chooser = self._chooser(warp) if e.auto else None
-        name = chooser.pick_batch([(len(proposals[i]), matched[i]) for i, _ in live]) if e.auto else next(iter(family))
+        costs = self._costs(warp, self.rows, self.capacity)
+        chooser = e.chooser(warp) if e.auto else None
+        if chooser is not None:
+            name = chooser.pick_batch([(len(proposals[i]), matched[i]) for i, _ in live], costs)
+            name = self.sync.agree_pick(name, list(family))
+        else:
+            name = next(iter(family))
         cfg = family[name]
         if stale and cfg.ngram_depth:
             return None
         ahead = self._max_emit if stale else 0  # tokens the iteration in flight may still commit
         for _, s in live:
             _check_fits(s.committed + ahead + cfg.num_nodes, self.capacity, "a decoding step")
-        if any(proposals) or self._no_proposal is None:
-            arrays = jax.device_put(ngram.proposal_arrays(proposals, e.ngram_depth))
-            if not any(proposals):
-                self._no_proposal = arrays  # sent once: iterations without a proposal transfer nothing
-        else:
-            arrays = self._no_proposal
+        arrays = self._proposal_arrays(proposals)
         start = time.perf_counter()
         self.state, out = e._step_fn(cfg)(e._llm_params, e._group_params, self.state, *arrays)
         self.iterations += 1
-        return _InFlight(name, cfg, live, proposals, matched, chooser, out, start)
+        return _InFlight(name, cfg, live, proposals, matched, chooser, costs, out, start)
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
-        e, cfg = self.engine, it.cfg
+        cfg = it.cfg
         emitted, num, depths = fetch((it.out.tokens, it.out.num, it.out.source_depth))
         now = time.perf_counter()
         seconds, self._last_done = now - max(it.start, self._last_done), now
-        live = [(i, s) for i, s in it.live if self.slots[i] is s]  # a row retired meanwhile: its tokens are dropped
+        live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
         stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
         ssm_nodes = cfg.num_nodes - 1 - (cfg.ngram_depth if cfg.ngram_depth else 0)
         for i, slot in live:
@@ -532,13 +693,15 @@ class BatchEngine:
             stats.drafted.append(ssm_nodes + (min(len(it.proposals[i]), cfg.ngram_depth) if cfg.ngram_depth else 0))
             stats.accepted_depth.append(n - 1)
         if it.chooser is not None and live:
-            it.chooser.observe_time(it.name, seconds)
+            it.chooser.observe_time(it.name, seconds, it.costs)
         for i, slot in live:
+            if slot.row < 0:
+                continue  # retired by an earlier row's failure in this loop
             try:
-                self._emit(i, [int(t) for t in emitted[i, : int(num[i])]])
+                self._emit(slot, [int(t) for t in emitted[i, : int(num[i])]], it.name)
             except Exception as exc:  # noqa: BLE001 — e.g. a stop matcher that raised: fail this request only
-                if self.slots[i] is not None:
-                    self._retire(i, "error", error=f"{type(exc).__name__}: {exc}")
+                if slot.row >= 0:
+                    self._retire(slot, "error", error=f"{type(exc).__name__}: {exc}")
         if self.on_iteration is not None and live:
             self.on_iteration(stats)
 
@@ -549,10 +712,11 @@ class _InFlight:
 
     name: str  # family member
     cfg: DecodeConfig
-    live: list[tuple[int, _Slot]]  # (slot index, its request) at dispatch
-    proposals: list[list[int]]  # n-gram proposal per slot
-    matched: list[int]  # n-gram matched suffix length per slot
+    live: list[tuple[int, "_Slot"]]  # (row, its request) at dispatch
+    proposals: list[list[int]]  # n-gram proposal per row
+    matched: list[int]  # n-gram matched suffix length per row
     chooser: TreeChooser | None  # auto's chooser for this warp
+    costs: dict[str, float] | None  # auto's calibrated costs at the bucket it ran in
     out: StepOutput  # device arrays, not read yet
     start: float  # perf_counter at dispatch
 

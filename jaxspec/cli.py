@@ -12,7 +12,9 @@ import os
 import sys
 from typing import Iterable, Sequence
 
-from jaxspec import bench, distributed
+import numpy as np
+
+from jaxspec import bench, distributed, sampling
 from jaxspec.cli_common import (
     CliError,
     add_compile_cache_args,
@@ -69,14 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def report_calibration(engine, llm, args, prompt: str) -> None:
-    """``-v`` with ``--mode auto``: the family and its measured cost per iteration, once."""
-    from models.tokenizer import encode_prompt
+def report_calibration(engine, batch, args, prompt_ids: list[int]) -> None:
+    """``-v`` with ``--mode auto``: the family and its measured cost per iteration, once (one row, the first prompt's cache)."""
+    from jaxspec.batch import _bucket  # noqa: PLC0415
 
-    ids = encode_prompt(llm.tokenizer, prompt, chat=not args.no_chat)
-    params = sampling_params(args)
-    capacity = engine.capacity_for(len(ids), args.max_new_tokens)
-    costs = engine.calibrate(params, capacity, refresh=args.recalibrate)
+    warp = sampling.WarpSpec.of(sampling_params(args))
+    capacity = _bucket(batch._need(len(prompt_ids)), batch.capacity_buckets)
+    costs = engine.calibrate(warp, capacity, refresh=args.recalibrate, batch=1)
     base = costs["none"]
     for name, seconds in costs.items():
         print(f"[jaxspec] tree {name:<10} {engine.describe(name):<32} {seconds * 1e3:7.1f} ms/step "
@@ -102,26 +103,6 @@ def stop_checker(tokenizer, stops: Sequence[str]):
     return check
 
 
-def run_one(engine, llm, prompt: str, args, sample: int = 0, stream: bool = False):
-    from models.tokenizer import encode_prompt
-
-    ids = encode_prompt(llm.tokenizer, prompt, chat=not args.no_chat)
-    printed = 0
-    gen = None
-    def on_step(tree: str, tokens: int) -> None:
-        print(f"\n[jaxspec] step: tree {tree}, {tokens} tokens", file=sys.stderr)
-
-    for _, gen in engine.stream(ids, args.max_new_tokens, sampling_params(args, sample),
-                                stop=stop_checker(llm.tokenizer, args.stop),
-                                on_step=on_step if args.verbose and engine.auto else None):
-        if stream:
-            text = llm.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
-    return ids, gen
-
-
 def record(row: dict, sample: int, gen, tokenizer, args) -> dict:
     return {
         "id": row["id"],
@@ -144,42 +125,14 @@ def cmd_generate(args) -> int:
         raise CliError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.num_samples > 1 and args.temperature == 0:
         raise CliError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
+    if args.max_batch < 1:
+        raise CliError(f"--max-batch must be >= 1, got {args.max_batch}")
     sampling_params(args)  # validate before loading anything
     rows = read_prompts(args.prompt_file, args.limit) if args.prompt_file else [{"id": "prompt", "prompt": args.prompt}]
     engine, llm = build_engine(args)
-    distributed.agree_engine(engine)
-    if engine.auto and (args.verbose or args.recalibrate):
-        report_calibration(engine, llm, args, rows[0]["prompt"])
     out = open(args.output, "w", encoding="utf-8") if args.output else None
     try:
-        if args.prompt is not None and args.num_samples == 1:
-            _, gen = run_one(engine, llm, args.prompt, args, stream=True)
-            print()
-            print(f"[jaxspec] {len(gen.token_ids)} tokens in {gen.seconds:.2f}s, {gen.llm_steps} LLM steps, "
-                  f"{gen.tokens_per_step:.2f} tokens/step ({gen.finish_reason})", file=sys.stderr)
-            if out:
-                out.write(json.dumps(record(rows[0], 0, gen, llm.tokenizer, args)) + "\n")
-            return 0
-        from tqdm import tqdm
-
-        if args.max_batch < 1:
-            raise CliError(f"--max-batch must be >= 1, got {args.max_batch}")
-        if args.max_batch > 1 and len(rows) * args.num_samples > 1:
-            return generate_batched(engine, llm, rows, args, out)
-        steps = tokens = 0
-        for row in tqdm(rows, desc="generate", unit="prompt", file=sys.stderr):
-            for sample in range(args.num_samples):
-                _, gen = run_one(engine, llm, row["prompt"], args, sample)
-                steps += gen.llm_steps
-                tokens += sum(gen.step_tokens)
-                line = record(row, sample, gen, llm.tokenizer, args)
-                if out:
-                    out.write(json.dumps(line) + "\n")
-                    out.flush()
-                else:
-                    print(json.dumps(line))
-        print(f"[jaxspec] {len(rows)} prompts, {tokens / max(steps, 1):.2f} tokens/step", file=sys.stderr)
-        return 0
+        return generate_requests(engine, llm, rows, args, out)
     finally:
         if out:
             out.close()
@@ -189,11 +142,12 @@ def cmd_generate(args) -> int:
 
 def report_learned(engine) -> None:
     """``-v`` with ``--mode auto``: what the chooser learned (acceptance per depth, costs as observed)."""
-    for (_, batch), chooser in engine._choosers.items():
+    for warp, chooser in engine._choosers.items():
         for name in chooser.members:
-            seen = len(chooser.timings[name])
-            print(f"[jaxspec] learned: tree {name:<10} {chooser.cost(name) * 1e3:7.1f} ms/step "
-                  f"(calibrated {chooser.costs[name] * 1e3:.1f}, {seen} timed), batch {batch}", file=sys.stderr)
+            seen = chooser.timings[name]
+            scale = f"{np.median(seen):.2f}x calibrated" if seen else "calibrated"
+            print(f"[jaxspec] learned: tree {name:<10} {warp.label}: observed {scale} ({len(seen)} timed)",
+                  file=sys.stderr)
         for kind in chooser.global_stats:  # rates() blends the running request's counts in; so do the tries
             trials = chooser.global_stats[kind].trials[1:] + chooser.request[kind].trials[1:]
             if trials.any():
@@ -202,8 +156,11 @@ def report_learned(engine) -> None:
                       f"({int(trials[0])} tries)", file=sys.stderr)
 
 
-def generate_batched(engine, llm, rows: list[dict], args, out) -> int:
-    """``--prompt-file`` / ``--num-samples`` through the batched engine; JSONL lines in input order."""
+def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
+    """Every prompt x sample through the one scheduling loop; a single prompt streams its text.
+
+    JSONL lines come in input order; up to ``--max-batch`` requests are decoded together.
+    """
     from tqdm import tqdm
 
     from jaxspec.batch import BatchEngine, Request
@@ -217,10 +174,38 @@ def generate_batched(engine, llm, rows: list[dict], args, out) -> int:
             jobs.append((row, sample, Request(ids, args.max_new_tokens, sampling_params(args, sample), stop=stop,
                                               id=f"{row['id']}/{sample}")))
     longest = max(len(r.prompt_ids) for _, _, r in jobs)
+    say = (lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr)) if args.verbose else None  # noqa: E731
     batch = BatchEngine(engine, max_batch=min(args.max_batch, len(jobs)),
-                        max_model_len=longest + args.max_new_tokens)
+                        max_model_len=min(longest + args.max_new_tokens, llm.cfg.max_position_embeddings),
+                        sync=distributed.loop_sync(), verbose=say)
+    if engine.auto and (args.verbose or args.recalibrate):
+        report_calibration(engine, batch, args, jobs[0][2].prompt_ids)
+    streaming = len(jobs) == 1
+    printed = [0]
+    shown: list[int] = []
+
+    def on_event(_: int, ev) -> None:
+        if args.verbose and engine.auto and ev.tree is not None:
+            print(f"\n[jaxspec] step: tree {ev.tree}, {len(ev.token_ids)} tokens", file=sys.stderr)
+        if streaming:
+            shown.extend(ev.token_ids)
+            text = llm.tokenizer.decode(shown, skip_special_tokens=True)
+            sys.stdout.write(text[printed[0]:])
+            sys.stdout.flush()
+            printed[0] = len(text)
+
+    requests = [r for _, _, r in jobs]
+    if streaming:
+        gens = batch.generate(requests, on_event=on_event)
+        print()
+        gen = gens[0]
+        print(f"[jaxspec] {len(gen.token_ids)} tokens in {gen.seconds:.2f}s, {gen.llm_steps} LLM steps, "
+              f"{gen.tokens_per_step:.2f} tokens/step ({gen.finish_reason})", file=sys.stderr)
+        if out:
+            out.write(json.dumps(record(rows[0], 0, gen, llm.tokenizer, args)) + "\n")
+        return 0
     with tqdm(total=len(jobs), desc="generate", unit="request", file=sys.stderr) as bar:
-        gens = batch.generate([r for _, _, r in jobs], on_finish=lambda _: bar.update())
+        gens = batch.generate(requests, on_finish=lambda _: bar.update(), on_event=on_event)
     steps = sum(g.llm_steps for g in gens)
     tokens = sum(sum(g.step_tokens) for g in gens)
     for (row, sample, _), gen in zip(jobs, gens):

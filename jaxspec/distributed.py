@@ -237,22 +237,6 @@ def agree(values: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.broadcast_one_to_all(values))
 
 
-def fetch(tree: Any) -> Any:
-    """Host copies of device arrays: ``jax.device_get``, or, for an array split over other processes'
-    devices (slots over ``data``), an all-gather that every process takes part in."""
-    import jax  # noqa: PLC0415
-
-    def local(x: Any) -> bool:
-        return not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated
-
-    if all(local(x) for x in jax.tree_util.tree_leaves(tree)):
-        return jax.device_get(tree)
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
-    return jax.tree_util.tree_map(
-        lambda x: np.asarray(x) if local(x) else np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
-
-
 def finish() -> None:
     """Waits for every process to finish (so a fast one is not taken for dead), then leaves the run."""
     cluster = active()
@@ -286,56 +270,25 @@ def exit_lost_peer(message: str) -> None:
     _die(message)
 
 
-class AgreedChooser:
-    """A TreeChooser whose picks are process 0's, so every process runs the same family member."""
-
-    def __init__(self, chooser: Any, names: list[str]) -> None:
-        self._chooser = chooser
-        self._names = names
-
-    def _agree(self, name: str) -> str:
-        return self._names[int(agree(np.asarray([self._names.index(name)], np.int32))[0])]
-
-    def pick(self, *args: Any, **kwargs: Any) -> str:
-        return self._agree(self._chooser.pick(*args, **kwargs))
-
-    def pick_batch(self, *args: Any, **kwargs: Any) -> str:
-        return self._agree(self._chooser.pick_batch(*args, **kwargs))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._chooser, name)
+def agree_pick(name: str, names: list[str]) -> str:
+    """Process 0's choice among ``names`` (auto's tree), so every process runs the same executable."""
+    return names[int(agree(np.asarray([names.index(name)], np.int32))[0])]
 
 
-def agree_engine(engine: Any) -> Any:
-    """Makes ``engine``'s host-side choices process 0's: measured step costs and auto's picks (multi-process only).
+def loop_sync() -> Any:
+    """The scheduling loop's ``LoopSync`` for ``generate``: every process runs the same requests, auto's
+    picks and costs are process 0's; None in a single-process run."""
+    if active() is None:
+        return None
+    from jaxspec.batch import LoopSync  # noqa: PLC0415
 
-    Every process measures the costs (the same steps in the same order, as the collectives
-    need), then takes process 0's numbers; the chooser's picks are broadcast each step.
-    """
-    if active() is None or not getattr(engine, "auto", False):
-        return engine
-    calibrate: Callable = engine.calibrate
-    chooser: Callable = engine.chooser
-    agreed: dict = {}
+    class LockstepSync(LoopSync):
+        fresh_costs = True
 
-    from jaxspec.engine import _warp  # noqa: PLC0415
+        def agree_pick(self, name: str, names: list[str]) -> str:
+            return agree_pick(name, names)
 
-    def agreed_calibrate(params, capacity, refresh=False, batch=1):
-        key = (_warp(params), capacity, batch)
-        if key not in agreed or refresh:
-            costs = calibrate(params, capacity, refresh=True, batch=batch)
-            names = list(costs)
-            values = agree(np.asarray([costs[n] for n in names], np.float32))
-            agreed[key] = dict(zip(names, (float(v) for v in values)))
-        return agreed[key]
-
-    def agreed_chooser(params, capacity, batch=1):
-        inner = chooser(params, capacity, batch)
-        return AgreedChooser(inner, list(engine.family(params)))
-
-    engine.calibrate = agreed_calibrate
-    engine.chooser = agreed_chooser
-    return engine
+    return LockstepSync()
 
 
 # -- a multi-process server: process 0's queue, every process's batch -----------------------------
@@ -369,22 +322,26 @@ def _encode(ticket: Any) -> list[int]:
     return head + list(req.prompt_ids) + stops + stop_ids
 
 
-class LeaderSync:
-    """Process 0's side of ``BatchEngine.sync``: moves submissions into the queue and announces them."""
+class _ServerSync:
+    """A multi-process server's side of the loop's ``LoopSync``: announced admissions, agreed picks."""
+
+    fresh_costs = True
+    local = False
+
+    def agree_pick(self, name: str, names: list[str]) -> str:
+        return agree_pick(name, names)
+
+
+class LeaderSync(_ServerSync):
+    """Process 0's side: moves submissions into the queue and announces them."""
 
     def __init__(self, batch: Any) -> None:
-        import collections  # noqa: PLC0415
-
-        self.batch = batch
         self.size = message_size(batch.max_model_len)
         self.next_seq = 0
-        batch.incoming = collections.deque()
         batch.sync = self
 
-    def __call__(self, stopping: bool) -> bool:
-        b = self.batch
-        live = [t for t, _ in b.waiting] + ([b.staging.ticket] if b.staging else []) + \
-            [s.ticket for s in b.slots if s is not None]
+    def exchange(self, b: Any, stopping: bool) -> bool:
+        live = [t for t, _ in b.waiting] + ([b.staging.ticket] if b.staging else []) + [s.ticket for s in b.slots]
         cancels = [t for t in live if t.cancelled.is_set() and not t.agreed_cancel][: 256]
         words = [t.seq for t in cancels]
         admitted = []
@@ -412,18 +369,17 @@ class LeaderSync:
         return stopping
 
 
-class FollowerSync:
-    """Another process's side of ``BatchEngine.sync``: queues what process 0 announced, cancels what it cancelled."""
+class FollowerSync(_ServerSync):
+    """Another process's side: queues what process 0 announced, cancels what it cancelled."""
 
     def __init__(self, batch: Any, make_stop: Callable[[list[str]], Any]) -> None:
-        self.batch = batch
         self.make_stop = make_stop
         self.size = message_size(batch.max_model_len)
         self.tickets: dict[int, Any] = {}
         batch.sync = self
         batch.on_iteration = None  # metrics live on process 0
 
-    def __call__(self, stopping: bool) -> bool:
+    def exchange(self, b: Any, stopping: bool) -> bool:
         import json  # noqa: PLC0415
 
         from jaxspec.batch import Request, Ticket  # noqa: PLC0415
@@ -449,7 +405,7 @@ class FollowerSync:
             ticket = Ticket(req)
             ticket.seq = seq
             self.tickets[seq] = ticket
-            self.batch.waiting.append((ticket, self._forget(seq)))
+            b.waiting.append((ticket, self._forget(seq)))
         return bool(stop)
 
     def _forget(self, seq: int) -> Callable[[Any], None]:
@@ -468,10 +424,12 @@ def serve_role(batch: Any, make_stop: Callable[[list[str]], Any]) -> bool:
     """
     if active() is None:
         return True
-    batch.warm()
     if is_leader():
         LeaderSync(batch)
+    else:
+        FollowerSync(batch, make_stop)
+    batch.warm()
+    if is_leader():
         return True
-    FollowerSync(batch, make_stop)
     batch.run(threading.Event())
     return False

@@ -1,8 +1,10 @@
-"""The host side of decoding: buckets, compiled steps, the generation loop and stopping.
+"""The engine: models, the family of compiled steps, their measured costs and auto's chooser.
 
-The host schedules and streams; the device runs one jitted ``decode_step`` per
-iteration. Shapes are bucketed (prompt length, cache capacity) so a generation never
-recompiles after its first step; ``Engine.compilations`` counts traces to prove it.
+The engine owns what runs on the device (one jitted ``decode_step`` per family member and
+state shape, the prefill of a prompt chunk) and what it costs; the one scheduling loop
+(``jaxspec.batch.BatchEngine``: admission, the iteration, stopping, retirement) drives it
+for ``generate``, ``bench`` and ``serve`` alike. ``Engine.compilations`` counts traces of
+model-running executables, so tests can prove that nothing recompiles.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,7 @@ from jaxspec.auto import Member, TreeChooser
 from jaxspec.ngram import NGramSpeculator
 from jaxspec.offload import make_offload_forward, offload_params
 from jaxspec.sharding import describe as describe_mesh, pinned
-from jaxspec.step import DecodeConfig, DecodeState, SSMGroup, decode_step, prefill
+from jaxspec.step import DecodeConfig, DecodeState, SSMGroup, decode_step, set_lengths
 from jaxspec.tree import DynamicTree, expansion_topology
 from models.config import ModelConfig
 from models.pipeline import make_pipeline_forward, pipe_size, stacked_layout, stacked_names
@@ -169,8 +171,8 @@ class Engine:
         self._costs: dict = {}
         self._injected_costs = dict(costs) if costs else None
         self._choosers: dict = {}
-        self._no_proposal: tuple[jax.Array, jax.Array] | None = None
-        self._warmed: set = set()  # (warp, capacity) whose family is compiled
+        self._warmed: set = set()  # (warp, capacity, batch) whose family is compiled
+        self._solo = None  # the one-slot scheduler behind ``generate``
         self.groups = (ssm_groups(self.ssms, self.topologies) if batch_ssms
                        else tuple(SSMGroup((j,), (), self.ssms[j].features) for j in range(len(self.ssms))))
         self._group_params = tuple(stack_params([self.ssms[j].params for j in g.members], g.shared)
@@ -255,38 +257,6 @@ class Engine:
             self._compiled[cfg] = jax.jit(step, donate_argnums=(2,))
         return self._compiled[cfg]
 
-    def _prefill_fn(self, params: sampling.SamplingParams) -> Callable:
-        """One prefill executable per sampling warp, whatever tree the family runs."""
-        any_cfg = next(iter(self.family(params).values()))
-        cfg = dataclasses.replace(any_cfg, topologies=(None,) * len(self.topologies), tree_budget=None,
-                                  ngram_depth=0)
-        key = ("prefill", cfg)
-        if key not in self._compiled:
-            llm_fwd = self._llm_forward
-            ssm_fwds = tuple(self.ssms[g.members[0]].forward for g in cfg.ssm_groups)
-
-            def pre(llm_params, ssm_params, state, tokens, lengths):
-                self.compilations += 1
-                return pinned(prefill, self.mesh)(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state, tokens,
-                                                  lengths)
-
-            self._compiled[key] = jax.jit(pre, donate_argnums=(2,))
-        return self._compiled[key]
-
-    def _proposal(self, tokens: Sequence[int], batch: int = 1) -> tuple[jax.Array, jax.Array]:
-        """Device arrays (tokens [B, D], count [B]) for the step, every row proposing ``tokens``.
-
-        Explicit transfers only; the empty proposal of batch 1 is transferred once and
-        reused (incremental steps send nothing).
-        """
-        if not tokens and batch == 1 and self._no_proposal is not None:
-            return self._no_proposal
-        toks, count = ngram.proposal_arrays([list(tokens)] * batch, self.ngram_depth)
-        arrays = jax.device_put((toks, count))
-        if not tokens and batch == 1:
-            self._no_proposal = arrays
-        return arrays
-
     # -- costs and the chooser -------------------------------------------------------------
     def calibrate(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, refresh: bool = False,
                   batch: int = 1) -> dict[str, float]:
@@ -323,14 +293,16 @@ class Engine:
 
     def _measure(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, reps: int = 5,
                  batch: int = 1) -> dict[str, float]:
-        prompt = np.arange(MIN_PROMPT_BUCKET, dtype=np.int32)[None].repeat(batch, 0) % self.llm.cfg.vocab_size
+        """Seconds per iteration of each member on ``batch`` rows of ``capacity`` slots (reps 0: compile only)."""
+        key = ("lengths", batch, capacity)
+        if key not in self._compiled:
+            self._compiled[key] = jax.jit(lambda s: set_lengths(s, MIN_PROMPT_BUCKET), donate_argnums=(0,))
+        toks, count = jax.device_put(ngram.proposal_arrays([list(range(1, self.ngram_depth + 1))] * batch,
+                                                           self.ngram_depth))
         out = {}
         for name, cfg in self.family(params).items():
             step_fn = self._step_fn(cfg)
-            state = self.init_state(batch, capacity, params)
-            state, _ = self._prefill_fn(params)(self._llm_params, self._group_params, state, jnp.asarray(prompt),
-                                                jnp.full((batch,), MIN_PROMPT_BUCKET, jnp.int32))
-            toks, count = self._proposal(list(range(1, self.ngram_depth + 1)), batch)
+            state = self._compiled[key](self.init_state(batch, capacity, params))
             times = []
             for _ in range(reps + 1):
                 t0 = time.perf_counter()
@@ -350,45 +322,26 @@ class Engine:
         if (_warp(params), capacity, batch) not in self._warmed:
             self._measure(params, capacity, reps=0, batch=batch)
 
-    def chooser(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int,
-                batch: int = 1) -> TreeChooser:
-        """The running chooser for this warp and batch (statistics carry over between requests)."""
-        key = (_warp(params), batch)
-        costs = self.calibrate(params, capacity, batch=batch)
-        if key not in self._choosers:
-            self._choosers[key] = TreeChooser(self.members(params), costs, adapt_costs=self._injected_costs is None)
-        self._choosers[key].costs = dict(costs)
+    def chooser(self, params: sampling.SamplingParams | sampling.WarpSpec) -> TreeChooser:
+        """Auto's running chooser for this warp: acceptance statistics shared by every batch and length bucket."""
+        warp = _warp(params)
+        if warp not in self._choosers:
+            members = self.members(params)
+            placeholder = self._injected_costs or {m.name: 1.0 for m in members}
+            self._choosers[warp] = TreeChooser(members, placeholder, adapt_costs=self._injected_costs is None)
+        return self._choosers[warp]
+
+    def costs_at(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int,
+                 refresh: bool = False) -> dict[str, float]:
+        """Auto's costs for one (batch, capacity) bucket, every member compiled for it (measured once, cached)."""
+        costs = self.calibrate(params, capacity, refresh=refresh, batch=batch)
         self.warm(params, capacity, batch)
-        return self._choosers[key]
+        return costs
 
     # -- state ------------------------------------------------------------------------
     def _worst(self) -> DecodeConfig:
         family = self.family(sampling.SamplingParams()).values()
         return max(family, key=lambda c: (c.num_nodes + c.max_emit, c.num_nodes))
-
-    def capacity_for(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Cache slots for a request: every write of every iteration fits by construction.
-
-        Before a step the LLM holds < prompt + max_new_tokens committed tokens and the step
-        writes num_nodes more; the bonus slack keeps the root's SSM re-feed in bounds too.
-        """
-        cfg = self._worst()
-        need = max(prompt_len + max_new_tokens + cfg.num_nodes + cfg.max_emit, prompt_bucket(prompt_len))
-        return bucket(need, CAPACITY_BUCKETS)
-
-    def check_request(self, prompt_len: int, max_new_tokens: int, params: sampling.SamplingParams) -> None:
-        if prompt_len < 1:
-            raise RequestError("the prompt is empty")
-        if max_new_tokens < 1:
-            raise RequestError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-        limit = self.llm.cfg.max_position_embeddings
-        if prompt_len + max_new_tokens > limit:
-            raise RequestError(
-                f"prompt of {prompt_len} tokens plus {max_new_tokens} new tokens exceeds the model's "
-                f"context of {limit} tokens"
-            )
-        if self.verify != "greedy" and params.greedy:
-            raise RequestError(f"--verify {self.verify} needs stochastic decoding (--temperature > 0)")
 
     def init_state(self, batch: int, capacity: int, params: sampling.SamplingParams | sampling.WarpSpec,
                    active: bool = True) -> DecodeState:
@@ -446,102 +399,21 @@ class Engine:
         return jax.tree_util.tree_map(lambda x: jnp.stack([x] * len(group.members)), cache)
 
     # -- generation -------------------------------------------------------------------
-    def stream(
-        self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int,
-        params: sampling.SamplingParams = sampling.SamplingParams(),
-        stop_ids: Sequence[int] | None = None,
-        stop: Callable[[list[int]], int | None] | None = None,
-        on_step: Callable[[str, int], None] | None = None,
-    ) -> Iterator[tuple[list[int], Generation]]:
-        """Yields (new token ids, running Generation) after every LLM step.
-
-        ``stop_ids`` defaults to the LLM's EOS ids. ``stop`` maps the generated ids to a
-        cut index when a stop string matched (None otherwise). ``on_step(tree, tokens)``
-        hears which family member each step ran and how many tokens it emitted.
-        """
-        prompt_ids = list(prompt_ids)
-        self.check_request(len(prompt_ids), max_new_tokens, params)
-        stop_ids = set(self.llm.cfg.eos_token_ids if stop_ids is None else stop_ids)
-        family = self.family(params)
-        capacity = self.capacity_for(len(prompt_ids), max_new_tokens)
-        chooser = self.chooser(params, capacity) if self.auto else None
-        steps = {name: self._step_fn(cfg) for name, cfg in family.items()}
-        prefill_fn = self._prefill_fn(params)
-        tp = prompt_bucket(len(prompt_ids))
-        tokens = np.zeros((1, tp), np.int32)
-        tokens[0, : len(prompt_ids)] = prompt_ids
-        ssm_params = self._group_params
-
-        start = time.perf_counter()
-        _check_fits(tp, capacity, "the prefill")
-        state = self.init_state(1, capacity, params)
-        state, first = prefill_fn(self._llm_params, ssm_params, state, jax.device_put(tokens),
-                                  jax.device_put(np.asarray([len(prompt_ids)], np.int32)))
-        gen = Generation([], 0, 0, 0.0, "length")
-        new = [int(jax.device_get(first)[0])]
-        committed = len(prompt_ids)  # tokens in the LLM cache (the newest emitted one is the pending root)
-        index = ngram.NGramIndex(prompt_ids, self.ngram.max_n, self.ngram.min_n) if self.ngram else None
-        try:
-            while True:
-                new, reason = self._cut(gen.token_ids, new, max_new_tokens, stop_ids, stop)
-                gen.token_ids.extend(new)
-                gen.seconds = time.perf_counter() - start
-                if reason:
-                    gen.finish_reason = reason
-                    yield new, gen
-                    return
-                yield new, gen
-                proposal: list[int] = []
-                if index is not None:
-                    index.extend(new)
-                    proposal = index.propose(self.ngram_depth)
-                matched = index.matched if index is not None else 0
-                name = chooser.pick(len(proposal), matched) if chooser else next(iter(family))
-                cfg = family[name]
-                _check_fits(committed + cfg.num_nodes, capacity, "a decoding step")
-                began = time.perf_counter()
-                state, out = steps[name](self._llm_params, ssm_params, state, *self._proposal(proposal))
-                emitted, num, depths = jax.device_get((out.tokens, out.num, out.source_depth))
-                if chooser:
-                    chooser.observe_time(name, time.perf_counter() - began)
-                    chooser.observe(name, depths[0], len(proposal), matched)
-                committed += int(num[0])
-                gen.llm_steps += 1
-                gen.ssm_steps += cfg.draft_levels
-                gen.step_tokens.append(int(num[0]))
-                gen.trees.append(name)
-                if on_step is not None:
-                    on_step(name, int(num[0]))
-                new = [int(t) for t in emitted[0, : int(num[0])]]
-        finally:
-            if chooser:
-                chooser.new_request()
-
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
-                 params: sampling.SamplingParams = sampling.SamplingParams(), **kw) -> Generation:
-        """Runs ``stream`` to the end and returns the Generation."""
-        gen = None
-        for _, gen in self.stream(prompt_ids, max_new_tokens, params, **kw):
-            pass
-        return gen
+                 params: sampling.SamplingParams = sampling.SamplingParams(),
+                 stop_ids: Sequence[int] | None = None,
+                 stop: Callable[[list[int]], int | None] | None = None) -> Generation:
+        """One request through the scheduling loop (one slot; the cache grows by buckets as it needs).
 
-    @staticmethod
-    def _cut(done: list[int], new: list[int], limit: int, stop_ids: set[int], stop) -> tuple[list[int], str | None]:
-        """Truncates this step's tokens at the token limit, then at EOS or a stop string."""
-        reason = None
-        if len(done) + len(new) >= limit:
-            new = new[: limit - len(done)]
-            reason = "length"
-        for i, t in enumerate(new):
-            if t in stop_ids:
-                return new[: i + 1], "eos"
-        if stop is not None:
-            cut = stop(done + new)
-            if cut is not None:
-                return (done + new)[len(done): max(cut, len(done))], "stop"
-        return new, reason
+        ``stop_ids`` defaults to the LLM's EOS ids; ``stop`` maps the generated ids to a cut
+        index when a stop string matched (None otherwise).
+        """
+        from jaxspec.batch import BatchEngine, Request  # noqa: PLC0415 (the loop drives the engine)
+
+        if self._solo is None:
+            self._solo = BatchEngine(self, max_batch=1, max_model_len=self.llm.cfg.max_position_embeddings)
+        (gen,) = self._solo.generate([Request(list(prompt_ids), max_new_tokens, params, stop_ids, stop)])
+        return gen
 
 
 def _stacked_llm(llm: LoadedModel, mesh: Mesh | None, offload: bool) -> tuple[dict, Forward]:

@@ -52,6 +52,13 @@ class WarpSpec:
     def of(cls, params: SamplingParams) -> "WarpSpec":
         return cls(params.greedy, not params.greedy and params.top_k > 0, not params.greedy and params.top_p < 1.0)
 
+    @property
+    def label(self) -> str:
+        """The warp in words: ``greedy``, ``sampled``, ``sampled+top-k+top-p``."""
+        if self.greedy:
+            return "greedy"
+        return "+".join(["sampled"] + ["top-k"] * self.use_top_k + ["top-p"] * self.use_top_p)
+
 
 SAMPLED = WarpSpec(greedy=False)
 """A batch of greedy and sampled rows that use temperature alone: no top-k / top-p stage compiled."""

@@ -324,7 +324,7 @@ class Service:
 
     def _run(self) -> None:
         try:
-            self.batch.run(self._stop, drain=False)
+            self.batch.run(self._stop)
         except BaseException as e:  # noqa: BLE001 (a crashed loop must fail its requests, not hang them)
             self.dead = f"the engine loop stopped: {type(e).__name__}: {e}"
             log.exception("engine loop crashed")

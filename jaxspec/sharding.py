@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -326,3 +326,18 @@ def pinned(fn: Callable, mesh: Mesh | None) -> Callable:
         return constrain_state(out, mesh)
 
     return wrapped
+
+
+def fetch(tree: Any) -> Any:
+    """Host copies of device arrays: ``jax.device_get``, or, for an array split over other processes'
+    devices (slots over ``data``), an all-gather that every process takes part in."""
+
+    def local(x: Any) -> bool:
+        return not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated
+
+    if all(local(x) for x in jax.tree_util.tree_leaves(tree)):
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return jax.tree_util.tree_map(
+        lambda x: np.asarray(x) if local(x) else np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)

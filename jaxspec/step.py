@@ -9,7 +9,6 @@ host but the few emitted tokens.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import flax
 import jax
@@ -376,9 +375,6 @@ def prefill(
     return new_state, first
 
 
-StepFn = Callable[..., tuple[DecodeState, StepOutput]]
-
-
 def _row(x: jax.Array, slot, axis: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, slot, 1, axis)
 
@@ -495,3 +491,69 @@ def set_inactive(state: DecodeState, slot: jax.Array) -> DecodeState:
     empty = lambda c: c.replace(length=c.length.at[..., slot].set(0))  # noqa: E731 (length [B] or [G, B])
     return state.replace(active=_put_row(state.active, jnp.zeros((1,), bool), slot, 0),
                          llm_cache=empty(state.llm_cache), ssm_caches=tuple(empty(c) for c in state.ssm_caches))
+
+
+def _fit(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """x cut or zero-padded to ``size`` along ``axis``."""
+    have = x.shape[axis]
+    if have >= size:
+        return jax.lax.slice_in_dim(x, 0, size, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - have)
+    return jnp.pad(x, pad)
+
+
+def _fit_cache(cache: KVCache, rows: int, capacity: int) -> KVCache:
+    """A cache [L, B, K, S, H] (or a group's [G, L, B, K, S, H]) cut or padded to ``rows`` x ``capacity``."""
+    g = cache.k.ndim - 5  # 1 for a stacked group
+    fit = lambda x: _fit(_fit(x, 1 + g, rows), 3 + g, capacity)  # noqa: E731
+    return KVCache(fit(cache.k), fit(cache.v), _fit(cache.length, g, rows))
+
+
+def resize(state: DecodeState, rows: int, capacity: int) -> DecodeState:
+    """The state laid out for ``rows`` slots of ``capacity`` cache slots (jit with both static).
+
+    Rows and slots past the old shape are zero (inactive, empty); those cut off must be
+    unused (the host keeps its live rows at [0, rows) and every length below ``capacity``).
+    This is what lets a step's cost follow the rows and cache length in use.
+    """
+    return state.replace(
+        llm_cache=_fit_cache(state.llm_cache, rows, capacity),
+        ssm_caches=tuple(_fit_cache(c, rows, capacity) for c in state.ssm_caches),
+        history=_fit(_fit(state.history, 0, rows), 1, capacity),
+        root=_fit(state.root, 0, rows),
+        key=_fit(state.key, 0, rows),
+        values={k: _fit(v, 0, rows) for k, v in state.values.items()},
+        active=_fit(state.active, 0, rows),
+        features=None if state.features is None else _fit(_fit(state.features, 0, rows), 1, capacity),
+    )
+
+
+def move_row(state: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
+    """Row ``src`` copied into row ``dst``, then ``src`` retired: keeps the live rows contiguous."""
+
+    def move(x: jax.Array, axis: int) -> jax.Array:
+        return _put_row(x, _row(x, src, axis), dst, axis)
+
+    def move_cache(c: KVCache) -> KVCache:
+        g = c.k.ndim - 5
+        return KVCache(move(c.k, 1 + g), move(c.v, 1 + g), move(c.length, g))
+
+    moved = state.replace(
+        llm_cache=move_cache(state.llm_cache),
+        ssm_caches=tuple(move_cache(c) for c in state.ssm_caches),
+        history=move(state.history, 0),
+        root=move(state.root, 0),
+        key=move(state.key, 0),
+        values={k: move(v, 0) for k, v in state.values.items()},
+        active=move(state.active, 0),
+        features=None if state.features is None else move(state.features, 0),
+    )
+    return set_inactive(moved, src)
+
+
+def set_lengths(state: DecodeState, length: int) -> DecodeState:
+    """Every row active with ``length`` committed slots (of zeros): a state to time steps on."""
+    fill = lambda c: c.replace(length=jnp.full_like(c.length, length))  # noqa: E731
+    return state.replace(llm_cache=fill(state.llm_cache), ssm_caches=tuple(fill(c) for c in state.ssm_caches),
+                         active=jnp.ones_like(state.root, bool))

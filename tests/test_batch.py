@@ -113,13 +113,13 @@ def test_cancelled_requests_leave_the_queue_at_the_next_iteration(llm):
     tickets = [submit(k) for k in range(3)]
     batch.step()  # one runs
     tickets.append(submit(3))  # three wait
-    assert batch.active_slots() == 1 and len(batch.waiting) == 3
+    assert batch.active_slots() == 1 and batch.queue_depth() == 3
     with pytest.raises(QueueFull):
         batch.submit(Request(PROMPTS[1], 4), lambda e: None)
     for t in tickets[1:]:
         t.cancel()
     batch.step()
-    assert not batch.waiting and batch.active_slots() == 1
+    assert batch.queue_depth() == 0 and batch.active_slots() == 1
     assert [events[str(k)][-1].finish_reason for k in range(1, 4)] == ["cancelled"] * 3
     batch.submit(Request(PROMPTS[1], 4), lambda e: None)  # room again
 
