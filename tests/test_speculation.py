@@ -10,7 +10,8 @@ import pytest
 from conftest import dev_prompts, random_prompts, tiny_model
 from jaxspec import sampling
 from jaxspec.auto import Member, TreeChooser
-from jaxspec.engine import Engine, early_exit, prompt_bucket
+from jaxspec.batch import BatchEngine, Request, cut_tokens
+from jaxspec.engine import Engine, early_exit
 from jaxspec.kv_cache import causal_mask
 from jaxspec.ngram import NGramIndex, NGramSpeculator, proposal_arrays
 from jaxspec.speculate import speculate
@@ -37,10 +38,10 @@ def repetitive_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def test_length_cut_comes_before_eos():
     """A step that accepts several tokens never returns more than max_new_tokens."""
-    new, reason = Engine._cut([1, 2], [3, 4, EOS], 3, {EOS}, None)
+    new, reason = cut_tokens([1, 2], [3, 4, EOS], 3, {EOS}, None)
     assert (new, reason) == ([3], "length")
-    assert Engine._cut([1, 2], [EOS, 4], 3, {EOS}, None) == ([EOS], "eos")
-    assert Engine._cut([], [3, EOS, 5], 8, {EOS}, None) == ([3, EOS], "eos")
+    assert cut_tokens([1, 2], [EOS, 4], 3, {EOS}, None) == ([EOS], "eos")
+    assert cut_tokens([], [3, EOS, 5], 8, {EOS}, None) == ([3, EOS], "eos")
 
 
 def test_stale_ssm_cache_is_caught_up(tiny_llm):
@@ -88,24 +89,22 @@ def test_pool_of_different_depths_keeps_identity_and_acceptance(tiny_llm):
 
 
 def test_capacity_edge_writes_stay_in_bounds(tiny_llm, monkeypatch):
-    """At the exact capacity a request fills, output is unchanged; one slot less is refused up front."""
+    """A request that fills --max-model-len exactly grows its cache bucket by bucket and keeps its output;
+    a capacity rule that under-counts a step's writes is caught before the write, not on the device."""
     engine = Engine(tiny_llm, [early_exit(tiny_llm, 1), NGramSpeculator()], [(1, 2), (1, 1, 1)], auto=True,
                     costs=ALL_TRIED)
-    worst = engine._worst()
     prompt = repetitive_prompts(1, tiny_llm.cfg.vocab_size, seed=3)[0]
-    new = 256 - len(prompt) - worst.num_nodes - worst.max_emit  # need == the 256-slot bucket exactly
-    assert engine.capacity_for(len(prompt), new) == 256
-    assert engine.capacity_for(len(prompt), new + 1) == 512
-    want = Engine(tiny_llm).generate(prompt, new).token_ids
-    assert engine.generate(prompt, new).token_ids == want
-    fixed = Engine(tiny_llm, [early_exit(tiny_llm, 1)], (1, 2))
-    nodes = fixed._worst().num_nodes
-    monkeypatch.setattr(fixed, "capacity_for", lambda p, n: p + nodes - 1)  # one slot short of the first step
+    new = 300 - len(prompt)
+    batch = BatchEngine(engine, max_batch=1, max_model_len=300)
+    assert batch.capacity_buckets[:2] == (256, 512) and batch.capacity == 256
+    (gen,) = batch.generate([Request(prompt, new)])
+    assert gen.token_ids == Engine(tiny_llm).generate(prompt, new).token_ids
+    assert batch.resizes >= 2  # grown past 256 slots, and shrunk back once the request left
+    assert batch.capacity == 256
+    fixed = BatchEngine(Engine(tiny_llm, [early_exit(tiny_llm, 1)], (1, 2)), max_batch=1, max_model_len=300)
+    monkeypatch.setattr(fixed, "_need", lambda committed: committed)  # forgets the step's own writes
     with pytest.raises(RuntimeError, match="a decoding step would write"):
-        fixed.generate(list(range(16)), 4)
-    monkeypatch.setattr(fixed, "capacity_for", lambda p, n: 20)  # the prompt's 32-slot bucket does not fit
-    with pytest.raises(RuntimeError, match="the prefill would write 32"):
-        fixed.generate(list(range(17)), 4)
+        fixed.generate([Request(list(range(16)), 280)])
 
 
 # --- the n-gram speculator ----------------------------------------------------------------
@@ -139,9 +138,9 @@ def test_greedy_ngram_and_auto_are_token_identical(tiny_llm, speculators):
         assert gen.token_ids == base.generate(prompt, 40).token_ids
         accepted += sum(gen.step_tokens) - gen.llm_steps
     assert accepted > 0  # speculation did something
-    if speculators == "auto":
-        buckets = {prompt_bucket(len(p)) for p in prompts} | {prompt_bucket(1)}  # prefills, warm-up's too
-        assert engine.compilations == len(buckets) + len(engine.family(sampling.SamplingParams()))
+    if speculators == "auto":  # prompts of <= 64 tokens: 16- and 64-token prefill chunks, one cache bucket
+        assert 16 < max(map(len, prompts)) <= 64
+        assert engine.compilations == 2 + len(engine.family(sampling.SamplingParams()))
 
 
 def test_ngram_with_mss_generates_and_is_seeded(tiny_llm):
@@ -175,7 +174,7 @@ def test_auto_picks_a_tree_when_it_wins(tiny_llm):
     gen = engine.generate(random_prompts(1, 64, seed=8)[0], 40)
     assert gen.tree_counts["ssm"] >= gen.llm_steps - 1  # a pessimistic first draw may try "none" once
     assert gen.step_tokens.count(5) >= gen.llm_steps - 2
-    chooser = engine._choosers[(sampling.WarpSpec.of(sampling.SamplingParams()), 1)]
+    chooser = engine._choosers[sampling.WarpSpec.of(sampling.SamplingParams())]
     assert sum(len(t) for t in chooser.timings.values()) == gen.llm_steps  # every iteration was timed
     assert chooser.cost("ssm") == 1.5  # an injected cost table is kept as given
 
