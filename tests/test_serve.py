@@ -27,10 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 KEY = "test-key"
 FAULT = "<<injected-fault>>"  # JAXSPEC_SERVE_FAULT: a request stopping at it fails inside the engine thread
 MAX_MODEL_LEN = 256
-MAX_BATCH = 4  # an iteration computes every slot, busy or not: fewer slots, faster tests
+MAX_BATCH = 4  # slots: four clients at once fill the server
 MAX_QUEUE = 64
 STARTUP_S = 300
-SHUTDOWN_S = 8  # --shutdown-timeout: drain time on SIGTERM
+SHUTDOWN_S = 3  # --shutdown-timeout: drain time on SIGTERM (a 6-token stream fits, a 240-token one does not)
 LONG = "1, 2, 3, 4, 5,"  # a completion prompt that runs to max_tokens (greedy: ", 6, 7, 8, ...")
 SERVE_CMD = [sys.executable, "-m", "jaxspec.cli", "serve"]
 PROMPTS = ["What is 2+2?", "Name a color.", "Write a haiku about the sea.", "What is the capital of France?",
@@ -452,7 +452,7 @@ def test_sigterm_drains_and_exits_zero(server):
     """Runs last: on SIGTERM a short in-flight stream finishes, one longer than --shutdown-timeout ends with a
     503 error event, new connections are refused, and the process exits 0 without a traceback."""
     short = iter(complete(server, "Count to ten:", 6, temperature=0, stream=True))
-    long = iter(complete(server, LONG, 200, temperature=0, stream=True))
+    long = iter(complete(server, LONG, 240, temperature=0, stream=True))
     first = [next(short), next(long)]  # both hold slots now
     server.proc.send_signal(signal.SIGTERM)
     done = [first[0], *short]
