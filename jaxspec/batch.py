@@ -41,7 +41,7 @@ import numpy as np
 
 from jaxspec import ngram, sampling
 from jaxspec.auto import TreeChooser
-from jaxspec.engine import Engine, Generation, RequestError, _check_fits
+from jaxspec.runner import Generation, RequestError, Runner, _check_fits
 from jaxspec.sharding import fetch, pinned
 from jaxspec.step import DecodeConfig, StepOutput, insert_row, move_row, prefill_row, resize, set_inactive
 
@@ -199,7 +199,7 @@ class BatchEngine:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Runner,
         max_batch: int = 16,
         max_model_len: int | None = None,
         max_queue: int = 256,

@@ -21,15 +21,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.cache import cache_root
-from jaxspec.engine import LoadedModel
 from jaxspec.kv_cache import causal_mask
 from jaxspec.speculate import call
 from models.config import ModelConfig
+from models.loaded import DTYPES, LoadedModel
 from models.transformer import KVCache, init_params, make_forward, decoding_layout
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_DRAFT_WIDTHS = (1, 2, 4, 8, 16)
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # Named model shapes for random-weight measurements (no checkpoint needed).
 SHAPES: dict[str, ModelConfig] = {

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.draft_vocab import frequent_ids, read_counts, write_counts
-from jaxspec.engine import LoadedModel
+from models.loaded import LoadedModel
 from jaxspec.pool import DTYPES, PoolError, check_llm, config_from_dict, config_to_dict, read_json
 from models.config import ModelConfig
 from models.drafter import OWN, param_tree

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from jaxspec.engine import LoadedModel, VocabularyMismatch
+from jaxspec.runner import VocabularyMismatch
 from models.config import ModelConfig
+from models.loaded import DTYPES, LoadedModel
 from models.loading import flatten, unflatten
 from models.transformer import param_shapes
 
 POOL_FILE = "pool.json"
 SHARED_FILE = "shared.safetensors"  # tensors two or more SSMs hold identically (more: shared-<n>.safetensors)
 POOL_FORMAT = 1
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 class PoolError(ValueError):

@@ -16,11 +16,11 @@ from jax.sharding import Mesh
 
 from jaxspec.draft_vocab import read_counts, restrict
 from jaxspec.drafter_io import is_drafter, load_drafter
-from jaxspec.engine import LoadedModel, RequestError, early_exit
+from jaxspec.runner import RequestError, early_exit
 from jaxspec.ngram import NGramSpeculator
 from jaxspec.pool import load_pool, read_manifest
+from models.loaded import DTYPES, LoadedModel
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DEFAULT_POOL = Path(__file__).resolve().parent / "pools" / "smollm2_default"
 DEFAULT_DRAFTER = Path(__file__).resolve().parent / "pools" / "smollm2_drafter"
 FALLBACK_SSM = "layers:4"

@@ -229,14 +229,6 @@ def put(x, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
-def replicate(tree, mesh: Mesh | None):
-    """Host values (numpy trees) onto every device of ``mesh`` (a global array on a multi-process mesh);
-    a plain ``jax.device_put`` when ``mesh`` is None."""
-    if mesh is None:
-        return jax.device_put(tree)
-    return jax.tree_util.tree_map(lambda x: put(x, NamedSharding(mesh, PartitionSpec())), tree)
-
-
 def place_params(params: dict, names: Mapping[str, Names], mesh: Mesh, what: str = "parameters") -> dict:
     """``params`` placed on ``mesh`` by the rules (see ``param_shardings``)."""
     shardings = param_shardings(params, names, mesh, what)
@@ -291,11 +283,6 @@ def state_shardings(state, mesh: Mesh):
 def constrain_state(state, mesh: Mesh):
     """Inside jit: pins every state array to ``state_shardings`` (the step's output keeps its input's sharding)."""
     return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, state, state_shardings(state, mesh))
-
-
-def put_state(state, mesh: Mesh):
-    """A host-built state placed by ``state_shardings``."""
-    return jax.tree_util.tree_map(put, state, state_shardings(state, mesh))
 
 
 @contextlib.contextmanager

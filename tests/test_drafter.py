@@ -189,7 +189,7 @@ def test_train_drafter_resumes_a_stopped_run(tmp_path):
     assert steps == [1, 2]  # the second run trained step 2 only
     manifest = read_drafter_manifest(path)
     assert manifest["run"]["steps"] == 2
-    from training.cli import load_llm
+    from training.llm import load_llm
 
     llm, _ = load_llm("default")
     assert load_drafter(path, llm).features

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec.engine import LoadedModel
+from models.loaded import LoadedModel
 from training.config import RunConfig, to_dict
 from training.data import distill, load_samples
 from training.pool import save_pool

@@ -11,39 +11,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import jax.numpy as jnp
-
 from training.config import ConfigError, RunConfig, load_config
 
 DESCRIPTION = "Boost-tune a pool of SSMs against an LLM (SpecInfer adaptive boosting); rerun to resume."
 DRAFTER_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "drafter" / "smollm2_default.yaml"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "boost" / "smollm2_default.yaml"
-
-
-def random_llm(vocab_size: int, seed: int = 0):
-    """A tiny random LLaMA LLM (tests and smoke runs; no tokenizer)."""
-    from jaxspec.engine import LoadedModel
-    from models.config import ModelConfig
-    from training.ssm import jit_init_params
-
-    cfg = ModelConfig("llama", vocab_size, 64, 128, 2, 4, 2, 16, max_position_embeddings=512,
-                      eos_token_ids=(vocab_size - 1,))
-    return LoadedModel(f"random:{vocab_size}", cfg, jit_init_params(cfg, seed), jnp.float32, None)
-
-
-def load_llm(spec: str):
-    """(LoadedModel, source path) for "default", "random:V" or a checkpoint path (float32)."""
-    from jaxspec.engine import LoadedModel
-
-    if spec.startswith("random:"):
-        return random_llm(int(spec.split(":", 1)[1])), ""
-    from models.loading import default_model_path, load_checkpoint
-    from models.tokenizer import load_tokenizer
-
-    path = default_model_path() if spec == "default" else spec
-    cfg, params = load_checkpoint(path, "float32")
-    name = "SmolLM2-135M-Instruct" if spec == "default" else Path(path).name
-    return LoadedModel(name, cfg, params, jnp.float32, load_tokenizer(path)), path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -98,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     from jaxspec.pool import llm_identity
     from training.boost import run_boost
     from training.data import distill
+
+    from training.llm import load_llm
 
     llm, source = load_llm(cfg.llm)
     identity = llm_identity(llm, source)

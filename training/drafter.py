@@ -176,7 +176,7 @@ def train_drafter(cfg: DrafterConfig, export_only: bool = False) -> Path:
     """
     from jaxspec.draft_vocab import read_counts  # noqa: PLC0415
     from jaxspec.pool import llm_identity  # noqa: PLC0415
-    from training.cli import load_llm  # noqa: PLC0415
+    from training.llm import load_llm  # noqa: PLC0415
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,455 @@
+"""The device side of the engine: models, the family of compiled steps, their measured costs, auto's chooser.
+
+``Runner`` owns what runs on the device (one jitted ``decode_step`` per family member and
+state shape, the state it runs on) and what each step costs; the one scheduling loop
+(``jaxspec.batch.BatchEngine``: admission, prefill, the iteration, stopping, retirement)
+drives it for ``generate``, ``bench`` and ``serve`` alike. ``Runner.compilations`` counts
+traces of model-running executables, so tests can prove that nothing recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxspec import ngram, sampling
+from jaxspec.auto import Member, TreeChooser
+from jaxspec.ngram import NGramSpeculator
+from jaxspec.offload import make_offload_forward, offload_params
+from jaxspec.sharding import describe as describe_mesh, pinned
+from jaxspec.step import DecodeConfig, DecodeState, SSMGroup, decode_step, set_lengths
+from jaxspec.tree import DynamicTree, expansion_topology
+from models.config import ModelConfig
+from models.pipeline import make_pipeline_forward, pipe_size, stacked_layout, stacked_names
+from models.loaded import LoadedModel, forward_for
+from models.transformer import Forward, KVCache, decoding_layout
+
+MIN_PROMPT_BUCKET = 16
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (prompt too long, bad parameters)."""
+
+
+@dataclasses.dataclass
+class Generation:
+    """One finished generation and its counters."""
+
+    token_ids: list[int]
+    llm_steps: int  # LLM verification passes after the prefill
+    ssm_steps: int  # SSM draft forwards (all SSMs, all levels)
+    seconds: float
+    finish_reason: str  # "eos" | "stop" | "length"
+    step_tokens: list[int] = dataclasses.field(default_factory=list)  # tokens emitted by each LLM step
+    trees: list[str] = dataclasses.field(default_factory=list)  # family member run by each LLM step
+
+    @property
+    def tree_counts(self) -> dict[str, int]:
+        """How many LLM steps ran each tree (``--mode auto`` switches between them)."""
+        return {t: self.trees.count(t) for t in dict.fromkeys(self.trees)}
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens verified per LLM decoding step (prefill's first token excluded)."""
+        return float(np.mean(self.step_tokens)) if self.step_tokens else 0.0
+
+
+# Bumped when a change moves what a decoding step costs (e.g. the KV cache layout), so calibrations
+# cached by an older jaxspec are measured again rather than trusted.
+STEP_REVISION = 2
+
+
+def prompt_bucket(n: int) -> int:
+    return max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length())
+
+
+class Runner:
+    """Speculative decoding with one LLM and zero or more speculators (incremental / sequence / tree / auto).
+
+    Speculators are SSMs (``LoadedModel``) and at most one ``NGramSpeculator``; each gets
+    an expansion config (the n-gram uses its length: it proposes a chain). With
+    ``auto`` the engine compiles a family of trees (no speculation, the n-gram chain,
+    the SSMs' trees, both merged) and picks one before every iteration by measured cost
+    and running acceptance (``jaxspec.auto``); ``costs`` injects a cost table (seconds
+    per iteration by member name) instead of measuring one.
+    """
+
+    def __init__(
+        self,
+        llm: LoadedModel,
+        ssms: Sequence[LoadedModel | NGramSpeculator] = (),
+        expansion: Sequence[int] | Sequence[Sequence[int]] = (),
+        tree_budget: int | None = None,
+        verify: str = "greedy",
+        batch_ssms: bool = True,
+        auto: bool = False,
+        costs: dict[str, float] | None = None,
+        unroll: bool = True,
+        mesh: Mesh | None = None,
+        offload: bool = False,
+    ) -> None:
+        """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward;
+        ``unroll`` runs the LLM's layers unrolled over per-layer weights (no per-call weight
+        slicing; slower to compile, faster to run); ``mesh`` shards parameters, caches and state by
+        ``jaxspec.sharding.RULES`` (None: one device, as before); a mesh with ``pipe`` > 1 runs the LLM's
+        layers as pipeline stages (``models.pipeline``); ``offload`` keeps them in host memory and streams
+        them in layer by layer (``jaxspec.offload``)."""
+        expansions = _per_ssm(expansion, len(ssms))
+        ngrams = [s for s in ssms if isinstance(s, NGramSpeculator)]
+        if len(ngrams) > 1:
+            raise RequestError("give at most one n-gram speculator")
+        models = [(s, e) for s, e in zip(ssms, expansions) if not isinstance(s, NGramSpeculator)]
+        for ssm, _ in models:
+            check_vocab(llm, ssm)
+            if ssm.features and ssm.cfg.hidden_size != llm.cfg.hidden_size:
+                raise VocabularyMismatch(f"feature drafter {ssm.name!r} reads states of width {ssm.cfg.hidden_size} "
+                                         f"but the LLM {llm.name!r} has {llm.cfg.hidden_size}")
+        self.llm = llm
+        self.unroll = unroll
+        self._llm_params = decoding_layout(llm.params) if unroll else llm.params
+        self.features = any(getattr(s, "features", False) for s in ssms)  # a feature drafter reads the LLM's states
+        if self.features and (mesh is not None or offload):
+            raise RequestError("feature drafters run on one device for now: drop --mesh/--offload or the drafter")
+        self._llm_forward = forward_for(llm.cfg, jnp.dtype(llm.dtype), unroll, hidden=self.features)
+        self.ngram = ngrams[0] if ngrams else None
+        ngram_expansion = next((e for s, e in zip(ssms, expansions) if s is self.ngram), ())
+        if isinstance(ngram_expansion, DynamicTree):
+            raise RequestError("the n-gram speculator proposes a chain: give it a fixed expansion such as 1,1,1,1 "
+                               "(a dynamic tree needs an SSM's probabilities)")
+        self.ngram_depth = len(ngram_expansion)
+        self.ssms = tuple(s for s, _ in models)
+        self.topologies = tuple(e if isinstance(e, DynamicTree) else expansion_topology(e) for _, e in models)
+        self.tree_budget = tree_budget
+        self.verify = verify
+        self.auto = auto
+        self.compilations = 0
+        self._compiled: dict = {}
+        self._costs: dict = {}
+        self._injected_costs = dict(costs) if costs else None
+        self._choosers: dict = {}
+        self._warmed: set = set()  # (warp, capacity, batch) whose family is compiled
+        self.groups = (ssm_groups(self.ssms, self.topologies) if batch_ssms
+                       else tuple(SSMGroup((j,), (), self.ssms[j].features) for j in range(len(self.ssms))))
+        self._group_params = tuple(stack_params([self.ssms[j].params for j in g.members], g.shared)
+                                   for g in self.groups)
+        self.mesh = mesh
+        self.offload = offload
+        self.stacked = offload or pipe_size(mesh) > 1  # the LLM runs models.pipeline.stacked_layout
+        if self.stacked:
+            self._llm_params, self._llm_forward = _stacked_llm(llm, mesh, offload)
+        if mesh is not None:
+            self._place_on_mesh()
+        if offload:
+            self._llm_params = offload_params(self._llm_params)
+        self.family(sampling.SamplingParams())  # validates every configuration
+
+    # -- the family of trees ------------------------------------------------------------
+    def family(self, params: sampling.SamplingParams | sampling.WarpSpec) -> dict[str, DecodeConfig]:
+        """Member name -> compiled configuration: one member, or the ``auto`` family.
+
+        ``params`` is a request's sampling parameters or directly a warp (``sampling.MIXED``
+        for a batch of greedy and sampled rows).
+        """
+        warp = _warp(params)
+        verify = "greedy" if warp.greedy else (self.verify if self.verify != "greedy" else "mss")
+        off = (None,) * len(self.topologies)
+        # dynamic trees draft greedily; a sampled warp drafts their fixed fallback
+        topologies = tuple(t.fallback if isinstance(t, DynamicTree) and not warp.greedy else t for t in self.topologies)
+        vocab = self.llm.cfg.vocab_size
+
+        def cfg(topologies, ngram_depth, budget=None):
+            return DecodeConfig(topologies, warp, verify, budget, self.groups, ngram_depth, vocab)
+
+        if not self.auto:
+            name = "tree" if (self.topologies or self.ngram) else "none"
+            return {name: cfg(topologies, self.ngram_depth, self.tree_budget)}
+        out = {"none": cfg(off, 0)}
+        if self.ngram:
+            out["ngram"] = cfg(off, self.ngram_depth)
+        if self.topologies:
+            out["ssm"] = cfg(topologies, 0)
+            if self.ngram:
+                out["ssm+ngram"] = cfg(topologies, self.ngram_depth)
+        return out
+
+    def describe(self, name: str) -> str:
+        """A member's tree in words, e.g. ``ssm <1,1,3,1> + ngram <1x6>``."""
+        cfg = self.family(sampling.SamplingParams())[name]
+        parts = []
+        if cfg.active:
+            shown = sorted({t.label for t in cfg.topologies if t is not None})
+            parts.append(f"{len(cfg.active)} SSM {' '.join(shown)}")
+        if cfg.ngram_depth:
+            parts.append(f"ngram <1x{cfg.ngram_depth}>")
+        return " + ".join(parts) or "no speculation"
+
+    def members(self, params: sampling.SamplingParams | sampling.WarpSpec) -> list[Member]:
+        """The family as the chooser sees it: per member, each kind's depth and source columns."""
+        out = []
+        for name, cfg in self.family(params).items():
+            depth, positions = {}, {}
+            for p, src in enumerate(cfg.sources):
+                kind = "ngram" if src == "ngram" else "ssm"
+                positions[kind] = positions.get(kind, ()) + (p,)
+            if cfg.active:
+                depth["ssm"] = max(cfg.topologies[j].max_depth for j in cfg.active)
+            if cfg.ngram_depth:
+                depth["ngram"] = cfg.ngram_depth
+            out.append(Member(name, depth, positions))
+        return out
+
+    # -- compiled functions -------------------------------------------------------------
+    def _step_fn(self, cfg: DecodeConfig) -> Callable:
+        if cfg not in self._compiled:
+            llm_fwd = self._llm_forward
+            ssm_fwds = tuple(self.ssms[g.members[0]].forward for g in cfg.ssm_groups)
+
+            def step(llm_params, ssm_params, state, proposal_tokens, proposal_count):
+                self.compilations += 1  # runs once per trace, i.e. per compilation
+                return pinned(decode_step, self.mesh)(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state,
+                                                      (proposal_tokens, proposal_count))
+
+            self._compiled[cfg] = jax.jit(step, donate_argnums=(2,))
+        return self._compiled[cfg]
+
+    # -- costs and the chooser -------------------------------------------------------------
+    def calibrate(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, refresh: bool = False,
+                  batch: int = 1) -> dict[str, float]:
+        """Seconds per iteration of every family member at this capacity and batch, measured once and cached.
+
+        The cache (``jaxspec.costs``) is keyed by device kind, models, dtype, warp, family,
+        capacity and batch, and lives outside the repository; ``refresh`` measures again.
+        """
+        if self._injected_costs is not None:
+            return self._injected_costs
+        key = (_warp(params), capacity, batch)
+        if key in self._costs and not refresh:
+            return self._costs[key]
+        from jaxspec import costs  # noqa: PLC0415
+
+        ident = {
+            "what": "step-family",
+            "revision": STEP_REVISION,
+            "jax": jax.__version__,
+            "device": jax.devices()[0].device_kind,
+            "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))],
+            "ssms": [[s.name, repr(s.cfg), str(jnp.dtype(s.dtype)), s.draft_vocab] for s in self.ssms],
+            "ngram": self.ngram_depth,
+            "family": {n: self.describe(n) for n in self.family(params)},
+            "warp": repr(_warp(params)),
+            "capacity": capacity,
+            "batch": batch,
+            "unroll": self.unroll,
+            **({"mesh": describe_mesh(self.mesh)} if self.mesh is not None else {}),
+            **({"offload": True} if self.offload else {}),
+        }
+        self._costs[key] = costs.load_or_measure(ident, lambda: self._measure(params, capacity, batch=batch), refresh)
+        return self._costs[key]
+
+    def _measure(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, reps: int = 5,
+                 batch: int = 1) -> dict[str, float]:
+        """Seconds per iteration of each member on ``batch`` rows of ``capacity`` slots (reps 0: compile only)."""
+        key = ("lengths", batch, capacity)
+        if key not in self._compiled:
+            self._compiled[key] = jax.jit(lambda s: set_lengths(s, MIN_PROMPT_BUCKET), donate_argnums=(0,))
+        toks, count = jax.device_put(ngram.proposal_arrays([list(range(1, self.ngram_depth + 1))] * batch,
+                                                           self.ngram_depth))
+        out = {}
+        for name, cfg in self.family(params).items():
+            step_fn = self._step_fn(cfg)
+            state = self._compiled[key](self.init_state(batch, capacity, params))
+            times = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                state, res = step_fn(self._llm_params, self._group_params, state, toks, count)
+                jax.block_until_ready(res)
+                times.append(time.perf_counter() - t0)
+            out[name] = float(np.median(times[1:])) if reps else times[0]  # the first call compiles
+        self._warmed.add((_warp(params), capacity, batch))
+        return out
+
+    def warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int = 1) -> None:
+        """Compiles every family member for this capacity and batch now, so no step of a request compiles.
+
+        ``auto`` may switch to any member mid-request; compiling it then would stall that
+        request (and count as decoding time).
+        """
+        if (_warp(params), capacity, batch) not in self._warmed:
+            self._measure(params, capacity, reps=0, batch=batch)
+
+    def chooser(self, params: sampling.SamplingParams | sampling.WarpSpec) -> TreeChooser:
+        """Auto's running chooser for this warp: acceptance statistics shared by every batch and length bucket."""
+        warp = _warp(params)
+        if warp not in self._choosers:
+            members = self.members(params)
+            placeholder = self._injected_costs or {m.name: 1.0 for m in members}
+            self._choosers[warp] = TreeChooser(members, placeholder, adapt_costs=self._injected_costs is None)
+        return self._choosers[warp]
+
+    def costs_at(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int,
+                 refresh: bool = False) -> dict[str, float]:
+        """Auto's costs for one (batch, capacity) bucket, every member compiled for it (measured once, cached)."""
+        costs = self.calibrate(params, capacity, refresh=refresh, batch=batch)
+        self.warm(params, capacity, batch)
+        return costs
+
+    # -- state ------------------------------------------------------------------------
+    def _worst(self) -> DecodeConfig:
+        family = self.family(sampling.SamplingParams()).values()
+        return max(family, key=lambda c: (c.num_nodes + c.max_emit, c.num_nodes))
+
+    def init_state(self, batch: int, capacity: int, params: sampling.SamplingParams | sampling.WarpSpec,
+                   active: bool = True) -> DecodeState:
+        """A fresh state for B slots, built on the device (explicit transfers only: seed and warp values).
+
+        Given a warp instead of parameters (a batch's slots get theirs on admission), rows
+        sample at temperature 1 with every compiled stage off.
+        """
+        key = ("init", batch, capacity)
+        if key not in self._compiled:
+            @functools.partial(pinned, mesh=self.mesh)
+            def init(seeds, values, active):
+                dt = self.llm.dtype
+                return DecodeState(
+                    llm_cache=KVCache.create(self.llm.cfg, batch, capacity, dt),
+                    ssm_caches=tuple(self._group_cache(g, batch, capacity) for g in self.groups),
+                    history=jnp.zeros((batch, capacity), jnp.int32),
+                    root=jnp.zeros((batch,), jnp.int32),
+                    key=jax.vmap(jax.random.PRNGKey)(seeds),
+                    values=values,
+                    active=active,
+                    features=(jnp.zeros((batch, capacity, self.llm.cfg.hidden_size), dt) if self.features else None),
+                )
+
+            self._compiled[key] = jax.jit(init)
+        if isinstance(params, sampling.WarpSpec):
+            values = sampling.row_values([sampling.SamplingParams(1.0)] * batch, self.llm.cfg.vocab_size)
+            params = sampling.SamplingParams(1.0)
+        else:
+            values = sampling.row_values([params] * batch, 0)
+        seeds = np.full((batch,), params.seed % 2**32, np.uint32)
+        seeds, values, rows = jax.device_put((seeds, values, np.full((batch,), active, bool)))
+        return self._compiled[key](seeds, values, rows)
+
+    def _place_on_mesh(self) -> None:
+        """Puts the LLM's and every SSM group's parameters on ``self.mesh`` by the sharding rules."""
+        from jaxspec import sharding  # noqa: PLC0415
+
+        llm = self.llm
+        names = (stacked_names(sharding.param_names(llm.cfg)) if self.stacked
+                 else sharding.param_names(llm.cfg, self.unroll))
+        self._llm_params = sharding.place_params(self._llm_params, names, self.mesh, f"LLM {llm.name}")
+        self._group_params = tuple(
+            sharding.place_params(p, sharding.group_names(sharding.param_names(self.ssms[g.members[0]].cfg, False,
+                                                                               self.ssms[g.members[0]].draft_vocab),
+                                                          len(g.members), g.shared),
+                                  self.mesh, f"SSM {self.ssms[g.members[0]].name}")
+            for g, p in zip(self.groups, self._group_params))
+
+    def _group_cache(self, group: SSMGroup, batch: int, capacity: int) -> KVCache:
+        ssm = self.ssms[group.members[0]]
+        cache = KVCache.create(ssm.cfg, batch, capacity, ssm.dtype)
+        if len(group.members) == 1:
+            return cache
+        return jax.tree_util.tree_map(lambda x: jnp.stack([x] * len(group.members)), cache)
+
+def _stacked_llm(llm: LoadedModel, mesh: Mesh | None, offload: bool) -> tuple[dict, Forward]:
+    """The LLM's stacked parameters and forward: pipeline stages over ``mesh``'s pipe axis, or offloaded layers."""
+    dtype = jnp.dtype(llm.dtype)
+    if offload and pipe_size(mesh) > 1:
+        raise RequestError("--offload runs on one pipeline stage: use a mesh with pipe=1")
+    forward = make_offload_forward(llm.cfg, dtype) if offload else make_pipeline_forward(llm.cfg, mesh, dtype)
+    return stacked_layout(llm.params), forward
+
+
+def _warp(params: sampling.SamplingParams | sampling.WarpSpec) -> sampling.WarpSpec:
+    return params if isinstance(params, sampling.WarpSpec) else sampling.WarpSpec.of(params)
+
+
+def _check_fits(slots: int, capacity: int, what: str) -> None:
+    """Refuses a write past the cache (``capacity_for`` makes this unreachable; writes are unchecked on device)."""
+    if slots > capacity:
+        raise RuntimeError(f"{what} would write {slots} cache slots of a capacity of {capacity}: "
+                           "the engine's capacity rule is broken")
+
+
+def ssm_groups(ssms: Sequence[LoadedModel], topologies: Sequence) -> tuple[SSMGroup, ...]:
+    """Groups SSMs that can draft in one vmapped forward (same config, dtype and expansion).
+
+    A parameter every member holds as the very same array (a pool's shared embedding) is
+    recorded as shared, so it is not stacked (copied) per member.
+    """
+    from models.loading import flatten  # noqa: PLC0415
+
+    buckets: dict = {}
+    for j, (s, t) in enumerate(zip(ssms, topologies)):
+        buckets.setdefault((s.cfg, jnp.dtype(s.dtype), s.draft_vocab, s.features, t), []).append(j)
+    groups = []
+    for members in sorted(buckets.values()):
+        flats = [flatten(ssms[j].params) for j in members]
+        shared = tuple(k for k in flats[0] if len(members) > 1 and all(f[k] is flats[0][k] for f in flats))
+        groups.append(SSMGroup(tuple(members), shared, ssms[members[0]].features))
+    return tuple(groups)
+
+
+def stack_params(params: Sequence[dict], shared: Sequence[str] = ()) -> dict:
+    """One parameter tree for a group: leaves stacked on a leading member axis, ``shared`` ones kept once."""
+    from models.loading import flatten, unflatten  # noqa: PLC0415
+
+    if len(params) == 1:
+        return params[0]
+    flats = [flatten(p) for p in params]
+    return unflatten({k: v if k in shared else jnp.stack([f[k] for f in flats]) for k, v in flats[0].items()})
+
+
+def _per_ssm(expansion, num_ssms: int) -> tuple[tuple[int, ...] | DynamicTree, ...]:
+    """One expansion config (or ``DynamicTree``) per SSM (a single one is shared by all)."""
+    if num_ssms == 0:
+        return ()
+    if isinstance(expansion, DynamicTree):
+        return (expansion,) * num_ssms
+    if not expansion:
+        raise RequestError("an SSM was given but the expansion config is empty")
+    if isinstance(expansion[0], int):
+        return tuple(tuple(expansion) for _ in range(num_ssms))
+    if len(expansion) != num_ssms:
+        raise RequestError(f"{len(expansion)} expansion configs for {num_ssms} SSMs")
+    return tuple(e if isinstance(e, DynamicTree) else tuple(e) for e in expansion)
+
+
+class VocabularyMismatch(ValueError):
+    """The SSM's tokenizer or vocabulary differs from the LLM's."""
+
+
+def check_vocab(llm: LoadedModel, ssm: LoadedModel) -> None:
+    """Refuses an SSM whose vocabulary (size or tokenizer) differs from the LLM's."""
+    if llm.cfg.vocab_size != ssm.cfg.vocab_size:
+        raise VocabularyMismatch(
+            f"SSM {ssm.name!r} has a vocabulary of {ssm.cfg.vocab_size} tokens but the LLM {llm.name!r} has "
+            f"{llm.cfg.vocab_size}: an SSM must share the LLM's tokenizer"
+        )
+    if llm.tokenizer is not None and ssm.tokenizer is not None and llm.tokenizer is not ssm.tokenizer:
+        from models.tokenizer import same_vocabulary  # noqa: PLC0415 (transformers import is slow)
+
+        if not same_vocabulary(llm.tokenizer, ssm.tokenizer):
+            raise VocabularyMismatch(
+                f"SSM {ssm.name!r} uses a different tokenizer from the LLM {llm.name!r}: an SSM must share "
+                "the LLM's tokenizer"
+            )
+
+
+def early_exit(llm: LoadedModel, num_layers: int) -> LoadedModel:
+    """An SSM made of the LLM's first layers plus its final norm and head (``layers:N``)."""
+    if not 1 <= num_layers < llm.cfg.num_layers:
+        raise RequestError(f"layers:{num_layers} must be between 1 and {llm.cfg.num_layers - 1} for this LLM")
+    params = dict(llm.params)
+    params["layers"] = jax.tree_util.tree_map(lambda x: x[:num_layers], llm.params["layers"])
+    return LoadedModel(f"{llm.name}[layers:{num_layers}]", llm.cfg.replace(num_layers=num_layers), params,
+                       llm.dtype, llm.tokenizer)

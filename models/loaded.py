@@ -1,0 +1,43 @@
+"""A model ready to run: its config, parameters, dtype, tokenizer and the one forward of its configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.drafter import make_drafter_forward
+from models.transformer import Forward, make_forward
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # --dtype names
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model ready to run: config, parameters, its forward and (optionally) tokenizer."""
+
+    name: str
+    cfg: ModelConfig
+    params: dict
+    dtype: jnp.dtype = jnp.float32
+    tokenizer: object | None = None
+    draft_vocab: int = 0  # > 0: a drafting SSM whose params carry a reduced head (``jaxspec.draft_vocab``)
+    features: bool = False  # a feature drafter (``models.drafter``): reads the LLM's states, not a Transformer
+
+    @property
+    def forward(self) -> Forward:
+        return forward_for(self.cfg, jnp.dtype(self.dtype), draft_vocab=self.draft_vocab, drafter=self.features)
+
+
+_FORWARDS: dict = {}
+
+
+def forward_for(cfg: ModelConfig, dtype, unrolled: bool = False, draft_vocab: int = 0,
+                 hidden: bool = False, drafter: bool = False) -> Forward:
+    """One forward per configuration: a Transformer's, or a feature drafter's (``drafter``)."""
+    key = (cfg, dtype, unrolled, draft_vocab, hidden, drafter)
+    if key not in _FORWARDS:
+        _FORWARDS[key] = (make_drafter_forward(cfg, dtype, draft_vocab) if drafter
+                          else make_forward(cfg, dtype, unrolled, draft_vocab, hidden))
+    return _FORWARDS[key]
