@@ -24,6 +24,7 @@ from training.data import (
     sharegpt_human_turns,
 )
 from training.generate import generate_batch, make_generator
+from training.llm import load_llm
 from training.pool import params_equal, save_pool
 from training.ssm import check_cost, flops_per_token, init_ssm, jit_init_params, pca_embedding, ssm_model_config
 from training.train import agreement, make_batch, make_train_step, restore_params, train_ssm
@@ -39,7 +40,7 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("boost")
     assert cli.main(["--config", str(TINY), "--out", str(out), "--quiet"]) == 0
     cfg = load_config(TINY, [f"out={out}"])
-    llm, _ = cli.load_llm(cfg.llm)
+    llm, _ = load_llm(cfg.llm)
     return cfg, out, llm
 
 
@@ -391,7 +392,7 @@ def test_default_recipe_end_to_end_on_smollm2(tmp_path):
                  "train.checkpoint_every=5"]
     default = ROOT / "configs" / "boost" / "smollm2_default.yaml"
     assert cli.main(["--config", str(default), "--out", str(tmp_path), "--quiet", *overrides]) == 0
-    llm, _ = cli.load_llm("default")
+    llm, _ = load_llm("default")
     pool = load_pool(tmp_path / "pool", "bfloat16", llm=llm)
     assert len(pool) == 2 and pool[0].tokenizer is llm.tokenizer
     report = json.loads((tmp_path / "boost.json").read_text())
