@@ -9,21 +9,21 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "BatchEngine": "jaxspec.batch",
-    "Request": "jaxspec.batch",
-    "DecodeConfig": "jaxspec.step",
-    "decode_step": "jaxspec.step",
-    "prefill": "jaxspec.step",
+    "BatchEngine": "jaxspec.engine.batch",
+    "Request": "jaxspec.engine.batch",
+    "DecodeConfig": "jaxspec.decoding.step",
+    "decode_step": "jaxspec.decoding.step",
+    "prefill": "jaxspec.decoding.step",
     "Engine": "jaxspec.engine",
-    "Generation": "jaxspec.runner",
-    "RequestError": "jaxspec.runner",
-    "VocabularyMismatch": "jaxspec.runner",
-    "early_exit": "jaxspec.runner",
+    "Generation": "jaxspec.engine.runner",
+    "RequestError": "jaxspec.engine.runner",
+    "VocabularyMismatch": "jaxspec.engine.runner",
+    "early_exit": "jaxspec.engine.runner",
     "LoadedModel": "models.loaded",
-    "SamplingParams": "jaxspec.sampling",
-    "TokenTree": "jaxspec.tree",
-    "expansion_topology": "jaxspec.tree",
-    "merge": "jaxspec.tree",
+    "SamplingParams": "jaxspec.decoding.sampling",
+    "TokenTree": "jaxspec.decoding.tree",
+    "expansion_topology": "jaxspec.decoding.tree",
+    "merge": "jaxspec.decoding.tree",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,7 +2,7 @@
 
 The root is ``$JAXSPEC_CACHE`` when set, else ``~/.cache/jaxspec``. The persistent XLA
 compilation cache under ``<root>/xla`` lets a second run of the same command skip
-compilation; ``jaxspec.costs`` keeps measured step costs under ``<root>/costs``.
+compilation; ``jaxspec.engine.costs`` keeps measured step costs under ``<root>/costs``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Logical axis names, declared once for the whole project.
 
 Every parameter is created with a tuple of these names (``nn.with_logical_partitioning``)
-so that ``jaxspec.sharding`` can map them onto mesh axes with one rules table.
+so that ``jaxspec.parallel.sharding`` can map them onto mesh axes with one rules table.
 
 Glossary (also the one-letter shape legend used in comments across the project):
   layers   L  stacked transformer blocks (the ``nn.scan`` axis)
@@ -37,7 +37,7 @@ _CONSTRAIN: contextvars.ContextVar = contextvars.ContextVar("constrain", default
 
 
 def constrain(x, names: tuple[str | None, ...]):
-    """Pins activation x's sharding by its logical axis names while ``jaxspec.sharding`` traces on a mesh.
+    """Pins activation x's sharding by its logical axis names while ``jaxspec.parallel.sharding`` traces on a mesh.
 
     Identity otherwise (no mesh: no constraint, no cost).
     """

@@ -22,7 +22,7 @@ class LoadedModel:
     params: dict
     dtype: jnp.dtype = jnp.float32
     tokenizer: object | None = None
-    draft_vocab: int = 0  # > 0: a drafting SSM whose params carry a reduced head (``jaxspec.draft_vocab``)
+    draft_vocab: int = 0  # > 0: a drafting SSM whose params carry a reduced head (``jaxspec.speculators.draft_vocab``)
     features: bool = False  # a feature drafter (``models.drafter``): reads the LLM's states, not a Transformer
 
     @property

@@ -504,7 +504,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: str = "float32",
     Returns ``(cfg, params)`` with params in the tree of ``param_shapes(cfg)``, as jax arrays
     of ``dtype`` ("float32" or "bfloat16"). Raises ``CheckpointError`` on any bad input.
     Tensors are read one at a time; ``place`` puts each straight where it belongs (e.g. its
-    shards on a mesh: ``jaxspec.sharding.placer``), so neither the host nor any one device
+    shards on a mesh: ``jaxspec.parallel.sharding.placer``), so neither the host nor any one device
     holds the whole model on the way.
     """
     if dtype not in DTYPES:

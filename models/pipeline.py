@@ -56,7 +56,7 @@ def stacked_layout(params: dict) -> dict:
 
 def stacked_names(names: Mapping[str, tuple]) -> dict[str, tuple]:
     """Logical axis names of ``stacked_layout``'s tree from the scanned tree's (flattened ``a/b/kernel`` keys,
-    as ``jaxspec.sharding.param_names`` gives them): kernels' input names move behind their output names."""
+    as ``jaxspec.parallel.sharding.param_names`` gives them): kernels' input names move behind their output names."""
     out = {}
     for key, n in names.items():
         parts = key.split("/")
@@ -111,7 +111,7 @@ def scan_layers(cfg: ModelConfig, dtype, layers: dict, x, cache: KVCache, positi
                 fetch: Callable | None = None) -> tuple[jax.Array, KVCache]:
     """Runs the stacked layers [L', ...] over x [B, T, D] with ``lax.scan``; returns x and the cache with new K/V.
 
-    ``fetch`` maps one layer's parameters before use (``jaxspec.offload`` copies them from
+    ``fetch`` maps one layer's parameters before use (``jaxspec.parallel.offload`` copies them from
     host memory there, so only the current layer's weights are on the device).
     """
     run = block_fn(cfg, dtype)

@@ -6,7 +6,7 @@ to cache slots ``[cache.length, cache.length + T)`` and every query attends to t
 its mask row allows among the committed ones ``[0, cache.length)`` and the new tokens'
 own (anything else is never visible). The new K/V are written in place (``write_kv``): by
 each unrolled layer before it attends, or once after a scanned stack. ``cache.length`` is not advanced
-here; committing is the engine's job (``jaxspec.kv_cache.commit``).
+here; committing is the engine's job (``jaxspec.decoding.kv_cache.commit``).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class Transformer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     unrolled: bool = False
-    layer_stack: Callable | None = None  # runs the stacked ``layers`` instead (models.pipeline, jaxspec.offload)
+    layer_stack: Callable | None = None  # runs the stacked ``layers`` instead (models.pipeline, jaxspec.parallel.offload)
     draft_vocab: int = 0  # > 0: logits over a reduced vocabulary (``with_draft_head``), -inf elsewhere
     hidden: bool = False  # also return the final-norm hidden states of every token (a feature drafter reads them)
 

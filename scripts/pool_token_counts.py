@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Gives an SSM pool token counts and a default draft vocabulary (``jaxspec.draft_vocab``).
+"""Gives an SSM pool token counts and a default draft vocabulary (``jaxspec.speculators.draft_vocab``).
 
     python scripts/pool_token_counts.py --pool jaxspec/pools/smollm2_default --draft-vocab 8192
 
@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaxspec.draft_vocab import frequent_ids, write_counts  # noqa: E402
-from jaxspec.pool import POOL_FILE, read_manifest  # noqa: E402
+from jaxspec.speculators.draft_vocab import frequent_ids, write_counts  # noqa: E402
+from jaxspec.speculators.pool import POOL_FILE, read_manifest  # noqa: E402
 from training.data import read_sharegpt  # noqa: E402
 
 

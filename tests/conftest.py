@@ -53,7 +53,7 @@ def tiny_llm() -> LoadedModel:
 @pytest.fixture(scope="session")
 def default_llm() -> LoadedModel:
     """The embedded SmolLM2-135M-Instruct GGUF, float32, with its tokenizer."""
-    from jaxspec.resolve import load_llm
+    from jaxspec.speculators.resolve import load_llm
 
     return load_llm(None, "float32")
 

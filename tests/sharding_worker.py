@@ -24,11 +24,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from conftest import random_prompts, tiny_model  # noqa: E402
-from jaxspec import sharding  # noqa: E402
+from jaxspec.parallel import sharding  # noqa: E402
 from jaxspec.engine import Engine, LoadedModel, early_exit  # noqa: E402
-from jaxspec.kv_cache import tree_mask  # noqa: E402
-from jaxspec.sampling import SamplingParams  # noqa: E402
-from jaxspec.tree import ancestor_mask  # noqa: E402
+from jaxspec.decoding.kv_cache import tree_mask  # noqa: E402
+from jaxspec.decoding.sampling import SamplingParams  # noqa: E402
+from jaxspec.decoding.tree import ancestor_mask  # noqa: E402
 from models.transformer import KVCache, decoding_layout, make_forward  # noqa: E402
 
 FAMILIES = {  # tiny models whose head counts divide the tensor sizes they are tested with
@@ -147,7 +147,7 @@ def data_parallel_pool(specs: tuple[str, ...]) -> dict:
 
 def batched() -> dict:
     """BatchEngine (slots over data, heads over tensor) vs one device: same outputs, no recompilation."""
-    from jaxspec.batch import BatchEngine, Request
+    from jaxspec.engine.batch import BatchEngine, Request
 
     m = model("llama")
     prompts = random_prompts(3, m.cfg.vocab_size, seed=5, lo=4, hi=12)
@@ -199,7 +199,7 @@ def errors() -> dict:
 
 def load_into_shards() -> dict:
     """The default GGUF loaded straight onto tensor=2 (``sharding.placer``) vs loaded plainly."""
-    from jaxspec.resolve import load_llm
+    from jaxspec.speculators.resolve import load_llm
     from models.loading import flatten
 
     mesh = mesh_of("tensor=2")
@@ -219,7 +219,7 @@ def load_into_shards() -> dict:
 def default_model() -> dict:
     """The embedded SmolLM2-135M (9 / 3 heads) under tensor=2: replicate fallback, same greedy output."""
     from conftest import dev_prompts
-    from jaxspec.resolve import load_llm
+    from jaxspec.speculators.resolve import load_llm
     from models.tokenizer import encode_prompt
 
     llm = load_llm(None, "float32")

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from conftest import DEV_PROMPTS, tiny_model
-from jaxspec import sampling
-from jaxspec.auto import Member, TreeChooser
-from jaxspec.batch import BatchEngine, Event, QueueFull, Request
+from jaxspec.decoding import sampling
+from jaxspec.engine.auto import Member, TreeChooser
+from jaxspec.engine.batch import BatchEngine, Event, QueueFull, Request
 from jaxspec.engine import Engine, RequestError, early_exit
-from jaxspec.ngram import NGramSpeculator
+from jaxspec.decoding.ngram import NGramSpeculator
 
 # a 40-token prompt (chunked prefill), and one sharing its first 29 tokens (prefix reuse of the staging row)
 PROMPTS = [[5, 3, 8, 1, 9, 2], [7, 7, 1], list(range(1, 41)), list(range(1, 30)) + [7, 7], [4, 4, 4, 4, 2, 3], [9]]

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jaxspec import cli
-from jaxspec.bench import coverage_rates, modes_tables, warmup_prompts
-from jaxspec.costs import calibration_key, load_or_measure, random_model
+from jaxspec.cli.bench import coverage_rates, modes_tables, warmup_prompts
+from jaxspec.engine.costs import calibration_key, load_or_measure, random_model
 
 
 def _prompts(tmp_path, n=1):
@@ -162,7 +162,7 @@ def test_warmup_prompts_cover_the_shortest_and_longest_prompt_of_each_bucket():
 
 
 def test_modes_tables_speedup_weighted_tokens_per_step_identity_and_tree_usage(capsys):
-    from jaxspec.bench import _print_modes
+    from jaxspec.cli.bench import _print_modes
 
     def row(pid, ids, steps, tps, secs, tree):
         return {"id": pid, "token_ids": ids, "llm_steps": steps, "tokens_per_step": tps, "seconds": secs,

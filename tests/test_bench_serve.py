@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from jaxspec import cli
-from jaxspec.bench_serve import (
+from jaxspec.serving.bench import (
     _targets,
     add_speedups,
     metrics_delta,
@@ -36,7 +36,7 @@ from jaxspec.bench_serve import (
     poisson_schedule,
     sse_data,
 )
-from jaxspec.cli_common import CliError
+from jaxspec.cli.common import CliError
 
 
 def _prompts(tmp_path, prompts=("What is 2+2?", "Name a color.", "Say hi.")):
@@ -76,7 +76,7 @@ def test_sse_data_parses_events():
 
 
 def test_metrics_delta_from_real_server_metrics():
-    from jaxspec.metrics import ServerMetrics
+    from jaxspec.serving.metrics import ServerMetrics
 
     m = ServerMetrics(lambda: 0, lambda: 0)
     before = parse_metrics(_exposition(m))
@@ -118,7 +118,7 @@ class FakeServer:
     """An OpenAI-compatible chat server on a thread: ``step`` tokens every ``delay`` seconds, real metrics."""
 
     def __init__(self, step: int, delay: float) -> None:
-        from jaxspec.metrics import ServerMetrics
+        from jaxspec.serving.metrics import ServerMetrics
 
         self.step, self.delay, self.lock = step, delay, threading.Lock()
         self.metrics = ServerMetrics(lambda: 0, lambda: 0)

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import dev_prompts
 from jaxspec.engine import Engine, early_exit
-from jaxspec.resolve import DEFAULT_POOL, default_ssm_spec, load_ssms
+from jaxspec.speculators.resolve import DEFAULT_POOL, default_ssm_spec, load_ssms
 from models.tokenizer import encode_prompt
 from models.transformer import KVCache
 

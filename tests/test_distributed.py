@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec import cli, distributed
+from jaxspec import cli
+from jaxspec.parallel import distributed
 
 PROMPT = "Hello"
 

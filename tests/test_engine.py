@@ -9,9 +9,9 @@ import pytest
 
 from conftest import random_prompts, tiny_model
 from jaxspec.engine import Engine, RequestError, VocabularyMismatch, early_exit
-from jaxspec.sampling import SamplingParams
-from jaxspec.step import DecodeConfig, DecodeState, decode_step, prefill
-from jaxspec.tree import expansion_topology
+from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.step import DecodeConfig, DecodeState, decode_step, prefill
+from jaxspec.decoding.tree import expansion_topology
 from models.transformer import KVCache
 
 TREE = (1, 1, 3, 1, 1, 1, 1, 1)

@@ -9,10 +9,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxspec", "models", "training")
-SERVING = {"jaxspec.serve", "jaxspec.metrics", "jaxspec.bench_serve"}  # the HTTP server and its load bench
-COMMAND_LINE = {"jaxspec.cli", "jaxspec.__main__", "jaxspec.bench"}  # may import anything
-CORE = {"jaxspec.tree", "jaxspec.sampling", "jaxspec.verify", "jaxspec.verify_stochastic", "jaxspec.speculate",
-        "jaxspec.step", "jaxspec.kv_cache", "jaxspec.ngram"}  # the device-side decoding core
+LAYERS = {  # subpackage -> what it is; see docs/architecture.md
+    "jaxspec.decoding": "the device-side decoding core",
+    "jaxspec.engine": "the engine, its loop, costs and auto",
+    "jaxspec.speculators": "speculators on disk",
+    "jaxspec.parallel": "meshes, multi-process runs, offloading",
+    "jaxspec.serving": "the HTTP server, metrics, load bench",
+    "jaxspec.cli": "the command line",
+}
+
+
+def within(mod: str, pkg: str) -> bool:
+    return mod == pkg or mod.startswith(pkg + ".")
 
 
 def modules() -> dict[str, Path]:
@@ -84,15 +92,26 @@ def test_imports_run_one_way():
     wrong = []
     for mod, targets in graph.items():
         for t in targets:
-            if mod.startswith("models") and not t.startswith("models"):
+            if within(mod, "models") and not within(t, "models"):
                 wrong.append(f"{mod} -> {t} (models/ imports nothing of jaxspec or training)")
-            if t in SERVING and mod not in SERVING | COMMAND_LINE:
-                wrong.append(f"{mod} -> {t} (only the command line starts the server)")
-            if mod in CORE and t.startswith("jaxspec") and t not in CORE and t != "jaxspec":
+            if within(mod, "jaxspec.decoding") and within(t, "jaxspec") and not within(t, "jaxspec.decoding"):
                 wrong.append(f"{mod} -> {t} (the decoding core imports only the core)")
-            if mod.startswith("jaxspec") and t.startswith("training") and mod not in COMMAND_LINE:
+            if within(mod, "jaxspec.engine") and any(within(t, p) for p in (
+                    "jaxspec.serving", "jaxspec.cli", "jaxspec.speculators", "jaxspec.parallel.distributed")):
+                wrong.append(f"{mod} -> {t} (the engine knows nothing of who drives it)")
+            if within(t, "jaxspec.serving") and not (within(mod, "jaxspec.serving") or within(mod, "jaxspec.cli")):
+                wrong.append(f"{mod} -> {t} (only the command line starts the server)")
+            if within(mod, "jaxspec") and within(t, "training") and mod != "jaxspec.cli":
                 wrong.append(f"{mod} -> {t} (training is reached from the command line only)")
+            if t == "jaxspec.cli" and mod not in ("jaxspec.__main__", "jaxspec.cli.__main__"):
+                wrong.append(f"{mod} -> {t} (nothing drives the command line but python -m)")
     assert wrong == []
+
+
+def test_every_module_lives_in_its_layer():
+    """Flat modules under jaxspec/ are the package's front door and its cache paths only."""
+    flat = {m for m in modules() if within(m, "jaxspec") and not any(within(m, p) for p in LAYERS)}
+    assert flat == {"jaxspec", "jaxspec.__main__", "jaxspec.cache"}
 
 
 def test_import_jaxspec_stays_light():

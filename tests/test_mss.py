@@ -27,12 +27,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxspec import sampling, verify_stochastic
-from jaxspec.draft_vocab import restrict
+from jaxspec.decoding import sampling, verify_stochastic
+from jaxspec.speculators.draft_vocab import restrict
 from jaxspec.engine import Engine, LoadedModel, early_exit
-from jaxspec.speculate import propose
-from jaxspec.step import DecodeConfig, DecodeState, SSMGroup, decode_step, prefill, prefill_model
-from jaxspec.tree import TokenTree, expansion_topology
+from jaxspec.decoding.speculate import propose
+from jaxspec.decoding.step import DecodeConfig, DecodeState, SSMGroup, decode_step, prefill, prefill_model
+from jaxspec.decoding.tree import TokenTree, expansion_topology
 from models.config import ModelConfig
 from models.drafter import drafter_config, init_drafter
 from models.transformer import KVCache, init_params, make_forward
@@ -278,7 +278,7 @@ def test_enumeration_repeated_children_concentrated_q():
 
 def ngram_model(vocab: int, max_n: int = 2):
     """The n-gram speculator as a 'model': one-hot at the token that followed the latest match."""
-    from jaxspec.ngram import NGramIndex
+    from jaxspec.decoding.ngram import NGramIndex
 
     def model(prefix):
         nxt = NGramIndex(prefix, max_n=max_n).propose(1)
@@ -621,7 +621,7 @@ def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int, ngram: t
     unrelated model) draft a merged tree padded to a budget; two decode steps run, so the
     second token may come from either the first or the second iteration. ``ngram`` merges
     that fixed proposal chain (the n-gram speculator's input) into both iterations' trees.
-    ``draft_vocab`` restricts both SSMs' heads to that many tokens (``jaxspec.draft_vocab``).
+    ``draft_vocab`` restricts both SSMs' heads to that many tokens (``jaxspec.speculators.draft_vocab``).
     ``feature_drafter`` replaces the near SSM by a feature drafter (``models.drafter``) reading the
     LLM's states.
     """

@@ -16,8 +16,8 @@ import pytest
 from conftest import random_prompts, tiny_config, tiny_model
 from jaxspec import cli
 from jaxspec.engine import Engine, RequestError, early_exit
-from jaxspec.offload import HOST, fetch, make_offload_forward, memory_kinds, offload_params, to_host
-from jaxspec.sampling import SamplingParams
+from jaxspec.parallel.offload import HOST, fetch, make_offload_forward, memory_kinds, offload_params, to_host
+from jaxspec.decoding.sampling import SamplingParams
 from models.pipeline import stacked_layout
 from models.transformer import KVCache, init_params
 from test_engine import full_recompute_greedy

@@ -116,7 +116,7 @@ def test_microbatches_split_the_batch_evenly():
 def _mesh(tensor: int, pipe: int):
     import jax
 
-    from jaxspec.sharding import parse_mesh
+    from jaxspec.parallel.sharding import parse_mesh
 
     return parse_mesh(f"tensor={tensor},pipe={pipe}", jax.devices()[: tensor * pipe])
 
@@ -148,9 +148,9 @@ def _forward_case(family: str, tensor: int, pipe: int, batch: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxspec.kv_cache import tree_mask
-    from jaxspec.sharding import cache_shardings, param_names, place_params, put
-    from jaxspec.tree import ancestor_mask
+    from jaxspec.decoding.kv_cache import tree_mask
+    from jaxspec.parallel.sharding import cache_shardings, param_names, place_params, put
+    from jaxspec.decoding.tree import ancestor_mask
     from models.pipeline import make_pipeline_forward, stacked_layout, stacked_names
     from models.transformer import KVCache, make_forward
 
@@ -194,7 +194,7 @@ def _engine_case(family: str, tensor: int, pipe: int, modes: tuple[str, ...], re
     from conftest import random_prompts
     from jaxspec.engine import Engine, early_exit
     from test_engine import full_recompute_greedy
-    from jaxspec.sampling import SamplingParams
+    from jaxspec.decoding.sampling import SamplingParams
 
     model = _model(family)
     mesh = _mesh(tensor, pipe)

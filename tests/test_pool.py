@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from conftest import tiny_model
-from jaxspec.pool import load_pool, read_manifest
+from jaxspec.speculators.pool import load_pool, read_manifest
 from models.loading import flatten
 from training.pool import save_pool
 
@@ -23,13 +23,13 @@ def test_engine_side_never_imports_training_or_the_cli_from_the_benchmarks():
     code = textwrap.dedent("""
         import sys
         sys.modules["training"] = None  # any import of training now raises ImportError
-        import jaxspec.bench
-        assert "jaxspec.cli" not in sys.modules, "jaxspec.bench imports the CLI"
-        import jaxspec.pool, jaxspec.resolve
+        import jaxspec.cli.bench
+        assert "jaxspec.cli" not in sys.modules, "jaxspec.cli.bench imports the CLI"
+        import jaxspec.speculators.pool, jaxspec.speculators.resolve
         from jaxspec.engine import LoadedModel
-        first = jaxspec.pool.load_pool(jaxspec.resolve.DEFAULT_POOL)[0]
+        first = jaxspec.speculators.pool.load_pool(jaxspec.speculators.resolve.DEFAULT_POOL)[0]
         llm = LoadedModel("llm", first.cfg, first.params)  # same vocabulary, no tokenizer
-        pool = jaxspec.resolve.load_ssms(["default"], llm)
+        pool = jaxspec.speculators.resolve.load_ssms(["default"], llm)
         assert len(pool) >= 2 and pool[0].params["embed"]["embedding"] is pool[1].params["embed"]["embedding"]
         from jaxspec import cli
         cli.build_parser()
@@ -54,15 +54,16 @@ def _imports(path: Path) -> set[str]:
 
 def test_no_engine_module_imports_training_and_the_benchmarks_never_import_the_cli():
     """Also: torch is imported only by the transformers baseline, which runs in its own process."""
-    for path in sorted((ROOT / "jaxspec").glob("*.py")):
+    for path in sorted((ROOT / "jaxspec").rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
         imports = _imports(path)
-        if path.name != "hf_baseline.py":
-            assert not {m for m in imports if m.split(".")[0] == "torch"}, f"{path.name} imports torch"
-        if path.name == "cli.py":  # the CLI registers the optional train-ssm subcommand
+        if name != "jaxspec/cli/hf_baseline.py":
+            assert not {m for m in imports if m.split(".")[0] == "torch"}, f"{name} imports torch"
+        if name == "jaxspec/cli/app.py":  # the CLI registers the optional train-ssm subcommand
             continue
-        assert not {m for m in imports if m.split(".")[0] == "training"}, f"{path.name} imports training"
-        if path.name != "__main__.py":
-            assert "jaxspec.cli" not in imports, f"{path.name} imports jaxspec.cli"
+        assert not {m for m in imports if m.split(".")[0] == "training"}, f"{name} imports training"
+        if name not in ("jaxspec/__main__.py", "jaxspec/cli/__main__.py", "jaxspec/cli/app.py"):
+            assert "jaxspec.cli" not in imports, f"{name} imports jaxspec.cli"
 
 
 def test_two_different_shared_embeddings_load_back_into_their_own_ssms(tmp_path):

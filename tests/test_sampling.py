@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxspec.engine import Engine
-from jaxspec.sampling import (MIXED, SAMPLED, SamplingError, SamplingParams, WarpSpec, batch_warp, row_values, sample,
+from jaxspec.decoding.sampling import (MIXED, SAMPLED, SamplingError, SamplingParams, WarpSpec, batch_warp, row_values, sample,
                               warp_arrays, warped_probs)
 
 

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from jaxspec import cli, sharding
-from jaxspec.sharding import MeshError, ShardingRuleError
+from jaxspec import cli
+from jaxspec.parallel import sharding
+from jaxspec.parallel.sharding import MeshError, ShardingRuleError
 from models import axes
 from models.loading import flatten
 from models.transformer import decoding_layout, init_params

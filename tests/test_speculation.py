@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 from conftest import dev_prompts, random_prompts, tiny_model
-from jaxspec import sampling
-from jaxspec.auto import Member, TreeChooser
-from jaxspec.batch import BatchEngine, Request, cut_tokens
+from jaxspec.decoding import sampling
+from jaxspec.engine.auto import Member, TreeChooser
+from jaxspec.engine.batch import BatchEngine, Request, cut_tokens
 from jaxspec.engine import Engine, early_exit
-from jaxspec.kv_cache import causal_mask
-from jaxspec.ngram import NGramIndex, NGramSpeculator, proposal_arrays
-from jaxspec.speculate import speculate
-from jaxspec.step import prefill_model
-from jaxspec.tree import expansion_topology
+from jaxspec.decoding.kv_cache import causal_mask
+from jaxspec.decoding.ngram import NGramIndex, NGramSpeculator, proposal_arrays
+from jaxspec.decoding.speculate import speculate
+from jaxspec.decoding.step import prefill_model
+from jaxspec.decoding.tree import expansion_topology
 from models.transformer import KVCache
 
 EOS = 7
@@ -258,7 +258,7 @@ def test_an_iteration_makes_no_implicit_transfers(tiny_llm):
 
 def test_default_speculators_auto_identity_on_dev_prompts(default_llm):
     """The default model with the shipped speculators (feature drafter, pool, n-gram), auto: greedy output unchanged."""
-    from jaxspec.resolve import load_ssms
+    from jaxspec.speculators.resolve import load_ssms
 
     from models.tokenizer import encode_prompt
 

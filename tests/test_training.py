@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxspec.engine import Engine, LoadedModel, VocabularyMismatch
-from jaxspec.pool import PoolError, llm_identity, load_pool, read_manifest
+from jaxspec.speculators.pool import PoolError, llm_identity, load_pool, read_manifest
 from models.transformer import KVCache
 from training import cli
 from training.config import ConfigError, load_config
@@ -101,8 +101,8 @@ def test_later_ssms_share_the_first_ones_frozen_embedding_stored_once(tiny_run):
 
 def test_pool_ships_the_llms_token_counts_and_serves_its_draft_vocabulary_losslessly(tiny_run):
     """The pool's counts are the LLM's emitted tokens; its SSMs draft over the 128 most frequent; output unchanged."""
-    from jaxspec.draft_vocab import frequent_ids, read_counts
-    from jaxspec.resolve import load_ssms
+    from jaxspec.speculators.draft_vocab import frequent_ids, read_counts
+    from jaxspec.speculators.resolve import load_ssms
 
     cfg, out, llm = tiny_run
     emitted = load_samples(out / "data").subset(np.arange(cfg.data.num_prompts - cfg.data.eval_prompts)).continuation()
@@ -147,7 +147,7 @@ def test_second_ssm_trains_on_exactly_the_unmarked_samples(tiny_run):
 
 
 def test_agreement_matches_a_direct_ranking_of_the_ssm_logits(tiny_run):
-    from jaxspec.bench import _teacher_forced
+    from jaxspec.cli.bench import _teacher_forced
 
     cfg, out, _ = tiny_run
     samples = load_samples(out / "data")

@@ -8,8 +8,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxspec.kv_cache import tree_mask
-from jaxspec.tree import (
+from jaxspec.decoding.kv_cache import tree_mask
+from jaxspec.decoding.tree import (
     TokenTree, ancestor_mask, deduplicate, depth_of, expansion_topology, merge, parse_expansion, paths,
 )
 from models.transformer import KVCache

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"jaxspec train-ssm: {e}", file=sys.stderr)
         return 2
-    from jaxspec.pool import llm_identity
+    from jaxspec.speculators.pool import llm_identity
     from training.boost import run_boost
     from training.data import distill
 

@@ -125,7 +125,7 @@ class BoostConfig:
     # small SSM: 49152 x D) and keep it frozen, so the pool stores and holds it once.
     share_embedding: bool = True
     # The pool's default draft vocabulary: its SSMs score the N tokens the LLM emitted most
-    # often in the distilled continuations (jaxspec.draft_vocab); 0 keeps the full vocabulary.
+    # often in the distilled continuations (jaxspec.speculators.draft_vocab); 0 keeps the full vocabulary.
     draft_vocab: int = 8192
 
     def __post_init__(self) -> None:

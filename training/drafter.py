@@ -31,10 +31,10 @@ import yaml
 from flax import serialization
 from tqdm import tqdm
 
-from jaxspec.drafter_io import save_drafter
-from jaxspec.draft_vocab import frequent_ids
-from jaxspec.kv_cache import causal_mask
-from jaxspec.step import shift_features
+from jaxspec.speculators.drafter_io import save_drafter
+from jaxspec.speculators.draft_vocab import frequent_ids
+from jaxspec.decoding.kv_cache import causal_mask
+from jaxspec.decoding.step import shift_features
 from models.drafter import OWN, drafter_config, init_drafter, make_drafter_forward
 from models.transformer import KVCache, make_forward, with_draft_head
 from training.data import DataError, read_sharegpt
@@ -174,8 +174,8 @@ def train_drafter(cfg: DrafterConfig, export_only: bool = False) -> Path:
     ``export_only`` writes the drafter of the latest checkpoint without training (a run still going
     can be tried out).
     """
-    from jaxspec.draft_vocab import read_counts  # noqa: PLC0415
-    from jaxspec.pool import llm_identity  # noqa: PLC0415
+    from jaxspec.speculators.draft_vocab import read_counts  # noqa: PLC0415
+    from jaxspec.speculators.pool import llm_identity  # noqa: PLC0415
     from training.llm import load_llm  # noqa: PLC0415
 
     out = Path(cfg.out)

@@ -1,7 +1,7 @@
 """Batched greedy generation with the LLM: the teacher side of distillation.
 
 Prompts are right-padded into fixed-size batches (one prompt-length bucket per
-compile), prefilled with ``jaxspec.step.prefill_model`` and continued for a fixed
+compile), prefilled with ``jaxspec.decoding.step.prefill_model`` and continued for a fixed
 number of tokens inside one jitted ``lax.scan``: one executable per bucket, weights
 as arguments, no host round trip per token.
 """
@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.kv_cache import causal_mask
-from jaxspec.step import prefill_model
+from jaxspec.decoding.kv_cache import causal_mask
+from jaxspec.decoding.step import prefill_model
 from models.config import ModelConfig
 from models.transformer import Forward, KVCache
 

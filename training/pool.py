@@ -1,4 +1,4 @@
-"""Writes an SSM pool in the engine's pool format (``jaxspec.pool`` defines and reads it)."""
+"""Writes an SSM pool in the engine's pool format (``jaxspec.speculators.pool`` defines and reads it)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.pool import DTYPES, POOL_FILE, POOL_FORMAT, PoolError, config_to_dict, shared_file
+from jaxspec.speculators.pool import DTYPES, POOL_FILE, POOL_FORMAT, PoolError, config_to_dict, shared_file
 from models.config import ModelConfig
 from models.loading import flatten
 
@@ -36,7 +36,7 @@ def save_pool(
     (``shared.safetensors``, ``shared-1.safetensors``, ...), each holding one per name.
 
     ``token_counts`` [V] (how often the LLM emitted each id) and ``draft_vocab`` give the pool
-    its default reduced draft vocabulary (``jaxspec.draft_vocab``; 0: the full one).
+    its default reduced draft vocabulary (``jaxspec.speculators.draft_vocab``; 0: the full one).
     """
     from safetensors.flax import save_file
 
@@ -72,7 +72,7 @@ def save_pool(
         entries.append({"file": file, "config": config_to_dict(cfg), **({"shared": shared} if shared else {})})
     manifest = {"format": POOL_FORMAT, "dtype": dtype, "llm": identity, "ssms": entries, **(extra or {})}
     if token_counts is not None:
-        from jaxspec.draft_vocab import write_counts  # noqa: PLC0415
+        from jaxspec.speculators.draft_vocab import write_counts  # noqa: PLC0415
 
         write_counts(out, token_counts)
         manifest["draft_vocab"] = int(draft_vocab)

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from jaxspec.kv_cache import causal_mask
+from jaxspec.decoding.kv_cache import causal_mask
 from models.config import ModelConfig
 from models.transformer import KVCache, make_forward
 from training.config import TrainConfig

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from jaxspec.cli_common import CliError
+from jaxspec.cli.common import CliError
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -280,7 +280,7 @@ def loop_sync() -> Any:
     picks and costs are process 0's; None in a single-process run."""
     if active() is None:
         return None
-    from jaxspec.batch import LoopSync  # noqa: PLC0415
+    from jaxspec.engine.batch import LoopSync  # noqa: PLC0415
 
     class LockstepSync(LoopSync):
         fresh_costs = True
@@ -382,8 +382,8 @@ class FollowerSync(_ServerSync):
     def exchange(self, b: Any, stopping: bool) -> bool:
         import json  # noqa: PLC0415
 
-        from jaxspec.batch import Request, Ticket  # noqa: PLC0415
-        from jaxspec.sampling import SamplingParams  # noqa: PLC0415
+        from jaxspec.engine.batch import Request, Ticket  # noqa: PLC0415
+        from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
 
         msg = agree(np.zeros(self.size, np.int32)).tolist()
         stop, n_cancel, n_admit, _ = msg[:HEADER]

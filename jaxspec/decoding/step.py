@@ -14,11 +14,11 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from jaxspec import ngram, sampling
-from jaxspec.kv_cache import KVCache, causal_mask, commit, tree_mask
-from jaxspec.speculate import call, speculate, speculate_dynamic
-from jaxspec.tree import DynamicTree, Topology, TokenTree, ancestor_mask, deduplicate, merge, single_root
-from jaxspec.verify import Verdict, verify_greedy
+from jaxspec.decoding import ngram, sampling
+from jaxspec.decoding.kv_cache import KVCache, causal_mask, commit, tree_mask
+from jaxspec.decoding.speculate import call, speculate, speculate_dynamic
+from jaxspec.decoding.tree import DynamicTree, Topology, TokenTree, ancestor_mask, deduplicate, merge, single_root
+from jaxspec.decoding.verify import Verdict, verify_greedy
 from models.transformer import Forward
 
 VERIFIERS = ("greedy", "mss", "naive")
@@ -257,7 +257,7 @@ def accept(cfg: DecodeConfig, tree: TokenTree, logits, draft_probs, state: Decod
     """Runs the configured verifier on the LLM's logits [B, N, V]."""
     if cfg.warp.greedy:
         return verify_greedy(tree, logits, cfg.max_depth)
-    from jaxspec import verify_stochastic  # noqa: PLC0415 (kept apart: stochastic decoding)
+    from jaxspec.decoding import verify_stochastic  # noqa: PLC0415 (kept apart: stochastic decoding)
 
     return verify_stochastic.verify(cfg.verify, tree, logits, draft_probs, key, cfg.warp, state.values, cfg.max_depth)
 

@@ -77,9 +77,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec import sampling
-from jaxspec.tree import TokenTree
-from jaxspec.verify import Verdict, path_from_leaf
+from jaxspec.decoding import sampling
+from jaxspec.decoding.tree import TokenTree
+from jaxspec.decoding.verify import Verdict, path_from_leaf
 
 MODES = ("mss", "naive")
 _TINY = 1e-30  # a residual with less mass than this is treated as empty (see above)

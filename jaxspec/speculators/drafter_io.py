@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.draft_vocab import frequent_ids, read_counts, write_counts
+from jaxspec.speculators.draft_vocab import frequent_ids, read_counts, write_counts
 from models.loaded import LoadedModel
-from jaxspec.pool import DTYPES, PoolError, check_llm, config_from_dict, config_to_dict, read_json
+from jaxspec.speculators.pool import DTYPES, PoolError, check_llm, config_from_dict, config_to_dict, read_json
 from models.config import ModelConfig
 from models.drafter import OWN, param_tree
 from models.loading import flatten, unflatten

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import sampling
-from jaxspec.kv_cache import causal_mask, tree_mask
-from jaxspec.tree import DynamicTree, Topology, TokenTree, ancestor_mask
+from jaxspec.decoding import sampling
+from jaxspec.decoding.kv_cache import causal_mask, tree_mask
+from jaxspec.decoding.tree import DynamicTree, Topology, TokenTree, ancestor_mask
 from models.transformer import Forward, KVCache
 
 

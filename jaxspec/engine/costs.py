@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.cache import cache_root
-from jaxspec.kv_cache import causal_mask
-from jaxspec.speculate import call
+from jaxspec.decoding.kv_cache import causal_mask
+from jaxspec.decoding.speculate import call
 from models.config import ModelConfig
 from models.loaded import DTYPES, LoadedModel
 from models.transformer import KVCache, init_params, make_forward, decoding_layout

@@ -29,7 +29,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from jaxspec.cli_common import CliError, add_compile_cache_args, read_prompts
+from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts
 
 SERVE_MODES = ("incremental", "sequence", "tree", "auto")  # jaxspec serve --mode, without importing the CLI
 CONNECT_TIMEOUT_S = 10.0  # /health, /v1/models, /metrics

@@ -11,7 +11,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from jaxspec.tree import TokenTree, ancestor_mask
+from jaxspec.decoding.tree import TokenTree, ancestor_mask
 
 
 @flax.struct.dataclass

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from jaxspec import sampling
-from jaxspec.batch import BatchEngine, Request
-from jaxspec.runner import (  # noqa: F401 (the engine's public names)
+from jaxspec.decoding import sampling
+from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.engine.runner import (  # noqa: F401 (the engine's public names)
     Generation,
     RequestError,
     Runner,

@@ -16,7 +16,7 @@ their caches, so one request in a 16-slot server costs what it costs alone. Each
   then inserted into a free slot;
 * the iteration: ONE jitted step for every live row — draft, every slot's tree packed into one
   LLM pass, accept, commit — of the family member the cost model picks for the current
-  batch (``jaxspec.auto``: expected tokens summed over the active slots per second of
+  batch (``jaxspec.engine.auto``: expected tokens summed over the active slots per second of
   that member at this bucket, so speculation shrinks to nothing where it stops paying);
 * retirement: EOS, a stop string, the token limit or a cancellation frees the slot.
 
@@ -39,11 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import ngram, sampling
-from jaxspec.auto import TreeChooser
-from jaxspec.runner import Generation, RequestError, Runner, _check_fits
-from jaxspec.sharding import fetch, pinned
-from jaxspec.step import DecodeConfig, StepOutput, insert_row, move_row, prefill_row, resize, set_inactive
+from jaxspec.decoding import ngram, sampling
+from jaxspec.engine.auto import TreeChooser
+from jaxspec.engine.runner import Generation, RequestError, Runner, _check_fits
+from jaxspec.parallel.sharding import fetch, pinned
+from jaxspec.decoding.step import DecodeConfig, StepOutput, insert_row, move_row, prefill_row, resize, set_inactive
 
 PREFILL_BUCKETS = (16, 64, 256)  # chunk shapes a prompt is fed in (one executable each)
 DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
@@ -208,7 +208,7 @@ class BatchEngine:
         sync: LoopSync | None = None,
         verbose: Callable[[str], None] | None = None,
     ) -> None:
-        """``sync`` joins a multi-process run (``jaxspec.distributed``); ``verbose`` hears what compiles when."""
+        """``sync`` joins a multi-process run (``jaxspec.parallel.distributed``); ``verbose`` hears what compiles when."""
         if max_batch < 1:
             raise RequestError(f"--max-batch must be >= 1, got {max_batch}")
         limit = engine.llm.cfg.max_position_embeddings

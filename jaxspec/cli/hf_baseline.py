@@ -1,4 +1,4 @@
-"""The transformers ``generate()`` baseline, run in a process of its own: ``python -m jaxspec.hf_baseline JOB OUT``.
+"""The transformers ``generate()`` baseline, run in a process of its own: ``python -m jaxspec.cli.hf_baseline JOB OUT``.
 
 A baseline is measured the way a user would run it: PyTorch alone in its process (a
 JAX runtime beside it slowed it ~16x), with ``job["threads"]`` torch threads. Per prompt
@@ -64,7 +64,7 @@ def run(job: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m jaxspec.hf_baseline JOB.json OUT.json", file=sys.stderr)
+        print("usage: python -m jaxspec.cli.hf_baseline JOB.json OUT.json", file=sys.stderr)
         return 2
     try:
         import torch  # noqa: F401, PLC0415

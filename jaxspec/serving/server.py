@@ -4,7 +4,7 @@ One engine loop (``BatchEngine.run``) runs in its own thread, fed by ``submit``;
 events come back to the asyncio side through ``loop.call_soon_threadsafe`` into one
 queue per HTTP request. Endpoints: ``/v1/models``, ``/v1/completions``,
 ``/v1/chat/completions`` (streaming as server-sent events, or not), ``/health`` and
-``/metrics`` (Prometheus, ``jaxspec.metrics``).
+``/metrics`` (Prometheus, ``jaxspec.serving.metrics``).
 
 Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for
 malformed JSON, unknown or unsupported parameters, bad sampling values and requests past
@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-log = logging.getLogger("jaxspec.serve")
+log = logging.getLogger("jaxspec.serving.server")
 
 MAX_STOPS = 16
 FAULT_ENV = "JAXSPEC_SERVE_FAULT"  # tests: a stop string naming this value makes the engine's stop check raise
@@ -304,7 +304,7 @@ class Service:
 
     def __init__(self, batch, tokenizer, vocab_size: int, model_name: str, max_queue: int,
                  verbose: bool = False) -> None:
-        from jaxspec.metrics import ServerMetrics  # noqa: PLC0415
+        from jaxspec.serving.metrics import ServerMetrics  # noqa: PLC0415
 
         self.batch, self.tokenizer, self.vocab_size, self.model_name = batch, tokenizer, vocab_size, model_name
         self.max_queue = max_queue
@@ -347,8 +347,8 @@ class Service:
     def warm_up(self) -> None:
         """Compiles before serving: the decoding family (``BatchEngine.warm``), then greedy and sampled
         requests whose prompts reach every prefill chunk shape (``BatchEngine.buckets``), through the loop."""
-        from jaxspec.batch import Request  # noqa: PLC0415
-        from jaxspec.sampling import SamplingParams  # noqa: PLC0415
+        from jaxspec.engine.batch import Request  # noqa: PLC0415
+        from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
 
         self.batch.warm()
         longest = self.batch.max_model_len - WARMUP_TOKENS
@@ -390,9 +390,9 @@ class Service:
 
     def launch(self, prompts: list[list[int]], body: _Sampling, max_tokens: int | None) -> Job:
         """Checks the request and submits ``n`` choices per prompt; raises APIError (nothing submitted)."""
-        from jaxspec import batch as batch_mod  # noqa: PLC0415
+        from jaxspec.engine import batch as batch_mod  # noqa: PLC0415
         from jaxspec.engine import RequestError  # noqa: PLC0415
-        from jaxspec.sampling import SamplingError, SamplingParams  # noqa: PLC0415
+        from jaxspec.decoding.sampling import SamplingError, SamplingParams  # noqa: PLC0415
 
         if self.dead:
             raise APIError(503, self.dead, kind="server_error", code="engine_stopped")
@@ -473,7 +473,7 @@ class Service:
             self._live.pop(id(choice), None)
 
     def _fail_live(self, message: str) -> None:
-        from jaxspec.batch import Event  # noqa: PLC0415
+        from jaxspec.engine.batch import Event  # noqa: PLC0415
 
         with self._lock:
             live = list(self._live.values())
@@ -762,8 +762,8 @@ async def report_throughput(service: Service, every: float = 10.0) -> None:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Registers ``jaxspec serve`` (model and mode flags shared with ``jaxspec generate``)."""
-    from jaxspec.cli_common import add_model_args  # noqa: PLC0415
-    from jaxspec.cli_common import add_compile_cache_args  # noqa: PLC0415
+    from jaxspec.cli.common import add_model_args  # noqa: PLC0415
+    from jaxspec.cli.common import add_compile_cache_args  # noqa: PLC0415
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
     add_model_args(p)
@@ -790,8 +790,8 @@ def main(args: argparse.Namespace) -> int:
     """``jaxspec serve``: load, compile (warm-up), serve until SIGTERM / Ctrl-C, exit 0."""
     import uvicorn  # noqa: PLC0415
 
-    from jaxspec.cli_common import build_engine  # noqa: PLC0415
-    from jaxspec.cli_common import CliError  # noqa: PLC0415
+    from jaxspec.cli.common import build_engine  # noqa: PLC0415
+    from jaxspec.cli.common import CliError  # noqa: PLC0415
 
     if args.no_chat:
         raise CliError("--no-chat has no meaning for serve: /v1/completions takes raw text, "
@@ -806,7 +806,7 @@ def main(args: argparse.Namespace) -> int:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     check_address(args.host, args.port)  # before minutes of loading and compiling
     setup_logging()
-    from jaxspec.batch import BatchEngine  # noqa: PLC0415
+    from jaxspec.engine.batch import BatchEngine  # noqa: PLC0415
 
     log.info("loading %s (mode %s)", args.model or "the default model", args.mode)
     engine, llm = build_engine(argparse.Namespace(**vars(args), temperature=0.0), log=sys.stderr)
@@ -814,7 +814,7 @@ def main(args: argparse.Namespace) -> int:
     service: Service | None = None
     batch = BatchEngine(engine, max_batch=args.max_batch, max_model_len=args.max_model_len,
                         max_queue=args.max_queue, on_iteration=lambda stats: service.on_iteration(stats))
-    from jaxspec import distributed  # noqa: PLC0415
+    from jaxspec.parallel import distributed  # noqa: PLC0415
 
     if not distributed.serve_role(batch, lambda stops: stop_matcher(llm.tokenizer, stops)):
         return 0  # another process of a multi-host server: it followed process 0 until its stop
@@ -852,7 +852,7 @@ def check_address(host: str, port: int) -> None:
     """Refuses an address this process cannot listen on (in use, not local, bad port) with one line."""
     import socket  # noqa: PLC0415
 
-    from jaxspec.cli_common import CliError  # noqa: PLC0415
+    from jaxspec.cli.common import CliError  # noqa: PLC0415
 
     if not 0 <= port <= 65535:
         raise CliError(f"--port must lie in [0, 65535], got {port}")
@@ -885,7 +885,7 @@ def uvicorn_server(uvicorn, config, service: Service, shutdown_timeout: float):
 
 
 def setup_logging() -> None:
-    """``jaxspec.serve`` lines on stderr in uvicorn's format (``INFO:     ...``)."""
+    """``jaxspec.serving.server`` lines on stderr in uvicorn's format (``INFO:     ...``)."""
     from uvicorn.logging import DefaultFormatter  # noqa: PLC0415
 
     if not log.handlers:

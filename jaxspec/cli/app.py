@@ -1,4 +1,4 @@
-"""The ``jaxspec`` command line: generate, bench (registered by ``jaxspec.bench``), train-ssm.
+"""The commands of the ``jaxspec`` command line: generate, bench (registered by ``jaxspec.cli.bench``), serve, train-ssm.
 
 Every expected failure (bad checkpoint, bad prompt file, prompt too long, bad sampling
 parameters, mismatched tokenizer) ends with one line ``jaxspec: error: ...`` and exit 2.
@@ -14,8 +14,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from jaxspec import bench, distributed, sampling
-from jaxspec.cli_common import (
+from jaxspec.cli import bench
+from jaxspec.decoding import sampling
+from jaxspec.parallel import distributed
+from jaxspec.cli.common import (
     CliError,
     add_compile_cache_args,
     add_model_args,
@@ -57,9 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     bench.add_parser(sub)
-    from jaxspec import serve
+    from jaxspec.serving import server
 
-    distributed.add_args(serve.add_parser(sub))
+    distributed.add_args(server.add_parser(sub))
     for kind in distributed.IN_PROCESS_BENCHES:
         distributed.add_args(distributed.subcommand(sub.choices["bench"], kind))
     try:
@@ -73,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def report_calibration(engine, batch, args, prompt_ids: list[int]) -> None:
     """``-v`` with ``--mode auto``: the family and its measured cost per iteration, once (one row, the first prompt's cache)."""
-    from jaxspec.batch import _bucket  # noqa: PLC0415
+    from jaxspec.engine.batch import _bucket  # noqa: PLC0415
 
     warp = sampling.WarpSpec.of(sampling_params(args))
     capacity = _bucket(batch._need(len(prompt_ids)), batch.capacity_buckets)
@@ -163,7 +165,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     """
     from tqdm import tqdm
 
-    from jaxspec.batch import BatchEngine, Request
+    from jaxspec.engine.batch import BatchEngine, Request
     from models.tokenizer import encode_prompt
 
     stop = stop_checker(llm.tokenizer, args.stop)

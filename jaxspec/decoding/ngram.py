@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.tree import TokenTree
+from jaxspec.decoding.tree import TokenTree
 
 DEFAULT_MAX_N = 3
 DEFAULT_MIN_N = 1

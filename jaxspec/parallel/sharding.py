@@ -167,7 +167,7 @@ def _flat_specs(tree) -> dict[str, Names]:
 
 def param_names(cfg: ModelConfig, unrolled: bool = False, draft_vocab: int = 0) -> dict[str, Names]:
     """Flattened parameter name -> logical axis names, for the scanned or the decoding layout
-    (``draft_vocab``: with a drafting SSM's reduced head, ``jaxspec.draft_vocab``)."""
+    (``draft_vocab``: with a drafting SSM's reduced head, ``jaxspec.speculators.draft_vocab``)."""
     from models.transformer import logical_axes  # noqa: PLC0415
 
     names = _flat_specs(logical_axes(cfg, draft_vocab))

@@ -1,7 +1,7 @@
 """Turns command-line model specs into LoadedModels: the LLM path and every ``--ssm`` spec.
 
 SSM specs: ``ngram[:N]`` (prompt lookup), ``layers:N`` (early exit from the LLM's first N layers), ``pool:PATH`` (every
-SSM of a boost-tuned pool), ``drafter:PATH`` (a feature drafter, ``jaxspec.drafter_io``; ``drafter`` alone: the
+SSM of a boost-tuned pool), ``drafter:PATH`` (a feature drafter, ``jaxspec.speculators.drafter_io``; ``drafter`` alone: the
 shipped one), ``default`` (the shipped pool, else ``layers:4``), or a path to a drafter directory or a checkpoint
 (HF directory or GGUF) sharing the LLM's tokenizer.
 """
@@ -14,15 +14,15 @@ from typing import Sequence
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxspec.draft_vocab import read_counts, restrict
-from jaxspec.drafter_io import is_drafter, load_drafter
-from jaxspec.runner import RequestError, early_exit
-from jaxspec.ngram import NGramSpeculator
-from jaxspec.pool import load_pool, read_manifest
+from jaxspec.speculators.draft_vocab import read_counts, restrict
+from jaxspec.speculators.drafter_io import is_drafter, load_drafter
+from jaxspec.engine.runner import RequestError, early_exit
+from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.speculators.pool import load_pool, read_manifest
 from models.loaded import DTYPES, LoadedModel
 
-DEFAULT_POOL = Path(__file__).resolve().parent / "pools" / "smollm2_default"
-DEFAULT_DRAFTER = Path(__file__).resolve().parent / "pools" / "smollm2_drafter"
+DEFAULT_POOL = Path(__file__).resolve().parents[1] / "pools" / "smollm2_default"
+DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "pools" / "smollm2_drafter"
 FALLBACK_SSM = "layers:4"
 
 
@@ -39,7 +39,7 @@ def load_llm(path: str | None, dtype: str = "float32", with_tokenizer: bool = Tr
     path = path or default_model_path()
     place = None
     if mesh is not None:
-        from jaxspec.sharding import placer  # noqa: PLC0415
+        from jaxspec.parallel.sharding import placer  # noqa: PLC0415
 
         place = placer(mesh, f"LLM {Path(path).name}")
     cfg, params = load_checkpoint(path, dtype, place)

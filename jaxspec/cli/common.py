@@ -1,6 +1,6 @@
 """What every ``jaxspec`` subcommand shares: user errors, prompt files, sampling, compile-cache and model/mode flags.
 
-``jaxspec.cli`` (generate, the top-level parser) and ``jaxspec.bench`` both import this
+``jaxspec.cli`` (generate, the top-level parser) and ``jaxspec.cli.bench`` both import this
 module and never each other's internals in the other direction: the CLI registers the
 benchmarks, the benchmarks never import the CLI.
 """
@@ -22,7 +22,7 @@ class CliError(ValueError):
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input (one ``jaxspec: error:`` line), not a bug."""
     from jaxspec.engine import RequestError, VocabularyMismatch  # noqa: PLC0415
-    from jaxspec.sampling import SamplingError  # noqa: PLC0415
+    from jaxspec.decoding.sampling import SamplingError  # noqa: PLC0415
     from models.config import ModelConfigError  # noqa: PLC0415
     from models.loading import CheckpointError  # noqa: PLC0415
 
@@ -57,7 +57,7 @@ def read_prompts(path: str, limit: int | None = None) -> list[dict]:
 
 def sampling_params(args: argparse.Namespace, sample: int = 0):
     """The validated SamplingParams of the ``--temperature/--top-k/--top-p/--seed`` flags."""
-    from jaxspec.sampling import SamplingParams  # noqa: PLC0415
+    from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
 
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + sample)
 
@@ -147,8 +147,8 @@ def speculator_specs(args) -> list[str]:
 
 def expansion_for(args, speculators: Sequence = ()) -> tuple[tuple[int, ...], ...]:
     """The expansion configs: one shared by every speculator, or ";"-separated, one per speculator."""
-    from jaxspec.ngram import NGramSpeculator
-    from jaxspec.tree import DynamicTree, parse_expansion
+    from jaxspec.decoding.ngram import NGramSpeculator
+    from jaxspec.decoding.tree import DynamicTree, parse_expansion
 
     if args.mode == "incremental":
         if args.expansion or args.ssm:
@@ -176,12 +176,12 @@ def peak_host_gb() -> float:
 def build_engine(args, log=None):
     """Loads the LLM and speculators named by the arguments and returns (engine, llm)."""
     from jaxspec.engine import Engine
-    from jaxspec.resolve import load_llm, load_ssms
+    from jaxspec.speculators.resolve import load_llm, load_ssms
 
     expansion_for(args)  # validates the mode's flags before loading anything
     mesh = None
     if getattr(args, "mesh", None):
-        from jaxspec.sharding import parse_mesh  # noqa: PLC0415
+        from jaxspec.parallel.sharding import parse_mesh  # noqa: PLC0415
 
         mesh = parse_mesh(args.mesh)
     llm = load_llm(args.model, args.dtype, mesh=mesh)

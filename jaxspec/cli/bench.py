@@ -2,8 +2,8 @@
 
 Numbers are measured, never asserted: every run writes a CSV and, where a picture helps,
 a PNG next to it (the paper's Figures 9 and 10, Tables 2 and 3). ``bench incremental``
-runs each system in a fresh process of its own (``python -m jaxspec.bench`` for jaxspec,
-``python -m jaxspec.hf_baseline`` for transformers): a baseline sharing a process with
+runs each system in a fresh process of its own (``python -m jaxspec.cli.bench`` for jaxspec,
+``python -m jaxspec.cli.hf_baseline`` for transformers): a baseline sharing a process with
 JAX measured 16x slower than it runs for a user. ``bench modes`` runs the real
 ``python -m jaxspec generate`` once per decoding mode, each in its own process, one after another.
 """
@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from jaxspec.cli_common import CliError, add_compile_cache_args, read_prompts, sampling_params
+from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts, sampling_params
 
-DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # jaxspec.costs.DEFAULT_TOKENS, without importing jax here
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # jaxspec.engine.costs.DEFAULT_TOKENS, without importing jax here
 DEFAULT_DRAFT_WIDTHS = (1, 2, 4, 8, 16)
 GENERATE_MODES = ("incremental", "sequence", "tree", "auto")  # jaxspec generate --mode, without importing the CLI
 WARMUP_PREFIX = "warmup-"  # ids of bench modes' warm-up prompts, excluded from its averages
@@ -94,7 +94,7 @@ def add_parser(sub) -> None:
                        help="warm-up rounds before the measured prompts, excluded from ms/token: each runs the "
                             "shortest and longest prompt of every prompt-length bucket, so nothing measured compiles")
     modes.set_defaults(func=cmd_modes)
-    from jaxspec import bench_serve  # noqa: PLC0415 (bench serve: latency and throughput of jaxspec serve)
+    from jaxspec.serving import bench as bench_serve  # noqa: PLC0415 (bench serve: latency and throughput of jaxspec serve)
 
     bench_serve.add_parser(kinds)
 
@@ -124,7 +124,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _mesh(spec: str | None):
     """The ``--mesh`` as a Mesh, or None (one device)."""
-    from jaxspec.sharding import parse_mesh  # noqa: PLC0415
+    from jaxspec.parallel.sharding import parse_mesh  # noqa: PLC0415
 
     return parse_mesh(spec) if spec else None
 
@@ -180,7 +180,7 @@ def cmd_incremental(args) -> int:
         "threads": args.hf_threads, "compile_cache": str(cache) if cache else None, "mesh": args.mesh,
         "offload": args.offload,
     }
-    workers = [("jaxspec", "jaxspec.bench")] + ([] if args.no_transformers else [("transformers", "jaxspec.hf_baseline")])
+    workers = [("jaxspec", "jaxspec.cli.bench")] + ([] if args.no_transformers else [("transformers", "jaxspec.cli.hf_baseline")])
     with tempfile.TemporaryDirectory(prefix="jaxspec-bench-") as tmp:
         (Path(tmp) / "job.json").write_text(json.dumps(job))
         results = {name: _run_worker(name, module, Path(tmp)) for name, module in workers}
@@ -240,8 +240,8 @@ def _print_incremental(results: dict[str, dict], table: list[dict]) -> None:
 def run_jaxspec_job(job: dict) -> dict:
     """The jaxspec side of ``bench incremental``: incremental decoding of the job's prompt ids."""
     from jaxspec.engine import Engine
-    from jaxspec.resolve import load_llm
-    from jaxspec.sampling import SamplingParams
+    from jaxspec.speculators.resolve import load_llm
+    from jaxspec.decoding.sampling import SamplingParams
 
     if job.get("compile_cache"):
         from jaxspec.cache import enable_compile_cache
@@ -274,8 +274,8 @@ def _tree_configs(widths, depth: int, num_ssms: int, verifiers, single_baseline:
     <1,1,w',1,...> that fits the pool's node count N, padded to N so the LLM verifies as
     many tokens per step in both.
     """
-    from jaxspec.step import DecodeConfig
-    from jaxspec.tree import expansion_topology
+    from jaxspec.decoding.step import DecodeConfig
+    from jaxspec.decoding.tree import expansion_topology
 
     def shape(w: int) -> tuple[int, ...]:
         return tuple([1, 1, w] + [1] * (depth - 3))[:depth]
@@ -303,7 +303,7 @@ def cmd_speculative(args) -> int:
     from tqdm import tqdm
 
     from jaxspec.engine import Engine
-    from jaxspec.resolve import default_ssm_spec, load_llm, load_ssms
+    from jaxspec.speculators.resolve import default_ssm_spec, load_llm, load_ssms
 
     params = sampling_params(args)
     rows = read_prompts(args.prompt_file, args.limit)
@@ -461,8 +461,8 @@ def _teacher_forced(model, ids: list[int], states=None, hidden: bool = False):
     """
     import jax.numpy as jnp
 
-    from jaxspec.speculate import call
-    from jaxspec.step import shift_features
+    from jaxspec.decoding.speculate import call
+    from jaxspec.decoding.step import shift_features
     from models.transformer import KVCache, make_forward
 
     n = len(ids)
@@ -480,7 +480,7 @@ def cmd_coverage(args) -> int:
     from tqdm import tqdm
 
     from jaxspec.engine import Engine
-    from jaxspec.resolve import default_ssm_spec, load_llm, load_ssms
+    from jaxspec.speculators.resolve import default_ssm_spec, load_llm, load_ssms
 
     rows = read_prompts(args.prompt_file, args.limit)
     llm = load_llm(args.model, args.dtype)
@@ -529,7 +529,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 def step_costs(llm, ssms, tokens: list[int], widths: list[int], capacity: int, batch: int,
                repeats: int) -> list[dict]:
     """One CSV row per (model, T): ms of one forward over T tokens, its ratio to T=1 and to the LLM's T=1."""
-    from jaxspec.costs import measure_draft_costs, measure_llm_costs
+    from jaxspec.engine.costs import measure_draft_costs, measure_llm_costs
 
     llm_ms = {t: 1000 * s for t, s in measure_llm_costs(llm, tokens, capacity, batch, repeats).items()}
     base = llm_ms.get(1, llm_ms[min(llm_ms)])
@@ -547,8 +547,8 @@ def step_costs(llm, ssms, tokens: list[int], widths: list[int], capacity: int, b
 def cmd_step_costs(args) -> int:
     import jax
 
-    from jaxspec.costs import SHAPES, random_model, weight_bytes
-    from jaxspec.resolve import load_llm, load_ssms
+    from jaxspec.engine.costs import SHAPES, random_model, weight_bytes
+    from jaxspec.speculators.resolve import load_llm, load_ssms
 
     tokens = _int_list(args.tokens, "--tokens")
     widths = _int_list(args.draft_tokens, "--draft-tokens")
@@ -668,7 +668,7 @@ def warmup_prompts(rows: list[dict], lengths: list[int], rounds: int) -> list[di
     prompt length and takes at most two values within one bucket, so these two prompts
     compile every shape the measured prompts will use.
     """
-    from jaxspec.runner import prompt_bucket
+    from jaxspec.engine.runner import prompt_bucket
 
     picks: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
@@ -836,5 +836,5 @@ def _plot_modes(summary: list[dict], out: Path) -> Path:
 
 if __name__ == "__main__":  # the jaxspec worker of bench incremental
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m jaxspec.bench JOB.json OUT.json (the jaxspec side of bench incremental)")
+        sys.exit("usage: python -m jaxspec.cli.bench JOB.json OUT.json (the jaxspec side of bench incremental)")
     Path(sys.argv[2]).write_text(json.dumps(run_jaxspec_job(json.loads(Path(sys.argv[1]).read_text()))))

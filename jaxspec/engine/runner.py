@@ -2,7 +2,7 @@
 
 ``Runner`` owns what runs on the device (one jitted ``decode_step`` per family member and
 state shape, the state it runs on) and what each step costs; the one scheduling loop
-(``jaxspec.batch.BatchEngine``: admission, prefill, the iteration, stopping, retirement)
+(``jaxspec.engine.batch.BatchEngine``: admission, prefill, the iteration, stopping, retirement)
 drives it for ``generate``, ``bench`` and ``serve`` alike. ``Runner.compilations`` counts
 traces of model-running executables, so tests can prove that nothing recompiles.
 """
@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxspec import ngram, sampling
-from jaxspec.auto import Member, TreeChooser
-from jaxspec.ngram import NGramSpeculator
-from jaxspec.offload import make_offload_forward, offload_params
-from jaxspec.sharding import describe as describe_mesh, pinned
-from jaxspec.step import DecodeConfig, DecodeState, SSMGroup, decode_step, set_lengths
-from jaxspec.tree import DynamicTree, expansion_topology
+from jaxspec.decoding import ngram, sampling
+from jaxspec.engine.auto import Member, TreeChooser
+from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.parallel.offload import make_offload_forward, offload_params
+from jaxspec.parallel.sharding import describe as describe_mesh, pinned
+from jaxspec.decoding.step import DecodeConfig, DecodeState, SSMGroup, decode_step, set_lengths
+from jaxspec.decoding.tree import DynamicTree, expansion_topology
 from models.config import ModelConfig
 from models.pipeline import make_pipeline_forward, pipe_size, stacked_layout, stacked_names
 from models.loaded import LoadedModel, forward_for
@@ -77,7 +77,7 @@ class Runner:
     an expansion config (the n-gram uses its length: it proposes a chain). With
     ``auto`` the engine compiles a family of trees (no speculation, the n-gram chain,
     the SSMs' trees, both merged) and picks one before every iteration by measured cost
-    and running acceptance (``jaxspec.auto``); ``costs`` injects a cost table (seconds
+    and running acceptance (``jaxspec.engine.auto``); ``costs`` injects a cost table (seconds
     per iteration by member name) instead of measuring one.
     """
 
@@ -98,9 +98,9 @@ class Runner:
         """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward;
         ``unroll`` runs the LLM's layers unrolled over per-layer weights (no per-call weight
         slicing; slower to compile, faster to run); ``mesh`` shards parameters, caches and state by
-        ``jaxspec.sharding.RULES`` (None: one device, as before); a mesh with ``pipe`` > 1 runs the LLM's
+        ``jaxspec.parallel.sharding.RULES`` (None: one device, as before); a mesh with ``pipe`` > 1 runs the LLM's
         layers as pipeline stages (``models.pipeline``); ``offload`` keeps them in host memory and streams
-        them in layer by layer (``jaxspec.offload``)."""
+        them in layer by layer (``jaxspec.parallel.offload``)."""
         expansions = _per_ssm(expansion, len(ssms))
         ngrams = [s for s in ssms if isinstance(s, NGramSpeculator)]
         if len(ngrams) > 1:
@@ -224,7 +224,7 @@ class Runner:
                   batch: int = 1) -> dict[str, float]:
         """Seconds per iteration of every family member at this capacity and batch, measured once and cached.
 
-        The cache (``jaxspec.costs``) is keyed by device kind, models, dtype, warp, family,
+        The cache (``jaxspec.engine.costs``) is keyed by device kind, models, dtype, warp, family,
         capacity and batch, and lives outside the repository; ``refresh`` measures again.
         """
         if self._injected_costs is not None:
@@ -232,7 +232,7 @@ class Runner:
         key = (_warp(params), capacity, batch)
         if key in self._costs and not refresh:
             return self._costs[key]
-        from jaxspec import costs  # noqa: PLC0415
+        from jaxspec.engine import costs  # noqa: PLC0415
 
         ident = {
             "what": "step-family",
@@ -340,7 +340,7 @@ class Runner:
 
     def _place_on_mesh(self) -> None:
         """Puts the LLM's and every SSM group's parameters on ``self.mesh`` by the sharding rules."""
-        from jaxspec import sharding  # noqa: PLC0415
+        from jaxspec.parallel import sharding  # noqa: PLC0415
 
         llm = self.llm
         names = (stacked_names(sharding.param_names(llm.cfg)) if self.stacked

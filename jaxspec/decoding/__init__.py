@@ -1,0 +1,1 @@
+"""The device-side decoding core: token trees, sampling, verification, the speculators' drafting, the one step."""

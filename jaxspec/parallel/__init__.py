@@ -1,0 +1,1 @@
+"""Parallelism: device meshes (sharding), multi-process runs, weight offloading."""
