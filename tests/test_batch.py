@@ -190,3 +190,24 @@ def test_compilations_stay_at_warm_up_across_100_admissions(llm):
     gens = batch.generate([make(k) for k in range(100)])
     assert len(gens) == 100 and all(1 <= len(g.token_ids) <= 3 for g in gens)
     assert engine.compilations == compiled
+
+
+def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm):
+    """Auto with measured costs readies a bucket's plain step only; a tree compiles when its expected saving over
+    the iterations left (live rows and queue) exceeds the compile time, and either way the output is unchanged."""
+    engine = Engine(llm, ssms=[llm], expansion=[(1, 1, 1)], auto=True)  # the LLM as its own SSM: drafts agree
+    want = [Engine(llm).generate(p, 12).token_ids for p in PROMPTS]
+    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
+    batch = BatchEngine(engine, max_batch=2, max_model_len=64)
+    batch._anchors[greedy] = {"none": 1.0, "ssm": 1.0}  # the tree as cheap as a plain step where not measured
+    batch._compile_seconds = 1e9  # compiling never pays
+    assert [g.token_ids for g in batch.generate([Request(p, 12) for p in PROMPTS])] == want
+    assert engine.is_warm(greedy, batch.capacity_buckets[0], 2, "none")
+    assert not engine.is_warm(greedy, batch.capacity_buckets[0], 2, "ssm")
+    assert len(engine.chooser(greedy).timings["ssm"]) == 0  # never ran
+    batch._compile_seconds = 0.0  # compiling always pays: the tree is readied at the first pick
+    gens = batch.generate([Request(p, 12) for p in PROMPTS])
+    assert [g.token_ids for g in gens] == want
+    assert engine.is_warm(greedy, batch.capacity_buckets[0], 2, "ssm")
+    assert "ssm" in batch._bucket_costs[(greedy, 2, batch.capacity_buckets[0])]  # measured where it runs
+    assert any("ssm" in g.trees for g in gens)

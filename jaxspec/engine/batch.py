@@ -245,7 +245,9 @@ class BatchEngine:
         self.iterations = 0
         self.resizes = 0  # state re-layouts (bucket changes)
         self._compiled: dict = {}
-        self._bucket_costs: dict = {}  # (warp, rows, capacity) -> auto's costs there (None without auto)
+        self._bucket_costs: dict = {}  # (warp, rows, capacity) -> auto's measured costs of the members ready there
+        self._anchors: dict = {}  # warp -> every member's cost at one row, the smallest cache
+        self._compile_seconds = 2.0  # what readying one member for a bucket took last (a start-up guess)
         self._no_proposal: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
         self._last_done = 0.0
@@ -331,34 +333,86 @@ class BatchEngine:
 
     def warm(self, greedy: bool = True, sampled: bool = True, rows: Sequence[int] | None = None,
              capacities: Sequence[int] | None = None) -> None:
-        """Compiles (and, under auto, calibrates) the decoding family now instead of at first use.
+        """Compiles (and, under auto, calibrates) every family member now instead of at first use.
 
         Defaults: every batch bucket at the smallest capacity bucket (longer caches compile
-        when a request first needs one).
+        when a request first needs one). Without ``warm`` the loop compiles lazily: each
+        bucket's plain step when the bucket is first used, auto's trees only where they pay.
         """
         for warp in sampling.BATCH_WARPS:
             if not (greedy if warp.greedy else sampled):
                 continue
             for b in rows or self.row_buckets:
                 for cap in capacities or self.capacity_buckets[:1]:
-                    self._costs(warp, b, cap)
+                    self._ready(warp, b, cap, list(self.engine.family(warp)))
+
+    @property
+    def _lazy(self) -> bool:
+        """Auto with measured costs: a bucket compiles its trees only once they are expected to pay."""
+        return self.engine.auto and self.engine.measures_costs
 
     def _costs(self, warp: sampling.WarpSpec, rows: int, capacity: int) -> dict[str, float] | None:
-        """Compiles the family for a bucket (auto: and measures it); returns auto's costs there."""
+        """Readies a bucket: every member, or under lazy auto the plain step only; returns the costs measured there."""
         key = (warp, rows, capacity)
-        if key in self._bucket_costs:
-            return self._bucket_costs[key]
+        if key not in self._bucket_costs:
+            self._ready(warp, rows, capacity, ["none"] if self._lazy else list(self.engine.family(warp)))
+        return self._bucket_costs[key]
+
+    def _ready(self, warp: sampling.WarpSpec, rows: int, capacity: int, names: list[str]) -> None:
+        """Compiles ``names`` for a bucket and, under auto, measures them there (cached on disk per member)."""
         e = self.engine
-        fresh = (warp, capacity, rows) not in e._warmed
+        key = (warp, rows, capacity)
+        known = self._bucket_costs.setdefault(key, {} if e.auto else None)
+        todo = [n for n in names if known is None or n not in known]
+        cold = [n for n in todo if not e.is_warm(warp, capacity, rows, n)]
         began = time.perf_counter()
-        costs = e.costs_at(warp, capacity, rows, refresh=self.sync.fresh_costs) if e.auto else None
-        if not e.auto:
-            e.warm(warp, capacity, rows)
-        self._bucket_costs[key] = costs
-        if fresh and self.verbose is not None:
-            self.verbose(f"compiled {len(e.family(warp))} step(s) for {rows} row(s) x {capacity} slots, "
-                         f"{warp.label}: {time.perf_counter() - began:.1f} s")
-        return costs
+        if e.auto:
+            known.update(e.calibrate(warp, capacity, refresh=self.sync.fresh_costs, batch=rows, names=todo))
+        e.warm(warp, capacity, rows, names=todo)
+        if cold:
+            seconds = time.perf_counter() - began
+            self._compile_seconds = seconds / len(cold)
+            if self.verbose is not None:
+                measured = ("; " + ", ".join(f"{n} {known[n] * 1e3:.1f} ms/step" for n in cold)) if e.auto else ""
+                self.verbose(f"compiled {', '.join(cold)} for {rows} row(s) x {capacity} slots, {warp.label}: "
+                             f"{seconds:.1f} s{measured}")
+
+    def _anchor(self, warp: sampling.WarpSpec) -> dict[str, float]:
+        """Every member's cost at one row and the smallest cache: where a bucket's untried trees take their ratios
+        from until measured there (read from the calibration cache; measured once per machine otherwise)."""
+        if warp not in self._anchors:
+            e = self.engine
+            self._anchors[warp] = e.calibrate(warp, self.capacity_buckets[0], refresh=self.sync.fresh_costs, batch=1)
+        return self._anchors[warp]
+
+    def _estimated(self, warp: sampling.WarpSpec, rows: int, capacity: int, known: dict[str, float]) -> dict[str, float]:
+        """Costs of every member at a bucket: measured where known, else the plain step's cost there times the
+        member's ratio to it in the nearest bucket that measured both."""
+        out = dict(known)
+        seen = [((warp, 1, self.capacity_buckets[0]), self._anchor(warp))]
+        seen += [(k, c) for k, c in self._bucket_costs.items() if k[0] == warp and c and "none" in c]
+        for name in self.engine.family(warp):
+            if name in out:
+                continue
+            near = min(((k, c) for k, c in seen if name in c),
+                       key=lambda kc: (abs(np.log2(kc[0][1] / rows)) + abs(np.log2(kc[0][2] / capacity)), -kc[0][1]))
+            out[name] = known["none"] * near[1][name] / near[1]["none"]
+        return out
+
+    def _worth_compiling(self, name: str, chooser: TreeChooser, rows: list[tuple[int, int]],
+                         costs: dict[str, float]) -> bool:
+        """Whether compiling ``name`` for the bucket in use is expected to save more than it costs.
+
+        The saving is the share of time ``name`` saves over no speculation (posterior means)
+        times the plain step's cost over the iterations left to the live rows and the queue.
+        """
+        rate = {n: sum(chooser.expected_tokens(n, length, match) for length, match in rows) / chooser.cost(n, costs)
+                for n in ("none", name)}
+        if rate[name] <= rate["none"]:
+            return False
+        left = max((s.ticket.request.max_new_tokens - len(s.gen.token_ids) for s in self.slots), default=0)
+        left += sum(t.request.max_new_tokens for t, _ in self.waiting) / self.max_batch
+        return (1 - rate["none"] / rate[name]) * left * chooser.cost("none", costs) > self._compile_seconds
 
     # -- the loop ---------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -655,8 +709,17 @@ class BatchEngine:
         costs = self._costs(warp, self.rows, self.capacity)
         chooser = e.chooser(warp) if e.auto else None
         if chooser is not None:
-            name = chooser.pick_batch([(len(proposals[i]), matched[i]) for i, _ in live], costs)
+            rows = [(len(proposals[i]), matched[i]) for i, _ in live]
+            if self._lazy:
+                every = self._estimated(warp, self.rows, self.capacity, costs)
+                name = chooser.pick_batch(rows, every)
+                if name not in costs and not self._worth_compiling(name, chooser, rows, every):
+                    name = "none"
+            else:
+                name = chooser.pick_batch(rows, costs)
             name = self.sync.agree_pick(name, list(family))
+            if name not in costs:  # agreed to compile it: every process readies it in the same order
+                self._ready(warp, self.rows, self.capacity, [name])
         else:
             name = next(iter(family))
         cfg = family[name]

@@ -134,7 +134,7 @@ class Runner:
         self._costs: dict = {}
         self._injected_costs = dict(costs) if costs else None
         self._choosers: dict = {}
-        self._warmed: set = set()  # (warp, capacity, batch) whose family is compiled
+        self._warmed: set = set()  # (warp, capacity, batch, member) compiled
         self.groups = (ssm_groups(self.ssms, self.topologies) if batch_ssms
                        else tuple(SSMGroup((j,), (), self.ssms[j].features) for j in range(len(self.ssms))))
         self._group_params = tuple(stack_params([self.ssms[j].params for j in g.members], g.shared)
@@ -221,28 +221,38 @@ class Runner:
 
     # -- costs and the chooser -------------------------------------------------------------
     def calibrate(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, refresh: bool = False,
-                  batch: int = 1) -> dict[str, float]:
-        """Seconds per iteration of every family member at this capacity and batch, measured once and cached.
+                  batch: int = 1, names: Sequence[str] | None = None) -> dict[str, float]:
+        """Seconds per iteration of family members (default: all) at this capacity and batch, measured once and cached.
 
-        The cache (``jaxspec.engine.costs``) is keyed by device kind, models, dtype, warp, family,
-        capacity and batch, and lives outside the repository; ``refresh`` measures again.
+        Each member's cost is cached on its own (``jaxspec.engine.costs``, keyed by device kind,
+        models, dtype, warp, the member's tree, capacity and batch, outside the repository), so
+        a loop that compiles only the members worth running measures only those; ``refresh``
+        measures again.
         """
         if self._injected_costs is not None:
             return self._injected_costs
-        key = (_warp(params), capacity, batch)
+        names = list(self.family(params)) if names is None else list(names)
+        return {n: self.member_cost(params, n, capacity, batch, refresh) for n in names}
+
+    def member_cost(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
+                    batch: int = 1, refresh: bool = False) -> float:
+        """Seconds per iteration of one family member on ``batch`` rows of ``capacity`` slots (cached, see calibrate)."""
+        if self._injected_costs is not None:
+            return self._injected_costs[name]
+        key = (_warp(params), capacity, batch, name)
         if key in self._costs and not refresh:
             return self._costs[key]
         from jaxspec.engine import costs  # noqa: PLC0415
 
         ident = {
-            "what": "step-family",
+            "what": "step-member",
             "revision": STEP_REVISION,
             "jax": jax.__version__,
             "device": jax.devices()[0].device_kind,
             "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))],
             "ssms": [[s.name, repr(s.cfg), str(jnp.dtype(s.dtype)), s.draft_vocab] for s in self.ssms],
             "ngram": self.ngram_depth,
-            "family": {n: self.describe(n) for n in self.family(params)},
+            "member": [name, self.describe(name)],
             "warp": repr(_warp(params)),
             "capacity": capacity,
             "batch": batch,
@@ -250,20 +260,22 @@ class Runner:
             **({"mesh": describe_mesh(self.mesh)} if self.mesh is not None else {}),
             **({"offload": True} if self.offload else {}),
         }
-        self._costs[key] = costs.load_or_measure(ident, lambda: self._measure(params, capacity, batch=batch), refresh)
+        self._costs[key] = costs.load_or_measure(
+            ident, lambda: self._measure(params, capacity, batch=batch, names=[name])[name], refresh)
         return self._costs[key]
 
     def _measure(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, reps: int = 5,
-                 batch: int = 1) -> dict[str, float]:
-        """Seconds per iteration of each member on ``batch`` rows of ``capacity`` slots (reps 0: compile only)."""
+                 batch: int = 1, names: Sequence[str] | None = None) -> dict[str, float]:
+        """Seconds per iteration of members (default all) on ``batch`` rows of ``capacity`` slots (reps 0: compile only)."""
         key = ("lengths", batch, capacity)
         if key not in self._compiled:
             self._compiled[key] = jax.jit(lambda s: set_lengths(s, MIN_PROMPT_BUCKET), donate_argnums=(0,))
         toks, count = jax.device_put(ngram.proposal_arrays([list(range(1, self.ngram_depth + 1))] * batch,
                                                            self.ngram_depth))
+        family = self.family(params)
         out = {}
-        for name, cfg in self.family(params).items():
-            step_fn = self._step_fn(cfg)
+        for name in family if names is None else names:
+            step_fn = self._step_fn(family[name])
             state = self._compiled[key](self.init_state(batch, capacity, params))
             times = []
             for _ in range(reps + 1):
@@ -272,17 +284,25 @@ class Runner:
                 jax.block_until_ready(res)
                 times.append(time.perf_counter() - t0)
             out[name] = float(np.median(times[1:])) if reps else times[0]  # the first call compiles
-        self._warmed.add((_warp(params), capacity, batch))
+            self._warmed.add((_warp(params), capacity, batch, name))
         return out
 
-    def warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int = 1) -> None:
-        """Compiles every family member for this capacity and batch now, so no step of a request compiles.
+    def warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int = 1,
+             names: Sequence[str] | None = None) -> None:
+        """Compiles family members (default all) for this capacity and batch now, so no step of a request compiles.
 
-        ``auto`` may switch to any member mid-request; compiling it then would stall that
-        request (and count as decoding time).
+        ``auto`` may switch to any compiled member mid-request; compiling one then would stall
+        that request (and count as decoding time).
         """
-        if (_warp(params), capacity, batch) not in self._warmed:
-            self._measure(params, capacity, reps=0, batch=batch)
+        names = list(self.family(params)) if names is None else names
+        cold = [n for n in names if not self.is_warm(params, capacity, batch, n)]
+        if cold:
+            self._measure(params, capacity, reps=0, batch=batch, names=cold)
+
+    def is_warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int,
+                name: str) -> bool:
+        """Whether member ``name`` is compiled for this bucket."""
+        return (_warp(params), capacity, batch, name) in self._warmed
 
     def chooser(self, params: sampling.SamplingParams | sampling.WarpSpec) -> TreeChooser:
         """Auto's running chooser for this warp: acceptance statistics shared by every batch and length bucket."""
@@ -293,12 +313,10 @@ class Runner:
             self._choosers[warp] = TreeChooser(members, placeholder, adapt_costs=self._injected_costs is None)
         return self._choosers[warp]
 
-    def costs_at(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int,
-                 refresh: bool = False) -> dict[str, float]:
-        """Auto's costs for one (batch, capacity) bucket, every member compiled for it (measured once, cached)."""
-        costs = self.calibrate(params, capacity, refresh=refresh, batch=batch)
-        self.warm(params, capacity, batch)
-        return costs
+    @property
+    def measures_costs(self) -> bool:
+        """Whether auto's costs are measured on this device (not a table given at construction)."""
+        return self._injected_costs is None
 
     # -- state ------------------------------------------------------------------------
     def _worst(self) -> DecodeConfig:
