@@ -24,7 +24,7 @@ def test_engine_side_never_imports_training_or_the_cli_from_the_benchmarks():
         import sys
         sys.modules["training"] = None  # any import of training now raises ImportError
         import jaxspec.cli.bench
-        assert "jaxspec.cli" not in sys.modules, "jaxspec.cli.bench imports the CLI"
+        assert "jaxspec.cli.app" not in sys.modules, "jaxspec.cli.bench imports the commands"
         import jaxspec.speculators.pool, jaxspec.speculators.resolve
         from jaxspec.engine import LoadedModel
         first = jaxspec.speculators.pool.load_pool(jaxspec.speculators.resolve.DEFAULT_POOL)[0]
