@@ -205,9 +205,16 @@ def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm)
     assert engine.is_warm(greedy, batch.capacity_buckets[0], 2, "none")
     assert not engine.is_warm(greedy, batch.capacity_buckets[0], 2, "ssm")
     assert len(engine.chooser(greedy).timings["ssm"]) == 0  # never ran
+    regret = batch._regret[(greedy, 2, batch.capacity_buckets[0], "ssm")]
+    assert regret > 0  # the time lost without the tree is counted
+    # rent or buy: once the time lost exceeds the compile cost, a request too short to pay for it alone compiles it
+    batch._compile_seconds = regret / 2
+    batch.generate([Request(PROMPTS[0], 2), Request(PROMPTS[1], 2)])
+    assert engine.is_warm(greedy, batch.capacity_buckets[0], 2, "ssm")
+    batch = BatchEngine(engine, max_batch=2, max_model_len=64)  # a fresh loop: nothing readied, nothing lost
+    batch._anchors[greedy] = {"none": 1.0, "ssm": 1.0}
     batch._compile_seconds = 0.0  # compiling always pays: the tree is readied at the first pick
     gens = batch.generate([Request(p, 12) for p in PROMPTS])
     assert [g.token_ids for g in gens] == want
-    assert engine.is_warm(greedy, batch.capacity_buckets[0], 2, "ssm")
-    assert "ssm" in batch._bucket_costs[(greedy, 2, batch.capacity_buckets[0])]  # measured where it runs
+    assert "ssm" in batch._bucket_costs[(greedy, 2, batch.capacity_buckets[0])]  # readied and measured here
     assert any("ssm" in g.trees for g in gens)

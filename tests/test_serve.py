@@ -29,6 +29,7 @@ FAULT = "<<injected-fault>>"  # JAXSPEC_SERVE_FAULT: a request stopping at it fa
 MAX_MODEL_LEN = 256
 MAX_BATCH = 4  # slots: four clients at once fill the server
 MAX_QUEUE = 64
+MAX_BODY = 1 << 20  # --max-body-bytes of the test server
 STARTUP_S = 300
 SHUTDOWN_S = 3  # --shutdown-timeout: drain time on SIGTERM (a 6-token stream fits, a 240-token one does not)
 LONG = "1, 2, 3, 4, 5,"  # a completion prompt that runs to max_tokens (greedy: ", 6, 7, 8, ...")
@@ -52,9 +53,10 @@ class Server:
         self.log_path = log_path
         self.log = open(log_path, "w")
         flags = [*mode_flags, "--port", str(self.port), "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
-                 "--max-model-len", str(MAX_MODEL_LEN), "--api-key", KEY, "--shutdown-timeout", str(SHUTDOWN_S)]
+                 "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-timeout", str(SHUTDOWN_S),
+                 "--max-body-bytes", str(MAX_BODY)]
         self.proc = subprocess.Popen(SERVE_CMD + flags, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, JAXSPEC_SERVE_FAULT=FAULT))
+                                     env=dict(os.environ, JAXSPEC_SERVE_FAULT=FAULT, JAXSPEC_API_KEY=KEY))
         self.wait_ready()
         self.model = self.client().models.list().data[0].id
         self.compilations = self.metrics()[("jaxspec_compilations", ())]  # after the warm-up
@@ -270,6 +272,28 @@ def error_cases(model: str) -> list[tuple[str, object, int, list[str]]]:
          ["content"]),
         (ch, {"model": model, "messages": msgs, "stream_options": {"include_usage": True}}, 400,
          ["stream_options"]),
+        # hostile values: each bounded and typed at the door (issue 22)
+        (c, {"model": model, "prompt": "hi", "top_k": 2**31}, 400, ["top_k"]),
+        (c, {"model": model, "prompt": "hi", "top_k": 10**30}, 400, ["top_k"]),
+        (c, {"model": model, "prompt": "hi", "seed": 2**64}, 400, ["seed"]),
+        (c, {"model": model, "prompt": "hi", "stop": "x" * 100_000}, 400, ["stop", "256"]),
+        (c, {"model": model, "prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, 400, ["stop"]),
+        (c, {"model": model, "prompt": "hi", "n": 10**6}, 400, ["n"]),
+        (c, {"model": model, "prompt": "hi", "max_tokens": 2**70}, 400, ["max_tokens"]),
+        (c, b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % model.encode(), 400, ["temperature"]),
+        (c, b'{"model": "%s", "prompt": "hi", "temperature": 1e400}' % model.encode(), 400, ["temperature"]),
+        (c, b'{"model": "%s", "prompt": "hi", "top_p": -Infinity}' % model.encode(), 400, ["top_p"]),
+        (c, {"model": model, "prompt": "hi", "temperature": 1e9}, 400, ["temperature"]),
+        (c, {"model": model, "prompt": "hi", "max_tokens": "5"}, 400, ["max_tokens"]),
+        (c, {"model": model, "prompt": "hi", "max_tokens": True}, 400, ["max_tokens"]),
+        (c, {"model": model, "prompt": "hi", "max_tokens": 4.0}, 400, ["max_tokens"]),
+        (c, {"model": model, "prompt": "hi", "stream": "yes"}, 400, ["stream"]),
+        (c, {"model": model, "prompt": {"text": "hi"}}, 400, ["prompt"]),
+        (c, {"model": model, "prompt": "hi", "user": "u" * 1000}, 400, ["user"]),
+        (ch, {"model": model, "messages": [{"role": "user", "content": 123}]}, 400, ["content"]),
+        (ch, {"model": model, "messages": msgs * 2000}, 400, ["messages"]),
+        (ch, {"model": model, "messages": msgs, "max_completion_tokens": -1}, 400, ["max_completion_tokens"]),
+        (c, b"x" * (MAX_BODY + 1), 413, ["body", str(MAX_BODY)]),
     ]
 
 
@@ -290,13 +314,35 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert complete(server, "Hello", 4, temperature=0).choices[0].text is not None
 
 
+def test_a_streamed_oversized_body_is_413_and_tiny_sampling_values_are_exact(server):
+    """A body sent in chunks without a length is cut at the limit too; temperature 1e-50 is greedy and top_p
+    1e-50 keeps the top token alone, as the server states (not a crash, not a float32 zero)."""
+    def chunks():
+        for _ in range(MAX_BODY // 65536 + 2):
+            yield b" " * 65536
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 413 and str(MAX_BODY) in r.json()["error"]["message"]
+    greedy = complete(server, "Hello", 6, temperature=0).choices[0].text
+    assert complete(server, "Hello", 6, temperature=1e-50).choices[0].text == greedy
+    assert complete(server, "Hello", 6, temperature=1.0, top_p=1e-50, seed=3).choices[0].text == greedy
+
+
+def test_health_never_shows_exception_text(server):
+    r = httpx.get(f"{server.url}/health", timeout=10)
+    assert r.json() == {"status": "ok"}
+
+
 def test_engine_failure_is_a_500_for_that_request(server):
     """An exception inside the engine thread for one request is a 500 (an error event when streaming);
     the server keeps serving."""
     r = server.post("/v1/completions", {"model": server.model, "prompt": "hi", "max_tokens": 8, "stop": FAULT})
-    assert r.status_code == 500 and "fault injected" in r.json()["error"]["message"]
-    with pytest.raises(openai.APIError, match="fault injected"):
+    assert r.status_code == 500 and "internal error" in r.json()["error"]["message"]
+    assert "fault injected" not in r.text and "Error" not in r.json()["error"]["message"]  # no exception text
+    with pytest.raises(openai.APIError, match="internal error"):
         streamed(complete(server, "hi", 8, stop=FAULT, stream=True))
+    assert "fault injected" in server.tail(200_000)  # the detail is in the server's log
     assert counter(server.metrics(), "jaxspec_requests_total", outcome="error") >= 2
     assert complete(server, "Hello", 4, temperature=0).choices[0].text is not None
 
@@ -389,17 +435,23 @@ def test_metrics_parse_and_move(server):
 
 def test_flags_fail_before_loading(server):
     """An address in use (the running server's) or a meaningless flag: one error line, exit 2, in seconds."""
-    for flags, words in ((["--port", str(server.port)], ["in use"]), (["--no-chat"], ["--no-chat"])):
-        proc = subprocess.run(SERVE_CMD + flags, capture_output=True, text=True, timeout=60)
+    cases = ((["--port", str(server.port)], ["in use"], {}), (["--no-chat"], ["--no-chat"], {}),
+             (["--api-key", ""], ["--api-key", "empty"], {}),
+             ([], ["JAXSPEC_API_KEY", "empty"], {"JAXSPEC_API_KEY": ""}),
+             (["--host", "0.0.0.0"], ["0.0.0.0", "--allow-unauthenticated"], {}),
+             (["--max-body-bytes", "0"], ["--max-body-bytes"], {}))
+    for flags, words, env in cases:
+        environ = {k: v for k, v in os.environ.items() if k != "JAXSPEC_API_KEY"} | env
+        proc = subprocess.run(SERVE_CMD + flags, capture_output=True, text=True, timeout=60, env=environ)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("jaxspec: error:") and all(w in last for w in words), last
 
 
-@pytest.mark.slow
 def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_path):
-    """A second server speculating with the n-gram chain: the same greedy outputs, alone and 8 at once,
-    and the speculation counters move (drafts, draft tokens, accepted per position, mean acceptance length)."""
+    """A second server speculating with the n-gram chain: the same greedy outputs, alone and 8 at once, streamed,
+    cut by a stop string, and the speculation counters move (drafts, draft tokens, accepted per position, mean
+    acceptance length)."""
     spec = Server(tmp_path / "spec.log", ("--mode", "sequence", "--ssm", "ngram:3", "--expansion", "1,1,1,1"))
     try:
         prompts = PROMPTS[:4] + ["Count from one to twenty, separated by commas."]
@@ -409,6 +461,12 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
             together = list(pool.map(lambda p: chat(spec, p, 16, temperature=0).choices[0].message.content,
                                      prompts, timeout=300))
         assert together == want
+        pieces, finish, _ = streamed(chat(spec, prompts[4], 16, temperature=0, stream=True))
+        assert "".join(pieces) == want[4] and finish[0] in ("stop", "length")
+        stop = want[4][len(want[4]) // 2:][:3]
+        if stop.strip():
+            cut = chat(spec, prompts[4], 16, temperature=0, stop=stop).choices[0].message.content
+            assert cut == want[4][:want[4].index(stop)]
         m = spec.metrics()
         drafts = counter(m, "jaxspec_spec_decode_num_drafts_total")
         accepted = counter(m, "jaxspec_spec_decode_num_accepted_tokens_total")

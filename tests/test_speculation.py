@@ -44,6 +44,17 @@ def test_length_cut_comes_before_eos():
     assert cut_tokens([], [3, EOS, 5], 8, {EOS}, None) == ([3, EOS], "eos")
 
 
+def test_stop_string_and_eos_in_one_step_end_alike_everywhere():
+    """One step accepting a stop string's token and an EOS: the stop string before the EOS wins and cuts there;
+    one only the tokens after the EOS would complete never matches (they are cut first). generate, bench and
+    serve all end requests through this one function."""
+    at = lambda tok: (lambda ids: ids.index(tok) if tok in ids else None)  # noqa: E731 — cut before ``tok``
+    assert cut_tokens([4], [5, 6, EOS, 9], 10, {EOS}, at(6)) == ([5], "stop")
+    assert cut_tokens([4], [5, 6, EOS, 9], 10, {EOS}, at(9)) == ([5, 6, EOS], "eos")
+    assert cut_tokens([4], [5, 6, EOS, 9], 10, {EOS}, at(4)) == ([], "stop")  # matched in what came before
+    assert cut_tokens([4], [5, 6, EOS, 9], 3, {EOS}, at(6)) == ([5], "stop")  # the limit cuts first, then the stop
+
+
 def test_stale_ssm_cache_is_caught_up(tiny_llm):
     """An SSM whose cache lags more than its own re-feed window is fed the missing tokens first.
 
@@ -267,8 +278,11 @@ def test_default_speculators_auto_identity_on_dev_prompts(default_llm):
     expansions = [(1, 1, 1)] * (len(ssms) - 1) + [(1,) * 6]
     engine = Engine(default_llm, ssms, expansions, auto=True, costs=ALL_TRIED)
     base = Engine(default_llm)
+    speculated, steps, tokens = 0, 0, 0
     for row in dev_prompts(3):
         ids = encode_prompt(default_llm.tokenizer, row["prompt"], chat=True)
         gen = engine.generate(ids, 24)
         assert gen.token_ids == base.generate(ids, 24).token_ids, row["prompt"][:60]
-        assert len(gen.tree_counts) >= 1
+        speculated += sum(n for name, n in gen.tree_counts.items() if name != "none")
+        steps, tokens = steps + gen.llm_steps, tokens + sum(gen.step_tokens)
+    assert speculated > 0 and tokens > steps  # trees ran, and their drafts were accepted: identity was tested

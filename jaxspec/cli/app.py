@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--prompt-file / --num-samples: requests decoded together by continuous batching "
                           "(1: one after another, each with its own cache)")
     gen.add_argument("--output", help="write one JSON line per completion")
+    gen.add_argument("--compile", choices=("lazy", "all"), default="lazy",
+                     help="lazy (default): a batch bucket compiles its plain step at first use and --mode auto's "
+                          "trees only once the work in sight pays for them; all: every tree at a bucket's first use "
+                          "(jaxspec bench modes: no measured step compiles)")
     gen.add_argument("--limit", type=int, help="use the first N prompts of --prompt-file")
     add_compile_cache_args(gen)
     distributed.add_args(gen)
@@ -130,6 +134,10 @@ def cmd_generate(args) -> int:
     if args.max_batch < 1:
         raise CliError(f"--max-batch must be >= 1, got {args.max_batch}")
     sampling_params(args)  # validate before loading anything
+    from jaxspec.engine.batch import MAX_STOP_CHARS, MAX_STOPS  # noqa: PLC0415
+
+    if len(args.stop) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in args.stop):
+        raise CliError(f"--stop takes 1 to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")
     rows = read_prompts(args.prompt_file, args.limit) if args.prompt_file else [{"id": "prompt", "prompt": args.prompt}]
     engine, llm = build_engine(args)
     out = open(args.output, "w", encoding="utf-8") if args.output else None
@@ -179,7 +187,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     say = (lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr)) if args.verbose else None  # noqa: E731
     batch = BatchEngine(engine, max_batch=min(args.max_batch, len(jobs)),
                         max_model_len=min(longest + args.max_new_tokens, llm.cfg.max_position_embeddings),
-                        sync=distributed.loop_sync(), verbose=say)
+                        sync=distributed.loop_sync(), verbose=say, eager=args.compile == "all")
     if engine.auto and (args.verbose or args.recalibrate):
         report_calibration(engine, batch, args, jobs[0][2].prompt_ids)
     streaming = len(jobs) == 1

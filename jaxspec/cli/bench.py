@@ -685,7 +685,7 @@ def _generate_command(mode: str, args, prompts: Path, limit: int, output: Path) 
     cmd = [sys.executable, "-m", "jaxspec", "generate", "--mode", mode, "--prompt-file", str(prompts),
            "--limit", str(limit), "--max-new-tokens", str(args.max_new_tokens), "--output", str(output),
            "--dtype", args.dtype, "--temperature", str(args.temperature), "--top-k", str(args.top_k),
-           "--top-p", str(args.top_p), "--seed", str(args.seed), "--max-batch", "1"]
+           "--top-p", str(args.top_p), "--seed", str(args.seed), "--max-batch", "1", "--compile", "all"]
     if args.model:
         cmd += ["--model", args.model]
     if args.no_chat:

@@ -18,9 +18,23 @@ class SamplingError(ValueError):
     """Sampling parameters out of range."""
 
 
+# Values are made exact in the dtype the device uses (float32, int32) once, here, so every
+# process of a multi-process run (and the host's own decisions) sees what the device runs.
+MIN_TEMPERATURE = 1e-5  # below it a request is greedy (as vLLM): 1/T would overflow float32 logits
+MAX_TEMPERATURE = 1e4
+MIN_TOP_P = 1e-6  # any smaller nucleus holds the top token alone, as this one does (p_top >= 1/vocab)
+MAX_TOP_K = 2**31 - 1  # int32 on the device; a larger k keeps every token too
+_REAL = (int, float, np.integer, np.floating)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """What a request asks of the sampler; temperature 0 means greedy."""
+    """What a request asks of the sampler; temperature 0 means greedy.
+
+    Canonical on construction: temperature below ``MIN_TEMPERATURE`` becomes 0 (greedy),
+    top-p below ``MIN_TOP_P`` becomes it and top-k above ``MAX_TOP_K`` becomes it (each
+    the same distribution); float values are rounded to float32, what the device uses.
+    """
 
     temperature: float = 0.0  # 0 = greedy (argmax)
     top_k: int = 0  # 0 = off
@@ -28,12 +42,19 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise SamplingError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise SamplingError(f"top-p must lie in (0, 1], got {self.top_p}")
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if isinstance(t, bool) or not isinstance(t, _REAL) or not 0 <= t <= MAX_TEMPERATURE:
+            raise SamplingError(f"temperature must lie in [0, {MAX_TEMPERATURE:g}], got {t!r}")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise SamplingError(f"top-k must be an integer >= 0 (0 disables it), got {k!r}")
+        if isinstance(p, bool) or not isinstance(p, _REAL) or not 0.0 < p <= 1.0:
+            raise SamplingError(f"top-p must lie in (0, 1], got {p!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+            raise SamplingError(f"seed must be an integer, got {self.seed!r}")
+        t = 0.0 if t < MIN_TEMPERATURE else float(np.float32(t))
+        object.__setattr__(self, "temperature", t)
+        object.__setattr__(self, "top_k", int(min(k, MAX_TOP_K)))
+        object.__setattr__(self, "top_p", float(np.float32(max(p, MIN_TOP_P))))
 
     @property
     def greedy(self) -> bool:
@@ -94,7 +115,8 @@ def row_values(rows: list[SamplingParams], vocab: int) -> dict[str, np.ndarray]:
     """
     return {
         "temperature": np.asarray([max(p.temperature, 1e-6) for p in rows], np.float32),
-        "top_k": np.asarray([p.top_k or vocab for p in rows] if vocab else [p.top_k for p in rows], np.int32),
+        "top_k": np.asarray([min(p.top_k, vocab) or vocab for p in rows] if vocab else [p.top_k for p in rows],
+                            np.int32),
         "top_p": np.asarray([p.top_p for p in rows], np.float32),
         "greedy": np.asarray([p.greedy for p in rows], bool),
     }

@@ -96,6 +96,10 @@ def cut_tokens(done: list[int], new: list[int], limit: int, stop_ids: set[int],
     return new, reason
 
 
+MAX_STOPS = 16  # stop strings per request (every entry point: CLI, server, multi-process message)
+MAX_STOP_CHARS = 256  # characters per stop string
+
+
 class QueueFull(RuntimeError):
     """``submit`` while ``max_queue`` requests already wait for a slot."""
 
@@ -207,8 +211,10 @@ class BatchEngine:
         prefill_chunk: int = PREFILL_BUCKETS[-1],
         sync: LoopSync | None = None,
         verbose: Callable[[str], None] | None = None,
+        eager: bool = False,
     ) -> None:
-        """``sync`` joins a multi-process run (``jaxspec.parallel.distributed``); ``verbose`` hears what compiles when."""
+        """``sync`` joins a multi-process run (``jaxspec.parallel.distributed``); ``verbose`` hears what compiles when;
+        ``eager`` compiles every family member at a bucket's first use (else auto's trees compile where they pay)."""
         if max_batch < 1:
             raise RequestError(f"--max-batch must be >= 1, got {max_batch}")
         limit = engine.llm.cfg.max_position_embeddings
@@ -222,6 +228,7 @@ class BatchEngine:
         self.on_iteration = on_iteration
         self.sync = sync or LoopSync()
         self.verbose = verbose
+        self.eager = eager
         self.buckets = tuple(b for b in PREFILL_BUCKETS if b < prefill_chunk) + (prefill_chunk,)
         worst = engine._worst()
         self._max_emit = worst.max_emit  # most tokens one iteration commits per row (any family member)
@@ -248,6 +255,7 @@ class BatchEngine:
         self._bucket_costs: dict = {}  # (warp, rows, capacity) -> auto's measured costs of the members ready there
         self._anchors: dict = {}  # warp -> every member's cost at one row, the smallest cache
         self._compile_seconds = 2.0  # what readying one member for a bucket took last (a start-up guess)
+        self._regret: dict = {}  # (warp, rows, capacity, tree) -> seconds lost running without that tree
         self._no_proposal: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
         self._last_done = 0.0
@@ -269,6 +277,9 @@ class BatchEngine:
         bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.vocab}")
+        stops = req.stop_strings
+        if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise RequestError(f"stop takes 1 to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")
         sampling.SamplingParams(req.params.temperature, req.params.top_k, req.params.top_p, req.params.seed)
         if self.engine.verify != "greedy" and req.params.greedy:
             raise RequestError(f"--verify {self.engine.verify} needs stochastic decoding (temperature > 0)")
@@ -333,23 +344,26 @@ class BatchEngine:
 
     def warm(self, greedy: bool = True, sampled: bool = True, rows: Sequence[int] | None = None,
              capacities: Sequence[int] | None = None) -> None:
-        """Compiles (and, under auto, calibrates) every family member now instead of at first use.
+        """Compiles (and, under auto, calibrates) the steps of every bucket now instead of at first use.
 
         Defaults: every batch bucket at the smallest capacity bucket (longer caches compile
-        when a request first needs one). Without ``warm`` the loop compiles lazily: each
-        bucket's plain step when the bucket is first used, auto's trees only where they pay.
+        when a request first needs one). Every family member, except under lazy auto: there
+        every bucket's plain step and every tree at one row (auto's low-load trees, and the
+        ratios other buckets start from); a tree at a wider bucket compiles once it pays
+        (``_worth_compiling``).
         """
         for warp in sampling.BATCH_WARPS:
             if not (greedy if warp.greedy else sampled):
                 continue
+            family = list(self.engine.family(warp))
             for b in rows or self.row_buckets:
                 for cap in capacities or self.capacity_buckets[:1]:
-                    self._ready(warp, b, cap, list(self.engine.family(warp)))
+                    self._ready(warp, b, cap, ["none"] if self._lazy and b > 1 else family)
 
     @property
     def _lazy(self) -> bool:
         """Auto with measured costs: a bucket compiles its trees only once they are expected to pay."""
-        return self.engine.auto and self.engine.measures_costs
+        return self.engine.auto and self.engine.measures_costs and not self.eager
 
     def _costs(self, warp: sampling.WarpSpec, rows: int, capacity: int) -> dict[str, float] | None:
         """Readies a bucket: every member, or under lazy auto the plain step only; returns the costs measured there."""
@@ -400,19 +414,26 @@ class BatchEngine:
         return out
 
     def _worth_compiling(self, name: str, chooser: TreeChooser, rows: list[tuple[int, int]],
-                         costs: dict[str, float]) -> bool:
-        """Whether compiling ``name`` for the bucket in use is expected to save more than it costs.
+                         costs: dict[str, float], bucket: tuple) -> bool:
+        """Whether compiling ``name`` for ``bucket`` (warp, rows, capacity) now saves more than it costs.
 
-        The saving is the share of time ``name`` saves over no speculation (posterior means)
-        times the plain step's cost over the iterations left to the live rows and the queue.
+        The saving per iteration is the share of time ``name`` saves over no speculation
+        (posterior means) times the plain step's cost. Compile once the iterations in sight
+        (the live rows' and the queue's tokens) would save the compile time, or once the
+        iterations already run without it lost that much (rent or buy: a long-lived server
+        whose requests are each too short still compiles the trees its load keeps wanting,
+        at most twice the best cost in hindsight).
         """
         rate = {n: sum(chooser.expected_tokens(n, length, match) for length, match in rows) / chooser.cost(n, costs)
                 for n in ("none", name)}
         if rate[name] <= rate["none"]:
             return False
+        per_step = (1 - rate["none"] / rate[name]) * chooser.cost("none", costs)
         left = max((s.ticket.request.max_new_tokens - len(s.gen.token_ids) for s in self.slots), default=0)
         left += sum(t.request.max_new_tokens for t, _ in self.waiting) / self.max_batch
-        return (1 - rate["none"] / rate[name]) * left * chooser.cost("none", costs) > self._compile_seconds
+        key = (*bucket, name)
+        self._regret[key] = self._regret.get(key, 0.0) + per_step
+        return max(per_step * left, self._regret[key]) > self._compile_seconds
 
     # -- the loop ---------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -713,7 +734,8 @@ class BatchEngine:
             if self._lazy:
                 every = self._estimated(warp, self.rows, self.capacity, costs)
                 name = chooser.pick_batch(rows, every)
-                if name not in costs and not self._worth_compiling(name, chooser, rows, every):
+                if name not in costs and not self._worth_compiling(name, chooser, rows, every,
+                                                                   (warp, self.rows, self.capacity)):
                     name = "none"
             else:
                 name = chooser.pick_batch(rows, costs)

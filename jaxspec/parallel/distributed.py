@@ -298,7 +298,17 @@ RECORD = 10  # per admission: seq, prompt length, max new tokens, seed, top-k, t
 
 def message_size(max_model_len: int) -> int:
     """Words of the per-iteration message: room for at least one longest prompt and its stop strings."""
-    return HEADER + 256 + 2 * (RECORD + max_model_len) + 4096
+    return HEADER + 256 + 2 * (RECORD + max_model_len) + STOP_WORDS
+
+
+def _stop_words() -> int:
+    """Stop strings as JSON code points (ensure_ascii off): each character, escaped, at most 2 words."""
+    from jaxspec.engine.batch import MAX_STOP_CHARS, MAX_STOPS  # noqa: PLC0415
+
+    return MAX_STOPS * (2 * MAX_STOP_CHARS + 4) + 2
+
+
+STOP_WORDS = _stop_words()
 
 
 def _bits(x: float) -> int:
@@ -314,7 +324,9 @@ def _encode(ticket: Any) -> list[int]:
     import json  # noqa: PLC0415
 
     req = ticket.request
-    stops = [ord(c) for c in json.dumps(list(req.stop_strings))] if req.stop_strings else []
+    stops = [ord(c) for c in json.dumps(list(req.stop_strings), ensure_ascii=False)] if req.stop_strings else []
+    if len(stops) > STOP_WORDS:  # BatchEngine.check bounds them first: a failed assumption, said plainly
+        raise ValueError(f"request {req.id}: its stop strings do not fit the multi-process message")
     stop_ids = list(req.stop_ids) if req.stop_ids is not None else []
     p = req.params
     head = [ticket.seq, len(req.prompt_ids), req.max_new_tokens, int(np.uint32(p.seed % 2**32).view(np.int32)),
@@ -349,11 +361,19 @@ class LeaderSync(_ServerSync):
             while b.incoming:
                 ticket, on_event = b.incoming[0]
                 ticket.seq = self.next_seq
-                record = _encode(ticket)
+                try:
+                    record = _encode(ticket)
+                except ValueError as e:
+                    record = [0] * self.size  # fails below, alone
+                    reason = str(e)
+                else:
+                    reason = f"request {ticket.request.id} does not fit the multi-process message"
                 if HEADER + len(words) + len(record) > self.size:
-                    if not admitted and not words:
-                        raise RuntimeError(f"request {ticket.request.id} does not fit the multi-process message")
-                    break
+                    if admitted or words:
+                        break  # the next iteration's message takes it
+                    b.incoming.popleft()  # it fits no message: it fails alone, the loop goes on
+                    _refuse(ticket, on_event, reason)
+                    continue
                 b.incoming.popleft()
                 self.next_seq += 1
                 words += record
@@ -367,6 +387,16 @@ class LeaderSync(_ServerSync):
         with b.lock:
             b.waiting.extend(admitted)
         return stopping
+
+
+def _refuse(ticket: Any, on_event: Callable[[Any], None], reason: str) -> None:
+    """Ends a request process 0 cannot announce with an error event (never stopping the loop)."""
+    from jaxspec.engine.batch import Event  # noqa: PLC0415
+
+    try:
+        on_event(Event(ticket.request.id, [], "error", reason, len(ticket.request.prompt_ids)))
+    except Exception:  # noqa: BLE001 — a listener that fails must not stop the loop
+        pass
 
 
 class FollowerSync(_ServerSync):

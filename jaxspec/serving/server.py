@@ -32,13 +32,21 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Literal
+from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxspec.engine.batch import MAX_STOP_CHARS, MAX_STOPS
+
 log = logging.getLogger("jaxspec.serving.server")
 
-MAX_STOPS = 16
+# Limits at the door: every field bounded before anything is tokenized or queued.
+MAX_N = 128  # choices per request (and never more than --max-queue)
+MAX_TOP_K = 2**31 - 1  # the device keeps top-k as int32; a larger value means "off" anyway
+MAX_SEED = 2**63 - 1
+MAX_TEXT_CHARS = 1 << 20  # characters per prompt or message
+MAX_MESSAGES = 1024
+MAX_BODY_BYTES = 8 << 20  # --max-body-bytes default: larger bodies get 413
 FAULT_ENV = "JAXSPEC_SERVE_FAULT"  # tests: a stop string naming this value makes the engine's stop check raise
 WARMUP_TOKENS = 4
 SHUTDOWN_GRACE_S = 5.0  # past --shutdown-timeout, for cancelled requests to end before uvicorn cuts them
@@ -65,26 +73,29 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # engine reason ->
 
 # ---------------------------------------------------------------------------------------- request bodies
 
+STRICT = ConfigDict(extra="forbid", strict=True)  # no silent coercion: "5", true or 5.0 is not an integer
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """What both endpoints take; ``None`` means OpenAI's default."""
 
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None  # default 1.0, as OpenAI
-    top_p: float | None = None
-    top_k: int | None = None  # not OpenAI's; 0 disables (vLLM's extension)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
+    model_config = STRICT
+    model: str | None = Field(None, max_length=256)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_SEED)
+    temperature: float | None = Field(None, allow_inf_nan=False)  # default 1.0, as OpenAI
+    top_p: float | None = Field(None, allow_inf_nan=False)
+    top_k: int | None = Field(None, le=MAX_TOP_K)  # not OpenAI's; 0 (or -1, vLLM's) disables
+    seed: int | None = Field(None, ge=-MAX_SEED - 1, le=MAX_SEED)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None  # each string: see launch
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=256)
     logprobs: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
@@ -92,27 +103,27 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(max_length=MAX_TEXT_CHARS)
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
-    text: str
+    text: str = Field(max_length=MAX_TEXT_CHARS)
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] = Field(max_length=MAX_TEXT_CHARS)
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_SEED)
     top_logprobs: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -289,6 +300,8 @@ class Job:
                 rest, cut = choice.text.finish()
                 text += rest
                 choice.error = event.error
+                if event.error:
+                    log.error("request %s failed: %s", event.request_id, event.error)
                 choice.finish_reason = "stop" if cut else FINISH.get(event.finish_reason, event.finish_reason)
                 running -= 1
             yield choice, text
@@ -395,17 +408,19 @@ class Service:
         from jaxspec.decoding.sampling import SamplingError, SamplingParams  # noqa: PLC0415
 
         if self.dead:
-            raise APIError(503, self.dead, kind="server_error", code="engine_stopped")
+            raise APIError(503, ENGINE_STOPPED, kind="server_error", code="engine_stopped")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stops) > MAX_STOPS or any(not s for s in stops):
-            raise APIError(400, f"stop takes 1 to {MAX_STOPS} non-empty strings", "stop")
+        if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"stop takes 1 to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
+                           "characters", "stop")
         total = len(prompts) * body.n
         if total > self.max_queue:
             raise APIError(400, f"the request asks for {total} completions (prompts x n); this server queues at "
                            f"most {self.max_queue} (--max-queue)", "n")
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         try:
-            params = [SamplingParams(1.0 if body.temperature is None else body.temperature, body.top_k or 0,
+            params = [SamplingParams(1.0 if body.temperature is None else body.temperature,
+                                     0 if body.top_k in (None, -1) else body.top_k,
                                      1.0 if body.top_p is None else body.top_p, seed + j) for j in range(body.n)]
         except SamplingError as e:
             raise APIError(400, f"invalid sampling parameters: {e}", sampling_param(str(e))) from None
@@ -562,14 +577,15 @@ class Completion:
 
 
 SHUTTING_DOWN = "the server is shutting down: this request was cancelled"
+ENGINE_STOPPED = "the engine loop stopped; the server log has the cause"
 
 
 def ended(choice: Choice) -> APIError:
     """The error of a choice that failed (500) or was cancelled by the server's shutdown (503)."""
     if choice.finish_reason == "cancelled":
         return APIError(503, SHUTTING_DOWN, kind="server_error", code="shutting_down")
-    return APIError(500, f"generating choice {choice.index} failed: {choice.error}", kind="server_error",
-                    code="internal_error")
+    return APIError(500, f"generating choice {choice.index} failed: an internal error (the server log has it)",
+                    kind="server_error", code="internal_error")
 
 
 def sse(payload: dict | str) -> str:
@@ -578,7 +594,8 @@ def sse(payload: dict | str) -> str:
 
 # ---------------------------------------------------------------------------------------- the app
 
-def create_app(service: Service, api_key: str | None = None, shutdown_timeout: float = 10.0):
+def create_app(service: Service, api_key: str | None = None, shutdown_timeout: float = 10.0,
+               max_body_bytes: int = MAX_BODY_BYTES):
     """The FastAPI application over a started ``Service``."""
     from contextlib import asynccontextmanager  # noqa: PLC0415
 
@@ -586,6 +603,7 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout: f
     from fastapi.exceptions import RequestValidationError  # noqa: PLC0415
     from fastapi.responses import JSONResponse, StreamingResponse  # noqa: PLC0415
     from starlette.exceptions import HTTPException  # noqa: PLC0415
+    from starlette.concurrency import run_in_threadpool  # noqa: PLC0415
     from starlette.routing import Mount  # noqa: PLC0415
 
     metrics = service.metrics
@@ -604,6 +622,8 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout: f
     app.router.routes.append(metrics_route)
     if api_key:
         app.add_middleware(BearerAuth, key=api_key, on_refuse=lambda: metrics.requests.labels("rejected").inc())
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
+                       on_refuse=lambda: metrics.requests.labels("rejected").inc())
 
     def error(e: APIError) -> JSONResponse:
         if e.status < 500 and e.status != 429:
@@ -623,8 +643,9 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout: f
         return error(APIError(e.status_code, str(e.detail), code=str(e.status_code)))
 
     @app.exception_handler(Exception)
-    async def on_crash(request, e: Exception):  # uvicorn logs the traceback
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error",
+    async def on_crash(request, e: Exception):  # the detail goes to the log, never to the client
+        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        return JSONResponse(APIError(500, "internal error (the server log has it)", kind="server_error",
                                      code="internal_error").body(), status_code=500)
 
     def check_model(name: str | None) -> None:
@@ -639,7 +660,7 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout: f
     @app.get("/health")
     async def health():
         if service.dead:
-            return JSONResponse({"status": "error", "message": service.dead}, status_code=503)
+            return JSONResponse({"status": "error", "message": ENGINE_STOPPED}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -660,7 +681,7 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout: f
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         refuse_unsupported(body)
-        prompts = completion_prompts(body.prompt, service)
+        prompts = await run_in_threadpool(completion_prompts, body.prompt, service)
         job = service.launch(prompts, body, 16 if body.max_tokens is None else body.max_tokens)
         return await respond(Completion(job, False, service.model_name, sum(map(len, prompts)),
                                         include_usage(body)), body.stream, request)
@@ -671,7 +692,7 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout: f
         refuse_unsupported(body)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-        ids = service.encode_chat(body.messages)
+        ids = await run_in_threadpool(service.encode_chat, body.messages)
         job = service.launch([ids], body, body.max_completion_tokens or body.max_tokens)
         return await respond(Completion(job, True, service.model_name, len(ids), include_usage(body)),
                              body.stream, request)
@@ -722,6 +743,49 @@ def validation_error(errors: list[dict]) -> APIError:
                     "invalid_parameter")
 
 
+async def _refuse(send, status: int, error: APIError, headers: tuple = ()) -> None:
+    """Answers an ASGI request with an OpenAI-style error from a middleware."""
+    body = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 (announced or streamed), before it is parsed."""
+
+    def __init__(self, app, max_bytes: int, on_refuse: Callable[[], None] = lambda: None) -> None:
+        self.app, self.max_bytes, self.on_refuse = app, max_bytes, on_refuse
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_big = APIError(413, f"the request body is larger than {self.max_bytes} bytes (--max-body-bytes)",
+                           code="body_too_large")
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_bytes:
+            self.on_refuse()
+            return await _refuse(send, 413, too_big)
+        chunks, size, more = [], 0, True
+        while more:  # read it whole (at most max_bytes), then replay it to the app
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                self.on_refuse()
+                return await _refuse(send, 413, too_big)
+        replayed = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return replayed.pop() if replayed else await receive()
+
+        await self.app(scope, replay, send)
+
+
 class BearerAuth:
     """ASGI middleware: every path but ``/health`` needs ``Authorization: Bearer KEY`` (401 otherwise)."""
 
@@ -733,14 +797,9 @@ class BearerAuth:
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.key):
                 self.on_refuse()
-                body = json.dumps(APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
-                                           code="invalid_api_key").body()).encode()
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode()),
-                                        (b"www-authenticate", b"Bearer")]})
-                await send({"type": "http.response.body", "body": body})
-                return
+                return await _refuse(send, 401, APIError(401, "missing or incorrect API key: send 'Authorization: "
+                                                              "Bearer KEY'", code="invalid_api_key"),
+                                     ((b"www-authenticate", b"Bearer"),))
         await self.app(scope, receive, send)
 
 
@@ -777,8 +836,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="requests that may wait for a slot (256); more get 429")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model name clients send (default: the checkpoint's file name)")
-    p.add_argument("--api-key", default=os.environ.get("JAXSPEC_API_KEY"), metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default $JAXSPEC_API_KEY)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health; prefer $JAXSPEC_API_KEY "
+                        "(a flag shows in ps). An empty key is an error")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --host without an API key (anyone who reaches the port may use it)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, metavar="N",
+                   help=f"larger request bodies get 413 ({MAX_BODY_BYTES})")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are cancelled (10)")
     add_compile_cache_args(p)
@@ -801,7 +865,8 @@ def main(args: argparse.Namespace) -> int:
     if args.recalibrate:
         raise CliError("--recalibrate is not supported by serve: remove the cost cache ($JAXSPEC_CACHE/costs, "
                        "default ~/.cache/jaxspec/costs) to measure again")
-    for flag in ("max_batch", "max_queue"):
+    args.api_key = api_key(args.api_key, os.environ.get(API_KEY_ENV), args.host, args.allow_unauthenticated)
+    for flag in ("max_batch", "max_queue", "max_body_bytes"):
         if getattr(args, flag) < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     check_address(args.host, args.port)  # before minutes of loading and compiling
@@ -826,7 +891,7 @@ def main(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         service.warm_up()
         log.info("ready in %.1f s: model '%s'", time.perf_counter() - t0, name)
-        app = create_app(service, args.api_key, args.shutdown_timeout)
+        app = create_app(service, args.api_key, args.shutdown_timeout, args.max_body_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                 timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, lifespan="on")
         server = uvicorn_server(uvicorn, config, service, args.shutdown_timeout)
@@ -846,6 +911,32 @@ def main(args: argparse.Namespace) -> int:
             os._exit(0)
     log.info("stopped")
     return 0
+
+
+API_KEY_ENV = "JAXSPEC_API_KEY"
+
+
+def api_key(flag: str | None, env: str | None, host: str, allow_unauthenticated: bool) -> str | None:
+    """The key the server requires (the flag, else ``$JAXSPEC_API_KEY``); raises CliError where none would be by
+    accident: an empty key, or a non-loopback address without one and without ``--allow-unauthenticated``."""
+    import ipaddress  # noqa: PLC0415
+
+    from jaxspec.cli.common import CliError  # noqa: PLC0415
+
+    if flag is not None and not flag.strip():
+        raise CliError("--api-key is empty: give a key, or leave the flag out to serve without one")
+    if flag is None and env is not None and not env.strip():
+        raise CliError(f"${API_KEY_ENV} is set but empty: give a key, or unset it to serve without one")
+    key = (flag if flag is not None else env or None)
+    if key is None and not allow_unauthenticated:
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name: it may resolve to anything
+            loopback = False
+        if not loopback:
+            raise CliError(f"--host {host} is reachable from other machines: set ${API_KEY_ENV} (or --api-key), "
+                           "or pass --allow-unauthenticated to serve it without a key")
+    return key
 
 
 def check_address(host: str, port: int) -> None:
