@@ -163,3 +163,25 @@ def test_eos_and_stop_callback(tiny_llm):
     assert cut.finish_reason == "eos" and cut.token_ids == free[: free.index(eos) + 1]
     stopped = engine.generate([2, 7, 1], 30, stop=lambda ids: 3 if len(ids) >= 3 else None)
     assert stopped.finish_reason == "stop" and stopped.token_ids == free[:3]
+
+
+def test_the_engine_keeps_one_copy_of_the_llms_weights():
+    """The engine's decoding layout is built from the loaded tree and replaces it: once the caller drops its model
+    the weights are held once (live device bytes), not twice (issue 22)."""
+    import gc
+
+    def live() -> int:
+        gc.collect()
+        return sum(a.nbytes for a in jax.live_arrays())
+
+    base = live()
+    model = tiny_model(seed=5)
+    size = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+    assert live() - base >= size
+    want = Engine(model).generate([1, 2, 3], 4).token_ids
+    gc.collect()
+    engine = Engine(model)
+    del model
+    held = live() - base
+    assert engine.llm.params is None and held <= 1.1 * size, (held, size)
+    assert engine.generate([1, 2, 3], 4).token_ids == want  # the engine alone still decodes

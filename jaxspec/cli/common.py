@@ -202,4 +202,4 @@ def build_engine(args, log=None):
         expansion = expansion[0] if len(expansion) == 1 else expansion
     engine = Engine(llm, ssms, expansion, args.tree_budget, args.verify if args.temperature > 0 else "greedy",
                     auto=args.mode == "auto", mesh=mesh, offload=getattr(args, "offload", False))
-    return engine, llm
+    return engine, engine.llm  # the engine's weightless view: the loaded tree is not kept twice

@@ -113,7 +113,9 @@ class Runner:
                                          f"but the LLM {llm.name!r} has {llm.cfg.hidden_size}")
         self.llm = llm
         self.unroll = unroll
-        self._llm_params = decoding_layout(llm.params) if unroll else llm.params
+        self.stacked = offload or pipe_size(mesh) > 1  # the LLM runs models.pipeline.stacked_layout
+        # one layout of the weights, built straight from the loaded tree (no intermediate copy)
+        self._llm_params = None if self.stacked else decoding_layout(llm.params) if unroll else llm.params
         self.features = any(getattr(s, "features", False) for s in ssms)  # a feature drafter reads the LLM's states
         if self.features and (mesh is not None or offload):
             raise RequestError("feature drafters run on one device for now: drop --mesh/--offload or the drafter")
@@ -141,7 +143,6 @@ class Runner:
                                    for g in self.groups)
         self.mesh = mesh
         self.offload = offload
-        self.stacked = offload or pipe_size(mesh) > 1  # the LLM runs models.pipeline.stacked_layout
         if self.stacked:
             self._llm_params, self._llm_forward = _stacked_llm(llm, mesh, offload)
         if mesh is not None:
@@ -149,6 +150,9 @@ class Runner:
         if offload:
             self._llm_params = offload_params(self._llm_params)
         self.family(sampling.SamplingParams())  # validates every configuration
+        # The engine runs its own layout: it keeps no reference to the loaded tree, which is freed as soon
+        # as the caller drops its LoadedModel (jaxspec.cli.common.build_engine hands back this one).
+        self.llm = dataclasses.replace(llm, params=None)
 
     # -- the family of trees ------------------------------------------------------------
     def family(self, params: sampling.SamplingParams | sampling.WarpSpec) -> dict[str, DecodeConfig]:
