@@ -218,3 +218,21 @@ def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm)
     assert [g.token_ids for g in gens] == want
     assert "ssm" in batch._bucket_costs[(greedy, 2, batch.capacity_buckets[0])]  # readied and measured here
     assert any("ssm" in g.trees for g in gens)
+
+
+def test_an_uncalibrated_machine_guesses_tree_costs_without_compiling_them(llm, tmp_path, monkeypatch):
+    """Auto's one-row ratios come from the calibration cache; on a machine that never measured them, from the
+    tree's shape: a short request compiles no tree just to estimate what trees cost."""
+    from jaxspec.engine.batch import prior_ratio
+
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    engine = Engine(llm, ssms=[early_exit(llm, 1)], expansion=[(1, 1, 1)], auto=True)
+    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
+    batch = BatchEngine(engine, max_batch=2, max_model_len=64)
+    compiled = engine.compilations
+    anchor = batch._anchor(greedy)
+    family = engine.family(greedy)
+    assert anchor == {name: prior_ratio(cfg) for name, cfg in family.items()} and anchor["ssm"] > 1.0
+    assert engine.compilations == compiled  # guessing compiled nothing
+    costs = engine.calibrate(greedy, batch.capacity_buckets[0], batch=1)  # measured and stored
+    assert BatchEngine(engine, max_batch=2, max_model_len=64)._anchor(greedy)["ssm"] == costs["ssm"] / costs["none"]

@@ -15,7 +15,7 @@ import json
 import os
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -158,21 +158,34 @@ def costs_dir():
     return cache_root() / "costs"
 
 
-def load_or_measure(key: dict, measure: Callable[[], dict], refresh: bool = False) -> dict:
-    """The calibration stored for ``key`` (a JSON-able dict), else ``measure()``'s result, stored for next time.
-
-    ``refresh`` re-measures and overwrites. Non-string keys (token counts) survive the
-    round trip. A cache that cannot be read or written is skipped, never an error.
-    """
+def _path(key: dict) -> tuple[str, Path]:
     text = json.dumps(_encode(key), sort_keys=True)
-    path = costs_dir() / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
-    if not refresh and path.is_file():
+    return text, costs_dir() / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+
+
+def load(key: dict) -> Any | None:
+    """The calibration stored for ``key``, or None (never measures)."""
+    text, path = _path(key)
+    if path.is_file():
         try:
             stored = json.loads(path.read_text())
             if json.dumps(stored["key"], sort_keys=True) == text:
                 return _decode(stored["value"])
         except (OSError, ValueError, KeyError, TypeError):
             pass
+    return None
+
+
+def load_or_measure(key: dict, measure: Callable[[], dict], refresh: bool = False) -> dict:
+    """The calibration stored for ``key`` (a JSON-able dict), else ``measure()``'s result, stored for next time.
+
+    ``refresh`` re-measures and overwrites. Non-string keys (token counts) survive the
+    round trip. A cache that cannot be read or written is skipped, never an error.
+    """
+    _, path = _path(key)
+    stored = None if refresh else load(key)
+    if stored is not None:
+        return stored
     value = measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

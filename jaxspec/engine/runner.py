@@ -239,8 +239,9 @@ class Runner:
         return {n: self.member_cost(params, n, capacity, batch, refresh) for n in names}
 
     def member_cost(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
-                    batch: int = 1, refresh: bool = False) -> float:
-        """Seconds per iteration of one family member on ``batch`` rows of ``capacity`` slots (cached, see calibrate)."""
+                    batch: int = 1, refresh: bool = False, cached_only: bool = False) -> float | None:
+        """Seconds per iteration of one family member on ``batch`` rows of ``capacity`` slots (cached, see calibrate);
+        ``cached_only``: None where it was never measured (nothing compiles)."""
         if self._injected_costs is not None:
             return self._injected_costs[name]
         key = (_warp(params), capacity, batch, name)
@@ -264,6 +265,8 @@ class Runner:
             **({"mesh": describe_mesh(self.mesh)} if self.mesh is not None else {}),
             **({"offload": True} if self.offload else {}),
         }
+        if cached_only:
+            return costs.load(ident)
         self._costs[key] = costs.load_or_measure(
             ident, lambda: self._measure(params, capacity, batch=batch, names=[name])[name], refresh)
         return self._costs[key]
