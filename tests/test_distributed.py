@@ -166,25 +166,30 @@ def _serve_until_ready(procs: list[subprocess.Popen], url: str, logs: Path, time
 
 
 def _completions(url: str) -> list[str]:
-    """Greedy, greedy with a stop string, and seeded sampled completions, sent concurrently."""
+    """Greedy, greedy with a stop string, seeded sampled, and the values that once split processes (temperature
+    and top_p 1e-50: float64 on process 0, 0 in float32 on the others; 16 long non-ASCII stop strings, past the
+    old message), sent concurrently."""
     import concurrent.futures
 
     import httpx
 
     bodies = [{"prompt": "Hello", "max_tokens": 10, "temperature": 0},
               {"prompt": "The sky is", "max_tokens": 10, "temperature": 0, "stop": ["ard"]},
-              {"prompt": "Once upon", "max_tokens": 10, "temperature": 0.8, "seed": 3}]
+              {"prompt": "Once upon", "max_tokens": 10, "temperature": 0.8, "seed": 3},
+              {"prompt": "Hello", "max_tokens": 10, "temperature": 1e-50},
+              {"prompt": "Hello", "max_tokens": 10, "temperature": 0.8, "top_p": 1e-50, "seed": 5},
+              {"prompt": "Hello", "max_tokens": 10, "temperature": 0,
+               "stop": [f"{i:02d}" + "é" * 254 for i in range(16)]}]
 
     def post(body: dict) -> str:
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", **body}, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
         return list(pool.map(post, bodies))
 
 
-@pytest.mark.slow
 def test_two_process_server_answers_as_one_process(tiny_checkpoint, tmp_path) -> None:
     """serve over 2 processes (tensor=2): process 0's HTTP answers equal a one-process server's; SIGTERM stops both."""
     serve = ["serve", "--model", str(tiny_checkpoint), "--served-model-name", "tiny", "--mode", "incremental",
@@ -209,9 +214,9 @@ def test_two_process_server_answers_as_one_process(tiny_checkpoint, tmp_path) ->
         assert [r[0] for r in results] == [0] * n, results[-1][2][-2000:]
     assert answers[0] == answers[1]
     assert all(answers[0]) and "ard" not in answers[0][1]
+    assert answers[0][3] == answers[0][4] == answers[0][5] == answers[0][0]  # tiny values and long stops: greedy
 
 
-@pytest.mark.slow
 def test_killed_peer_ends_the_others_with_a_clear_error(tiny_checkpoint, tmp_path) -> None:
     """Process 1 killed mid-run: process 0 exits non-zero within the heartbeat timeout, naming the lost peer."""
     args = [*generate_args(tiny_checkpoint, "--mode", "incremental", "--mesh", "tensor=2"),
