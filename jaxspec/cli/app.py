@@ -134,10 +134,13 @@ def cmd_generate(args) -> int:
     if args.max_batch < 1:
         raise CliError(f"--max-batch must be >= 1, got {args.max_batch}")
     sampling_params(args)  # validate before loading anything
-    from jaxspec.engine.batch import MAX_STOP_CHARS, MAX_STOPS  # noqa: PLC0415
+    from jaxspec.engine.batch import check_stops  # noqa: PLC0415
+    from jaxspec.engine.runner import RequestError  # noqa: PLC0415
 
-    if len(args.stop) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in args.stop):
-        raise CliError(f"--stop takes 1 to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")
+    try:
+        check_stops(args.stop)  # before loading anything
+    except RequestError as e:
+        raise CliError(f"--{e}") from None
     rows = read_prompts(args.prompt_file, args.limit) if args.prompt_file else [{"id": "prompt", "prompt": args.prompt}]
     engine, llm = build_engine(args)
     out = open(args.output, "w", encoding="utf-8") if args.output else None

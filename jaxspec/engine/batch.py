@@ -108,6 +108,13 @@ def prior_ratio(cfg: DecodeConfig) -> float:
     return 1.0 + 0.12 * (cfg.num_nodes - 1) + 0.05 * cfg.draft_levels
 
 
+def check_stops(stops: Sequence[str]) -> None:
+    """Raises RequestError unless ``stops`` holds at most MAX_STOPS non-empty strings of at most MAX_STOP_CHARS:
+    the one rule for the CLI, the server and the engine (and what the multi-process message is sized for)."""
+    if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise RequestError(f"stop takes 1 to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")
+
+
 class QueueFull(RuntimeError):
     """``submit`` while ``max_queue`` requests already wait for a slot."""
 
@@ -285,9 +292,7 @@ class BatchEngine:
         bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.vocab}")
-        stops = req.stop_strings
-        if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-            raise RequestError(f"stop takes 1 to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")
+        check_stops(req.stop_strings)
         sampling.SamplingParams(req.params.temperature, req.params.top_k, req.params.top_p, req.params.seed)
         if self.engine.verify != "greedy" and req.params.greedy:
             raise RequestError(f"--verify {self.engine.verify} needs stochastic decoding (temperature > 0)")

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from jaxspec.cli.common import CliError
+from jaxspec.engine.batch import MAX_STOP_CHARS, MAX_STOPS
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -301,14 +302,8 @@ def message_size(max_model_len: int) -> int:
     return HEADER + 256 + 2 * (RECORD + max_model_len) + STOP_WORDS
 
 
-def _stop_words() -> int:
-    """Stop strings as JSON code points (ensure_ascii off): each character, escaped, at most 2 words."""
-    from jaxspec.engine.batch import MAX_STOP_CHARS, MAX_STOPS  # noqa: PLC0415
-
-    return MAX_STOPS * (2 * MAX_STOP_CHARS + 4) + 2
-
-
-STOP_WORDS = _stop_words()
+# Stop strings travel as JSON code points (ensure_ascii off): each character, escaped, at most 2 words.
+STOP_WORDS = MAX_STOPS * (2 * MAX_STOP_CHARS + 4) + 2
 
 
 def _bits(x: float) -> int:
@@ -325,8 +320,6 @@ def _encode(ticket: Any) -> list[int]:
 
     req = ticket.request
     stops = [ord(c) for c in json.dumps(list(req.stop_strings), ensure_ascii=False)] if req.stop_strings else []
-    if len(stops) > STOP_WORDS:  # BatchEngine.check bounds them first: a failed assumption, said plainly
-        raise ValueError(f"request {req.id}: its stop strings do not fit the multi-process message")
     stop_ids = list(req.stop_ids) if req.stop_ids is not None else []
     p = req.params
     head = [ticket.seq, len(req.prompt_ids), req.max_new_tokens, int(np.uint32(p.seed % 2**32).view(np.int32)),
@@ -361,18 +354,12 @@ class LeaderSync(_ServerSync):
             while b.incoming:
                 ticket, on_event = b.incoming[0]
                 ticket.seq = self.next_seq
-                try:
-                    record = _encode(ticket)
-                except ValueError as e:
-                    record = [0] * self.size  # fails below, alone
-                    reason = str(e)
-                else:
-                    reason = f"request {ticket.request.id} does not fit the multi-process message"
+                record = _encode(ticket)
                 if HEADER + len(words) + len(record) > self.size:
                     if admitted or words:
                         break  # the next iteration's message takes it
                     b.incoming.popleft()  # it fits no message: it fails alone, the loop goes on
-                    _refuse(ticket, on_event, reason)
+                    _refuse(ticket, on_event, f"request {ticket.request.id} does not fit the multi-process message")
                     continue
                 b.incoming.popleft()
                 self.next_seq += 1

@@ -36,7 +36,7 @@ from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxspec.engine.batch import MAX_STOP_CHARS, MAX_STOPS
+from jaxspec.engine.batch import MAX_STOPS, check_stops
 
 log = logging.getLogger("jaxspec.serving.server")
 
@@ -410,9 +410,10 @@ class Service:
         if self.dead:
             raise APIError(503, ENGINE_STOPPED, kind="server_error", code="engine_stopped")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-            raise APIError(400, f"stop takes 1 to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
-                           "characters", "stop")
+        try:
+            check_stops(stops)  # before any matcher is built for them
+        except RequestError as e:
+            raise APIError(400, str(e), "stop") from None
         total = len(prompts) * body.n
         if total > self.max_queue:
             raise APIError(400, f"the request asks for {total} completions (prompts x n); this server queues at "
