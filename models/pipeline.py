@@ -36,20 +36,25 @@ class PipelineError(ValueError):
     """A mesh or batch the pipeline cannot run (stages that do not divide the layers, ...)."""
 
 
-def stacked_layout(params: dict) -> dict:
+def stacked_layout(params: dict, layer_move: Callable | None = None) -> dict:
     """The parameter tree of a stacked forward: ``layers`` [L, ...] kept whole, every Dense kernel output-major.
 
     Layer kernels [L, *in, *out] become [L, *out, *in] (``tall_dot`` reads them); the other
-    kernels are transposed exactly as ``decoding_layout`` does.
+    kernels are transposed exactly as ``decoding_layout`` does. ``layer_move(leaf, src, dst)``
+    replaces ``jnp.moveaxis`` for every ``layers`` leaf (``src == dst == ()`` for leaves that keep
+    their axes): offloading relays them through host memory so no layer stack reaches the device.
     """
 
     def transpose(path, leaf):
         names = [getattr(k, "key", None) for k in path]
-        if names[-1] != "kernel":
-            return leaf
         lead = 1 if names[0] == "layers" else 0  # the stacked layer axis stays in front
-        n_in = KERNEL_IN_DIMS.get(names[-2], 1)
-        return jnp.moveaxis(leaf, tuple(range(lead, lead + n_in)), tuple(range(leaf.ndim - n_in, leaf.ndim)))
+        src = dst = ()
+        if names[-1] == "kernel":
+            n_in = KERNEL_IN_DIMS.get(names[-2], 1)
+            src, dst = tuple(range(lead, lead + n_in)), tuple(range(leaf.ndim - n_in, leaf.ndim))
+        if lead and layer_move is not None:
+            return layer_move(leaf, src, dst)
+        return jnp.moveaxis(leaf, src, dst) if src else leaf
 
     return jax.tree_util.tree_map_with_path(transpose, params)
 

@@ -184,7 +184,7 @@ def build_engine(args, log=None):
         from jaxspec.parallel.sharding import parse_mesh  # noqa: PLC0415
 
         mesh = parse_mesh(args.mesh)
-    llm = load_llm(args.model, args.dtype, mesh=mesh)
+    llm = load_llm(args.model, args.dtype, mesh=mesh, offload=getattr(args, "offload", False))
     if getattr(args, "verbose", False):
         print(f"[jaxspec] loaded {llm.name}: peak host memory of this process {peak_host_gb():.2f} GB",
               file=log or sys.stderr)

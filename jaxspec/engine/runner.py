@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jaxspec.decoding import ngram, sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.decoding.ngram import NGramSpeculator
-from jaxspec.parallel.offload import make_offload_forward, offload_params
+from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
 from jaxspec.parallel.sharding import describe as describe_mesh, pinned
 from jaxspec.decoding.step import DecodeConfig, DecodeState, SSMGroup, decode_step, set_lengths
 from jaxspec.decoding.tree import DynamicTree, expansion_topology
@@ -147,7 +147,7 @@ class Runner:
             self._llm_params, self._llm_forward = _stacked_llm(llm, mesh, offload)
         if mesh is not None:
             self._place_on_mesh()
-        if offload:
+        if offload and mesh is not None:  # a one-device offload was laid out in host memory already
             self._llm_params = offload_params(self._llm_params)
         self.family(sampling.SamplingParams())  # validates every configuration
         # The engine runs its own layout: it keeps no reference to the loaded tree, which is freed as soon
@@ -391,7 +391,9 @@ def _stacked_llm(llm: LoadedModel, mesh: Mesh | None, offload: bool) -> tuple[di
     if offload and pipe_size(mesh) > 1:
         raise RequestError("--offload runs on one pipeline stage: use a mesh with pipe=1")
     forward = make_offload_forward(llm.cfg, dtype) if offload else make_pipeline_forward(llm.cfg, mesh, dtype)
-    return stacked_layout(llm.params), forward
+    # one device: layer tensors relaid out in host memory (they never touch the device when the loader put
+    # them there, jaxspec.parallel.offload.host_placer); a mesh: laid out in place, then moved to the host
+    return (offload_layout(llm.params) if offload and mesh is None else stacked_layout(llm.params)), forward
 
 
 def _warp(params: sampling.SamplingParams | sampling.WarpSpec) -> sampling.WarpSpec:

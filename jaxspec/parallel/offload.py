@@ -15,12 +15,14 @@ the whole model, which is what speculation saves: one sweep verifies a whole tre
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.config import ModelConfig
-from models.pipeline import scan_layers
+from models.pipeline import scan_layers, stacked_layout
 from models.transformer import Forward, KVCache, Transformer
 
 HOST = "pinned_host"  # where offloaded weights live
@@ -44,8 +46,43 @@ def to_host(x: jax.Array) -> jax.Array:
     return jax.device_put(x, x.sharding.with_memory_kind(HOST))
 
 
+def host_sharding() -> jax.sharding.Sharding:
+    """Pinned host memory of this process's first device (where a one-device offload keeps its layers)."""
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind=HOST)
+
+
+def host_placer(cfg) -> Callable[[str, np.ndarray], jax.Array]:
+    """A loader's ``place`` (``models.loading.load_checkpoint``) for ``--offload`` on one device: each
+    ``layers`` tensor goes from the file straight to pinned host memory, the rest to the device, so
+    the layer stack never sits in device memory, not even while loading."""
+    check_backend()
+    host = host_sharding()
+
+    def place(name: str, tensor: np.ndarray) -> jax.Array:
+        return jax.device_put(tensor, host) if name.startswith("layers/") else jnp.asarray(tensor)
+
+    return place
+
+
+def offload_layout(params: dict) -> dict:
+    """A loaded (scanned-layout) tree -> ``stacked_layout`` with ``layers`` [L, ...] in pinned host memory.
+
+    Each layer tensor is relaid out in host numpy and put (back) in host memory, one at a time:
+    a tree loaded by ``host_placer`` reaches its offloaded layout without touching the device.
+    """
+    check_backend()
+    if "layers" not in params:
+        raise OffloadError("offloading needs the scanned layout (a 'layers' subtree, models.transformer)")
+    host = host_sharding()
+
+    def move(leaf, src, dst):
+        return jax.device_put(np.moveaxis(np.asarray(leaf), src, dst) if src else np.asarray(leaf), host)
+
+    return stacked_layout(params, layer_move=move)
+
+
 def offload_params(params: dict) -> dict:
-    """The stacked tree with its ``layers`` [L, ...] in pinned host memory; the rest stays on the device."""
+    """A stacked tree (one device or a mesh) with its ``layers`` [L, ...] moved to pinned host memory."""
     check_backend()
     if "layers" not in params:
         raise OffloadError("offloading needs the stacked layout (a 'layers' subtree, models.pipeline.stacked_layout)")

@@ -27,11 +27,12 @@ FALLBACK_SSM = "layers:4"
 
 
 def load_llm(path: str | None, dtype: str = "float32", with_tokenizer: bool = True,
-             mesh: Mesh | None = None) -> LoadedModel:
+             mesh: Mesh | None = None, offload: bool = False) -> LoadedModel:
     """Loads the LLM (default: the embedded SmolLM2-135M-Instruct GGUF) and its tokenizer.
 
     With a ``mesh``, each tensor goes straight onto its shards as it is read (no device, and
-    no host, holds the whole model on the way).
+    no host, holds the whole model on the way); with ``offload`` on one device, the layers go straight
+    to pinned host memory (``jaxspec.parallel.offload.host_placer``).
     """
     from models.loading import default_model_path, load_checkpoint  # noqa: PLC0415
     from models.tokenizer import load_tokenizer  # noqa: PLC0415
@@ -42,6 +43,10 @@ def load_llm(path: str | None, dtype: str = "float32", with_tokenizer: bool = Tr
         from jaxspec.parallel.sharding import placer  # noqa: PLC0415
 
         place = placer(mesh, f"LLM {Path(path).name}")
+    elif offload:
+        from jaxspec.parallel.offload import host_placer  # noqa: PLC0415
+
+        place = host_placer
     cfg, params = load_checkpoint(path, dtype, place)
     tok = load_tokenizer(path) if with_tokenizer else None
     if tok is not None and not cfg.eos_token_ids and tok.eos_token_id is not None:
