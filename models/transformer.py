@@ -139,7 +139,10 @@ class Transformer(nn.Module):
                 embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, axes.EMBED)),
                 name="pos_embed",
             )
-            x = x + pos_table(positions + OPT_POSITION_OFFSET)
+            # Only speculated nodes can sit past the table (the engine commits at most its length), but their
+            # rows must stay finite: an out-of-range lookup gives NaN, and a NaN K/V in a masked slot still
+            # poisons attention (0 * NaN). Clamped, they read the last row and are never committed.
+            x = x + pos_table(jnp.minimum(positions, cfg.max_position_embeddings - 1) + OPT_POSITION_OFFSET)
         if self.layer_stack is not None:
             # layer_stack(layers [L, ...], x, cache, positions, mask) -> (x, cache with the new K/V written)
             x, cache = self.layer_stack(self.variables["params"]["layers"], x, cache, positions, mask)

@@ -185,3 +185,16 @@ def test_the_engine_keeps_one_copy_of_the_llms_weights():
     held = live() - base
     assert engine.llm.params is None and held <= 1.1 * size, (held, size)
     assert engine.generate([1, 2, 3], 4).token_ids == want  # the engine alone still decodes
+
+
+def test_opt_trees_reaching_past_the_position_table_stay_exact():
+    """OPT's learned position table ends at the context: a request filling it drafts tree nodes past the last row.
+    Those nodes are never committed, but their K/V must stay finite or the row's attention turns to NaN and the
+    last tokens come out as 0 (issue 22). Tree decoding must equal incremental up to the last position."""
+    llm = tiny_model(seed=3, arch="opt", num_kv_heads=4, activation="relu", attention_bias=True,
+                     max_position_embeddings=24)
+    incremental = Engine(llm)
+    tree = Engine(llm, [early_exit(llm, 1)], (2, 2, 1))
+    for prompt in random_prompts(3, llm.cfg.vocab_size, seed=1, lo=8, hi=12):
+        n = llm.cfg.max_position_embeddings - len(prompt)  # the request fills the table exactly
+        assert tree.generate(prompt, n).token_ids == incremental.generate(prompt, n).token_ids
