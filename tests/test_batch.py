@@ -236,3 +236,18 @@ def test_an_uncalibrated_machine_guesses_tree_costs_without_compiling_them(llm, 
     assert engine.compilations == compiled  # guessing compiled nothing
     costs = engine.calibrate(greedy, batch.capacity_buckets[0], batch=1)  # measured and stored
     assert BatchEngine(engine, max_batch=2, max_model_len=64)._anchor(greedy)["ssm"] == costs["ssm"] / costs["none"]
+
+
+def test_sampled_requests_on_a_dynamic_tree_fit_the_cache():
+    """A sampled request drafts a dynamic tree's fixed fallback (13 nodes for dynamic:9:3:4), more slots than the
+    dynamic budget: the capacity rule must count it, or a row near a capacity bucket's end writes past it
+    (RuntimeError before, issue 22)."""
+    from jaxspec.decoding.tree import DynamicTree
+
+    llm = tiny_model(seed=3)
+    engine = Engine(llm, [early_exit(llm, 1)], DynamicTree(9, 3, 4))
+    assert engine.step_bounds()[0] == 13
+    for length in (228, 236, 244):  # committed lengths that end a step just short of the 256-slot bucket
+        prompt = [int(t) for t in np.random.default_rng(length).integers(1, llm.cfg.vocab_size, length)]
+        out = engine.generate(prompt, 30, sampling.SamplingParams(0.8, seed=1))
+        assert len(out.token_ids) == 30

@@ -245,12 +245,11 @@ class BatchEngine:
         self.verbose = verbose
         self.eager = eager
         self.buckets = tuple(b for b in PREFILL_BUCKETS if b < prefill_chunk) + (prefill_chunk,)
-        worst = engine._worst()
-        self._max_emit = worst.max_emit  # most tokens one iteration commits per row (any family member)
-        self._max_nodes = worst.num_nodes  # most cache slots one iteration writes per row
+        # most cache slots one iteration writes per row, most tokens it commits (any member, greedy or sampled)
+        self._max_nodes, self._max_emit = engine.step_bounds()
         # Every write fits by construction: a row holds < max_model_len committed tokens before a
         # step that writes num_nodes more; a prefill chunk ends within a bucket.
-        self.max_capacity = max_model_len + max(worst.num_nodes + worst.max_emit, self.buckets[-1])
+        self.max_capacity = max_model_len + max(self._max_nodes + self._max_emit, self.buckets[-1])
         self.row_buckets = batch_buckets(max_batch)
         self.capacity_buckets = capacity_buckets(self.max_capacity)
         self.vocab = engine.llm.cfg.vocab_size

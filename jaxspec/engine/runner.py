@@ -326,9 +326,11 @@ class Runner:
         return self._injected_costs is None
 
     # -- state ------------------------------------------------------------------------
-    def _worst(self) -> DecodeConfig:
-        family = self.family(sampling.SamplingParams()).values()
-        return max(family, key=lambda c: (c.num_nodes + c.max_emit, c.num_nodes))
+    def step_bounds(self) -> tuple[int, int]:
+        """(most cache slots, most committed tokens) one step writes per row, over every member greedy or
+        sampled: a sampled request drafts a dynamic tree's fixed fallback, which can outgrow its budget."""
+        family = [*self.family(sampling.SamplingParams()).values(), *self.family(sampling.MIXED).values()]
+        return max(c.num_nodes for c in family), max(c.max_emit for c in family)
 
     def init_state(self, batch: int, capacity: int, params: sampling.SamplingParams | sampling.WarpSpec,
                    active: bool = True) -> DecodeState:
