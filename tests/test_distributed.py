@@ -237,6 +237,28 @@ def test_killed_peer_ends_the_others_with_a_clear_error(tiny_checkpoint, tmp_pat
     assert "Traceback" not in stderr
 
 
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_failure_inside_the_loop_ends_every_process(tiny_checkpoint, tmp_path, failing) -> None:
+    """A decoding step that raises on one process (process 0 or a follower): that process exits with one line
+    naming the failure, the other within the heartbeat timeout naming the lost peer; nobody hangs (issue 22)."""
+    args = [*generate_args(tiny_checkpoint, "--mode", "incremental", "--mesh", "tensor=2"),
+            "--max-new-tokens", "200", "--heartbeat-timeout", "5"]
+    port = free_port()
+    procs = []
+    for i in range(2):
+        cmd = [sys.executable, str(Path(__file__).with_name("fault_worker.py")), *args,
+               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+        with open(tmp_path / f"{i}.out", "w") as out, open(tmp_path / f"{i}.err", "w") as err:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
+                                          env=dict(_env(1), JAXSPEC_TEST_FAULT=f"{failing}:5")))
+    results = finish(procs, tmp_path, 240)
+    own, other = results[failing], results[1 - failing]
+    assert own[0] == distributed.FAILED_EXIT, own[2][-2000:]
+    assert f"jaxspec: error: process {failing} of 2: a decoding step failed (RuntimeError: injected fault" in own[2]
+    assert other[0] == distributed.LOST_PEER_EXIT and "jaxspec: error:" in other[2], other[2][-2000:]
+    assert "Traceback" not in own[2] + other[2]
+
+
 def test_missing_peer_times_out_with_a_clear_error(capsys) -> None:
     """Process 0 of 2 whose peer never starts: one error line after --init-timeout, no hang."""
     proc = subprocess.run(_cmd("generate", "--prompt", PROMPT, "--coordinator", f"127.0.0.1:{free_port()}",

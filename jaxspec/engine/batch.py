@@ -201,6 +201,8 @@ class LoopSync:
     ``fresh_costs``: every process measures auto's costs itself (the measuring steps are
     collectives, so no process may skip them by reading a cached calibration). ``local``:
     this process's own submissions and cancellations take effect at once (nothing to announce).
+    ``failed`` hears every failure inside the loop: one process fails the requests concerned and
+    goes on; in a multi-process run no process may go on alone, so the run ends.
     """
 
     fresh_costs = False
@@ -211,6 +213,9 @@ class LoopSync:
 
     def agree_pick(self, name: str, names: list[str]) -> str:
         return name
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        """Called before the loop handles a failure locally; a multi-process sync ends the process here."""
 
 
 class BatchEngine:
@@ -462,14 +467,18 @@ class BatchEngine:
     # -- the loop ---------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         """The engine loop (its own thread) until ``stop``; then cancels what is in flight."""
-        while True:
-            if self.sync.exchange(self, stop.is_set()):
-                break
-            if self.idle():
-                self.wake.wait(0.05)
-                self.wake.clear()
-                continue
-            self.step()
+        try:
+            while True:
+                if self.sync.exchange(self, stop.is_set()):
+                    break
+                if self.idle():
+                    self.wake.wait(0.05)
+                    self.wake.clear()
+                    continue
+                self.step()
+        except Exception as exc:
+            self.sync.failed("the scheduling loop", exc)
+            raise
         self.cancel_all("cancelled")
 
     def cancel_all(self, reason: str) -> None:
@@ -541,6 +550,7 @@ class BatchEngine:
             try:
                 fed = self._admit()
             except Exception as exc:  # noqa: BLE001 — one request's failure must not stop the others
+                self.sync.failed("admitting a request", exc)
                 st, self.staging, self._staged = self.staging, None, []
                 if st is not None:
                     _deliver(st.on_event, Event(st.ticket.request.id, [], "error", f"{type(exc).__name__}: {exc}"))
@@ -555,6 +565,7 @@ class BatchEngine:
         try:
             self._decode()
         except Exception as exc:  # noqa: BLE001 — fail the batch's requests, keep serving
+            self.sync.failed("a decoding step", exc)
             self._pending = None
             self.state = self.engine.init_state(self.rows, self.capacity, sampling.MIXED, active=False)
             slots, self.slots = self.slots, []
@@ -654,6 +665,7 @@ class BatchEngine:
         try:
             self._emit(slot, [first])
         except Exception as exc:  # noqa: BLE001
+            self.sync.failed("emitting a first token", exc)
             if slot.row >= 0:
                 self._retire(slot, "error", error=f"{type(exc).__name__}: {exc}")
         return size
@@ -809,6 +821,7 @@ class BatchEngine:
             try:
                 self._emit(slot, [int(t) for t in emitted[i, : int(num[i])]], it.name)
             except Exception as exc:  # noqa: BLE001 — e.g. a stop matcher that raised: fail this request only
+                self.sync.failed("emitting tokens", exc)
                 if slot.row >= 0:
                     self._retire(slot, "error", error=f"{type(exc).__name__}: {exc}")
         if self.on_iteration is not None and live:

@@ -35,6 +35,7 @@ DEFAULT_INIT_TIMEOUT = 60  # seconds to wait for every process to join
 DEFAULT_HEARTBEAT_TIMEOUT = 15  # seconds without a heartbeat before a peer counts as dead
 POLL_SECONDS = 1.0  # watchdog period
 LOST_PEER_EXIT = 3  # exit status of a process whose peer is gone
+FAILED_EXIT = 1  # exit status of a process that failed inside the multi-process loop
 IN_PROCESS_BENCHES = ("speculative", "coverage", "step-costs")  # bench kinds that run their engines in-process
 # the other benches start child processes, train-ssm is single-process
 MULTI_PROCESS_COMMANDS = ("generate", "serve", *(f"bench {kind}" for kind in IN_PROCESS_BENCHES))
@@ -266,6 +267,18 @@ def lost_peer(exc: BaseException) -> str | None:
     return None
 
 
+def fail_run(what: str, exc: BaseException) -> None:
+    """Ends this process of a multi-process run at a failure inside the loop: the processes run in lockstep,
+    so none may go on alone; the others see it gone and stop within the heartbeat timeout (their watchdog)."""
+    cluster = active()
+    where = f"process {cluster.process_id} of {cluster.num_processes}" if cluster else "this process"
+    lost = lost_peer(exc)  # a collective broken by a peer that ended first
+    if lost is not None:
+        _die(f"{where}: {lost}; the multi-process run stops")
+    _die(f"{where}: {what} failed ({type(exc).__name__}: {_first_line(exc)}); the multi-process run stops",
+         FAILED_EXIT)
+
+
 def exit_lost_peer(message: str) -> None:
     """Reports ``message`` and exits at once (skipping jax's shutdown barrier, which waits for the dead peer)."""
     _die(message)
@@ -288,6 +301,9 @@ def loop_sync() -> Any:
 
         def agree_pick(self, name: str, names: list[str]) -> str:
             return agree_pick(name, names)
+
+        def failed(self, what: str, exc: BaseException) -> None:
+            fail_run(what, exc)
 
     return LockstepSync()
 
@@ -335,6 +351,9 @@ class _ServerSync:
 
     def agree_pick(self, name: str, names: list[str]) -> str:
         return agree_pick(name, names)
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        fail_run(what, exc)
 
 
 class LeaderSync(_ServerSync):
