@@ -479,6 +479,50 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
         spec.stop()
 
 
+@pytest.mark.parametrize("flags", [("--mode", "auto"),  # the default speculators, auto's lazy trees
+                                   ("--mode", "tree", "--expansion", "1,2,1")],  # the default pool, fixed tree
+                         ids=["auto", "tree"])
+def test_auto_and_tree_servers_keep_greedy_output_through_streams_stops_and_disconnects(server, tmp_path, flags):
+    """Speculating servers (auto, and a fixed tree of the default pool) answer the incremental server's greedy
+    text alone, four at once beside sampled requests, streamed, cut by a stop string, and right after a client
+    dropped a speculating stream; every iteration the metrics count ran a member of the family (issue 22)."""
+    spec = Server(tmp_path / "spec.log", flags)
+    try:
+        prompts = PROMPTS[:3] + ["Count from one to twenty, separated by commas."]
+        want = [chat(server, p, 24, temperature=0).choices[0].message.content for p in prompts]
+        assert [chat(spec, p, 24, temperature=0).choices[0].message.content for p in prompts] == want
+
+        def mixed(k: int) -> str | None:
+            if k % 2:  # a sampled request sharing the batch
+                chat(spec, PROMPTS[4 + k // 2], 24, temperature=0.9, seed=k)
+                return None
+            return chat(spec, prompts[k // 2], 24, temperature=0).choices[0].message.content
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(mixed, range(8), timeout=600))
+        assert together[0::2] == want
+        pieces, finish, _ = streamed(chat(spec, prompts[3], 24, temperature=0, stream=True))
+        assert "".join(pieces) == want[3] and finish[0] in ("stop", "length")
+        stop = want[3][len(want[3]) // 2:][:3]
+        assert stop.strip(), want[3]
+        cut = chat(spec, prompts[3], 24, temperature=0, stop=[stop])
+        assert cut.choices[0].message.content == want[3][:want[3].index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+        stream = complete(spec, LONG, 200, temperature=0, stream=True)
+        for received, _ in enumerate(stream, 1):
+            if received == 3:
+                break
+        stream.close()
+        wait_for(lambda: counter(spec.metrics(), "jaxspec_requests_total", outcome="cancelled") >= 1,
+                 "the dropped stream's cancellation")
+        assert chat(spec, prompts[0], 24, temperature=0).choices[0].message.content == want[0]
+        ran = {dict(labels)["tree"] for (name, labels), v in spec.metrics().items()
+               if name == "jaxspec_iterations_total" and v > 0}
+        family = {"none", "ssm", "ngram", "ssm+ngram"} if flags[1] == "auto" else {"tree"}
+        assert ran and ran <= family, ran
+    finally:
+        spec.stop()
+
+
 @pytest.mark.slow
 def test_64_concurrent_streams_lose_nothing(server):
     """64 streaming clients at once (MAX_BATCH slots, the rest queued): each gets its whole greedy output, its usage
