@@ -11,6 +11,12 @@ drafter's own predicted state of the parent node in place of the LLM's.
 Parameters: ``fc`` [2D, D] (token embedding ‖ feature -> D), ``layer_0`` (one block of the
 LLM's architecture) are the drafter's own; ``embed`` (and ``lm_head`` when untied) are the
 LLM's, frozen, so a drafter checkpoint stores ``fc`` and ``layer_0`` only.
+
+The fused form (EAGLE-3; ``feature_layers`` = k >= 2 block indices of the LLM) reads the
+outputs of those blocks side by side, [k·D], instead of the final-norm state: ``fuse``
+[k·D, D] projects them to one state. Deeper levels read the drafter's own block output
+(width D), so the width of what a call is fed says which it is. Its own ``norm`` precedes the
+head, since its states are no longer trained to match the LLM's final-norm ones.
 """
 
 from __future__ import annotations
@@ -23,10 +29,30 @@ import jax.numpy as jnp
 
 from models import axes
 from models.config import ModelConfig, ModelConfigError
-from models.layers import Dense
+from models.layers import Dense, RMSNorm
 from models.transformer import Block, KVCache, output_head, write_kv
 
 OWN = ("fc", "layer_0")  # the drafter's trained parameters; the rest are the LLM's
+FUSED_OWN = ("fuse", "fc", "layer_0", "norm")  # the fused form's
+
+
+def own_names(feature_layers: tuple[int, ...]) -> tuple[str, ...]:
+    """The parameters a drafter of this form trains and stores (the rest are the LLM's)."""
+    return FUSED_OWN if feature_layers else OWN
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high taps: blocks 1, L/2 - 1 and L - 4 (0-based; their outputs)."""
+    return tuple(sorted({min(1, num_layers - 1), max(num_layers // 2 - 1, 0), max(num_layers - 4, 0)}))
+
+
+def check_feature_layers(layers: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """``layers`` as a sorted tuple, or ModelConfigError: >= 2 distinct blocks of the LLM (or none)."""
+    out = tuple(sorted({int(i) for i in layers}))
+    if out and (len(out) < 2 or out[0] < 0 or out[-1] >= num_layers):
+        raise ModelConfigError(f"fused features need >= 2 distinct LLM blocks in [0, {num_layers}), "
+                               f"got {list(layers)}")
+    return out
 
 
 def drafter_config(llm: ModelConfig) -> ModelConfig:
@@ -42,11 +68,21 @@ class FeatureDrafter(nn.Module):
     cfg: ModelConfig  # ``drafter_config(llm)``
     dtype: jnp.dtype = jnp.float32
     draft_vocab: int = 0
+    feature_layers: tuple[int, ...] = ()  # the fused form's LLM blocks (empty: the final-norm form)
 
     @nn.compact
     def __call__(self, tokens, features, positions, cache: KVCache, mask, select=None):
-        # tokens, positions [B, T]; features [B, T, D] (f_{p-1} per slot); mask [B, T, S]; select [B, T'] or None
+        # tokens, positions [B, T]; features [B, T, D] (f_{p-1} per slot; the fused form: [B, T, k·D] from the
+        # LLM, or [B, T, D] its own states); mask [B, T, S]; select [B, T'] or None
         cfg = self.cfg
+        k = len(self.feature_layers)
+        if k:
+            fuse = Dense((k * cfg.hidden_size,), (cfg.hidden_size,), (None,), (axes.EMBED,), False, self.dtype,
+                         name="fuse")
+            if features.shape[-1] == k * cfg.hidden_size:  # the LLM's blocks: each scaled to unit RMS, then fused
+                parts = features.astype(jnp.float32).reshape(*features.shape[:-1], k, cfg.hidden_size)
+                parts = parts * jax.lax.rsqrt(jnp.mean(jnp.square(parts), -1, keepdims=True) + cfg.rms_norm_eps)
+                features = fuse(parts.reshape(features.shape).astype(self.dtype))  # [B, T, D]
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                          embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
                                                                      (axes.VOCAB, axes.EMBED)),
@@ -59,16 +95,18 @@ class FeatureDrafter(nn.Module):
         cache = write_kv(cache, k_new[None], v_new[None])
         if select is not None:
             x = jnp.take_along_axis(x, select[:, :, None], axis=1)  # [B, T', D]
-        logits = output_head(self, cfg, x, embed.embedding, self.draft_vocab, False)
+        h = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x) if k else x
+        logits = output_head(self, cfg, h, embed.embedding, self.draft_vocab, False)
         return logits, cache, x
 
 
 DraftForward = Callable[..., tuple[jax.Array, KVCache, jax.Array]]
 
 
-def make_drafter_forward(cfg: ModelConfig, dtype=jnp.float32, draft_vocab: int = 0) -> DraftForward:
+def make_drafter_forward(cfg: ModelConfig, dtype=jnp.float32, draft_vocab: int = 0,
+                         feature_layers: tuple[int, ...] = ()) -> DraftForward:
     """``forward(params, tokens, features, positions, cache, mask, select=None) -> (logits, cache, states)``."""
-    model = FeatureDrafter(cfg, dtype, draft_vocab)
+    model = FeatureDrafter(cfg, dtype, draft_vocab, tuple(feature_layers))
 
     def forward(params, tokens, features, positions, cache, mask, select=None):
         return model.apply({"params": params}, tokens, features, positions, cache, mask, select)
@@ -76,24 +114,28 @@ def make_drafter_forward(cfg: ModelConfig, dtype=jnp.float32, draft_vocab: int =
     return forward
 
 
-def param_tree(cfg: ModelConfig, seed: int = 0) -> dict:
+def param_tree(cfg: ModelConfig, seed: int = 0, feature_layers: tuple[int, ...] = ()) -> dict:
     """A randomly initialised drafter parameter tree (unboxed): the exact tree a loader must produce."""
     cache = KVCache.create(cfg, 1, 4)
     tok = jnp.zeros((1, 1), jnp.int32)
-    feats = jnp.zeros((1, 1, cfg.hidden_size))
-    return nn.meta.unbox(FeatureDrafter(cfg).init(jax.random.PRNGKey(seed), tok, feats, tok, cache,
-                                                  jnp.ones((1, 1, 4), bool))["params"])
+    feats = jnp.zeros((1, 1, cfg.hidden_size * max(len(feature_layers), 1)))
+    return nn.meta.unbox(FeatureDrafter(cfg, feature_layers=tuple(feature_layers)).init(
+        jax.random.PRNGKey(seed), tok, feats, tok, cache, jnp.ones((1, 1, 4), bool))["params"])
 
 
-def init_drafter(cfg: ModelConfig, llm_params: dict, seed: int = 0) -> dict:
+def init_drafter(cfg: ModelConfig, llm_params: dict, seed: int = 0, feature_layers: tuple[int, ...] = ()) -> dict:
     """A fresh drafter on the LLM's embedding/head that starts as "predict f_p = f_{p-1}".
 
     ``fc`` passes the feature half through (small noise on the token half) and ``layer_0``'s
     output projections start at zero, so the block is the identity: training begins from a
-    drafter whose states are already on the LLM's scale instead of from noise.
+    drafter whose states are already on the LLM's scale instead of from noise. The fused form's
+    ``fuse`` starts as the mean of its k blocks' outputs.
     """
     d = cfg.hidden_size
-    params = param_tree(cfg, seed)
+    params = param_tree(cfg, seed, feature_layers)
+    if feature_layers:
+        k = len(feature_layers)
+        params["fuse"]["kernel"] = jnp.tile(jnp.eye(d, dtype=params["fuse"]["kernel"].dtype), (k, 1)) / k
     fc = params["fc"]["kernel"] * 0.1  # [2D, D]
     params["fc"]["kernel"] = fc.at[d:].set(jnp.eye(d, dtype=fc.dtype))
 
@@ -106,3 +148,10 @@ def init_drafter(cfg: ModelConfig, llm_params: dict, seed: int = 0) -> dict:
         if name in llm_params:
             params[name] = llm_params[name]
     return params
+
+
+def head_states(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """What the head reads from drafter states h [..., D]: the fused form's own ``norm`` of them, else h."""
+    if "norm" not in params:
+        return h
+    return RMSNorm(cfg.rms_norm_eps, h.dtype).apply({"params": params["norm"]}, h)

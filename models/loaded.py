@@ -24,20 +24,24 @@ class LoadedModel:
     tokenizer: object | None = None
     draft_vocab: int = 0  # > 0: a drafting SSM whose params carry a reduced head (``jaxspec.speculators.draft_vocab``)
     features: bool = False  # a feature drafter (``models.drafter``): reads the LLM's states, not a Transformer
+    feature_layers: tuple[int, ...] = ()  # a fused feature drafter's LLM blocks (empty: the final-norm state)
 
     @property
     def forward(self) -> Forward:
-        return forward_for(self.cfg, jnp.dtype(self.dtype), draft_vocab=self.draft_vocab, drafter=self.features)
+        return forward_for(self.cfg, jnp.dtype(self.dtype), draft_vocab=self.draft_vocab, drafter=self.features,
+                           feature_layers=self.feature_layers)
 
 
 _FORWARDS: dict = {}
 
 
 def forward_for(cfg: ModelConfig, dtype, unrolled: bool = False, draft_vocab: int = 0,
-                 hidden: bool = False, drafter: bool = False) -> Forward:
-    """One forward per configuration: a Transformer's, or a feature drafter's (``drafter``)."""
-    key = (cfg, dtype, unrolled, draft_vocab, hidden, drafter)
+                 hidden: bool | tuple[int, ...] = False, drafter: bool = False,
+                 feature_layers: tuple[int, ...] = ()) -> Forward:
+    """One forward per configuration: a Transformer's (``hidden``: the states a feature drafter reads), or a
+    feature drafter's (``drafter``; ``feature_layers``: its fused form)."""
+    key = (cfg, dtype, unrolled, draft_vocab, hidden, drafter, tuple(feature_layers))
     if key not in _FORWARDS:
-        _FORWARDS[key] = (make_drafter_forward(cfg, dtype, draft_vocab) if drafter
+        _FORWARDS[key] = (make_drafter_forward(cfg, dtype, draft_vocab, tuple(feature_layers)) if drafter
                           else make_forward(cfg, dtype, unrolled, draft_vocab, hidden))
     return _FORWARDS[key]

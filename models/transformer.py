@@ -112,7 +112,9 @@ class Transformer(nn.Module):
     unrolled: bool = False
     layer_stack: Callable | None = None  # runs the stacked ``layers`` instead (models.pipeline, jaxspec.parallel.offload)
     draft_vocab: int = 0  # > 0: logits over a reduced vocabulary (``with_draft_head``), -inf elsewhere
-    hidden: bool = False  # also return the final-norm hidden states of every token (a feature drafter reads them)
+    # also return every token's states for a feature drafter: True = the final-norm state [B, T, D]; a tuple of
+    # layer indices = those blocks' outputs concatenated [B, T, k·D] (EAGLE-3's low/middle/high fusion; unrolled only)
+    hidden: bool | tuple[int, ...] = False
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache, mask, select=None):
@@ -149,6 +151,7 @@ class Transformer(nn.Module):
         elif self.unrolled:
             # Each layer writes its new K/V into the cache first, then attends over its slice:
             # a write precedes the reads of its layer, so XLA updates the donated cache in place.
+            taps = {}  # layer index -> its output [B, T, D] (fused features)
             for i in range(cfg.num_layers):
                 def store(k, v, i=i):  # k, v [B, T, K, H] -> this layer's [B, K, S, H], new tokens included
                     nonlocal cache
@@ -157,6 +160,7 @@ class Transformer(nn.Module):
 
                 x, _ = Block(cfg, self.dtype, True, name=f"layer_{i}")(x, None, None, positions, mask, cache.length,
                                                                       store)
+                taps[i] = x
         else:
             blocks = nn.scan(
                 Block,
@@ -181,13 +185,17 @@ class Transformer(nn.Module):
             return x
 
         features = None
-        if self.hidden:  # every token's final-norm state [B, T, D], normed before ``select``
-            if cfg.arch == "opt":
-                raise ModelConfigError("feature drafters read LLaMA/Qwen-style final-norm states; OPT is not supported")
+        if self.hidden and cfg.arch == "opt":
+            raise ModelConfigError("feature drafters read LLaMA/Qwen-style states; OPT is not supported")
+        if isinstance(self.hidden, tuple):  # [B, T, k·D]: the chosen blocks' outputs, side by side
+            if not self.unrolled or self.layer_stack is not None:
+                raise ModelConfigError("fused features are read from the unrolled decoding layout only")
+            features = jnp.concatenate([taps[i] for i in self.hidden], axis=-1)
+        elif self.hidden:  # every token's final-norm state [B, T, D], normed before ``select``
             x = features = final(x)
         if select is not None:
             x = jnp.take_along_axis(x, select[:, :, None], axis=1)  # [B, T', D]
-        if features is None:
+        if features is None or isinstance(self.hidden, tuple):
             x = final(x)
         logits = output_head(self, cfg, x, embed.embedding, self.draft_vocab, self.unrolled)
         if self.hidden:
@@ -227,12 +235,13 @@ Forward = Callable[..., tuple[jax.Array, KVCache]]
 
 
 def make_forward(cfg: ModelConfig, dtype=jnp.float32, unrolled: bool = False, draft_vocab: int = 0,
-                 hidden: bool = False) -> Forward:
+                 hidden: bool | tuple[int, ...] = False) -> Forward:
     """Returns ``forward(params, tokens, positions, cache, mask, select=None) -> (logits, cache)``.
 
     ``unrolled`` takes ``decoding_layout(params)`` and loops over the layers in the graph;
     ``draft_vocab`` takes ``with_draft_head(params, ...)`` and scores only those tokens;
-    ``hidden`` returns ``(logits, cache, features [B, T, D])``, every token's final-norm state.
+    ``hidden`` returns ``(logits, cache, features)``: every token's final-norm state [B, T, D] (True), or
+    the outputs of the given blocks side by side [B, T, k·D] (a tuple of layer indices, ``unrolled`` only).
     """
     model = Transformer(cfg, dtype, unrolled, draft_vocab=draft_vocab, hidden=hidden)
 

@@ -67,6 +67,17 @@ class DrafterConfig:
     eval_every: int = 250
     checkpoint_every: int = 50
     max_minutes: float = 0.0  # > 0: stop (and save) after this long; rerun to resume
+    # the fused form (EAGLE-3; training.fused): set feature_layers ([] picks low/middle/high blocks)
+    feature_layers: list[int] | None = None
+    ttt_steps: int = 3  # unrolled drafting steps per position, each on the previous step's own states
+    ttt_decay: float = 0.8  # loss weight of step j: ttt_decay ** (j - 1)
+    soft_weight: float = 0.5  # CE against the LLM's top-K distribution (the rest: against its argmax)
+    top_k: int = 8  # soft targets kept per token in the feature cache
+    cache_dir: str = "runs/features/sharegpt"  # the feature cache of the training rows
+    eval_cache_dir: str = "runs/features/held"  # ... of the held-out rows
+    cache_dtype: str = "bfloat16"
+    build_minutes: float | None = None  # None: cache every row first; a number: at most this long (0: as is)
+    init_from: str | None = None  # warm start: a drafter directory whose fc / layer_0 shapes match
 
     @classmethod
     def load(cls, path: str | None, overrides: Sequence[str] = ()) -> "DrafterConfig":
@@ -172,8 +183,12 @@ def train_drafter(cfg: DrafterConfig, export_only: bool = False) -> Path:
     """Runs (or resumes) a drafter training run; writes the drafter directory ``cfg.out``/drafter.
 
     ``export_only`` writes the drafter of the latest checkpoint without training (a run still going
-    can be tried out).
+    can be tried out). A config with ``feature_layers`` trains the fused form (``training.fused``).
     """
+    if cfg.feature_layers is not None:
+        from training.fused import train_fused  # noqa: PLC0415
+
+        return train_fused(cfg, export_only)
     from jaxspec.speculators.draft_vocab import read_counts  # noqa: PLC0415
     from jaxspec.speculators.pool import llm_identity  # noqa: PLC0415
     from training.llm import load_llm  # noqa: PLC0415

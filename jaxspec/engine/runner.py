@@ -117,9 +117,19 @@ class Runner:
         # one layout of the weights, built straight from the loaded tree (no intermediate copy)
         self._llm_params = None if self.stacked else decoding_layout(llm.params) if unroll else llm.params
         self.features = any(getattr(s, "features", False) for s in ssms)  # a feature drafter reads the LLM's states
+        taps = {tuple(getattr(s, "feature_layers", ())) for s in ssms if getattr(s, "features", False)}
+        if len(taps) > 1:
+            raise RequestError("feature drafters reading different LLM blocks cannot share one engine: "
+                               f"{', '.join(str(list(t)) or 'final norm' for t in sorted(taps))}")
+        # what the LLM hands its feature drafters: the final-norm state (True) or the fused blocks' outputs
+        self.feature_layers = next(iter(taps), ())
+        self.feature_width = llm.cfg.hidden_size * max(len(self.feature_layers), 1)
         if self.features and (mesh is not None or offload):
             raise RequestError("feature drafters run on one device for now: drop --mesh/--offload or the drafter")
-        self._llm_forward = forward_for(llm.cfg, jnp.dtype(llm.dtype), unroll, hidden=self.features)
+        if self.feature_layers and not unroll:
+            raise RequestError("a fused feature drafter reads the LLM's blocks in the unrolled layout: keep unroll")
+        self._llm_forward = forward_for(llm.cfg, jnp.dtype(llm.dtype), unroll,
+                                        hidden=self.feature_layers or self.features)
         self.ngram = ngrams[0] if ngrams else None
         ngram_expansion = next((e for s, e in zip(ssms, expansions) if s is self.ngram), ())
         if isinstance(ngram_expansion, DynamicTree):
@@ -352,7 +362,7 @@ class Runner:
                     key=jax.vmap(jax.random.PRNGKey)(seeds),
                     values=values,
                     active=active,
-                    features=(jnp.zeros((batch, capacity, self.llm.cfg.hidden_size), dt) if self.features else None),
+                    features=(jnp.zeros((batch, capacity, self.feature_width), dt) if self.features else None),
                 )
 
             self._compiled[key] = jax.jit(init)

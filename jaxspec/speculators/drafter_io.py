@@ -5,6 +5,9 @@ trained against: vocabulary size and tokenizer digest, its default draft vocabul
 ``drafter.safetensors`` (its own tensors: ``fc`` and ``layer_0``; the embedding and head are
 the LLM's, taken at load time) and ``token_counts.safetensors`` (the LLM's greedy tokens seen
 in training, which pick the draft vocabulary). ``training.drafter`` writes it.
+
+Format 2 is the fused form (EAGLE-3): ``feature_layers`` names the LLM blocks it reads and its
+own tensors add ``fuse`` and ``norm``. Format 1 directories (the final-norm form) still load.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from jaxspec.speculators.draft_vocab import frequent_ids, read_counts, write_cou
 from models.loaded import LoadedModel
 from jaxspec.speculators.pool import DTYPES, PoolError, check_llm, config_from_dict, config_to_dict, read_json
 from models.config import ModelConfig
-from models.drafter import OWN, param_tree
+from models.drafter import check_feature_layers, own_names, param_tree
 from models.loading import flatten, unflatten
 from models.transformer import with_draft_head
 
 MANIFEST = "drafter.json"
 WEIGHTS = "drafter.safetensors"
-FORMAT = 1
+FORMAT = 2
+FORMATS = (1, 2)  # readable: 1 the final-norm form, 2 adds feature_layers (the fused form)
 
 
 def is_drafter(path: str | Path) -> bool:
@@ -36,8 +40,8 @@ def is_drafter(path: str | Path) -> bool:
 
 
 def save_drafter(directory: str | Path, cfg: ModelConfig, own: dict, llm_identity: dict, counts: np.ndarray,
-                 draft_vocab: int, run: dict, dtype: str = "bfloat16") -> Path:
-    """Writes a drafter directory from its own parameters (``fc``, ``layer_0``)."""
+                 draft_vocab: int, run: dict, dtype: str = "bfloat16", feature_layers: tuple[int, ...] = ()) -> Path:
+    """Writes a drafter directory from its own parameters (``models.drafter.own_names``)."""
     from safetensors.flax import save_file  # noqa: PLC0415
 
     d = Path(directory)
@@ -45,8 +49,9 @@ def save_drafter(directory: str | Path, cfg: ModelConfig, own: dict, llm_identit
     flat = {k: jnp.asarray(v, DTYPES[dtype]) for k, v in flatten(own).items()}
     save_file(flat, str(d / WEIGHTS))
     write_counts(d, counts)
-    manifest = {"format": FORMAT, "kind": "feature", "dtype": dtype, "config": config_to_dict(cfg),
-                "llm": llm_identity, "draft_vocab": int(draft_vocab), "file": WEIGHTS, "run": run}
+    manifest = {"format": FORMAT if feature_layers else 1, "kind": "feature", "dtype": dtype,
+                "config": config_to_dict(cfg), "llm": llm_identity, "draft_vocab": int(draft_vocab), "file": WEIGHTS,
+                **({"feature_layers": [int(i) for i in feature_layers]} if feature_layers else {}), "run": run}
     (d / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
     return d
 
@@ -55,7 +60,7 @@ def read_drafter_manifest(path: str | Path) -> dict:
     """The parsed ``drafter.json`` of a drafter directory, or PoolError saying what is wrong."""
     p = Path(path).expanduser()
     manifest = read_json(p, MANIFEST, "feature drafter")
-    if manifest.get("format") != FORMAT or manifest.get("kind") != "feature":
+    if manifest.get("format") not in FORMATS or manifest.get("kind") != "feature":
         raise PoolError(f"{p / MANIFEST}: unsupported drafter format")
     return manifest
 
@@ -80,9 +85,15 @@ def load_drafter(path: str | Path, llm: LoadedModel, dtype: str = "float32",
                         f"not {llm.name!r} (width {llm.cfg.hidden_size})")
     if not (p / manifest["file"]).is_file():
         raise PoolError(f"drafter {p}: {manifest['file']} is missing")
+    try:
+        layers = check_feature_layers(tuple(manifest.get("feature_layers") or ()), llm.cfg.num_layers)
+    except ValueError as e:
+        raise PoolError(f"drafter {p}: {e}") from None
     flat = {k: v.astype(DTYPES[dtype]) for k, v in load_file(str(p / manifest["file"])).items()}
     own = unflatten(flat)
-    expected = {k: v for k, v in flatten(jax.eval_shape(lambda: param_tree(cfg))).items() if k.split("/")[0] in OWN}
+    names = own_names(layers)
+    expected = {k: v for k, v in flatten(jax.eval_shape(lambda: param_tree(cfg, 0, layers))).items()
+                if k.split("/")[0] in names}
     if set(flat) != set(expected) or any(tuple(flat[k].shape) != tuple(expected[k].shape) for k in expected):
         raise PoolError(f"drafter {p}: its tensors do not match its config")
     params = {**own, "embed": {"embedding": jnp.asarray(llm.params["embed"]["embedding"], DTYPES[dtype])}}
@@ -95,4 +106,4 @@ def load_drafter(path: str | Path, llm: LoadedModel, dtype: str = "float32",
     else:
         size = 0
     return dataclasses.replace(LoadedModel(f"{p.name}", cfg, params, DTYPES[dtype], llm.tokenizer, size),
-                               features=True)
+                               features=True, feature_layers=layers)

@@ -1,0 +1,272 @@
+"""Training the fused feature drafter (EAGLE-3 style) from the feature cache, with a training-time test.
+
+The drafter reads the LLM's low, middle and high block outputs (``training.features``: computed
+once, on disk) and is trained as it drafts. Step 1 reads the LLM's fused states; step j > 1
+reads, at slot p, the drafter's own step-(j-1) state of slot p-1, exactly as draft level j
+reads its parent's predicted state. Attention follows the drafting too: at step j, slot p is
+level j of a tree rooted at r = p-j+1, so it sees step 1's keys up to r (the committed
+context, fed with the LLM's states) and, along its own chain, step i's key at slot r+i-1
+(i = 2..j). The loss of step j (weight ``ttt_decay``^(j-1)) is cross-entropy against the LLM's
+next-token distribution over the draft vocabulary: its top-K renormalised (``soft_weight``)
+and its argmax. Gradients flow through the unrolled steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import serialization
+from tqdm import tqdm
+
+from jaxspec.decoding.step import shift_features
+from jaxspec.speculators.draft_vocab import frequent_ids, read_counts
+from jaxspec.speculators.drafter_io import read_drafter_manifest, save_drafter
+from models.drafter import (check_feature_layers, default_feature_layers, drafter_config, head_states,
+                            init_drafter, make_drafter_forward, own_names)
+from models.transformer import KVCache
+from training.features import CacheSpec, FeatureCache, build_cache
+
+CHECKPOINT = "checkpoint.msgpack"
+LOG = "log.csv"
+CURVE = "acceptance.csv"
+
+
+def ttt_mask(t: int, j: int) -> jax.Array:
+    """[T, j·T] what slot p sees at step j: step 1's keys at slots <= p-j+1, step i's key at slot p-j+i."""
+    p = jnp.arange(t)[:, None]
+    q = jnp.arange(t)[None, :]
+    blocks = [q <= p - j + 1] + [q == p - j + i for i in range(2, j + 1)]
+    return jnp.concatenate(blocks, axis=1)
+
+
+def unrolled_states(draft, params: dict, dcfg, tokens: jax.Array, feats: jax.Array, steps: int) -> list[jax.Array]:
+    """The drafter's states [B, T, D] at each of ``steps`` training-time-test steps.
+
+    tokens [B, T] (pads >= 0 already), feats [B, T, k·D] the LLM's fused states at each slot.
+    """
+    b, t = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    fed = shift_features(feats)  # step 1: f_{p-1}
+    prev_k = prev_v = None  # [1, B, K, (j-1)T, H]: the earlier steps' keys and values
+    states = []
+    for j in range(1, steps + 1):
+        cache = KVCache.create(dcfg, b, j * t)
+        if prev_k is not None:
+            cache = cache.replace(k=cache.k.at[:, :, :, : (j - 1) * t].set(prev_k),
+                                  v=cache.v.at[:, :, :, : (j - 1) * t].set(prev_v),
+                                  length=jnp.full((b,), (j - 1) * t, jnp.int32))
+        mask = jnp.broadcast_to(ttt_mask(t, j)[None], (b, t, j * t))
+        _, cache, h = draft(params, tokens, fed, pos, cache, mask)
+        states.append(h)
+        prev_k, prev_v = cache.k, cache.v
+        fed = shift_features(h)  # step j+1 reads this step's state of the previous slot
+    return states
+
+
+def make_fused_step(dcfg, layers: tuple[int, ...], ids: jax.Array, cfg, opt):
+    """The jitted training step and evaluation over cache batches (tokens, feats, top_ids, top_logp)."""
+    draft = make_drafter_forward(dcfg, feature_layers=layers)
+    vocab = dcfg.vocab_size
+    slot = jnp.full((vocab,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
+
+    def losses(params, head, batch):
+        tokens, feats, top_ids, top_logp = batch["tokens"], batch["feats"], batch["top_ids"], batch["top_logp"]
+        t = tokens.shape[1]
+        valid = (tokens >= 0) & (jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)), constant_values=-1) >= 0)  # [B, T]
+        hard = slot[top_ids[..., 0]]  # [B, T] the LLM's argmax in the draft vocabulary (-1: outside)
+        soft_slots = slot[top_ids]  # [B, T, K]
+        w = jnp.where(soft_slots >= 0, jnp.exp(top_logp), 0.0)
+        w = w / jnp.maximum(w.sum(-1, keepdims=True), 1e-9)  # the top-K renormalised over the draft vocabulary
+        states = unrolled_states(draft, params, dcfg, jnp.maximum(tokens, 0), feats, cfg.ttt_steps)
+        out, total = {}, 0.0
+        for j, h in enumerate(states, 1):
+            logp = jax.nn.log_softmax(head_states(params, dcfg, h) @ head.T)  # [B, T, V']
+            ok = valid & (jnp.arange(t)[None, :] >= j - 1)  # slot p is level j of the tree rooted at p-j+1
+            scored = ok & (hard >= 0)
+            ce_hard = -jnp.take_along_axis(logp, jnp.maximum(hard, 0)[..., None], -1)[..., 0]
+            ce_soft = -(jnp.take_along_axis(logp, jnp.maximum(soft_slots, 0), -1) * w).sum(-1)
+            ce = ((1 - cfg.soft_weight) * ce_hard + cfg.soft_weight * ce_soft)
+            ce = (ce * scored).sum() / jnp.maximum(scored.sum(), 1)
+            total = total + cfg.ttt_decay ** (j - 1) * ce
+            out[f"ce_{j}"] = ce
+            out[f"top1_{j}"] = ((jnp.argmax(logp, -1) == hard) & scored).sum() / jnp.maximum(ok.sum(), 1)
+        return total, out
+
+    def step(own, frozen, head, opt_state, batch):
+        def loss_fn(own):
+            return losses({**frozen, **own}, head, batch)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(own)
+        updates, opt_state = opt.update(grads, opt_state, own)
+        return optax.apply_updates(own, updates), opt_state, {**metrics, "loss": loss}
+
+    def evaluate(own, frozen, head, batch):
+        return losses({**frozen, **own}, head, batch)[1]
+
+    return jax.jit(step, donate_argnums=(0, 3)), jax.jit(evaluate)
+
+
+def _warm_start(own: dict, directory: str, llm_params: dict, layers: tuple[int, ...]) -> dict:
+    """``own`` with every tensor of the drafter at ``directory`` whose name and shape match (fc, layer_0);
+    ``fuse`` then starts as the highest block's normalised output times the LLM's final-norm scale, i.e.
+    close to the final-norm state such a drafter read."""
+    from safetensors.numpy import load_file  # noqa: PLC0415
+
+    from models.loading import flatten, unflatten  # noqa: PLC0415
+
+    manifest = read_drafter_manifest(directory)
+    theirs = load_file(str(Path(directory) / manifest["file"]))
+    flat = flatten(own)
+    taken = [k for k in flat if k in theirs and tuple(theirs[k].shape) == tuple(flat[k].shape)]
+    for k in taken:
+        flat[k] = jnp.asarray(np.asarray(theirs[k], np.float32), flat[k].dtype)
+    if not taken:
+        raise ValueError(f"init_from {directory}: no tensor matches this drafter's shapes")
+    out = unflatten(flat)
+    if not manifest.get("feature_layers") and "final_norm" in llm_params:
+        d = out["fuse"]["kernel"].shape[1]
+        scale = jnp.asarray(llm_params["final_norm"]["scale"], jnp.float32)
+        kernel = jnp.zeros_like(out["fuse"]["kernel"]).at[(len(layers) - 1) * d:].set(jnp.diag(scale))
+        out["fuse"] = {"kernel": kernel}
+    tqdm.write(f"[train] warm start from {directory}: {len(taken)} tensors")
+    return out
+
+
+def _plot_curve(path: Path) -> None:
+    """acceptance.png next to acceptance.csv: held-out top-1 by draft level vs tokens trained."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return
+    levels = sorted(int(k.split("_")[1]) for k in rows[0] if k.startswith("top1_"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for j in levels:
+        ax.plot([r["tokens"] / 1e6 for r in rows], [r[f"top1_{j}"] for r in rows], marker="o", label=f"level {j}")
+    ax.set_xlabel("tokens trained (M)")
+    ax.set_ylabel("held-out top-1 agreement with the LLM")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=120)
+    plt.close(fig)
+
+
+def train_fused(cfg, export_only: bool = False) -> Path:
+    """Caches the LLM's features (what is missing), then trains (or resumes) the fused drafter on them."""
+    from jaxspec.speculators.pool import llm_identity  # noqa: PLC0415
+    from training.data import DataError  # noqa: PLC0415
+    from training.drafter import conversation_ids  # noqa: PLC0415
+    from training.llm import load_llm  # noqa: PLC0415
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    llm, source = load_llm(cfg.llm)
+    if llm.tokenizer is None:
+        raise DataError("drafter training reads chat text: the LLM needs a tokenizer")
+    layers = check_feature_layers(tuple(cfg.feature_layers) or default_feature_layers(llm.cfg.num_layers),
+                                  llm.cfg.num_layers)
+    dcfg = drafter_config(llm.cfg)
+    identity = llm_identity(llm, source)
+    vocab = llm.cfg.vocab_size
+    prior = read_counts(cfg.counts_from) if cfg.counts_from else None
+    if prior is None and cfg.draft_vocab:
+        raise DataError("the fused drafter picks its draft vocabulary from counts_from (a pool or drafter)")
+    ids = jnp.asarray(frequent_ids(prior, cfg.draft_vocab, vocab) if cfg.draft_vocab else np.arange(vocab))
+    counts = prior if prior is not None else np.ones(vocab, np.int64)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps,
+                                                  cfg.learning_rate * 0.1)
+    opt = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
+    names = own_names(layers)
+    params = init_drafter(dcfg, llm.params, cfg.seed, layers)
+    own = {k: params[k] for k in names}
+    frozen = {k: v for k, v in params.items() if k not in names}
+    head = frozen["embed"]["embedding"][ids] if dcfg.tie_word_embeddings else llm.params["lm_head"]["kernel"][:, ids].T
+    ckpt = out / CHECKPOINT
+    start = 0
+    if ckpt.exists():
+        state = serialization.from_bytes({"own": own, "opt": opt.init(own), "step": 0}, ckpt.read_bytes())
+        own, start = state["own"], int(state["step"])
+        opt_state = state["opt"]
+    else:
+        if cfg.init_from:
+            own = _warm_start(own, cfg.init_from, llm.params, layers)
+        opt_state = opt.init(own)
+    run = {"config": dataclasses.asdict(cfg), "feature_layers": list(layers)}
+
+    def export(step: int, extra: dict) -> Path:
+        return save_drafter(out / "drafter", dcfg, own, identity, counts, cfg.draft_vocab,
+                            {"steps": step, **run, **extra}, feature_layers=layers)
+
+    if export_only:
+        return export(start, {})
+    rows = conversation_ids(llm.tokenizer, cfg.num_conversations, cfg.seq_len, cfg.min_tokens)
+    spec = CacheSpec(layers, cfg.seq_len, cfg.cache_dtype, cfg.top_k)
+    build_cache(cfg.eval_cache_dir, llm, identity, rows[-cfg.eval_sequences:], spec)
+    if cfg.build_minutes is None or cfg.build_minutes > 0:
+        build_cache(cfg.cache_dir, llm, identity, rows[: -cfg.eval_sequences], spec,
+                    max_seconds=60 * (cfg.build_minutes or 0))
+    del llm
+    train, held = FeatureCache(cfg.cache_dir, require_all=False), FeatureCache(cfg.eval_cache_dir)
+    tqdm.write(f"[train] {len(train)} cached rows ({len(train) * cfg.seq_len / 1e6:.2f} M tokens), "
+               f"{len(held)} held out; blocks {list(layers)}")
+    step_fn, eval_fn = make_fused_step(dcfg, layers, ids, cfg, opt)
+
+    def save(step: int) -> None:
+        blob = serialization.to_bytes({"own": own, "opt": opt_state, "step": step})
+        tmp = ckpt.with_suffix(".tmp")
+        tmp.write_bytes(blob)
+        tmp.replace(ckpt)
+
+    def held_out() -> dict:
+        ms = [jax.device_get(eval_fn(own, frozen, head, {k: jnp.asarray(v) for k, v in b.items()}))
+              for b in held.iter_rows(cfg.batch_size)]
+        return {k: float(np.mean([m[k] for m in ms])) for k in ms[0]}
+
+    def record(step: int) -> dict:
+        ev = held_out()
+        with (out / CURVE).open("a") as f:
+            f.write(json.dumps({"step": step, "tokens": step * cfg.batch_size * cfg.seq_len, **ev}) + "\n")
+        _plot_curve(out / CURVE)
+        return ev
+
+    if start == 0:
+        tqdm.write(json.dumps({"step": 0, **{f"eval_{k}": round(v, 4) for k, v in record(0).items()}}))
+    began = time.time()
+    step = start
+    with (out / LOG).open("a") as log, tqdm(total=cfg.steps, initial=start, desc="drafter", unit="step") as bar:
+        while step < cfg.steps:
+            rng = np.random.default_rng([cfg.seed, step])
+            batch = {k: jnp.asarray(v) for k, v in train.rows(rng.choice(len(train), cfg.batch_size,
+                                                                          replace=False)).items()}
+            own, opt_state, metrics = step_fn(own, frozen, head, opt_state, batch)
+            step += 1
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            bar.set_postfix(loss=f"{m['loss']:.3f}", top1="/".join(f"{m[f'top1_{j}']:.2f}"
+                                                                  for j in range(1, cfg.ttt_steps + 1)))
+            bar.update()
+            row = {"step": step, "seconds": round(time.time() - began, 1), **{k: round(v, 4) for k, v in m.items()}}
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                row.update({f"eval_{k}": round(v, 4) for k, v in record(step).items()})
+                tqdm.write(json.dumps(row))
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            if step % cfg.checkpoint_every == 0:
+                save(step)
+            if cfg.max_minutes and time.time() - began > 60 * cfg.max_minutes:
+                break
+    save(step)
+    final = record(step)
+    tqdm.write(json.dumps({"step": step, **{f"eval_{k}": round(v, 4) for k, v in final.items()}}))
+    return export(step, {"eval": final, "tokens": step * cfg.batch_size * cfg.seq_len})
