@@ -96,3 +96,16 @@ def test_authentication_cannot_be_switched_off_by_accident():
                             (None, None, "0.0.0.0"), (None, None, "example.org"), (None, None, "10.1.2.3")):
         with pytest.raises(CliError):
             api_key(flag, env, host, False)
+
+
+def test_a_union_field_error_names_what_is_wrong_with_the_value():
+    """``stop`` is a string or a list: 17 strings must be reported as too many, not as "not a string"."""
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                              "stop": [f"s{i}" for i in range(17)]})
+    err = server.validation_error(info.value.errors())
+    assert err.param == "stop" and "'stop'" in err.message and f"at most {server.MAX_STOPS}" in err.message, err.message
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "stop": 42})
+    err = server.validation_error(info.value.errors())
+    assert err.param == "stop" and "'stop'" in err.message, err.message

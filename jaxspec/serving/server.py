@@ -724,10 +724,17 @@ def completion_prompts(prompt, service: Service) -> list[list[int]]:
     return out
 
 
+_UNION_TAG = re.compile(r"str|int|float|bool|list\[.*\]|dict\[.*\]")  # pydantic's union members in a loc
+
+
 def validation_error(errors: list[dict]) -> APIError:
-    """The first pydantic error as a 400 naming the parameter."""
-    e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    """The most telling pydantic error as a 400 naming the parameter.
+
+    A union field (``stop``: a string or a list) fails once per member; an error about the value
+    (17 stop strings: too long) tells more than one about the member whose type it is not.
+    """
+    e = next((x for x in errors if not str(x.get("type", "")).endswith("_type")), errors[0])
+    loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _UNION_TAG.fullmatch(str(x))]
     param = loc[0] if loc else None
     where = ".".join(loc)
     if e.get("type") == "json_invalid":
