@@ -35,7 +35,7 @@ from jaxspec.decoding.step import DecodeConfig, DecodeState, SSMGroup, decode_st
 from jaxspec.decoding.tree import TokenTree, expansion_topology
 from models.config import ModelConfig
 from models.drafter import drafter_config, init_drafter
-from models.transformer import KVCache, init_params, make_forward
+from models.transformer import KVCache, decoding_layout, init_params, make_forward
 
 # Tests compile many small graphs: skip XLA's expensive CPU optimisations (results stay
 # deterministic for a given setting; only compile time changes).
@@ -613,7 +613,7 @@ E2E_PROMPT, E2E_ROOT, E2E_CAP = [3, 1, 4, 1], 5, 32
 
 
 def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int, ngram: tuple[int, ...] = (),
-                  draft_vocab: int = 0, feature_drafter: bool = False):
+                  draft_vocab: int = 0, feature_drafter: bool | tuple[int, ...] = False):
     """A compiled function: (key, values) -> first two emitted tokens [b, 2] and step-1 num [b].
 
     b rows share one prompt and a fixed root (so the target law is one [V, V] table) and
@@ -623,27 +623,30 @@ def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int, ngram: t
     that fixed proposal chain (the n-gram speculator's input) into both iterations' trees.
     ``draft_vocab`` restricts both SSMs' heads to that many tokens (``jaxspec.speculators.draft_vocab``).
     ``feature_drafter`` replaces the near SSM by a feature drafter (``models.drafter``) reading the
-    LLM's states.
+    LLM's states: True the final-norm form, a tuple of LLM blocks the fused form.
     """
     llm, near, far = models
     groups = ()
+    layers = feature_drafter if isinstance(feature_drafter, tuple) else ()
     if feature_drafter:
-        params = init_drafter(drafter_config(TINY), llm.params, 2)
+        params = init_drafter(drafter_config(TINY), llm.params, 2, layers)
         params["fc"]["kernel"] = params["fc"]["kernel"] + 0.3 * jax.random.normal(jax.random.PRNGKey(4),
                                                                                  params["fc"]["kernel"].shape)
-        near = LoadedModel("drafter", drafter_config(TINY), params, features=True)
+        near = LoadedModel("drafter", drafter_config(TINY), params, features=True, feature_layers=layers)
         groups = (SSMGroup((0,), (), True), SSMGroup((1,)))
     ssms = tuple(restrict((near, far), draft_vocab, np.arange(VOCAB)[::-1]))  # the highest ids are "frequent"
     cfg = DecodeConfig((expansion_topology((2, 2)), expansion_topology((1, 1))), spec, verify,
                        tree_budget=10 + len(ngram), groups=groups, ngram_depth=len(ngram), vocab=VOCAB)
     proposal = (jnp.broadcast_to(jnp.asarray(ngram or (0,), jnp.int32), (b, max(len(ngram), 1))),
                 jnp.full((b,), len(ngram), jnp.int32))
-    fw = make_forward(TINY, hidden=True) if feature_drafter else llm.forward
+    fw = (make_forward(TINY, unrolled=True, hidden=layers) if layers
+          else make_forward(TINY, hidden=True) if feature_drafter else llm.forward)
+    llm_params = decoding_layout(llm.params) if layers else llm.params
     sfw = tuple(s.forward for s in ssms)
     prompt = jnp.asarray(E2E_PROMPT, jnp.int32)
 
     def run(llm_params, ssm_params, key, values):
-        feats = jnp.zeros((b, E2E_CAP, TINY.hidden_size)) if feature_drafter else None
+        feats = jnp.zeros((b, E2E_CAP, TINY.hidden_size * max(len(layers), 1))) if feature_drafter else None
         state = DecodeState(KVCache.create(TINY, b, E2E_CAP), tuple(KVCache.create(s.cfg, b, E2E_CAP) for s in ssms),
                             jnp.zeros((b, E2E_CAP), jnp.int32), jnp.zeros((b,), jnp.int32), key, values,
                             features=feats)
@@ -659,7 +662,7 @@ def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int, ngram: t
 
     def sample(params: sampling.SamplingParams, seed: int):
         values = sampling.warp_arrays(params, b)
-        firsts, num = jax.device_get(fn(llm.params, tuple(s.params for s in ssms), jax.random.PRNGKey(seed), values))
+        firsts, num = jax.device_get(fn(llm_params, tuple(s.params for s in ssms), jax.random.PRNGKey(seed), values))
         first_row = {k: np.asarray(v[:1]) for k, v in values.items()}
         law = _exact_two_token_law(llm, E2E_PROMPT + [E2E_ROOT], spec, first_row)
         return firsts, num, law
@@ -731,9 +734,11 @@ def test_end_to_end_tree_mss_with_reduced_draft_vocabulary_matches_llm(models):
     assert pval > ALPHA, pval
 
 
-def test_end_to_end_tree_mss_with_feature_drafter_matches_llm(models):
-    """A feature drafter (reading the LLM's states, feeding deeper nodes its own) beside an SSM: still exact."""
-    sampler = _tree_sampler(models, ALL_STAGES, "mss", E2E_B, feature_drafter=True)
+@pytest.mark.parametrize("form", [True, (0, 1)], ids=["final-norm", "fused"])
+def test_end_to_end_tree_mss_with_feature_drafter_matches_llm(models, form):
+    """A feature drafter (reading the LLM's states, feeding deeper nodes its own) beside an SSM: still exact, in
+    the final-norm form and the fused form (both LLM blocks' outputs)."""
+    sampler = _tree_sampler(models, ALL_STAGES, "mss", E2E_B, feature_drafter=form)
     firsts, num, law = sampler(_with_stages(WARPS["t0.7_p0.9"]), seed=15)
     assert (num >= 2).any() and (num == 1).any()  # drafts are both accepted and rejected
     pval = _two_token_pvalue(firsts, law)
