@@ -186,3 +186,16 @@ def test_a_fused_drafter_learns_a_repetitive_corpus(tmp_path):
     # top-1 is counted over every scored slot, the first j-1 (no tree root yet) excluded
     assert after["top1_1"] > 0.95 and after["top1_3"] > 0.9, (before, after)
     assert after["ce_3"] < before["ce_3"]
+
+
+def test_feature_cache_can_hold_and_serve_a_prefix_of_the_rows(tmp_path):
+    """``max_shards`` builds only the first shards, ``max_rows`` trains on the first rows: a run's data is exact."""
+    llm = tiny_model(seed=2)
+    rows = np.asarray(np.random.default_rng(1).integers(0, llm.cfg.vocab_size, (12, 8)), np.int32)
+    spec = CacheSpec(LAYERS, 8, "bfloat16", top_k=2, rows_per_shard=4, batch=4)
+    assert build_cache(tmp_path, llm, {"name": "tiny"}, rows, spec, progress=False, max_shards=2) == 2
+    assert not (tmp_path / shard_name(2)).exists()
+    assert len(FeatureCache(tmp_path, require_all=False)) == 8
+    first = FeatureCache(tmp_path, max_rows=4)
+    assert len(first) == 4 and np.array_equal(first.rows(np.arange(4))["tokens"], rows[:4])
+    assert first.rows(np.arange(1))["feats"].dtype == np.float32  # bfloat16 on disk, float32 to train on

@@ -77,6 +77,7 @@ class DrafterConfig:
     eval_cache_dir: str = "runs/features/held"  # ... of the held-out rows
     cache_dtype: str = "bfloat16"
     build_minutes: float | None = None  # None: cache every row first; a number: at most this long (0: as is)
+    cache_rows: int = 0  # > 0: cache and train on the first rows only (whole shards)
     init_from: str | None = None  # warm start: a drafter directory whose fc / layer_0 shapes match
 
     @classmethod

@@ -99,10 +99,10 @@ def _write_shard(directory: Path, s: int, arrays: dict[str, np.ndarray]) -> None
 
 
 def build_cache(directory: str | Path, llm, identity: dict, rows: np.ndarray, spec: CacheSpec,
-                progress: bool = True, max_seconds: float = 0.0) -> int:
+                progress: bool = True, max_seconds: float = 0.0, max_shards: int = 0) -> int:
     """Fills ``directory`` with the cache of ``rows`` [N, T] (whole shards of rows_per_shard; a last partial
     shard is dropped); returns the number of shards computed now (those missing before). ``max_seconds`` > 0
-    stops after the shard that passes it (rerun to go on)."""
+    stops after the shard that passes it (rerun to go on); ``max_shards`` > 0 computes only the first ones."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     n_shards = len(rows) // spec.rows_per_shard
@@ -120,7 +120,8 @@ def build_cache(directory: str | Path, llm, identity: dict, rows: np.ndarray, sp
             raise CacheError(f"feature cache {d} was built for other settings ({', '.join(differs)} differ): "
                              f"give another directory or delete it")
     old.write_text(json.dumps(manifest, indent=1))
-    missing = [s for s in range(n_shards) if not (d / shard_name(s)).is_dir()]
+    wanted = min(n_shards, max_shards) if max_shards else n_shards
+    missing = [s for s in range(wanted) if not (d / shard_name(s)).is_dir()]
     if not missing:
         return 0
     teacher = make_teacher(llm, spec.feature_layers, spec.top_k)
@@ -145,10 +146,10 @@ class FeatureCache:
     """A built cache, memory-mapped: ``rows(indices)`` gathers training rows from any shards.
 
     ``require_all=False`` reads the shards present (a build still running): rows are then
-    numbered over those shards only.
+    numbered over those shards only. ``max_rows`` > 0 reads only the shards holding the first rows.
     """
 
-    def __init__(self, directory: str | Path, require_all: bool = True) -> None:
+    def __init__(self, directory: str | Path, require_all: bool = True, max_rows: int = 0) -> None:
         self.dir = Path(directory)
         path = self.dir / MANIFEST
         if not path.is_file():
@@ -162,6 +163,8 @@ class FeatureCache:
         store, _ = STORAGE[self.manifest["dtype"]]
         self._store = store
         n = self.num_rows // self.rows_per_shard
+        if max_rows:
+            n = min(n, max(max_rows // self.rows_per_shard, 1))
         present = [s for s in range(n) if (self.dir / shard_name(s)).is_dir()]
         if not present or (require_all and len(present) < n):
             raise CacheError(f"feature cache {self.dir} holds {len(present)} of {n} shards: rerun the build "

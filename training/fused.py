@@ -216,9 +216,10 @@ def train_fused(cfg, export_only: bool = False) -> Path:
     build_cache(cfg.eval_cache_dir, llm, identity, rows[-cfg.eval_sequences:], spec)
     if cfg.build_minutes is None or cfg.build_minutes > 0:
         build_cache(cfg.cache_dir, llm, identity, rows[: -cfg.eval_sequences], spec,
-                    max_seconds=60 * (cfg.build_minutes or 0))
+                    max_seconds=60 * (cfg.build_minutes or 0), max_shards=cfg.cache_rows // spec.rows_per_shard)
     del llm
-    train, held = FeatureCache(cfg.cache_dir, require_all=False), FeatureCache(cfg.eval_cache_dir)
+    train = FeatureCache(cfg.cache_dir, require_all=False, max_rows=cfg.cache_rows)
+    held = FeatureCache(cfg.eval_cache_dir)
     tqdm.write(f"[train] {len(train)} cached rows ({len(train) * cfg.seq_len / 1e6:.2f} M tokens), "
                f"{len(held)} held out; blocks {list(layers)}")
     step_fn, eval_fn = make_fused_step(dcfg, layers, ids, cfg, opt)
