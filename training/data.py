@@ -384,3 +384,24 @@ def load_samples(data_dir: str | os.PathLike) -> Samples:
                 prompt_len[row], cont_len[row] = len(p), len(real)
             top_ids[index], top_lp[index] = z["topk_ids"], z["topk_logprobs"]
     return Samples(tokens, prompt_len, cont_len, top_ids, top_lp)
+
+
+def conversation_ids(tokenizer, num: int, seq_len: int, min_tokens: int) -> np.ndarray:
+    """[N, seq_len] token ids (pad -1) of the first ``num`` usable ShareGPT conversations, chat-templated."""
+    roles = {"human": "user", "gpt": "assistant"}
+    rows = []
+    for conv in read_sharegpt():
+        msgs = [{"role": roles[t["from"]], "content": str(t.get("value") or "")}
+                for t in conv.get("conversations") or () if isinstance(t, dict) and t.get("from") in roles]
+        if len(msgs) < 2 or msgs[0]["role"] != "user":
+            continue
+        text = tokenizer.apply_chat_template(msgs[:4], tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)[:seq_len]
+        if len(ids) < min_tokens:
+            continue
+        rows.append(np.pad(np.asarray(ids, np.int32), (0, seq_len - len(ids)), constant_values=-1))
+        if len(rows) == num:
+            break
+    if len(rows) <= 1:
+        raise DataError("ShareGPT gave no usable conversations")
+    return np.stack(rows)

@@ -37,7 +37,7 @@ from jaxspec.decoding.kv_cache import causal_mask
 from jaxspec.decoding.step import shift_features
 from models.drafter import OWN, drafter_config, init_drafter, make_drafter_forward
 from models.transformer import KVCache, make_forward, with_draft_head
-from training.data import DataError, read_sharegpt
+from training.data import DataError, conversation_ids
 
 CHECKPOINT = "checkpoint.msgpack"
 LOG = "log.csv"
@@ -91,27 +91,6 @@ class DrafterConfig:
         if unknown:
             raise ValueError(f"unknown drafter config keys: {', '.join(sorted(unknown))}")
         return cls(**data)
-
-
-def conversation_ids(tokenizer, num: int, seq_len: int, min_tokens: int) -> np.ndarray:
-    """[N, seq_len] token ids (pad -1) of the first ``num`` usable ShareGPT conversations, chat-templated."""
-    roles = {"human": "user", "gpt": "assistant"}
-    rows = []
-    for conv in read_sharegpt():
-        msgs = [{"role": roles[t["from"]], "content": str(t.get("value") or "")}
-                for t in conv.get("conversations") or () if isinstance(t, dict) and t.get("from") in roles]
-        if len(msgs) < 2 or msgs[0]["role"] != "user":
-            continue
-        text = tokenizer.apply_chat_template(msgs[:4], tokenize=False)
-        ids = tokenizer.encode(text, add_special_tokens=False)[:seq_len]
-        if len(ids) < min_tokens:
-            continue
-        rows.append(np.pad(np.asarray(ids, np.int32), (0, seq_len - len(ids)), constant_values=-1))
-        if len(rows) == num:
-            break
-    if len(rows) <= 1:
-        raise DataError("ShareGPT gave no usable conversations")
-    return np.stack(rows)
 
 
 def _smooth_l1(x, y):

@@ -165,8 +165,7 @@ def _plot_curve(path: Path) -> None:
 def train_fused(cfg, export_only: bool = False) -> Path:
     """Caches the LLM's features (what is missing), then trains (or resumes) the fused drafter on them."""
     from jaxspec.speculators.pool import llm_identity  # noqa: PLC0415
-    from training.data import DataError  # noqa: PLC0415
-    from training.drafter import conversation_ids  # noqa: PLC0415
+    from training.data import DataError, conversation_ids  # noqa: PLC0415
     from training.llm import load_llm  # noqa: PLC0415
 
     out = Path(cfg.out)
