@@ -38,6 +38,7 @@ from jaxspec.decoding.step import shift_features
 from models.drafter import OWN, drafter_config, init_drafter, make_drafter_forward
 from models.transformer import KVCache, make_forward, with_draft_head
 from training.data import DataError, conversation_ids
+from training.progress import after_step
 
 CHECKPOINT = "checkpoint.msgpack"
 LOG = "log.csv"
@@ -234,15 +235,7 @@ def train_drafter(cfg: DrafterConfig, export_only: bool = False) -> Path:
             m = {k: float(v) for k, v in jax.device_get(metrics).items()}
             bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m['top1_1']:.2f}/{m['top1_2']:.2f}")
             bar.update()
-            row = {"step": step, "seconds": round(time.time() - began, 1), **{k: round(v, 4) for k, v in m.items()}}
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                row.update({f"eval_{k}": round(v, 4) for k, v in held_out().items()})
-                tqdm.write(json.dumps(row))
-            log.write(json.dumps(row) + "\n")
-            log.flush()
-            if step % cfg.checkpoint_every == 0:
-                save(step)
-            if cfg.max_minutes and time.time() - began > 60 * cfg.max_minutes:
+            if after_step(log, step, began, m, cfg, held_out, save):
                 break
     save(step)
     final = held_out()

@@ -32,6 +32,7 @@ from models.drafter import (check_feature_layers, default_feature_layers, drafte
                             init_drafter, make_drafter_forward, own_names)
 from models.transformer import KVCache
 from training.features import CacheSpec, FeatureCache, build_cache
+from training.progress import after_step
 
 CHECKPOINT = "checkpoint.msgpack"
 LOG = "log.csv"
@@ -256,15 +257,7 @@ def train_fused(cfg, export_only: bool = False) -> Path:
             bar.set_postfix(loss=f"{m['loss']:.3f}", top1="/".join(f"{m[f'top1_{j}']:.2f}"
                                                                   for j in range(1, cfg.ttt_steps + 1)))
             bar.update()
-            row = {"step": step, "seconds": round(time.time() - began, 1), **{k: round(v, 4) for k, v in m.items()}}
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                row.update({f"eval_{k}": round(v, 4) for k, v in record(step).items()})
-                tqdm.write(json.dumps(row))
-            log.write(json.dumps(row) + "\n")
-            log.flush()
-            if step % cfg.checkpoint_every == 0:
-                save(step)
-            if cfg.max_minutes and time.time() - began > 60 * cfg.max_minutes:
+            if after_step(log, step, began, m, cfg, lambda: record(step), save):
                 break
     save(step)
     final = record(step)
