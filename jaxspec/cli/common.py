@@ -126,8 +126,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="learned SSMs score only the N most frequent tokens (a pool's counts, else the first N ids); "
                         "0: the full vocabulary (default: the pool's own setting, else full)")
     p.add_argument("--tree-budget", type=int, help="pad/limit the verified tree to N nodes (root included)")
-    p.add_argument("--verify", default="mss", choices=("mss", "naive"),
-                   help="stochastic verifier (temperature > 0): multi-step speculative sampling or naive sampling")
+    p.add_argument("--verify", default="mss", choices=("mss", "naive", "coupled"),
+                   help="stochastic verifier (temperature > 0): multi-step speculative sampling, naive sampling, or "
+                        "coupled (Gumbel-max keyed by seed and position: the same seed gives the same text in every "
+                        "mode, tree, batch and load)")
     p.add_argument("--mesh", metavar="data=D,tensor=T,pipe=P",
                    help="shard over a device mesh (product = devices across processes; omitted axes are 1): "
                         "tensor splits heads/MLP/vocabulary, data the slots and SSM groups (default: one device)")
@@ -200,6 +202,6 @@ def build_engine(args, log=None):
         print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {args.mode}",
               file=log or sys.stderr)
         expansion = expansion[0] if len(expansion) == 1 else expansion
-    engine = Engine(llm, ssms, expansion, args.tree_budget, args.verify if args.temperature > 0 else "greedy",
+    engine = Engine(llm, ssms, expansion, args.tree_budget, args.verify,
                     auto=args.mode == "auto", mesh=mesh, offload=getattr(args, "offload", False))
     return engine, engine.llm  # the engine's weightless view: the loaded tree is not kept twice

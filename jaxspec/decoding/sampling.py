@@ -186,6 +186,38 @@ def warp_logits(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array])
     return logp
 
 
+def gumbel_at(keys: jax.Array, positions: jax.Array, vocab: int) -> jax.Array:
+    """Standard Gumbel noise [B, L, V] for absolute positions [B, L], keyed by (row key, position) alone.
+
+    ``keys``: one key per row [B, 2] (or one [2] for every row). The noise of position t is
+    ``gumbel(fold_in(key, t))``: it does not depend on the batch, the tree or the step that asks.
+    """
+    def one(key, t):
+        return jax.random.gumbel(jax.random.fold_in(key, t), (vocab,), jnp.float32)
+
+    if keys.ndim == 1:
+        return jax.vmap(jax.vmap(lambda t: one(keys, t)))(positions)
+    return jax.vmap(lambda k, ts: jax.vmap(lambda t: one(k, t))(ts))(keys, positions)
+
+
+def coupled_scores(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array], noise: jax.Array) -> jax.Array:
+    """Perturbed log-probabilities [B, ..., V]: log_softmax(warped logits + Gumbel ``noise``) for sampled rows.
+
+    Their argmax is an exact draw from the warped distribution (the Gumbel-max trick), a
+    deterministic function of the noise; its top-k are the drafting candidates of the coupled
+    verifier. Greedy rows (and a greedy ``spec``) score the plain log-softmax: argmax, top-k.
+    """
+    plain = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    if spec.greedy:
+        return plain
+    scored = jax.nn.log_softmax(warp_logits(logits, spec, values) + noise, axis=-1)
+    if "greedy" in values:
+        b = logits.shape[0]
+        greedy = values["greedy"].reshape((b,) + (1,) * (logits.ndim - 1))
+        scored = jnp.where(greedy, plain, scored)
+    return scored
+
+
 def warped_probs(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array]) -> jax.Array:
     """Warped probabilities of logits [B, ..., V]."""
     return jnp.exp(warp_logits(logits, spec, values))

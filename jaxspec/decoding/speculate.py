@@ -74,13 +74,18 @@ def previous_features(features: jax.Array | None, idx: jax.Array) -> jax.Array |
     return jnp.where((idx > 0)[:, :, None], prev, 0).astype(features.dtype)  # [B, W, D]
 
 
-def propose(key: jax.Array, logits: jax.Array, k: int, spec: sampling.WarpSpec, values) -> tuple[jax.Array, jax.Array]:
-    """k children per row of logits [B, W, V]: top-k (greedy) or k i.i.d. warped draws.
+def propose(key: jax.Array, logits: jax.Array, k: int, spec: sampling.WarpSpec, values,
+            noise: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """k children per row of logits [B, W, V]: top-k (greedy), the top-k of the Gumbel-perturbed warped
+    log-probabilities (coupled: ``noise`` [B, V], the children's position's), or k i.i.d. warped draws.
 
-    Returns (tokens [B, W, k], draft probabilities [B, W, V]; zeros under greedy).
+    Returns (tokens [B, W, k], draft probabilities [B, W, V]; zeros unless drawn).
     """
     if spec.greedy:
         return jax.lax.top_k(logits, k)[1].astype(jnp.int32), jnp.zeros((), jnp.float32)
+    if noise is not None:
+        scores = sampling.coupled_scores(logits, spec, values, noise[:, None, :])
+        return jax.lax.top_k(scores, k)[1].astype(jnp.int32), jnp.zeros((), jnp.float32)
     logp = sampling.warp_logits(logits, spec, values)  # [B, W, V]
     draws = sampling.categorical_rows(key, logp, k)  # [B, W, k]
     return draws.astype(jnp.int32), jnp.exp(logp)
@@ -136,11 +141,13 @@ def feed_root(forward: Forward, params, cache: KVCache, history: jax.Array, leng
 
 def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree, history: jax.Array,
                       length: jax.Array, root: jax.Array, ssm_id: int = 0,
-                      features: jax.Array | None = None) -> tuple[TokenTree, jax.Array, KVCache]:
-    """Greedy drafting of a ``DynamicTree``: grow where the SSM is confident, keep the best nodes.
+                      features: jax.Array | None = None, spec: sampling.WarpSpec = sampling.WarpSpec(),
+                      values=None, noise: jax.Array | None = None) -> tuple[TokenTree, jax.Array, KVCache]:
+    """Drafting of a ``DynamicTree``: grow where the SSM is confident, keep the best nodes.
 
     Every drafted node scores its cumulative draft log-probability (the sum along its
-    path). Level i feeds the ``width`` best-scoring nodes of depth i (written at SSM cache
+    path): the plain one (greedy), or under coupled sampling the perturbed one of
+    ``sampling.coupled_scores`` with ``noise`` [B, m, V] (level i: its children's position's). Level i feeds the ``width`` best-scoring nodes of depth i (written at SSM cache
     slots ``length + 1 + (i-1)·width + w``, each attending to its fed ancestors), each of
     which drafts its ``width`` most likely children. The ``nodes`` - 1 best of all drafted
     nodes form the tree, in depth order (a parent before its children); a node whose
@@ -155,7 +162,14 @@ def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree
     pool = 1 + dyn.drafted  # every drafted node plus the root
     fed = dyn.fed
     logits0, cache, state0 = feed_root(forward, params, cache, history, length, root, m + 1, features)
-    logp0 = jax.nn.log_softmax(logits0[:, 0])  # [B, V]
+
+    def scores(logits, i):  # [B, ..., V] -> the log-probabilities children are ranked by
+        if noise is None:
+            return jax.nn.log_softmax(logits)
+        level = noise[:, i].reshape((b,) + (1,) * (logits.ndim - 2) + (noise.shape[-1],))
+        return sampling.coupled_scores(logits, spec, values, level)
+
+    logp0 = scores(logits0[:, 0], 0)  # [B, V]
     score0, tok0 = jax.lax.top_k(logp0, w)  # [B, W]
     tokens = jnp.zeros((b, pool), jnp.int32).at[:, 0].set(root).at[:, 1: 1 + w].set(tok0)
     parent = jnp.full((b, pool), -1, jnp.int32).at[:, 1: 1 + w].set(0)
@@ -183,7 +197,7 @@ def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree
         fed_state = None if node_state is None else jnp.take_along_axis(node_state, best[:, :, None], axis=1)
         logits, cache, out = call(forward, params, toks, fed_state, positions, cache.replace(length=length + slots[0]),
                                   mask)
-        child_lp, child_tok = jax.lax.top_k(jax.nn.log_softmax(logits), w)  # [B, W, W]
+        child_lp, child_tok = jax.lax.top_k(scores(logits, i), w)  # [B, W, W]
         nlo, nhi = hi, hi + w * w
         if node_state is not None:
             node_state = node_state.at[:, nlo:nhi].set(jnp.repeat(out, w, axis=1))
@@ -225,12 +239,14 @@ def speculate(
     values,
     ssm_id: int = 0,
     features: jax.Array | None = None,
+    noise: jax.Array | None = None,
 ) -> tuple[TokenTree, jax.Array, KVCache]:
     """Drafts one expansion tree per row.
 
     history [B, S] holds committed tokens, length [B] their count (= the LLM cache
     length), root [B] the pending token; features [B, S, D] the LLM's states when the
-    drafter is a feature drafter (each node is then fed its parent's predicted state).
+    drafter is a feature drafter (each node is then fed its parent's predicted state);
+    noise [B, m, V] the coupled sampler's Gumbel noise by level (its children's position's).
     Returns (tree [B, N], draft_probs [B, N, V] or a scalar zero under greedy, new SSM cache
     with length == length).
     """
@@ -249,11 +265,12 @@ def speculate(
     # [B, N + 1, D] feature drafter: the state each node is fed with (its parent's prediction)
     states = None if state0 is None else jnp.zeros((b, n + 1, state0.shape[-1]), state0.dtype)
     vocab = logits0.shape[-1]
-    stochastic = not spec.greedy
+    stochastic = not spec.greedy and noise is None  # draws, whose distributions MSS divides by
     probs = jnp.zeros((b, n + 1, vocab) if stochastic else (), jnp.float32)
 
     def expand(i, logits, out, tokens, probs, states, key):
-        draws, q = propose(key, logits, kmax, spec, values)  # [B, W, kmax]
+        level_noise = None if noise is None else noise[:, i]
+        draws, q = propose(key, logits, kmax, spec, values, level_noise)  # [B, W, kmax]
         child = jnp.asarray(tables.child)[i]
         child_parent = jnp.asarray(tables.child_parent)[i]
         picked = draws[:, child_parent, jnp.asarray(tables.child_rank)[i]]  # [B, C]

@@ -18,10 +18,10 @@ from jaxspec.decoding import ngram, sampling
 from jaxspec.decoding.kv_cache import KVCache, causal_mask, commit, tree_mask
 from jaxspec.decoding.speculate import call, speculate, speculate_dynamic
 from jaxspec.decoding.tree import DynamicTree, Topology, TokenTree, ancestor_mask, deduplicate, merge, single_root
-from jaxspec.decoding.verify import Verdict, verify_greedy
+from jaxspec.decoding.verify import Verdict, verify_coupled, verify_greedy
 from models.transformer import Forward
 
-VERIFIERS = ("greedy", "mss", "naive")
+VERIFIERS = ("greedy", "mss", "naive", "coupled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ class DecodeConfig:
 
     topologies: tuple[Topology | DynamicTree | None, ...] = ()  # one per SSM; all None (or empty) + no n-gram = incremental
     warp: sampling.WarpSpec = sampling.WarpSpec()
-    verify: str = "greedy"  # greedy | mss | naive (the last two need a stochastic warp)
+    verify: str = "greedy"  # greedy | mss | naive | coupled (the last three need a stochastic warp)
     tree_budget: int | None = None  # pad the merged tree to this many nodes
     groups: tuple[SSMGroup, ...] = ()  # how SSM forwards/params/caches are batched; () = one per SSM
     ngram_depth: int = 0  # tokens of the n-gram proposal chain; 0 = no n-gram speculation
@@ -73,8 +73,11 @@ class DecodeConfig:
         members = sorted(j for g in self.ssm_groups for j in g.members)
         if members != list(range(len(self.topologies))):
             raise ValueError(f"SSM groups {members} must cover SSMs 0..{len(self.topologies) - 1} once each")
-        if not self.warp.greedy and any(isinstance(t, DynamicTree) for t in self.topologies):
-            raise ValueError("dynamic trees draft greedily: a sampled request drafts the fixed fallback tree")
+        if self.coupled and self.vocab < 1:
+            raise ValueError("the coupled sampler needs the vocabulary size (its Gumbel noise covers it)")
+        if not self.warp.greedy and not self.coupled and any(isinstance(t, DynamicTree) for t in self.topologies):
+            raise ValueError("dynamic trees draft greedily or coupled: under mss/naive a sampled request drafts "
+                             "the fixed fallback tree")
         for g in self.ssm_groups:
             if len({self.topologies[j] for j in g.members}) != 1:
                 raise ValueError(f"SSM group {g.members} mixes expansion configs: one vmapped draft needs one")
@@ -88,6 +91,16 @@ class DecodeConfig:
     def ssm_groups(self) -> tuple[SSMGroup, ...]:
         """The groups, or one single-member group per SSM."""
         return self.groups or tuple(SSMGroup((j,)) for j in range(len(self.topologies)))
+
+    @property
+    def drawn(self) -> bool:
+        """Sampled rows verified by mss/naive: drafts are i.i.d. draws, kept with their distributions."""
+        return not self.warp.greedy and not self.coupled
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled rows draw by Gumbel-max with noise keyed by (seed, position): drafted and verified alike."""
+        return not self.warp.greedy and self.verify == "coupled"
 
     @property
     def features(self) -> bool:
@@ -165,13 +178,14 @@ def pad_tree(tree: TokenTree, n: int) -> TokenTree:
     )
 
 
-def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, proposal=None):
+def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, proposal=None, noise=None):
     """Speculate with every drafting SSM (and the n-gram proposal) and merge.
 
     ``ssm_forwards``, ``ssm_params`` and ``state.ssm_caches`` hold one entry per SSM group
     (``cfg.ssm_groups``); a multi-member group drafts in one vmapped ``speculate``; a
     group that does not draft keeps its cache. ``proposal`` = (tokens [B, D], count [B])
-    of the n-gram speculator. Returns (tree, draft_probs or None, ssm caches, valid
+    of the n-gram speculator; ``noise`` [B, D + 1, V] the coupled sampler's Gumbel noise by
+    depth. Returns (tree, draft_probs or None, ssm caches, valid
     before deduplication [B, N]); each node's ``ssm`` is its proposer's index in
     ``cfg.sources``.
     """
@@ -190,9 +204,10 @@ def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, 
 
         def run(p, c, k, pos, fwd=fwd, topo=topo, feats=feats):
             if isinstance(topo, DynamicTree):
-                return speculate_dynamic(fwd, p, c, topo, state.history, length, state.root, pos, feats)
+                return speculate_dynamic(fwd, p, c, topo, state.history, length, state.root, pos, feats, cfg.warp,
+                                         state.values, noise)
             return speculate(fwd, p, c, topo, state.history, length, state.root, k, cfg.warp, state.values, pos,
-                             feats)
+                             feats, noise)
 
         if len(group.members) == 1:
             j = group.members[0]
@@ -210,7 +225,7 @@ def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, 
     if cfg.ngram_depth:
         tokens, count = proposal
         found[len(cfg.active)] = ngram.chain_tree(state.root, tokens[:, : cfg.ngram_depth], count,
-                                                   len(cfg.active), cfg.vocab, not cfg.warp.greedy)
+                                                   len(cfg.active), cfg.vocab, cfg.drawn)
     if not found:
         tree = single_root(state.root)
         return tree, None, tuple(caches), tree.valid
@@ -218,10 +233,10 @@ def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, 
     probs = [found[p][1] for p in range(len(found))]
     tree = merge(trees, cfg.max_depth, dedup=False)
     proposed = tree.valid
-    if cfg.warp.greedy:
+    if not cfg.drawn:  # one copy per path: every verifier but mss/naive matches deterministically
         tree = deduplicate(tree, cfg.max_depth)
     draft_probs = None
-    if not cfg.warp.greedy:
+    if cfg.drawn:
         # merge() keeps one root, so row 0 is source 0's q at the root; source p > 0 drew its
         # depth-1 children from its own q at the root: append those rows and point source
         # p's depth-1 nodes at them (MSS must divide by the q a child was drawn from).
@@ -253,10 +268,12 @@ def source_depths(tree: TokenTree, proposed: jax.Array, emitted: jax.Array, num:
     return jnp.max(jnp.where(per, tree.depth[:, :, None], 0), axis=1).astype(jnp.int32)
 
 
-def accept(cfg: DecodeConfig, tree: TokenTree, logits, draft_probs, state: DecodeState, key) -> Verdict:
-    """Runs the configured verifier on the LLM's logits [B, N, V]."""
+def accept(cfg: DecodeConfig, tree: TokenTree, logits, draft_probs, state: DecodeState, key, noise=None) -> Verdict:
+    """Runs the configured verifier on the LLM's logits [B, N, V] (``noise``: the coupled sampler's, by depth)."""
     if cfg.warp.greedy:
         return verify_greedy(tree, logits, cfg.max_depth)
+    if cfg.coupled:
+        return verify_coupled(tree, logits, noise, cfg.warp, state.values, cfg.max_depth)
     from jaxspec.decoding import verify_stochastic  # noqa: PLC0415 (kept apart: stochastic decoding)
 
     return verify_stochastic.verify(cfg.verify, tree, logits, draft_probs, key, cfg.warp, state.values, cfg.max_depth)
@@ -282,7 +299,10 @@ def decode_step(
     act = state.active if state.active is not None else jnp.ones(state.root.shape, bool)  # [B]
     length = jnp.where(act, state.llm_cache.length, 0)  # [B]: idle rows write at slot 0, in bounds
     state = state.replace(llm_cache=state.llm_cache.replace(length=length))
-    tree, draft_probs, ssm_caches, proposed = draft(cfg, ssm_forwards, ssm_params, state, k_draft, proposal)
+    noise = None
+    if cfg.coupled:  # [B, D + 1, V]: the noise of the positions this iteration can emit (depth d -> length + d + 1)
+        noise = sampling.gumbel_at(state.key, length[:, None] + 1 + jnp.arange(cfg.max_depth + 1), cfg.vocab)
+    tree, draft_probs, ssm_caches, proposed = draft(cfg, ssm_forwards, ssm_params, state, k_draft, proposal, noise)
     tree = pad_tree(tree, cfg.num_nodes)
     proposed = jnp.pad(proposed, ((0, 0), (0, tree.num_nodes - proposed.shape[1])))
     n = tree.num_nodes
@@ -293,7 +313,7 @@ def decode_step(
     # states [B, N, D]: the tree's final-norm states when a feature drafter needs them, else None
     logits, llm_cache, states = call(llm_forward, llm_params, tree.tokens, None, length[:, None] + tree.depth,
                                      state.llm_cache, mask)
-    verdict = accept(cfg, tree, logits, draft_probs, state, k_verify)
+    verdict = accept(cfg, tree, logits, draft_probs, state, k_verify, noise)
     verdict = Verdict(verdict.path, jnp.where(act, verdict.num, 0), verdict.next_token)  # idle rows emit nothing
 
     if n > 1:  # a root-only tree's path is the root itself, already in place
@@ -317,7 +337,7 @@ def decode_step(
     depths = source_depths(tree, proposed, emitted, verdict.num, len(cfg.sources), cfg.max_depth)
     new_state = state.replace(
         llm_cache=llm_cache, ssm_caches=ssm_caches, history=history, root=jnp.where(act, verdict.next_token, 0),
-        key=key, features=features,
+        key=state.key if cfg.coupled else key, features=features,  # coupled: the row's key never moves
     )
     return new_state, StepOutput(emitted.astype(jnp.int32), verdict.num, depths)
 
@@ -363,7 +383,9 @@ def prefill(
     ssm_caches = tuple(ssm_caches)
     keys = sampling.split_rows(state.key, 2)
     key, sub = sampling.pick_key(keys, 0), sampling.pick_key(keys, 1)
-    first = sampling.sample(sub, logits, cfg.warp, state.values)
+    if cfg.coupled:  # the first token is the one at position ``lengths``, drawn with the row's fixed key
+        key = state.key
+    first = first_token(cfg, logits, sub, key, lengths, state.values)
     s = state.history.shape[1]
     tp = tokens.shape[1]
     history = state.history.at[:, :tp].set(tokens) if tp <= s else state.history
@@ -373,6 +395,16 @@ def prefill(
     new_state = state.replace(llm_cache=llm_cache, ssm_caches=ssm_caches, history=history, root=first, key=key,
                               features=features)
     return new_state, first
+
+
+def first_token(cfg: DecodeConfig, logits: jax.Array, key: jax.Array, row_key: jax.Array, position: jax.Array,
+                values: dict) -> jax.Array:
+    """The token [B] after a prompt from its last logits [B, V]: argmax, a draw with ``key``, or (coupled)
+    the Gumbel-max draw of the row's fixed ``row_key`` at ``position`` [B] (the prompt's length)."""
+    if cfg.coupled:
+        noise = sampling.gumbel_at(row_key, position[:, None], cfg.vocab)[:, 0]  # [B, V]
+        return jnp.argmax(sampling.coupled_scores(logits, cfg.warp, values, noise), axis=-1).astype(jnp.int32)
+    return sampling.sample(key, logits, cfg.warp, values)
 
 
 def _row(x: jax.Array, slot, axis: int) -> jax.Array:
@@ -455,7 +487,7 @@ def prefill_row(
     history = _put_row(state.history, hist_row, slot, 0)
 
     keys = jax.random.split(jax.random.PRNGKey(seed), 2)  # [2, 2]: the row's key, the first draw's
-    first = sampling.sample(keys[1:], logits, cfg.warp, values)  # [1]
+    first = first_token(cfg, logits, keys[1:], keys[:1], jnp.reshape(start + count, (1,)), values)  # [1]
     active = state.active if state.active is not None else jnp.ones(state.root.shape, bool)
     new_values = {k: jnp.where(last, _put_row(v, values[k], slot, 0), v) for k, v in state.values.items()}
     return state.replace(

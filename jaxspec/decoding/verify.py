@@ -11,6 +11,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from jaxspec.decoding import sampling
 from jaxspec.decoding.tree import TokenTree, ancestor_mask
 
 
@@ -40,7 +41,25 @@ def verify_greedy(tree: TokenTree, logits: jax.Array, max_depth: int) -> Verdict
     its parent is accepted and its token is the parent's argmax; after Definition 3.2
     merging at most one child per node can match, so the accepted nodes form one path.
     """
-    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, N]
+    return verify_choices(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), max_depth)
+
+
+def verify_coupled(tree: TokenTree, logits: jax.Array, noise: jax.Array, spec: sampling.WarpSpec, values: dict,
+                   max_depth: int) -> Verdict:
+    """Coupled (Gumbel-max) verification: greedy verification of the LLM's perturbed choices.
+
+    At a node of depth d the LLM's choice is argmax(warped logits + noise[d]), the noise of the
+    absolute position it predicts (``sampling.gumbel_at``): the exact sampler incremental decoding
+    with the same seed runs, so any tree commits the very tokens incremental decoding emits.
+    logits [B, N, V]; noise [B, D + 1, V] by depth.
+    """
+    at_node = jnp.take_along_axis(noise, jnp.clip(tree.depth, 0, noise.shape[1] - 1)[:, :, None], axis=1)  # [B, N, V]
+    choice = jnp.argmax(sampling.coupled_scores(logits, spec, values, at_node), axis=-1).astype(jnp.int32)
+    return verify_choices(tree, choice, max_depth)
+
+
+def verify_choices(tree: TokenTree, target: jax.Array, max_depth: int) -> Verdict:
+    """Follow children equal to the LLM's choice target [B, N] at their parent (argmax, or a coupled draw)."""
     safe_parent = jnp.maximum(tree.parent, 0)
     matches = tree.valid & (tree.tokens == jnp.take_along_axis(target, safe_parent, axis=1))
     accepted = tree.parent < 0  # the root

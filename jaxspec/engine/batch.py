@@ -298,8 +298,6 @@ class BatchEngine:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.vocab}")
         check_stops(req.stop_strings)
         sampling.SamplingParams(req.params.temperature, req.params.top_k, req.params.top_p, req.params.seed)
-        if self.engine.verify != "greedy" and req.params.greedy:
-            raise RequestError(f"--verify {self.engine.verify} needs stochastic decoding (temperature > 0)")
 
     def submit(self, req: Request, on_event: Callable[[Event], None]) -> Ticket:
         """Queues ``req`` (thread-safe); ``on_event`` hears its tokens from the engine thread.

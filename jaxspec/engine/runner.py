@@ -174,8 +174,9 @@ class Runner:
         warp = _warp(params)
         verify = "greedy" if warp.greedy else (self.verify if self.verify != "greedy" else "mss")
         off = (None,) * len(self.topologies)
-        # dynamic trees draft greedily; a sampled warp drafts their fixed fallback
-        topologies = tuple(t.fallback if isinstance(t, DynamicTree) and not warp.greedy else t for t in self.topologies)
+        # dynamic trees draft greedily or coupled; a sampled warp under mss/naive drafts their fixed fallback
+        drawn = not warp.greedy and verify != "coupled"
+        topologies = tuple(t.fallback if isinstance(t, DynamicTree) and drawn else t for t in self.topologies)
         vocab = self.llm.cfg.vocab_size
 
         def cfg(topologies, ngram_depth, budget=None):

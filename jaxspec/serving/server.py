@@ -868,8 +868,8 @@ def main(args: argparse.Namespace) -> int:
     if args.no_chat:
         raise CliError("--no-chat has no meaning for serve: /v1/completions takes raw text, "
                        "/v1/chat/completions applies the chat template")
-    if args.verify != "mss":
-        raise CliError("jaxspec serve verifies sampled requests with mss; --verify naive is not supported")
+    if args.verify == "naive":
+        raise CliError("jaxspec serve verifies sampled requests with mss or coupled; --verify naive is not supported")
     if args.recalibrate:
         raise CliError("--recalibrate is not supported by serve: remove the cost cache ($JAXSPEC_CACHE/costs, "
                        "default ~/.cache/jaxspec/costs) to measure again")

@@ -1,0 +1,106 @@
+"""The coupled sampler (issue 24): Gumbel-max with noise keyed by (seed, position) makes a sampled output a
+function of (prompt, parameters, seed) alone, whatever the mode, tree, batch or load, and stays exact."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from conftest import tiny_model
+from jaxspec.decoding import sampling
+from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.decoding.tree import DynamicTree
+from jaxspec.engine import Engine, early_exit
+from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.decoding.step import prefill_model
+from models.transformer import KVCache
+
+PROMPTS = [[5, 3, 8, 1, 9, 2], [7, 7, 1], list(range(1, 41)), [4, 4, 4, 4, 2, 3], [9], [2, 8, 2, 8, 2]]
+COSTS = {"none": 1.0, "ngram": 1.2, "ssm": 1.5, "ssm+ngram": 1.7}
+PARAMS = [sampling.SamplingParams(0.9, seed=3), sampling.SamplingParams(1.0, top_k=6, seed=11),
+          sampling.SamplingParams(0.7, top_p=0.8, seed=5), sampling.SamplingParams(),
+          sampling.SamplingParams(1.3, top_k=20, top_p=0.95, seed=2**40 + 1), sampling.SamplingParams(0.8, seed=0)]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return tiny_model()
+
+
+def coupled_engines(llm) -> dict[str, Engine]:
+    near = early_exit(llm, 1)
+    return {
+        "incremental": Engine(llm, verify="coupled"),
+        "sequence": Engine(llm, [near], (1, 1, 1), verify="coupled"),
+        "tree": Engine(llm, [near, NGramSpeculator(3)], [(1, 2, 1), (1, 1, 1, 1)], verify="coupled"),
+        "dynamic": Engine(llm, [near], DynamicTree(8, 3, 3), verify="coupled"),
+        "auto": Engine(llm, [near, NGramSpeculator(3)], [DynamicTree(8, 3, 3), (1, 1, 1)], verify="coupled",
+                       auto=True, costs=COSTS),
+    }
+
+
+def test_same_seed_same_tokens_in_every_mode_alone_and_in_a_batch(llm):
+    engines = coupled_engines(llm)
+    want = [engines["incremental"].generate(p, 16, params).token_ids for p, params in zip(PROMPTS, PARAMS)]
+    assert len({tuple(w) for w in want}) == len(want)
+    accepted = {}
+    for name, engine in engines.items():
+        alone = [engine.generate(p, 16, params) for p, params in zip(PROMPTS, PARAMS)]
+        assert [g.token_ids for g in alone] == want, name
+        # eight slots, every request beside the others (and again in another order: other neighbours)
+        batch = BatchEngine(engine, max_batch=8, max_model_len=64, prefill_chunk=16)
+        together = batch.generate([Request(p, 16, params) for p, params in zip(PROMPTS, PARAMS)])
+        assert [g.token_ids for g in together] == want, name
+        shuffled = batch.generate([Request(PROMPTS[i], 16, PARAMS[i]) for i in (3, 1, 5, 0, 4, 2)])
+        assert [g.token_ids for g in shuffled] == [want[i] for i in (3, 1, 5, 0, 4, 2)], name
+        accepted[name] = sum(sum(g.step_tokens) - g.llm_steps for g in alone)
+    assert accepted["incremental"] == 0
+    for name in ("sequence", "tree", "dynamic"):
+        assert accepted[name] > 0, name  # speculation accepted tokens of sampled requests
+    # the seed matters, and so do the other parameters
+    other = engines["tree"].generate(PROMPTS[0], 16, sampling.SamplingParams(0.9, seed=4)).token_ids
+    assert other != want[0]
+
+
+def test_the_coupled_draw_is_exact_for_the_first_and_second_tokens(llm):
+    """Chi-square of (first, second) sampled token pairs over many seeds against the LLM's warped joint
+    distribution, incremental and through a tree, with top-k and top-p."""
+    params = dict(temperature=1.0, top_k=5, top_p=0.9)
+    prompt = [3, 1, 4]
+    spec = sampling.WarpSpec.of(sampling.SamplingParams(**params))
+    values = sampling.warp_arrays(sampling.SamplingParams(**params), 1)
+
+    def warped(ids):  # the LLM's warped next-token distribution after ids
+        cache = KVCache.create(llm.cfg, 1, len(ids))
+        logits = prefill_model(llm.forward, llm.params, cache, jnp.asarray([ids]), jnp.asarray([len(ids)]))[0]
+        return np.asarray(sampling.warped_probs(logits, spec, values), np.float64)[0]
+
+    p1 = warped(prompt)
+    joint = {}
+    for a in np.flatnonzero(p1 > 0):
+        p2 = warped(prompt + [int(a)])
+        for b in np.flatnonzero(p2 > 0):
+            joint[(int(a), int(b))] = p1[a] * p2[b]
+    seeds = 600
+    for name in ("incremental", "tree"):
+        engine = coupled_engines(llm)[name]
+        batch = BatchEngine(engine, max_batch=8, max_model_len=32)
+        outs = batch.generate([Request(prompt, 2, sampling.SamplingParams(**params, seed=s), stop_ids=[])
+                               for s in range(seeds)])
+        counts = {}
+        for g in outs:
+            pair = tuple(g.token_ids[:2])
+            assert pair in joint, (name, pair)  # never a token outside top-k / top-p
+            counts[pair] = counts.get(pair, 0) + 1
+        keys = sorted(joint)
+        expected = np.asarray([joint[k] for k in keys]) * seeds
+        observed = np.asarray([counts.get(k, 0) for k in keys])
+        big = expected >= 5  # pool the rare cells
+        obs = np.append(observed[big], observed[~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        if exp[-1] == 0:
+            obs, exp = obs[:-1], exp[:-1]
+        assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3, name
