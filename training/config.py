@@ -45,6 +45,7 @@ class DataConfig:
     batch_size: int = 64  # LLM generation batch
     shard_size: int = 512  # prompts per on-disk shard (the unit of resumption)
     min_chars: int = 16  # sharegpt: skip human turns shorter than this ("continue", "ok", ...)
+    temperature: float = 0.0  # 0: greedy continuations; > 0: sampled from the LLM's tempered distribution
 
     def __post_init__(self) -> None:
         _check(self.source in SOURCES, f"data.source must be one of {', '.join(SOURCES)}, got {self.source!r}")
@@ -57,6 +58,7 @@ class DataConfig:
                "data.prompt_buckets must be increasing and end at data.max_prompt_tokens")
         _check(self.continuation_tokens >= 2, "data.continuation_tokens must be >= 2")
         _check(self.top_k >= 0, "data.top_k must be >= 0")
+        _check(0.0 <= self.temperature <= 10.0, "data.temperature must be in [0, 10]")
         for name in ("batch_size", "shard_size", "num_prompts"):
             _check(getattr(self, name) > 0, f"data.{name} must be positive")
 

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -217,6 +218,8 @@ def fingerprint(cfg: DataConfig, llm_identity: dict, seed: int) -> str:
     keys = dataclasses.asdict(cfg)
     for k in ("batch_size",):  # changes speed, not samples
         keys.pop(k)
+    if not keys["temperature"]:  # greedy: the digest of the directories written before sampling existed
+        keys.pop("temperature")
     blob = json.dumps({"data": keys, "llm": llm_identity, "seed": seed, "v": FORMAT_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -297,14 +300,16 @@ def distill(
     order = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths share a shard
     for i in todo:
         ids = np.sort(order[i * cfg.shard_size: (i + 1) * cfg.shard_size])
-        shard = _generate_shard(cfg, llm, [prompts[j] for j in ids], gens, bar)
+        shard = _generate_shard(cfg, llm, [prompts[j] for j in ids], gens, bar,
+                                jax.random.fold_in(jax.random.key(seed), i))
         _save_npz(out / manifest["shards"][i], index=ids, **shard)
     bar.close()
     return out
 
 
-def _generate_shard(cfg: DataConfig, llm, prompts: Sequence[Sequence[int]], gens: dict, bar) -> dict:
-    """Continuations of one shard's prompts, batched by prompt-length bucket."""
+def _generate_shard(cfg: DataConfig, llm, prompts: Sequence[Sequence[int]], gens: dict, bar,
+                    key: jax.Array) -> dict:
+    """Continuations of one shard's prompts, batched by prompt-length bucket (``key``: its sampling randomness)."""
     n, k = len(prompts), cfg.top_k
     cont = np.full((n, cfg.continuation_tokens), PAD_ID, np.int32)
     top_ids = np.zeros((n, cfg.continuation_tokens, k), np.int32)
@@ -315,8 +320,10 @@ def _generate_shard(cfg: DataConfig, llm, prompts: Sequence[Sequence[int]], gens
         for start in range(0, len(rows), cfg.batch_size):
             chunk = rows[start: start + cfg.batch_size]
             if "gen" not in gens:
-                gens["gen"] = make_generator(llm.forward, llm.cfg, cfg.continuation_tokens, k)
-            c = generate_batch(gens["gen"], llm.params, [prompts[j] for j in chunk], cfg.batch_size, b)
+                gens["gen"] = make_generator(llm.forward, llm.cfg, cfg.continuation_tokens, k,
+                                             temperature=cfg.temperature)
+            c = generate_batch(gens["gen"], llm.params, [prompts[j] for j in chunk], cfg.batch_size, b,
+                               jax.random.fold_in(key, int(chunk[0])))
             cont[chunk] = c.tokens
             if k:
                 top_ids[chunk], top_lp[chunk] = c.topk_ids, c.topk_logprobs

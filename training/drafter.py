@@ -80,6 +80,14 @@ class DrafterConfig:
     build_minutes: float | None = None  # None: cache every row first; a number: at most this long (0: as is)
     cache_rows: int = 0  # > 0: cache and train on the first rows only (whole shards)
     init_from: str | None = None  # warm start: a drafter directory whose fc / layer_0 shapes match
+    # the LLM's own answers (training.fused): the contexts the drafter drafts in at inference
+    answers: int = 0  # > 0: the LLM answers this many ShareGPT prompts at each temperature (the last
+    #                   eval_sequences held out); a multiple of 64 (rows per cache shard) + eval_sequences
+    answer_tokens: int = 160  # tokens per answer; prompts of up to seq_len - answer_tokens tokens
+    answer_temperatures: tuple[float, ...] = (0.0, 0.8)  # 0: greedy answers; > 0: sampled ones
+    answer_mix: float = 0.5  # the fraction of each batch drawn from the answers (split evenly over temperatures)
+    answer_dir: str = "runs/answers/smollm2"  # answers and their feature caches, a directory per temperature
+    answer_batch: int = 32  # prompts the LLM answers at once
 
     @classmethod
     def load(cls, path: str | None, overrides: Sequence[str] = ()) -> "DrafterConfig":
@@ -91,7 +99,15 @@ class DrafterConfig:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown drafter config keys: {', '.join(sorted(unknown))}")
-        return cls(**data)
+        if "answer_temperatures" in data:
+            data["answer_temperatures"] = tuple(float(t) for t in data["answer_temperatures"])
+        cfg = cls(**data)
+        if cfg.answers and (cfg.answers - cfg.eval_sequences) % 64:
+            raise ValueError(f"answers={cfg.answers}: need eval_sequences ({cfg.eval_sequences}) plus a multiple "
+                             f"of 64 (rows per feature cache shard)")
+        if not 0.0 <= cfg.answer_mix <= 1.0 or not 0 < cfg.answer_tokens < cfg.seq_len:
+            raise ValueError("need answer_mix in [0, 1] and 0 < answer_tokens < seq_len")
+        return cfg
 
 
 def _smooth_l1(x, y):

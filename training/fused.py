@@ -163,6 +163,46 @@ def _plot_curve(path: Path) -> None:
     plt.close(fig)
 
 
+def answer_rows(cfg, llm, identity: dict, temperature: float) -> np.ndarray:
+    """[N, seq_len] rows (pad -1): ``cfg.answers`` ShareGPT prompts, chat-templated, each followed by the LLM's
+    own answer (greedy at temperature 0, else sampled), generated once into ``cfg.answer_dir`` (resumable)."""
+    from training.config import DataConfig  # noqa: PLC0415
+    from training.data import distill, load_samples  # noqa: PLC0415
+
+    max_prompt = cfg.seq_len - cfg.answer_tokens
+    buckets = tuple(b for b in (32, 64) if b < max_prompt) + (max_prompt,)
+    data = DataConfig(source="sharegpt", num_prompts=cfg.answers, eval_prompts=cfg.eval_sequences,
+                      max_prompt_tokens=max_prompt, prompt_buckets=buckets, continuation_tokens=cfg.answer_tokens,
+                      top_k=0, batch_size=cfg.answer_batch, shard_size=128, temperature=temperature)
+    samples = load_samples(distill(Path(cfg.answer_dir) / f"t{temperature:g}", data, llm, cfg.seed, identity))
+    rows = np.full((len(samples), cfg.seq_len), -1, np.int32)
+    for i, n in enumerate(samples.prompt_len + samples.cont_len):
+        rows[i, :n] = samples.tokens[i, :n]
+    return rows
+
+
+def _answer_caches(cfg, llm, identity: dict, spec: CacheSpec) -> list[tuple[str, str, str]]:
+    """(name, training cache, held-out cache) of the LLM's answers at each temperature, built where missing."""
+    out = []
+    for t in cfg.answer_temperatures:
+        rows = answer_rows(cfg, llm, identity, t)
+        d = Path(cfg.answer_dir) / f"t{t:g}"
+        build_cache(d / "features", llm, identity, rows[: -cfg.eval_sequences], spec)
+        build_cache(d / "features_held", llm, identity, rows[-cfg.eval_sequences:], spec)
+        out.append((f"answers{t:g}", str(d / "features"), str(d / "features_held")))
+    return out
+
+
+def batch_counts(batch: int, mix: float, sources: int) -> list[int]:
+    """Rows per batch from ShareGPT then from each of ``sources`` answer caches: ``mix`` of the batch split
+    evenly over the answers (the first ones take the remainder)."""
+    if not sources:
+        return [batch]
+    answers = int(round(mix * batch))
+    each = [answers // sources + (i < answers % sources) for i in range(sources)]
+    return [batch - answers] + each
+
+
 def train_fused(cfg, export_only: bool = False) -> Path:
     """Caches the LLM's features (what is missing), then trains (or resumes) the fused drafter on them."""
     from jaxspec.speculators.pool import llm_identity  # noqa: PLC0415
@@ -217,11 +257,18 @@ def train_fused(cfg, export_only: bool = False) -> Path:
     if cfg.build_minutes is None or cfg.build_minutes > 0:
         build_cache(cfg.cache_dir, llm, identity, rows[: -cfg.eval_sequences], spec,
                     max_seconds=60 * (cfg.build_minutes or 0), max_shards=cfg.cache_rows // spec.rows_per_shard)
+    answers = _answer_caches(cfg, llm, identity, spec) if cfg.answers else []
     del llm
     train = FeatureCache(cfg.cache_dir, require_all=False, max_rows=cfg.cache_rows)
-    held = FeatureCache(cfg.eval_cache_dir)
-    tqdm.write(f"[train] {len(train)} cached rows ({len(train) * cfg.seq_len / 1e6:.2f} M tokens), "
-               f"{len(held)} held out; blocks {list(layers)}")
+    held = {"": FeatureCache(cfg.eval_cache_dir)}
+    sources = [train]
+    for name, train_dir, held_dir in answers:
+        sources.append(FeatureCache(train_dir))
+        held[f"{name}_"] = FeatureCache(held_dir)
+    counts = batch_counts(cfg.batch_size, cfg.answer_mix, len(answers))
+    tqdm.write(f"[train] {len(train)} cached ShareGPT rows ({len(train) * cfg.seq_len / 1e6:.2f} M tokens)"
+               + "".join(f", {len(c)} rows of {name}" for (name, _, _), c in zip(answers, sources[1:]))
+               + f"; batch rows {counts}; {len(held[''])} held out; blocks {list(layers)}")
     step_fn, eval_fn = make_fused_step(dcfg, layers, ids, cfg, opt)
 
     def save(step: int) -> None:
@@ -231,9 +278,17 @@ def train_fused(cfg, export_only: bool = False) -> Path:
         tmp.replace(ckpt)
 
     def held_out() -> dict:
-        ms = [jax.device_get(eval_fn(own, frozen, head, {k: jnp.asarray(v) for k, v in b.items()}))
-              for b in held.iter_rows(cfg.batch_size)]
-        return {k: float(np.mean([m[k] for m in ms])) for k in ms[0]}
+        ev = {}
+        for prefix, cache in held.items():
+            ms = [jax.device_get(eval_fn(own, frozen, head, {k: jnp.asarray(v) for k, v in b.items()}))
+                  for b in cache.iter_rows(cfg.batch_size)]
+            ev.update({f"{prefix}{k}": float(np.mean([m[k] for m in ms])) for k in ms[0]})
+        return ev
+
+    def batch_rows(step: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([cfg.seed, step])
+        parts = [c.rows(rng.choice(len(c), n, replace=False)) for c, n in zip(sources, counts) if n]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     def record(step: int) -> dict:
         ev = held_out()
@@ -248,9 +303,7 @@ def train_fused(cfg, export_only: bool = False) -> Path:
     step = start
     with (out / LOG).open("a") as log, tqdm(total=cfg.steps, initial=start, desc="drafter", unit="step") as bar:
         while step < cfg.steps:
-            rng = np.random.default_rng([cfg.seed, step])
-            batch = {k: jnp.asarray(v) for k, v in train.rows(rng.choice(len(train), cfg.batch_size,
-                                                                          replace=False)).items()}
+            batch = {k: jnp.asarray(v) for k, v in batch_rows(step).items()}
             own, opt_state, metrics = step_fn(own, frozen, head, opt_state, batch)
             step += 1
             m = {k: float(v) for k, v in jax.device_get(metrics).items()}

@@ -38,17 +38,22 @@ def make_generator(
     new_tokens: int,
     top_k: int = 0,
     cache_dtype=jnp.float32,
+    temperature: float = 0.0,
 ) -> Callable:
-    """Returns jitted ``gen(params, tokens[B, Tp], lengths[B]) -> (ids[B, N], topk ids, topk logprobs)``.
+    """Returns jitted ``gen(params, tokens[B, Tp], lengths[B], key) -> (ids[B, N], topk ids, topk logprobs)``.
 
-    Greedy decoding of ``new_tokens`` tokens after right-padded prompts; tokens after
-    the first EOS are PAD_ID. With ``top_k`` > 0 it also returns the LLM's top-k ids and
+    Decodes ``new_tokens`` tokens after right-padded prompts, greedily or (``temperature`` > 0)
+    by sampling the tempered distribution with ``key`` folded by step; tokens after the first
+    EOS are PAD_ID. With ``top_k`` > 0 it also returns the LLM's top-k ids and
     log-probabilities at every step (else empty [B, N, 0] arrays).
     """
     eos = jnp.asarray(cfg.eos_token_ids or (-2,), jnp.int32)
 
-    def pick(logits):  # logits [B, V] -> token [B], topk ids / logprobs [B, k]
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    def pick(logits, key):  # logits [B, V] -> token [B], topk ids / logprobs [B, k]
+        if temperature > 0:
+            token = jax.random.categorical(key, logits.astype(jnp.float32) / temperature, axis=-1).astype(jnp.int32)
+        else:
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if top_k:
             logp = jax.nn.log_softmax(logits, axis=-1)
             vals, ids = jax.lax.top_k(logp, top_k)
@@ -56,24 +61,24 @@ def make_generator(
         b = logits.shape[0]
         return token, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float16)
 
-    def gen(params, tokens, lengths):
+    def gen(params, tokens, lengths, key):
         b, tp = tokens.shape
         capacity = tp + new_tokens
         cache = KVCache.create(cfg, b, capacity, cache_dtype)
         logits, cache, _ = prefill_model(forward, params, cache, tokens, lengths)
-        first = pick(logits)
+        first = pick(logits, jax.random.fold_in(key, 0))
         done = jnp.isin(first[0], eos)
 
-        def body(carry, _):
+        def body(carry, step):
             cache, prev, done = carry
             mask = causal_mask(cache.length, 1, capacity)
             out, cache = forward(params, prev[:, None], cache.length[:, None], cache, mask)
             cache = cache.replace(length=cache.length + 1)
-            token, ids, vals = pick(out[:, 0])
+            token, ids, vals = pick(out[:, 0], jax.random.fold_in(key, step))
             emitted = jnp.where(done, PAD_ID, token)
             return (cache, token, done | jnp.isin(token, eos)), (emitted, ids, vals)
 
-        _, (rest, ids, vals) = jax.lax.scan(body, (cache, first[0], done), None, length=new_tokens - 1)
+        _, (rest, ids, vals) = jax.lax.scan(body, (cache, first[0], done), jnp.arange(1, new_tokens))
         seq = jnp.concatenate([first[0][None], rest], axis=0).T  # [B, N]
         top_ids = jnp.concatenate([first[1][None], ids], axis=0).transpose(1, 0, 2)  # [B, N, k]
         top_vals = jnp.concatenate([first[2][None], vals], axis=0).transpose(1, 0, 2)
@@ -101,10 +106,13 @@ def pad_batch(prompts: Sequence[Sequence[int]], batch: int, length: int) -> tupl
     return tokens, lengths
 
 
-def generate_batch(gen: Callable, params, prompts: Sequence[Sequence[int]], batch: int, length: int) -> Continuations:
-    """Runs ``gen`` on up to ``batch`` prompts padded to ``length``; drops the filler rows."""
+def generate_batch(gen: Callable, params, prompts: Sequence[Sequence[int]], batch: int, length: int,
+                   key: jax.Array | None = None) -> Continuations:
+    """Runs ``gen`` on up to ``batch`` prompts padded to ``length`` (``key``: a sampling generator's
+    randomness); drops the filler rows."""
     tokens, lengths = pad_batch(prompts, batch, length)
-    seq, ids, vals = jax.device_get(gen(params, jnp.asarray(tokens), jnp.asarray(lengths)))
+    key = jax.random.key(0) if key is None else key
+    seq, ids, vals = jax.device_get(gen(params, jnp.asarray(tokens), jnp.asarray(lengths), key))
     n = len(prompts)
     has_topk = ids.shape[-1] > 0
     return Continuations(
