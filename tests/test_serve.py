@@ -101,7 +101,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("serve") / "server.log")
+    home = tmp_path_factory.mktemp("serve")
+    s = Server(home / "server.log", ("--mode", "incremental", "--request-log", str(home / "requests.jsonl")))
+    s.request_log = home / "requests.jsonl"
     yield s
     s.stop()
 
@@ -210,6 +212,23 @@ def test_n_choices_follow_their_seeds(server):
     assert pieces == [s.choices[0].text for s in singles] and len(finish) == 2
     assert usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
     assert usage.prompt_tokens == singles[0].usage.prompt_tokens  # the prompt counts once
+
+
+def test_an_unseeded_request_gets_a_logged_seed_that_repeats_it(server):
+    """A sampled request without a seed gets a random one: in --request-log, not in the response (as vLLM);
+    sending that seed gives the same text. A seeded request's line says the seed came with it."""
+    body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0}
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 200 and "seed" not in r.text
+    job = r.json()["id"].removeprefix("cmpl-")
+    lines = {row["id"]: row for row in map(json.loads, server.request_log.read_text().splitlines())}
+    logged = lines[f"{job}-0"]
+    assert logged["seed_from"] == "server" and isinstance(logged["seed"], int)
+    assert (logged["temperature"], logged["completion_tokens"]) == (1.0, r.json()["usage"]["completion_tokens"])
+    again = server.post("/v1/completions", body | {"seed": logged["seed"]})
+    assert again.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+    lines = {row["id"]: row for row in map(json.loads, server.request_log.read_text().splitlines())}
+    assert lines[f"{again.json()['id'].removeprefix('cmpl-')}-0"]["seed_from"] == "request"
 
 
 def test_stop_strings_cut_before_the_match(server):

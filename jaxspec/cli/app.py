@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 from typing import Iterable, Sequence
 
@@ -34,7 +35,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 disables top-p")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int,
+                   help="base seed of sampled requests (sample i of a prompt uses seed + i); default: a random one, "
+                        "printed and written to each JSONL line so the run can be repeated")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -121,6 +124,7 @@ def record(row: dict, sample: int, gen, tokenizer, args) -> dict:
         "tokens_per_step": round(gen.tokens_per_step, 4),
         "seconds": round(gen.seconds, 4),
         "finish_reason": gen.finish_reason,
+        "seed": args.seed + sample,
         "mode": args.mode,
         "tree": gen.tree_counts,
     }
@@ -133,6 +137,10 @@ def cmd_generate(args) -> int:
         raise CliError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
     if args.max_batch < 1:
         raise CliError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.seed is None:  # as vLLM: an unseeded request gets a random seed, reported so it can be rerun
+        args.seed = int(distributed.agree(np.asarray([secrets.randbits(31)], np.int32))[0])  # one for every process
+        if args.temperature > 0 and distributed.is_leader():
+            print(f"[jaxspec] seed {args.seed} (pass --seed {args.seed} to repeat this run)", file=sys.stderr)
     sampling_params(args)  # validate before loading anything
     from jaxspec.engine.batch import check_stops  # noqa: PLC0415
     from jaxspec.engine.runner import RequestError  # noqa: PLC0415

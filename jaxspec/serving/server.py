@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Annotated, Any, AsyncIterator, Callable, Literal
+from typing import IO, Annotated, Any, AsyncIterator, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -255,6 +255,7 @@ class Choice:
     completion_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    sampling: dict = dataclasses.field(default_factory=dict)  # its parameters and seed, for --request-log
 
 
 class Job:
@@ -303,6 +304,7 @@ class Job:
                 if event.error:
                     log.error("request %s failed: %s", event.request_id, event.error)
                 choice.finish_reason = "stop" if cut else FINISH.get(event.finish_reason, event.finish_reason)
+                self.service.log_request(self, choice)
                 running -= 1
             yield choice, text
 
@@ -316,12 +318,13 @@ class Service:
     """The batch engine, its thread and what the HTTP handlers ask of it."""
 
     def __init__(self, batch, tokenizer, vocab_size: int, model_name: str, max_queue: int,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, request_log: IO[str] | None = None) -> None:
         from jaxspec.serving.metrics import ServerMetrics  # noqa: PLC0415
 
         self.batch, self.tokenizer, self.vocab_size, self.model_name = batch, tokenizer, vocab_size, model_name
         self.max_queue = max_queue
         self.verbose = verbose
+        self.request_log = request_log
         self.metrics = ServerMetrics(batch.queue_depth, batch.active_slots, lambda: batch.engine.compilations)
         self.created = int(time.time())
         self.observing = False  # warm-up iterations are not counted
@@ -418,7 +421,8 @@ class Service:
         if total > self.max_queue:
             raise APIError(400, f"the request asks for {total} completions (prompts x n); this server queues at "
                            f"most {self.max_queue} (--max-queue)", "n")
-        seed = body.seed if body.seed is not None else secrets.randbits(31)
+        seed = body.seed if body.seed is not None else secrets.randbits(31)  # reported in --request-log only
+        seed_from = "request" if body.seed is not None else "server"
         try:
             params = [SamplingParams(1.0 if body.temperature is None else body.temperature,
                                      0 if body.top_k in (None, -1) else body.top_k,
@@ -439,7 +443,10 @@ class Service:
                 self.batch.check(req)
             except (RequestError, SamplingError) as e:
                 raise APIError(400, str(e), code="invalid_request") from None
-            job.choices.append(Choice(i, len(req.prompt_ids), TextStream(self.tokenizer, stops), arrival))
+            p = req.params
+            job.choices.append(Choice(i, len(req.prompt_ids), TextStream(self.tokenizer, stops), arrival,
+                                      sampling={"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+                                                "seed": p.seed, "seed_from": seed_from}))
         waiting = self.batch.queue_depth()
         if waiting + len(requests) > self.max_queue:  # refuse whole before submitting any choice
             raise self.queue_full(waiting)
@@ -483,6 +490,16 @@ class Service:
             live = list(self._live.values())
         for job, _ in live:
             job.cancel()
+
+    def log_request(self, job: Job, choice: Choice) -> None:
+        """One ``--request-log`` JSON line per finished choice: what it asked for, its seed, how it ended."""
+        if self.request_log is None:
+            return
+        line = {"id": f"{job.id}-{choice.index}", "time": round(time.time(), 3), "model": self.model_name,
+                "prompt_tokens": choice.prompt_tokens, "completion_tokens": choice.completion_tokens,
+                "finish_reason": choice.finish_reason, "error": choice.error, **choice.sampling}
+        self.request_log.write(json.dumps(line) + "\n")
+        self.request_log.flush()
 
     def retire(self, choice: Choice) -> None:
         with self._lock:
@@ -851,6 +868,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="serve a non-loopback --host without an API key (anyone who reaches the port may use it)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, metavar="N",
                    help=f"larger request bodies get 413 ({MAX_BODY_BYTES})")
+    p.add_argument("--request-log", metavar="FILE",
+                   help="append one JSON line per finished completion: its sampling parameters and seed (a request "
+                        "without one gets a random seed, logged here and not in the response), tokens, finish reason")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are cancelled (10)")
     add_compile_cache_args(p)
@@ -878,6 +898,10 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     check_address(args.host, args.port)  # before minutes of loading and compiling
+    try:
+        request_log = open(args.request_log, "a", encoding="utf-8") if args.request_log else None
+    except OSError as e:
+        raise CliError(f"--request-log {args.request_log}: cannot open for appending ({e.strerror})") from None
     setup_logging()
     from jaxspec.engine.batch import BatchEngine  # noqa: PLC0415
 
@@ -891,7 +915,8 @@ def main(args: argparse.Namespace) -> int:
 
     if not distributed.serve_role(batch, lambda stops: stop_matcher(llm.tokenizer, stops)):
         return 0  # another process of a multi-host server: it followed process 0 until its stop
-    service = Service(batch, llm.tokenizer, llm.cfg.vocab_size, name, args.max_queue, verbose=args.verbose)
+    service = Service(batch, llm.tokenizer, llm.cfg.vocab_size, name, args.max_queue, verbose=args.verbose,
+                      request_log=request_log)
     service.start()
     try:
         log.info("compiling (warm-up requests; %d slots, max model length %d)", batch.max_batch,
@@ -917,6 +942,8 @@ def main(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
+        if request_log is not None:
+            request_log.close()
     log.info("stopped")
     return 0
 
