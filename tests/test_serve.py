@@ -102,7 +102,8 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("serve")
-    s = Server(home / "server.log", ("--mode", "incremental", "--request-log", str(home / "requests.jsonl")))
+    s = Server(home / "server.log", ("--mode", "incremental", "--verify", "coupled",
+                                     "--request-log", str(home / "requests.jsonl")))
     s.request_log = home / "requests.jsonl"
     yield s
     s.stop()
@@ -498,27 +499,33 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
         spec.stop()
 
 
-@pytest.mark.parametrize("flags", [("--mode", "auto"),  # the default speculators, auto's lazy trees
-                                   ("--mode", "tree", "--expansion", "1,2,1")],  # the default pool, fixed tree
-                         ids=["auto", "tree"])
+@pytest.mark.parametrize("flags", [("--mode", "auto", "--verify", "coupled"),  # the default speculators, lazy trees
+                                   ("--mode", "tree", "--expansion", "1,2,1")],  # the default pool, fixed tree, mss
+                         ids=["auto-coupled", "tree-mss"])
 def test_auto_and_tree_servers_keep_greedy_output_through_streams_stops_and_disconnects(server, tmp_path, flags):
     """Speculating servers (auto, and a fixed tree of the default pool) answer the incremental server's greedy
     text alone, four at once beside sampled requests, streamed, cut by a stop string, and right after a client
-    dropped a speculating stream; every iteration the metrics count ran a member of the family (issue 22)."""
+    dropped a speculating stream; every iteration the metrics count ran a member of the family (issue 22).
+    Under the coupled verifier (issue 24) the sampled requests, 8 clients at once, answer the incremental
+    server's text for their seeds too."""
     spec = Server(tmp_path / "spec.log", flags)
     try:
         prompts = PROMPTS[:3] + ["Count from one to twenty, separated by commas."]
         want = [chat(server, p, 24, temperature=0).choices[0].message.content for p in prompts]
         assert [chat(spec, p, 24, temperature=0).choices[0].message.content for p in prompts] == want
 
-        def mixed(k: int) -> str | None:
+        def mixed(k: int) -> str:
             if k % 2:  # a sampled request sharing the batch
-                chat(spec, PROMPTS[4 + k // 2], 24, temperature=0.9, seed=k)
-                return None
+                reply = chat(spec, PROMPTS[4 + k // 2], 24, temperature=0.9, top_p=0.95, seed=k)
+                return reply.choices[0].message.content
             return chat(spec, prompts[k // 2], 24, temperature=0).choices[0].message.content
         with ThreadPoolExecutor(8) as pool:
             together = list(pool.map(mixed, range(8), timeout=600))
         assert together[0::2] == want
+        if "coupled" in flags:
+            sampled = [chat(server, PROMPTS[4 + k // 2], 24, temperature=0.9, top_p=0.95, seed=k).choices[0]
+                       .message.content for k in range(1, 8, 2)]
+            assert together[1::2] == sampled and len(set(sampled)) == len(sampled)
         pieces, finish, _ = streamed(chat(spec, prompts[3], 24, temperature=0, stream=True))
         assert "".join(pieces) == want[3] and finish[0] in ("stop", "length")
         stop = want[3][len(want[3]) // 2:][:3]

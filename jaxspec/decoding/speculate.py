@@ -147,11 +147,12 @@ def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree
 
     Every drafted node scores its cumulative draft log-probability (the sum along its
     path): the plain one (greedy), or under coupled sampling the perturbed one of
-    ``sampling.coupled_scores`` with ``noise`` [B, m, V] (level i: its children's position's). Level i feeds the ``width`` best-scoring nodes of depth i (written at SSM cache
-    slots ``length + 1 + (i-1)·width + w``, each attending to its fed ancestors), each of
-    which drafts its ``width`` most likely children. The ``nodes`` - 1 best of all drafted
-    nodes form the tree, in depth order (a parent before its children); a node whose
-    parent missed the cut (possible only on tied scores) is marked invalid.
+    ``sampling.coupled_scores`` with ``noise`` [B, m, V] (level i: its children's position's).
+    Level i feeds the ``width`` best-scoring nodes of depth i (written at SSM cache slots
+    ``length + 1 + (i-1)·width + w``, each attending to its fed ancestors), each of which
+    drafts its ``width`` most likely children. The ``nodes`` - 1 best of all drafted nodes
+    form the tree, in depth order (a parent before its children); a node whose parent
+    missed the cut (possible only on tied scores) is marked invalid.
     A feature drafter (``features`` [B, S, D]: the LLM's states) feeds each node with the state
     it predicted at the node's parent.
     Returns (tree [B, N], scalar 0 draft probabilities, cache with length == length).
