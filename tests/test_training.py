@@ -247,6 +247,39 @@ def test_generator_matches_incremental_greedy_decoding_and_pads_after_eos(tiny_r
     assert (np.diff(out.topk_logprobs.astype(np.float32), axis=-1) <= 0).all()
 
 
+def test_sampled_answers_are_a_function_of_the_key(tiny_run):
+    """The LLM's sampled answers (drafter training data, issue 23): one key gives one answer, another key
+    another, and neither is the greedy one; the greedy generator ignores the key."""
+    import jax
+
+    _, _, llm = tiny_run
+    prompts = [[5, 17, 300, 2], [9] * 11, [100, 200, 300, 400, 500, 1, 2]]
+    greedy = make_generator(llm.forward, llm.cfg, 8)
+    sampled = make_generator(llm.forward, llm.cfg, 8, temperature=1.0)
+
+    def run(gen, seed):
+        return generate_batch(gen, llm.params, prompts, batch=4, length=16, key=jax.random.key(seed)).tokens
+
+    assert np.array_equal(run(greedy, 1), run(greedy, 2))
+    first = run(sampled, 1)
+    assert np.array_equal(first, run(sampled, 1))
+    assert not np.array_equal(first, run(sampled, 2)) and not np.array_equal(first, run(greedy, 1))
+
+
+def test_answer_mix_splits_each_batch_and_its_config_is_checked():
+    from training.drafter import DrafterConfig
+    from training.fused import batch_counts
+
+    assert batch_counts(8, 0.5, 0) == [8]
+    assert batch_counts(8, 0.5, 2) == [4, 2, 2]
+    assert batch_counts(8, 0.25, 3) == [6, 1, 1, 0]
+    assert batch_counts(8, 1.0, 1) == [0, 8]
+    assert DrafterConfig.load(None, ["answers=192", "answer_temperatures=[0, 0.8]"]).answer_temperatures == (0.0, 0.8)
+    for bad in (["answers=100"], ["answers=64"], ["answers=192", "answer_mix=1.5"], ["answers=192", "answer_tokens=0"]):
+        with pytest.raises(ValueError):
+            DrafterConfig.load(None, bad)
+
+
 # --------------------------------------------------------------------------- corpora
 DOCS = ["first document about cats", "second one, about dogs", "third: birds"]
 

@@ -102,9 +102,9 @@ class DrafterConfig:
         if "answer_temperatures" in data:
             data["answer_temperatures"] = tuple(float(t) for t in data["answer_temperatures"])
         cfg = cls(**data)
-        if cfg.answers and (cfg.answers - cfg.eval_sequences) % 64:
+        if cfg.answers and (cfg.answers <= cfg.eval_sequences or (cfg.answers - cfg.eval_sequences) % 64):
             raise ValueError(f"answers={cfg.answers}: need eval_sequences ({cfg.eval_sequences}) plus a multiple "
-                             f"of 64 (rows per feature cache shard)")
+                             f"of 64 > 0 (rows per feature cache shard)")
         if not 0.0 <= cfg.answer_mix <= 1.0 or not 0 < cfg.answer_tokens < cfg.seq_len:
             raise ValueError("need answer_mix in [0, 1] and 0 < answer_tokens < seq_len")
         return cfg
