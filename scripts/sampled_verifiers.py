@@ -72,9 +72,11 @@ def plot(rows: list[dict], path: Path) -> None:
                 ys.append(hit[0]["tokens_per_step"])
         ax.bar(xs, ys, width, label=v)
     ax.set_xticks(range(len(groups)), [f"{t}\nT={temp:g}" for t, temp in groups])
+    ax.set_xlim(-0.6, len(groups) - 0.4)
+    ax.set_ylim(0, 1.35 * max(r["tokens_per_step"] for r in rows))  # room for the legend
     ax.set_ylabel("tokens per LLM step")
     ax.set_title("stochastic verifiers on the same trees")
-    ax.legend()
+    ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
