@@ -200,22 +200,32 @@ def gumbel_at(keys: jax.Array, positions: jax.Array, vocab: int) -> jax.Array:
     return jax.vmap(lambda k, ts: jax.vmap(lambda t: one(k, t))(ts))(keys, positions)
 
 
-def coupled_scores(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array], noise: jax.Array) -> jax.Array:
-    """Perturbed log-probabilities [B, ..., V]: log_softmax(warped logits + Gumbel ``noise``) for sampled rows.
+def perturbed(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array], noise: jax.Array) -> jax.Array:
+    """The coupled sampler's scores [B, ..., V]: warped log-probabilities + Gumbel ``noise`` for sampled rows,
+    the raw logits for greedy rows (and a greedy ``spec``).
 
-    Their argmax is an exact draw from the warped distribution (the Gumbel-max trick), a
-    deterministic function of the noise; its top-k are the drafting candidates of the coupled
-    verifier. Greedy rows (and a greedy ``spec``) score the plain log-softmax: argmax, top-k.
+    Their argmax (``coupled_choice``) is an exact draw from the warped distribution (the Gumbel-max
+    trick), a deterministic function of the noise; for a greedy row it is the argmax.
     """
-    plain = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    raw = logits.astype(jnp.float32)
     if spec.greedy:
-        return plain
-    scored = jax.nn.log_softmax(warp_logits(logits, spec, values) + noise, axis=-1)
+        return raw
+    scores = warp_logits(logits, spec, values) + noise
     if "greedy" in values:
         b = logits.shape[0]
-        greedy = values["greedy"].reshape((b,) + (1,) * (logits.ndim - 1))
-        scored = jnp.where(greedy, plain, scored)
-    return scored
+        scores = jnp.where(values["greedy"].reshape((b,) + (1,) * (logits.ndim - 1)), raw, scores)
+    return scores
+
+
+def coupled_choice(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array], noise: jax.Array) -> jax.Array:
+    """The coupled draw [B, ...] (int32): the argmax of ``perturbed`` scores."""
+    return jnp.argmax(perturbed(logits, spec, values, noise), axis=-1).astype(jnp.int32)
+
+
+def coupled_scores(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array], noise: jax.Array) -> jax.Array:
+    """Normalised ``perturbed`` scores [B, ..., V]: what a coupled drafter ranks children by (top-k; its first
+    child is its own coupled draw) and a dynamic tree sums along paths."""
+    return jax.nn.log_softmax(perturbed(logits, spec, values, noise), axis=-1)
 
 
 def warped_probs(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array]) -> jax.Array:

@@ -84,7 +84,7 @@ def propose(key: jax.Array, logits: jax.Array, k: int, spec: sampling.WarpSpec, 
     if spec.greedy:
         return jax.lax.top_k(logits, k)[1].astype(jnp.int32), jnp.zeros((), jnp.float32)
     if noise is not None:
-        scores = sampling.coupled_scores(logits, spec, values, noise[:, None, :])
+        scores = sampling.perturbed(logits, spec, values, noise[:, None, :])  # top-k needs no normalising
         return jax.lax.top_k(scores, k)[1].astype(jnp.int32), jnp.zeros((), jnp.float32)
     logp = sampling.warp_logits(logits, spec, values)  # [B, W, V]
     draws = sampling.categorical_rows(key, logp, k)  # [B, W, k]

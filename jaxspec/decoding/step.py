@@ -403,7 +403,7 @@ def first_token(cfg: DecodeConfig, logits: jax.Array, key: jax.Array, row_key: j
     the Gumbel-max draw of the row's fixed ``row_key`` at ``position`` [B] (the prompt's length)."""
     if cfg.coupled:
         noise = sampling.gumbel_at(row_key, position[:, None], cfg.vocab)[:, 0]  # [B, V]
-        return jnp.argmax(sampling.coupled_scores(logits, cfg.warp, values, noise), axis=-1).astype(jnp.int32)
+        return sampling.coupled_choice(logits, cfg.warp, values, noise)
     return sampling.sample(key, logits, cfg.warp, values)
 
 

@@ -54,8 +54,7 @@ def verify_coupled(tree: TokenTree, logits: jax.Array, noise: jax.Array, spec: s
     logits [B, N, V]; noise [B, D + 1, V] by depth.
     """
     at_node = jnp.take_along_axis(noise, jnp.clip(tree.depth, 0, noise.shape[1] - 1)[:, :, None], axis=1)  # [B, N, V]
-    choice = jnp.argmax(sampling.coupled_scores(logits, spec, values, at_node), axis=-1).astype(jnp.int32)
-    return verify_choices(tree, choice, max_depth)
+    return verify_choices(tree, sampling.coupled_choice(logits, spec, values, at_node), max_depth)
 
 
 def verify_choices(tree: TokenTree, target: jax.Array, max_depth: int) -> Verdict:
