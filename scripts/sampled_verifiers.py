@@ -1,13 +1,14 @@
-"""Tokens per LLM step of the stochastic verifiers (coupled, MSS, naive) on the same trees (issue 24).
+"""Tokens per LLM step (and ms/token) of the stochastic verifiers (coupled, MSS, naive) on the same trees.
 
-Each (verifier, temperature, tree) runs ``jaxspec generate`` on a prompt file in a process of its
-own (batched, as a user runs it), with one base seed for every configuration; tokens per step
-are counted from the JSONL (deterministic given the seeds), so nothing else on the machine
-changes them. Writes ``OUT/sampled_verifiers.csv`` (one row per configuration), the JSONL of each
-run under ``OUT/runs/`` and a bar chart ``OUT/sampled_verifiers.png``.
+Each (verifier, temperature, tree) is one ``jaxspec bench modes --modes tree`` run: ``jaxspec
+generate`` in a process of its own, one request at a time, warm-up prompts first and excluded,
+one base seed for every configuration. Tokens per step are counts (deterministic given the
+seeds); ms/token is wall time, so run it with nothing else on the machine. Writes
+``OUT/sampled_verifiers.csv`` (one row per configuration), each run's CSVs and logs under
+``OUT/runs/`` and a bar chart ``OUT/sampled_verifiers.png``.
 
     .venv/bin/python scripts/sampled_verifiers.py --prompt-file ../shared/prompts/dev_prompts.jsonl \\
-        --limit 48 --output runs/sampled_verifiers
+        --limit 48 --trees tree,dynamic --output runs/sampled_verifiers
 """
 
 from __future__ import annotations
@@ -17,40 +18,31 @@ import csv
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-TREES = {  # name -> jaxspec generate flags
-    "tree": ("--mode", "tree", "--ssm", "drafter"),  # the shipped drafter, the paper's expansion <1,1,3,1,1,1,1,1>
-    "pool": ("--mode", "tree"),  # the shipped boost-tuned pool, merged, the same expansion
-    "sequence": ("--mode", "sequence", "--ssm", "drafter", "--expansion", "1,1,1,1"),
-    "auto": ("--mode", "auto"),  # the default speculators (drafter + n-gram), the tree chosen per iteration
-    "dynamic": ("--mode", "tree", "--ssm", "drafter", "--ssm", "ngram:3",
-                "--expansion", "dynamic:32:6:4;1,1,1,1,1,1"),
+TREES = {  # name -> jaxspec bench modes flags (--modes tree plus its speculators and expansion)
+    "tree": ("--ssm", "drafter", "--expansion", "1,1,3,1,1,1,1,1"),  # the shipped drafter, the paper's tree
+    "pool": ("--expansion", "1,1,3,1,1,1,1,1"),  # the shipped boost-tuned pool, merged, the same expansion
+    "dynamic": ("--ssm", "drafter", "--ssm", "ngram:3", "--expansion", "dynamic:32:6:4;1,1,1,1,1,1"),
 }
 DYNAMIC_ONLY = {"coupled"}  # mss/naive draw i.i.d. children: dynamic trees draft greedily or coupled only
 
 
-def run(prompt_file: str, limit: int, verify: str, temperature: float, tree: str, tokens: int, batch: int,
-        seed: int, out: Path) -> dict:
-    """One configuration in its own process; returns its CSV row."""
-    jsonl = out / "runs" / f"{verify}_t{temperature:g}_{tree}.jsonl"
-    cmd = [sys.executable, "-m", "jaxspec.cli", "generate", "--prompt-file", prompt_file, "--limit", str(limit),
-           "--temperature", str(temperature), "--verify", verify, "--seed", str(seed), "--max-new-tokens",
-           str(tokens), "--max-batch", str(batch), "--output", str(jsonl), *TREES[tree]]
-    t0 = time.perf_counter()
+def run(args, verify: str, temperature: float, tree: str, out: Path) -> dict:
+    """One configuration through ``jaxspec bench modes``; returns its CSV row (from the bench's summary)."""
+    csv_path = out / "runs" / f"{verify}_t{temperature:g}_{tree}.csv"
+    cmd = [sys.executable, "-m", "jaxspec", "bench", "modes", "--modes", "tree", "--prompt-file", args.prompt_file,
+           "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--temperature",
+           str(temperature), "--verify", verify, "--seed", str(args.seed), "--output", str(csv_path), *TREES[tree]]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    new = sum(len(r["token_ids"]) for r in rows)
-    steps = sum(r["llm_steps"] for r in rows)
-    return {"verify": verify, "temperature": temperature, "tree": tree, "requests": len(rows), "new_tokens": new,
-            "llm_steps": steps, "tokens_per_step": round(new / max(steps, 1), 4),
-            "process_seconds": round(seconds, 1)}
+    summary = next(csv.DictReader(open(csv_path.with_name(f"{csv_path.stem}_summary.csv"))))
+    return {"verify": verify, "temperature": temperature, "tree": tree, "requests": int(summary["prompts"]),
+            "new_tokens": int(summary["tokens"]), "llm_steps": int(summary["llm_steps"]),
+            "tokens_per_step": float(summary["tokens_per_step"]), "ms_per_token": float(summary["ms_per_token"])}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -89,7 +81,6 @@ def main() -> None:
     p.add_argument("--temperatures", default="0.8,1.0")
     p.add_argument("--trees", default="tree", help=f"comma-separated, of {', '.join(TREES)}")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="runs/sampled_verifiers")
     args = p.parse_args()
@@ -99,12 +90,13 @@ def main() -> None:
     unknown = [t for t in trees if t not in TREES]
     if unknown:
         raise SystemExit(f"--trees: unknown {unknown}; choose from {list(TREES)}")
-    configs = [(v, float(t), tree) for tree in trees for t in args.temperatures.split(",")
-               for v in args.verifiers.split(",") if tree != "dynamic" or v in DYNAMIC_ONLY]
+    verifiers = [v for v in args.verifiers.split(",") if v]
+    temperatures = [float(t) for t in args.temperatures.split(",") if t]
+    configs = [(v, t, tree) for tree in trees for t in temperatures for v in verifiers
+               if tree != "dynamic" or v in DYNAMIC_ONLY]
     rows = []
     for verify, temperature, tree in tqdm(configs, desc="configurations", unit="run"):
-        rows.append(run(args.prompt_file, args.limit, verify, temperature, tree, args.max_new_tokens,
-                        args.max_batch, args.seed, out))
+        rows.append(run(args, verify, temperature, tree, out))
         tqdm.write(json.dumps(rows[-1]))
     csv_path = out / "sampled_verifiers.csv"
     with open(csv_path, "w", newline="") as f:
@@ -112,14 +104,15 @@ def main() -> None:
         w.writeheader()
         w.writerows(rows)
     plot(rows, out / "sampled_verifiers.png")
-    print(f"{'tree':<10}{'T':>5}  " + "  ".join(f"{v:>8}" for v in args.verifiers.split(",")))
+    print(f"tokens per LLM step (ms/token)\n{'tree':<10}{'T':>5}  " + "  ".join(f"{v:>16}" for v in verifiers))
     for tree in trees:
-        for t in args.temperatures.split(","):
+        for t in temperatures:
             cells = []
-            for v in args.verifiers.split(","):
-                hit = [r for r in rows if (r["tree"], r["temperature"], r["verify"]) == (tree, float(t), v)]
-                cells.append(f"{hit[0]['tokens_per_step']:8.3f}" if hit else f"{'-':>8}")
-            print(f"{tree:<10}{float(t):5.1f}  " + "  ".join(cells))
+            for v in verifiers:
+                hit = [r for r in rows if (r["tree"], r["temperature"], r["verify"]) == (tree, t, v)]
+                cells.append(f"{hit[0]['tokens_per_step']:7.3f} ({hit[0]['ms_per_token']:6.1f})" if hit
+                             else f"{'-':>16}")
+            print(f"{tree:<10}{t:5.1f}  " + "  ".join(cells))
     print(f"CSV: {csv_path}; PNG: {out / 'sampled_verifiers.png'}")
 
 
