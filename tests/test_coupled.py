@@ -86,8 +86,9 @@ def test_the_coupled_draw_is_exact_for_the_first_and_second_tokens(llm):
         for b in np.flatnonzero(p2 > 0):
             joint[(int(a), int(b))] = p1[a] * p2[b]
     seeds = 600
+    engines = coupled_engines(llm)
     for name in ("incremental", "tree"):
-        engine = coupled_engines(llm)[name]
+        engine = engines[name]
         batch = BatchEngine(engine, max_batch=8, max_model_len=32)
         outs = batch.generate([Request(prompt, 2, sampling.SamplingParams(**params, seed=s), stop_ids=[])
                                for s in range(seeds)])

@@ -428,6 +428,8 @@ def test_client_disconnect_cancels_the_request(server):
     wait_for(lambda: cancelled() > before + 1, "the waiting request's cancellation in /metrics")
     wait_for(lambda: server.metrics()[("jaxspec_active_slots", ())] == 0, "the slot to free")
     assert complete(server, "Hello", 4, temperature=0).choices[0].text is not None
+    logged = [json.loads(line) for line in server.request_log.read_text().splitlines()]
+    assert sum(row["finish_reason"] == "cancelled" for row in logged) >= 2  # the dropped requests are logged too
 
 
 def test_metrics_parse_and_move(server):

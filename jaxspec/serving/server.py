@@ -280,6 +280,7 @@ class Job:
                 self.service.retire(choice)
                 outcome = "stop" if event.finish_reason == "eos" else event.finish_reason
                 metrics.observe_finished(outcome, choice.arrival, choice.first, now, event.completion_tokens)
+                self.service.log_request(self, choice, outcome, event)  # every end, a dropped client's too
             if event.token_ids:
                 metrics.observe_tokens(len(event.token_ids))
             try:
@@ -304,7 +305,6 @@ class Job:
                 if event.error:
                     log.error("request %s failed: %s", event.request_id, event.error)
                 choice.finish_reason = "stop" if cut else FINISH.get(event.finish_reason, event.finish_reason)
-                self.service.log_request(self, choice)
                 running -= 1
             yield choice, text
 
@@ -491,13 +491,14 @@ class Service:
         for job, _ in live:
             job.cancel()
 
-    def log_request(self, job: Job, choice: Choice) -> None:
-        """One ``--request-log`` JSON line per finished choice: what it asked for, its seed, how it ended."""
+    def log_request(self, job: Job, choice: Choice, outcome: str, event) -> None:
+        """One ``--request-log`` JSON line per finished choice (engine thread): what it asked for, its seed,
+        how it ended (``outcome``: stop, length, cancelled or error, as the metrics count it)."""
         if self.request_log is None:
             return
         line = {"id": f"{job.id}-{choice.index}", "time": round(time.time(), 3), "model": self.model_name,
-                "prompt_tokens": choice.prompt_tokens, "completion_tokens": choice.completion_tokens,
-                "finish_reason": choice.finish_reason, "error": choice.error, **choice.sampling}
+                "prompt_tokens": choice.prompt_tokens, "completion_tokens": event.completion_tokens,
+                "finish_reason": outcome, "error": event.error, **choice.sampling}
         self.request_log.write(json.dumps(line) + "\n")
         self.request_log.flush()
 
