@@ -152,6 +152,21 @@ def test_bench_modes_runs_each_mode_as_generate_in_its_own_process(tmp_path, cap
     assert "--expansion of 1s" in capsys.readouterr().err
 
 
+def test_bench_modes_passes_the_verifier_and_sampling_to_every_mode(tmp_path):
+    """``bench modes --verify`` reaches each mode's ``jaxspec generate`` (scripts/sampled_verifiers.py relies on it)."""
+    from pathlib import Path
+
+    from jaxspec.cli.app import build_parser
+    from jaxspec.cli.bench import _generate_command
+
+    args = build_parser().parse_args(["bench", "modes", "--prompt-file", "p.jsonl", "--temperature", "0.8",
+                                      "--verify", "coupled", "--ssm", "ngram:3"])
+    for mode in ("incremental", "tree"):
+        cmd = _generate_command(mode, args, Path("p.jsonl"), 3, tmp_path / "o.jsonl")
+        assert cmd[cmd.index("--verify") + 1] == "coupled" and cmd[cmd.index("--temperature") + 1] == "0.8"
+    assert build_parser().parse_args(["bench", "modes", "--prompt-file", "p.jsonl"]).verify == "mss"
+
+
 def test_warmup_prompts_cover_the_shortest_and_longest_prompt_of_each_bucket():
     rows = [{"id": f"p{i}", "prompt": f"text {i}"} for i in range(6)]
     warm = warmup_prompts(rows, [20, 40, 17, 100, 33, 64], rounds=2)  # buckets 32, 64, 32, 128, 64, 64
