@@ -22,7 +22,9 @@ from jaxspec.cli.common import (
     CliError,
     add_compile_cache_args,
     add_model_args,
+    add_structured_args,
     build_engine,
+    grammar_for,
     read_prompts,
     report_compile_cache,
     sampling_params,
@@ -48,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text (streams one prompt, or a JSONL prompt file)")
     add_model_args(gen)
     add_sampling_args(gen)
+    add_structured_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="JSONL file, field 'prompt' (optional 'id')")
@@ -191,9 +194,10 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     jobs = []  # (row, sample, request)
     for row in rows:
         ids = encode_prompt(llm.tokenizer, row["prompt"], chat=not args.no_chat)
+        grammar = grammar_for(args, row)
         for sample in range(args.num_samples):
             jobs.append((row, sample, Request(ids, args.max_new_tokens, sampling_params(args, sample), stop=stop,
-                                              id=f"{row['id']}/{sample}")))
+                                              id=f"{row['id']}/{sample}", grammar=grammar)))
     longest = max(len(r.prompt_ids) for _, _, r in jobs)
     say = (lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr)) if args.verbose else None  # noqa: E731
     batch = BatchEngine(engine, max_batch=min(args.max_batch, len(jobs)),

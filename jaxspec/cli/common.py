@@ -102,6 +102,45 @@ AUTO_SSM_TREE = "1,1,1"
 AUTO_NGRAM_CHAIN = "1,1,1,1,1,1"  # the n-gram speculator's chain in the auto family
 
 
+DEFAULT_FORCED_TOKENS = 8  # tokens a grammar forces ahead that ride in a constrained request's tree
+
+
+def add_structured_args(p: argparse.ArgumentParser) -> None:
+    """Structured output: the text must match a JSON schema, a regex or a Lark grammar (llguidance)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON schema file")
+    g.add_argument("--regex", help="the output matches this regular expression (whole text)")
+    g.add_argument("--grammar", metavar="FILE", help="the output matches this Lark grammar (llguidance's dialect)")
+
+
+def grammar_for(args, row: dict | None = None):
+    """The ``Grammar`` a request must match: a prompt row's own ``json_schema`` / ``regex`` / ``grammar``
+    field, else the command line's; None when neither names one."""
+    from jaxspec.structured import Grammar  # noqa: PLC0415
+
+    row = row or {}
+    if "json_schema" in row:
+        return Grammar.json_schema(row["json_schema"])
+    if "regex" in row:
+        return Grammar("regex", str(row["regex"]))
+    if "grammar" in row:
+        return Grammar("lark", str(row["grammar"]))
+    if getattr(args, "json_schema", None):
+        return Grammar.json_schema(_read_text(args.json_schema, "--json-schema"))
+    if getattr(args, "regex", None) is not None:
+        return Grammar("regex", args.regex)
+    if getattr(args, "grammar", None):
+        return Grammar("lark", _read_text(args.grammar, "--grammar"))
+    return None
+
+
+def _read_text(path: str, flag: str) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise CliError(f"{flag}: file not found: {path}")
+    return p.read_text(encoding="utf-8")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="LLM checkpoint: HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -133,6 +172,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", metavar="data=D,tensor=T,pipe=P",
                    help="shard over a device mesh (product = devices across processes; omitted axes are 1): "
                         "tensor splits heads/MLP/vocabulary, data the slots and SSM groups (default: one device)")
+    p.add_argument("--forced-tokens", type=int, metavar="N",
+                   help="requests with a grammar: up to N tokens the grammar forces ahead ride in the tree as a "
+                        f"draft chain (default {DEFAULT_FORCED_TOKENS}; 0 under --mode incremental)")
     p.add_argument("--offload", action="store_true",
                    help="keep the LLM's layers in pinned host memory and stream them to the device layer by layer "
                         "inside each step (a model larger than the device; speculation saves whole weight sweeps)")
@@ -202,6 +244,10 @@ def build_engine(args, log=None):
         print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {args.mode}",
               file=log or sys.stderr)
         expansion = expansion[0] if len(expansion) == 1 else expansion
+    forced = getattr(args, "forced_tokens", None)
+    if forced is None:
+        forced = 0 if args.mode == "incremental" else DEFAULT_FORCED_TOKENS
     engine = Engine(llm, ssms, expansion, args.tree_budget, args.verify,
-                    auto=args.mode == "auto", mesh=mesh, offload=getattr(args, "offload", False))
+                    auto=args.mode == "auto", mesh=mesh, offload=getattr(args, "offload", False),
+                    forced_tokens=forced)
     return engine, engine.llm  # the engine's weightless view: the loaded tree is not kept twice

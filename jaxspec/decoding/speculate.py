@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.decoding import sampling
+from jaxspec.decoding.constrain import Masker, masked
 from jaxspec.decoding.kv_cache import causal_mask, tree_mask
 from jaxspec.decoding.tree import DynamicTree, Topology, TokenTree, ancestor_mask
 from models.transformer import Forward, KVCache
@@ -142,7 +143,8 @@ def feed_root(forward: Forward, params, cache: KVCache, history: jax.Array, leng
 def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree, history: jax.Array,
                       length: jax.Array, root: jax.Array, ssm_id: int = 0,
                       features: jax.Array | None = None, spec: sampling.WarpSpec = sampling.WarpSpec(),
-                      values=None, noise: jax.Array | None = None) -> tuple[TokenTree, jax.Array, KVCache]:
+                      values=None, noise: jax.Array | None = None,
+                      masker: Masker | None = None) -> tuple[TokenTree, jax.Array, KVCache]:
     """Drafting of a ``DynamicTree``: grow where the SSM is confident, keep the best nodes.
 
     Every drafted node scores its cumulative draft log-probability (the sum along its
@@ -154,7 +156,8 @@ def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree
     form the tree, in depth order (a parent before its children); a node whose parent
     missed the cut (possible only on tied scores) is marked invalid.
     A feature drafter (``features`` [B, S, D]: the LLM's states) feeds each node with the state
-    it predicted at the node's parent.
+    it predicted at the node's parent. ``masker`` (constrained rows) masks each expanded node's
+    children by the grammar, so every draft is grammar-valid.
     Returns (tree [B, N], scalar 0 draft probabilities, cache with length == length).
     """
     b = root.shape[0]
@@ -170,10 +173,13 @@ def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree
         level = noise[:, i].reshape((b,) + (1,) * (logits.ndim - 2) + (noise.shape[-1],))
         return sampling.coupled_scores(logits, spec, values, level)
 
+    tokens = jnp.zeros((b, pool), jnp.int32).at[:, 0].set(root)
+    parent = jnp.full((b, pool), -1, jnp.int32)
+    logits0 = masked(masker, logits0, tokens, parent, jnp.zeros((b, 1), jnp.int32))
     logp0 = scores(logits0[:, 0], 0)  # [B, V]
     score0, tok0 = jax.lax.top_k(logp0, w)  # [B, W]
-    tokens = jnp.zeros((b, pool), jnp.int32).at[:, 0].set(root).at[:, 1: 1 + w].set(tok0)
-    parent = jnp.full((b, pool), -1, jnp.int32).at[:, 1: 1 + w].set(0)
+    tokens = tokens.at[:, 1: 1 + w].set(tok0)
+    parent = parent.at[:, 1: 1 + w].set(0)
     score = jnp.zeros((b, pool), jnp.float32).at[:, 1: 1 + w].set(score0)
     depth = np.zeros(pool, np.int32)  # static: level i's candidates are one slab
     depth[1: 1 + w] = 1
@@ -198,6 +204,7 @@ def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree
         fed_state = None if node_state is None else jnp.take_along_axis(node_state, best[:, :, None], axis=1)
         logits, cache, out = call(forward, params, toks, fed_state, positions, cache.replace(length=length + slots[0]),
                                   mask)
+        logits = masked(masker, logits, tokens, parent, best)
         child_lp, child_tok = jax.lax.top_k(scores(logits, i), w)  # [B, W, W]
         nlo, nhi = hi, hi + w * w
         if node_state is not None:
@@ -241,13 +248,15 @@ def speculate(
     ssm_id: int = 0,
     features: jax.Array | None = None,
     noise: jax.Array | None = None,
+    masker: Masker | None = None,
 ) -> tuple[TokenTree, jax.Array, KVCache]:
     """Drafts one expansion tree per row.
 
     history [B, S] holds committed tokens, length [B] their count (= the LLM cache
     length), root [B] the pending token; features [B, S, D] the LLM's states when the
     drafter is a feature drafter (each node is then fed its parent's predicted state);
-    noise [B, m, V] the coupled sampler's Gumbel noise by level (its children's position's).
+    noise [B, m, V] the coupled sampler's Gumbel noise by level (its children's position's);
+    ``masker`` (constrained rows) masks every fed node's children by the grammar (its q too).
     Returns (tree [B, N], draft_probs [B, N, V] or a scalar zero under greedy, new SSM cache
     with length == length).
     """
@@ -269,7 +278,11 @@ def speculate(
     stochastic = not spec.greedy and noise is None  # draws, whose distributions MSS divides by
     probs = jnp.zeros((b, n + 1, vocab) if stochastic else (), jnp.float32)
 
+    tree_parent = jnp.broadcast_to(jnp.asarray(np.append(topo.parent, 0), jnp.int32), (b, n + 1))  # trash under root
+
     def expand(i, logits, out, tokens, probs, states, key):
+        fed_nodes = jnp.asarray(tables.fed)[i][: logits.shape[1]]
+        logits = masked(masker, logits, tokens, tree_parent, jnp.broadcast_to(fed_nodes, (b, fed_nodes.shape[0])))
         level_noise = None if noise is None else noise[:, i]
         draws, q = propose(key, logits, kmax, spec, values, level_noise)  # [B, W, kmax]
         child = jnp.asarray(tables.child)[i]

@@ -14,7 +14,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decoding import ngram, sampling
+from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.decoding.kv_cache import KVCache, causal_mask, commit, tree_mask
 from jaxspec.decoding.speculate import call, speculate, speculate_dynamic
 from jaxspec.decoding.tree import DynamicTree, Topology, TokenTree, ancestor_mask, deduplicate, merge, single_root
@@ -62,13 +62,19 @@ class DecodeConfig:
     groups: tuple[SSMGroup, ...] = ()  # how SSM forwards/params/caches are batched; () = one per SSM
     ngram_depth: int = 0  # tokens of the n-gram proposal chain; 0 = no n-gram speculation
     vocab: int = 0  # V of the LLM (the n-gram's one-hot draft rows under stochastic decoding)
+    grammar: bool = False  # rows may carry a grammar: masks from the host at every draft level and tree node
+    forced_depth: int = 0  # tokens of the chain the grammar forces after the root (a proposal source)
 
     def __post_init__(self) -> None:
         if self.verify not in VERIFIERS:
             raise ValueError(f"--verify must be one of {', '.join(VERIFIERS)}, got {self.verify!r}")
         if self.ngram_depth < 0:
             raise ValueError(f"the n-gram depth must be >= 0, got {self.ngram_depth}")
-        if self.ngram_depth and not self.warp.greedy and self.vocab < 1:
+        if self.forced_depth < 0 or (self.forced_depth and not self.grammar):
+            raise ValueError(f"a forced-token chain ({self.forced_depth}) needs a grammar step")
+        if (self.grammar or self.forced_depth) and self.vocab < 1:
+            raise ValueError("grammar masks need the vocabulary size")
+        if (self.ngram_depth or self.forced_depth) and not self.warp.greedy and self.vocab < 1:
             raise ValueError("stochastic n-gram speculation needs the vocabulary size")
         members = sorted(j for g in self.ssm_groups for j in g.members)
         if members != list(range(len(self.topologies))):
@@ -114,8 +120,9 @@ class DecodeConfig:
 
     @property
     def sources(self) -> tuple[str, ...]:
-        """Who proposes, in merge order: ``ssm:J`` for each drafting SSM, then ``ngram``."""
-        return tuple(f"ssm:{j}" for j in self.active) + (("ngram",) if self.ngram_depth else ())
+        """Who proposes, in merge order: ``ssm:J`` for each drafting SSM, then ``ngram``, then ``forced``."""
+        return (tuple(f"ssm:{j}" for j in self.active) + (("ngram",) if self.ngram_depth else ())
+                + (("forced",) if self.forced_depth else ()))
 
     @property
     def speculates(self) -> bool:
@@ -123,11 +130,12 @@ class DecodeConfig:
 
     @property
     def max_depth(self) -> int:
-        return max([t.max_depth for t in self.topologies if t is not None] + [self.ngram_depth])
+        return max([t.max_depth for t in self.topologies if t is not None] + [self.ngram_depth, self.forced_depth])
 
     @property
     def natural_nodes(self) -> int:
-        return 1 + sum(t.num_nodes - 1 for t in self.topologies if t is not None) + self.ngram_depth
+        return (1 + sum(t.num_nodes - 1 for t in self.topologies if t is not None) + self.ngram_depth
+                + self.forced_depth)
 
     @property
     def num_nodes(self) -> int:
@@ -178,14 +186,16 @@ def pad_tree(tree: TokenTree, n: int) -> TokenTree:
     )
 
 
-def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, proposal=None, noise=None):
-    """Speculate with every drafting SSM (and the n-gram proposal) and merge.
+def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, proposal=None, noise=None,
+          masker: constrain.Masker | None = None, forced=None):
+    """Speculate with every drafting SSM (and the n-gram and forced-token proposals) and merge.
 
     ``ssm_forwards``, ``ssm_params`` and ``state.ssm_caches`` hold one entry per SSM group
     (``cfg.ssm_groups``); a multi-member group drafts in one vmapped ``speculate``; a
     group that does not draft keeps its cache. ``proposal`` = (tokens [B, D], count [B])
     of the n-gram speculator; ``noise`` [B, D + 1, V] the coupled sampler's Gumbel noise by
-    depth. Returns (tree, draft_probs or None, ssm caches, valid
+    depth; ``masker`` the grammar's masks (every drafting level of a constrained step); ``forced`` =
+    (tokens [B, F], count [B]) the chain the grammar forces. Returns (tree, draft_probs or None, ssm caches, valid
     before deduplication [B, N]); each node's ``ssm`` is its proposer's index in
     ``cfg.sources``.
     """
@@ -205,9 +215,9 @@ def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, 
         def run(p, c, k, pos, fwd=fwd, topo=topo, feats=feats):
             if isinstance(topo, DynamicTree):
                 return speculate_dynamic(fwd, p, c, topo, state.history, length, state.root, pos, feats, cfg.warp,
-                                         state.values, noise)
+                                         state.values, noise, masker)
             return speculate(fwd, p, c, topo, state.history, length, state.root, k, cfg.warp, state.values, pos,
-                             feats, noise)
+                             feats, noise, masker)
 
         if len(group.members) == 1:
             j = group.members[0]
@@ -226,6 +236,10 @@ def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, 
         tokens, count = proposal
         found[len(cfg.active)] = ngram.chain_tree(state.root, tokens[:, : cfg.ngram_depth], count,
                                                    len(cfg.active), cfg.vocab, cfg.drawn)
+    if cfg.forced_depth:
+        tokens, count = forced
+        at = len(found)
+        found[at] = ngram.chain_tree(state.root, tokens[:, : cfg.forced_depth], count, at, cfg.vocab, cfg.drawn)
     if not found:
         tree = single_root(state.root)
         return tree, None, tuple(caches), tree.valid
@@ -287,11 +301,15 @@ def decode_step(
     ssm_params: tuple,
     state: DecodeState,
     proposal: tuple[jax.Array, jax.Array] | None = None,
+    forced: tuple[jax.Array, jax.Array] | None = None,
+    masker: constrain.Masker | None = None,
 ) -> tuple[DecodeState, StepOutput]:
-    """One SpecInfer iteration for all B slots (pure; jit it with cfg and forwards static).
+    """One SpecInfer iteration for all B slots (pure; jit it with cfg, forwards and masker static).
 
     ``proposal`` = (tokens [B, D], count [B]) is the n-gram speculator's chain, needed
-    when ``cfg.ngram_depth`` > 0. The caller guarantees every write fits the cache:
+    when ``cfg.ngram_depth`` > 0; ``forced`` (tokens [B, F], count [B]) the grammar's forced
+    chain when ``cfg.forced_depth`` > 0. A grammar step (``cfg.grammar``) masks every draft level
+    and the LLM's logits at every tree node with ``masker``'s masks. The caller guarantees every write fits the cache:
     length + cfg.num_nodes <= capacity for every row (``Engine`` checks it per step).
     """
     keys = sampling.split_rows(state.key, 3)
@@ -302,7 +320,9 @@ def decode_step(
     noise = None
     if cfg.coupled:  # [B, D + 1, V]: the noise of the positions this iteration can emit (depth d -> length + d + 1)
         noise = sampling.gumbel_at(state.key, length[:, None] + 1 + jnp.arange(cfg.max_depth + 1), cfg.vocab)
-    tree, draft_probs, ssm_caches, proposed = draft(cfg, ssm_forwards, ssm_params, state, k_draft, proposal, noise)
+    masker = masker if cfg.grammar else None
+    tree, draft_probs, ssm_caches, proposed = draft(cfg, ssm_forwards, ssm_params, state, k_draft, proposal, noise,
+                                                    masker, forced)
     tree = pad_tree(tree, cfg.num_nodes)
     proposed = jnp.pad(proposed, ((0, 0), (0, tree.num_nodes - proposed.shape[1])))
     n = tree.num_nodes
@@ -313,6 +333,9 @@ def decode_step(
     # states [B, N, D]: the tree's final-norm states when a feature drafter needs them, else None
     logits, llm_cache, states = call(llm_forward, llm_params, tree.tokens, None, length[:, None] + tree.depth,
                                      state.llm_cache, mask)
+    if masker is not None:  # the LLM's distribution at each node, restricted to what the grammar allows there
+        nodes = jnp.where(tree.valid, jnp.arange(n)[None, :], -1)  # [B, N]: -1 = no mask (padding, pruned)
+        logits = constrain.masked(masker, logits, tree.tokens, tree.parent, nodes)
     verdict = accept(cfg, tree, logits, draft_probs, state, k_verify, noise)
     verdict = Verdict(verdict.path, jnp.where(act, verdict.num, 0), verdict.next_token)  # idle rows emit nothing
 
@@ -441,13 +464,15 @@ def prefill_row(
     last: jax.Array,
     seed: jax.Array,
     values: dict,
+    first_mask: jax.Array | None = None,
 ) -> DecodeState:
     """Feeds one prompt chunk tokens [1, C] (``count`` real) at positions ``start`` … into row ``slot``.
 
     The batched engine's admission runs it on a one-row staging state (a long prompt is
     fed chunk by chunk between decoding iterations of the others), then ``insert_row``s
     the row. On the ``last`` chunk the row gets its seed's PRNG key and sampling
-    ``values`` (each [1]), samples its first token (the pending root) and becomes active.
+    ``values`` (each [1]), samples its first token (the pending root; from the tokens
+    ``first_mask`` [1, W] allows, for a request with a grammar) and becomes active.
     The caller guarantees start + C <= capacity.
     """
     c = tokens.shape[1]
@@ -486,6 +511,8 @@ def prefill_row(
     hist_row = jax.lax.dynamic_update_slice_in_dim(_row(state.history, slot, 0), tokens, start, 1)
     history = _put_row(state.history, hist_row, slot, 0)
 
+    if first_mask is not None:
+        logits = constrain.apply(logits, first_mask)
     keys = jax.random.split(jax.random.PRNGKey(seed), 2)  # [2, 2]: the row's key, the first draw's
     first = first_token(cfg, logits, keys[1:], keys[:1], jnp.reshape(start + count, (1,)), values)  # [1]
     active = state.active if state.active is not None else jnp.ones(state.root.shape, bool)

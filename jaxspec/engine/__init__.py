@@ -17,6 +17,7 @@ from jaxspec.engine.runner import (  # noqa: F401 (the engine's public names)
     check_vocab,
     early_exit,
 )
+from jaxspec.structured import Grammar
 from models.loaded import LoadedModel  # noqa: F401
 
 
@@ -35,13 +36,16 @@ class Engine(Runner):
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                  params: sampling.SamplingParams = sampling.SamplingParams(),
                  stop_ids: Sequence[int] | None = None,
-                 stop: Callable[[list[int]], int | None] | None = None) -> Generation:
+                 stop: Callable[[list[int]], int | None] | None = None,
+                 grammar: Grammar | None = None) -> Generation:
         """One request through the scheduling loop (one slot; the cache grows by buckets as it needs).
 
         ``stop_ids`` defaults to the LLM's EOS ids; ``stop`` maps the generated ids to a cut
-        index when a stop string matched (None otherwise).
+        index when a stop string matched (None otherwise); ``grammar`` constrains the output
+        (``jaxspec.structured.Grammar``: a JSON schema, a regex or a Lark grammar).
         """
         if self._solo is None:
             self._solo = BatchEngine(self, max_batch=1, max_model_len=self.llm.cfg.max_position_embeddings)
-        (gen,) = self._solo.generate([Request(list(prompt_ids), max_new_tokens, params, stop_ids, stop)])
+        (gen,) = self._solo.generate([Request(list(prompt_ids), max_new_tokens, params, stop_ids, stop,
+                                                grammar=grammar)])
         return gen

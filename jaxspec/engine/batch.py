@@ -45,6 +45,7 @@ from jaxspec.engine.auto import TreeChooser
 from jaxspec.engine.runner import Generation, RequestError, Runner, _check_fits
 from jaxspec.parallel.sharding import fetch, pinned
 from jaxspec.decoding.step import DecodeConfig, StepOutput, insert_row, move_row, prefill_row, resize, set_inactive
+from jaxspec.structured import Grammar, GrammarError
 
 PREFILL_BUCKETS = (16, 64, 256)  # chunk shapes a prompt is fed in (one executable each)
 DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
@@ -130,6 +131,7 @@ class Request:
     stop: Callable[[list[int]], int | None] | None = None  # stop-string matcher: generated ids -> cut index
     id: str = ""
     stop_strings: tuple[str, ...] = ()  # what ``stop`` matches (a multi-host server sends them to its peers)
+    grammar: Grammar | None = None  # structured output: the text must match it (``jaxspec.structured``)
 
 
 @dataclasses.dataclass
@@ -182,6 +184,7 @@ class _Slot:
     committed: int  # tokens in the row's LLM cache
     stop_ids: set[int]
     row: int  # the state row it owns; -1 once retired
+    matcher: object = None  # llguidance matcher at the committed text (requests with a grammar)
 
 
 @dataclasses.dataclass
@@ -191,6 +194,7 @@ class _Staging:
     ticket: Ticket
     on_event: Callable[[Event], None]
     fed: int = 0
+    matcher: object = None  # the request's grammar matcher, made when it is staged
 
 
 class LoopSync:
@@ -298,6 +302,13 @@ class BatchEngine:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.vocab}")
         check_stops(req.stop_strings)
         sampling.SamplingParams(req.params.temperature, req.params.top_k, req.params.top_p, req.params.seed)
+        if req.grammar is not None:
+            if not self.sync.local or self.engine.mesh is not None:
+                raise RequestError("structured output runs on one device in one process for now: drop --mesh")
+            try:
+                self.engine.row_masks().vocab.compile(req.grammar)
+            except GrammarError as e:
+                raise RequestError(str(e)) from None
 
     def submit(self, req: Request, on_event: Callable[[Event], None]) -> Ticket:
         """Queues ``req`` (thread-safe); ``on_event`` hears its tokens from the engine thread.
@@ -334,10 +345,11 @@ class BatchEngine:
             e, cfg = self.engine, self._prefill_cfg()
             ssm_fwds = tuple(e.ssms[g.members[0]].forward for g in cfg.ssm_groups)
             if name == "prefill":
-                def fn(llm_params, ssm_params, staged, tokens, start, count, last, seed, values):
+                def fn(llm_params, ssm_params, staged, tokens, start, count, last, seed, values, first_mask=None):
                     e.compilations += 1
                     return pinned(prefill_row, e.mesh)(cfg, e._llm_forward, ssm_fwds, llm_params, ssm_params, staged,
-                                                       jnp.int32(0), tokens, start, count, last, seed, values)
+                                                       jnp.int32(0), tokens, start, count, last, seed, values,
+                                                       first_mask)
 
                 self._compiled[name] = jax.jit(fn, donate_argnums=(2,))
             elif name == "insert":
@@ -625,6 +637,9 @@ class BatchEngine:
             shared = next((k for k, (a, b) in enumerate(zip(self._staged, prompt)) if a != b),
                           min(len(self._staged), len(prompt)))
             self.staging = _Staging(ticket, on_event, fed=min(shared, len(prompt) - 1))
+            if ticket.request.grammar is not None:
+                vocab = self.engine.row_masks().vocab
+                self.staging.matcher = vocab.matcher(vocab.compile(ticket.request.grammar))
         st = self.staging
         req = st.ticket.request
         if self._cancelled(st.ticket):
@@ -641,8 +656,11 @@ class BatchEngine:
         tokens[0, :count] = prompt[st.fed: st.fed + count]
         _check_fits(st.fed + size, self.capacity, "a prefill chunk")
         values = sampling.row_values([req.params], self.vocab)
+        first_mask = None  # a grammar's first mask, sent with the last chunk (whose logits give the first token)
+        if st.matcher is not None:
+            first_mask = self.engine.row_masks().vocab.mask(st.matcher)[None, :]
         args = jax.device_put((tokens, np.int32(st.fed), np.int32(count), np.bool_(last),
-                               np.uint32(req.params.seed % 2**32), values))
+                               np.uint32(req.params.seed % 2**32), values, first_mask))
         e = self.engine
         self._staged = []  # invalid until the chunk is in
         self.staging_state = self._fn("prefill")(e._llm_params, e._group_params, self.staging_state, *args)
@@ -658,7 +676,7 @@ class BatchEngine:
         index = ngram.NGramIndex(prompt, e.ngram.max_n, e.ngram.min_n) if e.ngram else None
         stop_ids = set(e.llm.cfg.eos_token_ids if req.stop_ids is None else req.stop_ids)
         slot = _Slot(st.ticket, st.on_event, Generation([], 0, 0, 0.0, "length"), time.perf_counter(), index,
-                     len(prompt), stop_ids, row)
+                     len(prompt), stop_ids, row, st.matcher)
         self.slots.append(slot)
         try:
             self._emit(slot, [first])
@@ -672,6 +690,8 @@ class BatchEngine:
         """Cuts ``new`` at the request's limits, delivers it, and retires the row when it finished."""
         req = slot.ticket.request
         new, reason = cut_tokens(slot.gen.token_ids, new, req.max_new_tokens, slot.stop_ids, req.stop)
+        if slot.matcher is not None and self.engine.row_masks().vocab.advance(slot.matcher, new) != len(new):
+            raise RuntimeError(f"the engine emitted tokens its grammar forbids: {new}")  # masks make it unreachable
         slot.gen.token_ids.extend(new)
         slot.gen.seconds = time.perf_counter() - slot.start
         if slot.index is not None:
@@ -779,12 +799,21 @@ class BatchEngine:
         else:
             name = next(iter(family))
         cfg = family[name]
-        if stale and cfg.ngram_depth:
+        constrained = any(s.matcher is not None for _, s in live)
+        if constrained:  # masks walk the rows' matchers: they must hold every committed token
+            cfg = e.constrained(cfg)
+        if stale and (cfg.ngram_depth or constrained):
             return None
         ahead = self._max_emit if stale else 0  # tokens the iteration in flight may still commit
         for _, s in live:
             _check_fits(s.committed + ahead + cfg.num_nodes, self.capacity, "a decoding step")
         arrays = self._proposal_arrays(proposals)
+        if constrained:
+            masks = e.row_masks()
+            masks.begin([s.matcher for _, s in live] + [None] * (self.rows - len(live)))
+            if cfg.forced_depth:
+                chains = [masks.forced(i, cfg.forced_depth) for i in range(self.rows)]
+                arrays = (*arrays, *jax.device_put(ngram.proposal_arrays(chains, cfg.forced_depth)))
         start = time.perf_counter()
         self.state, out = e._step_fn(cfg)(e._llm_params, e._group_params, self.state, *arrays)
         self.iterations += 1
@@ -798,7 +827,7 @@ class BatchEngine:
         seconds, self._last_done = now - max(it.start, self._last_done), now
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
         stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
-        ssm_nodes = cfg.num_nodes - 1 - (cfg.ngram_depth if cfg.ngram_depth else 0)
+        ssm_nodes = cfg.num_nodes - 1 - cfg.ngram_depth - cfg.forced_depth
         for i, slot in live:
             n = int(num[i])
             if it.chooser is not None:
@@ -811,7 +840,7 @@ class BatchEngine:
             stats.emitted.append(n)
             stats.drafted.append(ssm_nodes + (min(len(it.proposals[i]), cfg.ngram_depth) if cfg.ngram_depth else 0))
             stats.accepted_depth.append(n - 1)
-        if it.chooser is not None and live:
+        if it.chooser is not None and live and not cfg.grammar:  # a grammar step also waits on host masks
             it.chooser.observe_time(it.name, seconds, it.costs)
         for i, slot in live:
             if slot.row < 0:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxspec.decoding import ngram, sampling
+from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.decoding.ngram import NGramSpeculator
 from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
@@ -94,13 +94,15 @@ class Runner:
         unroll: bool = True,
         mesh: Mesh | None = None,
         offload: bool = False,
+        forced_tokens: int = 0,
     ) -> None:
         """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward;
         ``unroll`` runs the LLM's layers unrolled over per-layer weights (no per-call weight
         slicing; slower to compile, faster to run); ``mesh`` shards parameters, caches and state by
         ``jaxspec.parallel.sharding.RULES`` (None: one device, as before); a mesh with ``pipe`` > 1 runs the LLM's
         layers as pipeline stages (``models.pipeline``); ``offload`` keeps them in host memory and streams
-        them in layer by layer (``jaxspec.parallel.offload``)."""
+        them in layer by layer (``jaxspec.parallel.offload``); ``forced_tokens``: how many tokens a grammar
+        forces ahead of a constrained request's root ride in its tree as a draft chain (0: none)."""
         expansions = _per_ssm(expansion, len(ssms))
         ngrams = [s for s in ssms if isinstance(s, NGramSpeculator)]
         if len(ngrams) > 1:
@@ -139,6 +141,11 @@ class Runner:
         self.ssms = tuple(s for s, _ in models)
         self.topologies = tuple(e if isinstance(e, DynamicTree) else expansion_topology(e) for _, e in models)
         self.tree_budget = tree_budget
+        if forced_tokens < 0:
+            raise RequestError(f"--forced-tokens must be >= 0, got {forced_tokens}")
+        self.forced_depth = forced_tokens
+        self._row_masks = None  # jaxspec.structured.RowMasks: the host side of constrained steps, made on first use
+        self._masker = constrain.host_masker(lambda *a: self._row_masks(*a), llm.cfg.vocab_size)
         self.verify = verify
         self.auto = auto
         self.compilations = 0
@@ -194,6 +201,22 @@ class Runner:
                 out["ssm+ngram"] = cfg(topologies, self.ngram_depth)
         return out
 
+    def constrained(self, cfg: DecodeConfig) -> DecodeConfig:
+        """A member's grammar step: masks from the host at every draft level and tree node, plus the forced chain."""
+        budget = cfg.tree_budget + self.forced_depth if cfg.tree_budget else None
+        return dataclasses.replace(cfg, grammar=True, forced_depth=self.forced_depth, tree_budget=budget)
+
+    def row_masks(self):
+        """The host side of constrained steps (``jaxspec.structured.RowMasks`` over the LLM's tokenizer)."""
+        if self._row_masks is None:
+            from jaxspec.structured import RowMasks, Vocabulary  # noqa: PLC0415 (llguidance loads on first use)
+
+            if self.llm.tokenizer is None:
+                raise RequestError(f"structured output needs the tokenizer of {self.llm.name}")
+            self._row_masks = RowMasks(Vocabulary(self.llm.tokenizer, self.llm.cfg.vocab_size,
+                                                  self.llm.cfg.eos_token_ids))
+        return self._row_masks
+
     def describe(self, name: str) -> str:
         """A member's tree in words, e.g. ``ssm <1,1,3,1> + ngram <1x6>``."""
         cfg = self.family(sampling.SamplingParams())[name]
@@ -226,10 +249,14 @@ class Runner:
             llm_fwd = self._llm_forward
             ssm_fwds = tuple(self.ssms[g.members[0]].forward for g in cfg.ssm_groups)
 
-            def step(llm_params, ssm_params, state, proposal_tokens, proposal_count):
+            masker = self._masker if cfg.grammar else None
+
+            def step(llm_params, ssm_params, state, proposal_tokens, proposal_count, forced_tokens=None,
+                     forced_count=None):
                 self.compilations += 1  # runs once per trace, i.e. per compilation
+                forced = (forced_tokens, forced_count) if cfg.forced_depth else None
                 return pinned(decode_step, self.mesh)(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state,
-                                                      (proposal_tokens, proposal_count))
+                                                      (proposal_tokens, proposal_count), forced, masker)
 
             self._compiled[cfg] = jax.jit(step, donate_argnums=(2,))
         return self._compiled[cfg]
@@ -341,6 +368,7 @@ class Runner:
         """(most cache slots, most committed tokens) one step writes per row, over every member greedy or
         sampled: a sampled request drafts a dynamic tree's fixed fallback, which can outgrow its budget."""
         family = [*self.family(sampling.SamplingParams()).values(), *self.family(sampling.MIXED).values()]
+        family += [self.constrained(c) for c in family]
         return max(c.num_nodes for c in family), max(c.max_emit for c in family)
 
     def init_state(self, batch: int, capacity: int, params: sampling.SamplingParams | sampling.WarpSpec,

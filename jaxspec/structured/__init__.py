@@ -1,0 +1,246 @@
+"""Structured output on the host: grammars compiled by llguidance, one matcher per constrained request.
+
+llguidance (a Rust library with Python bindings and no install requirements; one of vLLM's
+structured-output backends) compiles JSON schemas, regular expressions and Lark grammars
+against the LLM's tokenizer and computes the bitmask of the tokens allowed after a prefix.
+xgrammar would do too, but it requires torch, which the runtime never imports.
+
+``Grammar`` is what a request asks for; ``Vocabulary.compile`` validates it once per content
+(cached); ``RowMasks`` is the callback the constrained decoding step calls from the device
+(``jaxspec.decoding.constrain``): the mask after every tree path it asks about, walking each
+row's matcher forward and rolling it back, so the matcher itself only ever advances along
+the tokens the engine commits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Sequence
+
+import numpy as np
+
+KINDS = ("json_schema", "json_object", "regex", "lark")
+MAX_GRAMMAR_CHARS = 100_000  # a grammar's source text (schemas and grammars from clients are bounded)
+CACHE_SIZE = 256  # compiled grammars kept per vocabulary
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile (the message names the problem) or the library is missing."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Grammar:
+    """What a request's output must match: ``kind`` in KINDS, ``source`` its text (a JSON schema as JSON text)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"grammar kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if len(self.source) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(f"the {self.kind} is {len(self.source)} characters; at most {MAX_GRAMMAR_CHARS}")
+        if self.kind != "json_object" and not self.source.strip():
+            raise GrammarError(f"the {self.kind} is empty")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> "Grammar":
+        """A JSON schema given as a dict or as JSON text (normalised, so equal schemas share a compilation)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"a JSON schema is an object, got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema, sort_keys=True))
+
+    def describe(self) -> str:
+        return self.kind if self.kind == "json_object" else f"{self.kind} ({len(self.source)} characters)"
+
+
+def _llguidance():
+    try:
+        import llguidance  # noqa: PLC0415 (the runtime loads it only for constrained requests)
+    except ImportError as e:  # pragma: no cover — a project install always has it
+        raise GrammarError("structured output needs llguidance: pip install llguidance") from e
+    return llguidance
+
+
+@functools.lru_cache(maxsize=4 * CACHE_SIZE)
+def grammar_text(g: Grammar) -> str:
+    """llguidance's grammar for ``g`` (not yet checked against a tokenizer)."""
+    llm = _llguidance().LLMatcher
+    if g.kind == "json_object":
+        return llm.grammar_from_json_schema(json.dumps({"type": "object"}))
+    if g.kind == "json_schema":
+        try:
+            return llm.grammar_from_json_schema(g.source)
+        except ValueError as e:
+            raise GrammarError(f"invalid JSON schema: {e}") from None
+    if g.kind == "regex":
+        return llm.grammar_from_regex(g.source)
+    return llm.grammar_from_lark(g.source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A validated grammar: matchers are made from ``text`` (cheap once the grammar was seen)."""
+
+    grammar: Grammar
+    text: str
+
+
+class Vocabulary:
+    """The LLM's tokenizer as llguidance sees it: ``vocab`` ids (the LLM's logits width), EOS ids."""
+
+    def __init__(self, tokenizer, vocab: int, eos_ids: Sequence[int]) -> None:
+        ll = _llguidance()
+        backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+        if backend is None:
+            raise GrammarError(f"structured output needs a fast (tokenizers) tokenizer, got {type(tokenizer).__name__}")
+        self.vocab = vocab
+        self.eos_ids = tuple(int(t) for t in eos_ids)
+        self.words = (vocab + 31) // 32
+        self.tokenizer = ll.LLTokenizer(backend.to_str(), n_vocab=vocab, eos_token=list(self.eos_ids))
+        self._compile = functools.lru_cache(maxsize=CACHE_SIZE)(self._check)
+
+    def _check(self, g: Grammar) -> Compiled:
+        text = grammar_text(g)
+        error = _llguidance().LLMatcher.validate_grammar(text, self.tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise GrammarError(f"the {g.kind} does not compile: {error.strip().splitlines()[0][:300]}")
+        return Compiled(g, text)
+
+    def compile(self, g: Grammar) -> Compiled:
+        """Validates ``g`` against this tokenizer (raises GrammarError naming the problem); cached by content."""
+        return self._compile(g)
+
+    def matcher(self, compiled: Compiled):
+        """A fresh llguidance matcher at the start of ``compiled``'s language."""
+        m = _llguidance().LLMatcher(self.tokenizer, compiled.text, log_level=0)
+        if m.is_error():
+            raise GrammarError(f"the {compiled.grammar.kind} does not compile: {m.get_error()[:300]}")
+        return m
+
+    def advance(self, matcher, tokens: Sequence[int]) -> int:
+        """Consumes ``tokens`` while the grammar allows them; returns how many it took (the rest are refused).
+
+        EOS goes through ``consume_token`` once the grammar is complete (``try_consume_tokens`` refuses it);
+        a refused token leaves the matcher as it was (no error state).
+        """
+        done = 0
+        for t in tokens:
+            if t in self.eos_ids:
+                ok = matcher.is_accepting() and matcher.consume_token(int(t))
+            else:
+                ok = matcher.try_consume_tokens([int(t)]) == 1
+            if not ok:
+                break
+            done += 1
+        return done
+
+    def mask(self, matcher) -> np.ndarray:
+        """The packed mask [W] int32 of the tokens ``matcher`` allows next."""
+        out = np.empty((1, self.words), np.int32)
+        matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        return out[0]
+
+
+def allowed(mask: np.ndarray) -> np.ndarray:
+    """Token ids a packed mask [W] allows."""
+    return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+
+
+class RowMasks:
+    """The host half of a constrained step: one matcher (or None) per state row, masks by tree path.
+
+    ``begin`` installs the rows' matchers before a step is dispatched (their state is the
+    committed text: prompt start plus every emitted token, the pending root included);
+    ``__call__`` is the ``Masker`` callback; ``forced`` proposes the chain the grammar forces.
+    Masks are memoised per (row, path) until the next ``begin``.
+    """
+
+    def __init__(self, vocab: Vocabulary) -> None:
+        self.vocab = vocab
+        self.rows: list = []
+        self._memo: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
+        self.masks = 0  # masks computed (not memoised), for the cost report
+        self.seconds = 0.0  # host time spent in the callback
+
+    def begin(self, matchers: Sequence) -> None:
+        self.rows = list(matchers)
+        self._memo.clear()
+
+    def path_mask(self, row: int, path: tuple[int, ...]) -> np.ndarray | None:
+        """The mask after ``path`` from row ``row``'s committed state; None if the grammar forbids the path."""
+        key = (row, path)
+        if key in self._memo:
+            return self._memo[key]
+        m = self.rows[row]
+        done = self.vocab.advance(m, path)
+        out = self.vocab.mask(m) if done == len(path) else None
+        if done:
+            m.rollback(done)
+        self.masks += out is not None
+        self._memo[key] = out
+        return out
+
+    def __call__(self, tokens: np.ndarray, parent: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+        import time  # noqa: PLC0415
+
+        began = time.perf_counter()
+        b, k = nodes.shape
+        out = np.full((b, k, self.vocab.words), -1, np.int32)
+        p = parent.shape[1]
+        for r in range(min(b, len(self.rows))):
+            if self.rows[r] is None:
+                continue
+            for j in range(k):
+                node = int(nodes[r, j])
+                if node < 0:
+                    continue
+                path = []
+                while node > 0 and len(path) < p:  # node 0 is the root, already consumed
+                    path.append(int(tokens[r, node]))
+                    node = int(parent[r, node])
+                mask = self.path_mask(r, tuple(reversed(path)))
+                if mask is not None:  # a path the grammar forbids is never accepted: leave it unmasked
+                    out[r, j] = mask
+        self.seconds += time.perf_counter() - began
+        return out
+
+    def forced(self, row: int, depth: int) -> list[int]:
+        """Up to ``depth`` tokens the grammar forces after row ``row``'s committed text.
+
+        llguidance's fast-forward tokens (the canonical tokens of the bytes the grammar
+        forces), then tokens that are the only one their mask allows (EOS once the grammar
+        is complete). Proposed as a draft chain: the LLM verifies them like any draft, and
+        where the mask allows one token only, its masked distribution accepts it with certainty.
+        """
+        m = self.rows[row]
+        chain: list[int] = []
+        if m is None or depth < 1 or m.is_stopped():
+            return chain
+        ff = list(m.compute_ff_tokens())
+        while len(chain) < depth and not m.is_stopped():
+            mask = self._memo.get((row, tuple(chain)))
+            if mask is None:
+                mask = self.vocab.mask(m)
+                self.masks += 1
+                self._memo[(row, tuple(chain))] = mask
+            if ff:
+                t = int(ff.pop(0))
+            else:
+                only = allowed(mask)
+                if len(only) != 1:
+                    break
+                t = int(only[0])
+            if not (int(mask[t // 32]) >> (t % 32)) & 1 or self.vocab.advance(m, [t]) != 1:
+                break
+            chain.append(t)
+        if chain:
+            m.rollback(len(chain))
+        return chain
