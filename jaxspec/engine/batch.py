@@ -690,7 +690,7 @@ class BatchEngine:
         """Cuts ``new`` at the request's limits, delivers it, and retires the row when it finished."""
         req = slot.ticket.request
         new, reason = cut_tokens(slot.gen.token_ids, new, req.max_new_tokens, slot.stop_ids, req.stop)
-        if slot.matcher is not None and self.engine.row_masks().vocab.advance(slot.matcher, new) != len(new):
+        if slot.matcher is not None and self.engine.row_masks().vocab.advance(slot.matcher, new)[0] != len(new):
             raise RuntimeError(f"the engine emitted tokens its grammar forbids: {new}")  # masks make it unreachable
         slot.gen.token_ids.extend(new)
         slot.gen.seconds = time.perf_counter() - slot.start

@@ -66,7 +66,6 @@ NEUTRAL = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, True, False),  # meaningless without tools
-    "response_format": (None, {"type": "text"}),
 }
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # engine reason -> OpenAI finish_reason
 
@@ -79,6 +78,31 @@ STRICT = ConfigDict(extra="forbid", strict=True)  # no silent coercion: "5", tru
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: a named schema (``strict`` is always honoured here)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of a JSON schema, a regex or a Lark grammar."""
+
+    model_config = STRICT
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
 
 
 class _Sampling(BaseModel):
@@ -100,6 +124,12 @@ class _Sampling(BaseModel):
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
+    # structured output (jaxspec.structured): OpenAI's response_format, or vLLM's fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -130,7 +160,6 @@ class ChatCompletionRequest(_Sampling):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
 
 
 class APIError(Exception):
@@ -143,6 +172,49 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def requested_grammar(body: _Sampling):
+    """(the ``Grammar`` the request's output must match or None, the parameter that asked for it); raises
+    APIError 400 when several parameters ask for one or a grammar cannot be read."""
+    from jaxspec.structured import Grammar, GrammarError  # noqa: PLC0415
+
+    asked = []
+    rf = body.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            asked.append(("response_format", lambda: Grammar("json_object")))
+        else:
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
+            asked.append(("response_format", lambda: Grammar.json_schema(rf.json_schema.schema_)))
+    so = body.structured_outputs
+    if so is not None:
+        given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("grammar", so.grammar)) if v is not None]
+        if len(given) != 1:
+            raise APIError(400, "structured_outputs takes exactly one of json, regex, grammar", "structured_outputs")
+        asked.append(("structured_outputs", lambda: _grammar(*given[0])))
+    for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_grammar", "grammar")):
+        value = getattr(body, field)
+        if value is not None:
+            asked.append((field, lambda kind=kind, value=value: _grammar(kind, value)))
+    if not asked:
+        return None, None
+    if len(asked) > 1:
+        raise APIError(400, f"give one structured-output parameter, got {', '.join(f for f, _ in asked)}", asked[1][0])
+    field, make = asked[0]
+    try:
+        return make(), field
+    except GrammarError as e:
+        raise APIError(400, str(e), field) from None
+
+
+def _grammar(kind: str, value):
+    from jaxspec.structured import Grammar  # noqa: PLC0415
+
+    if kind == "json":
+        return Grammar.json_schema(value)
+    return Grammar("regex" if kind == "regex" else "lark", value)
 
 
 def refuse_unsupported(body: _Sampling) -> None:
@@ -404,7 +476,21 @@ class Service:
         rendered = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer.encode(rendered, add_special_tokens=False))
 
-    def launch(self, prompts: list[list[int]], body: _Sampling, max_tokens: int | None) -> Job:
+    def compile_grammar(self, body: _Sampling):
+        """The request's grammar, compiled against the LLM's tokenizer (cached by content; call it off the event
+        loop: a new schema takes milliseconds); 400 naming the parameter when it does not compile."""
+        from jaxspec.engine import RequestError  # noqa: PLC0415
+        from jaxspec.structured import GrammarError  # noqa: PLC0415
+
+        grammar, field = requested_grammar(body)
+        if grammar is not None:
+            try:
+                self.batch.engine.row_masks().vocab.compile(grammar)
+            except (GrammarError, RequestError) as e:
+                raise APIError(400, str(e), field, "invalid_grammar") from None
+        return grammar
+
+    def launch(self, prompts: list[list[int]], body: _Sampling, max_tokens: int | None, grammar=None) -> Job:
         """Checks the request and submits ``n`` choices per prompt; raises APIError (nothing submitted)."""
         from jaxspec.engine import batch as batch_mod  # noqa: PLC0415
         from jaxspec.engine import RequestError  # noqa: PLC0415
@@ -434,7 +520,7 @@ class Service:
             new = self.completion_budget(len(ids), max_tokens)
             for j in range(body.n):
                 requests.append(batch_mod.Request(ids, new, params[j], stop=stop_matcher(self.tokenizer, stops),
-                                                  stop_strings=tuple(stops)))
+                                                  stop_strings=tuple(stops), grammar=grammar))
         job = Job(self, asyncio.get_running_loop())
         arrival = time.monotonic()
         for i, req in enumerate(requests):
@@ -701,7 +787,8 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout: f
         check_model(body.model)
         refuse_unsupported(body)
         prompts = await run_in_threadpool(completion_prompts, body.prompt, service)
-        job = service.launch(prompts, body, 16 if body.max_tokens is None else body.max_tokens)
+        grammar = await run_in_threadpool(service.compile_grammar, body)
+        job = service.launch(prompts, body, 16 if body.max_tokens is None else body.max_tokens, grammar)
         return await respond(Completion(job, False, service.model_name, sum(map(len, prompts)),
                                         include_usage(body)), body.stream, request)
 
@@ -712,7 +799,8 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout: f
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         ids = await run_in_threadpool(service.encode_chat, body.messages)
-        job = service.launch([ids], body, body.max_completion_tokens or body.max_tokens)
+        grammar = await run_in_threadpool(service.compile_grammar, body)
+        job = service.launch([ids], body, body.max_completion_tokens or body.max_tokens, grammar)
         return await respond(Completion(job, True, service.model_name, len(ids), include_usage(body)),
                              body.stream, request)
 

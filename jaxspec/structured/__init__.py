@@ -47,7 +47,8 @@ class Grammar:
 
     @classmethod
     def json_schema(cls, schema: dict | str) -> "Grammar":
-        """A JSON schema given as a dict or as JSON text (normalised, so equal schemas share a compilation)."""
+        """A JSON schema given as a dict or as JSON text (re-serialised compactly, so equal schemas share a
+        compilation; key order is kept: it is the order the properties are generated in)."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -55,7 +56,7 @@ class Grammar:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(f"a JSON schema is an object, got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
 
     def describe(self) -> str:
         return self.kind if self.kind == "json_object" else f"{self.kind} ({len(self.source)} characters)"
@@ -69,15 +70,20 @@ def _llguidance():
     return llguidance
 
 
+# JSON is generated compactly ({"a":1,"b":[2]}) unless a schema's "x-guidance" says otherwise: free whitespace
+# lets a small model wander into runs of newlines, and a fixed layout makes keys and punctuation forced tokens.
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
 @functools.lru_cache(maxsize=4 * CACHE_SIZE)
 def grammar_text(g: Grammar) -> str:
     """llguidance's grammar for ``g`` (not yet checked against a tokenizer)."""
     llm = _llguidance().LLMatcher
     if g.kind == "json_object":
-        return llm.grammar_from_json_schema(json.dumps({"type": "object"}))
+        return llm.grammar_from_json_schema(json.dumps({"type": "object"}), defaults=JSON_DEFAULTS)
     if g.kind == "json_schema":
         try:
-            return llm.grammar_from_json_schema(g.source)
+            return llm.grammar_from_json_schema(g.source, defaults=JSON_DEFAULTS)
         except ValueError as e:
             raise GrammarError(f"invalid JSON schema: {e}") from None
     if g.kind == "regex":
@@ -111,7 +117,7 @@ class Vocabulary:
         text = grammar_text(g)
         error = _llguidance().LLMatcher.validate_grammar(text, self.tokenizer)
         if error and not error.startswith("WARNING"):
-            raise GrammarError(f"the {g.kind} does not compile: {error.strip().splitlines()[0][:300]}")
+            raise GrammarError(f"the {g.kind} does not compile: {_one_line(error)}")
         return Compiled(g, text)
 
     def compile(self, g: Grammar) -> Compiled:
@@ -122,31 +128,43 @@ class Vocabulary:
         """A fresh llguidance matcher at the start of ``compiled``'s language."""
         m = _llguidance().LLMatcher(self.tokenizer, compiled.text, log_level=0)
         if m.is_error():
-            raise GrammarError(f"the {compiled.grammar.kind} does not compile: {m.get_error()[:300]}")
+            raise GrammarError(f"the {compiled.grammar.kind} does not compile: {_one_line(m.get_error())}")
         return m
 
-    def advance(self, matcher, tokens: Sequence[int]) -> int:
-        """Consumes ``tokens`` while the grammar allows them; returns how many it took (the rest are refused).
+    def advance(self, matcher, tokens: Sequence[int]) -> tuple[int, int]:
+        """Consumes ``tokens`` while the grammar allows them; returns (how many it took, how many of those
+        ``rollback`` must undo).
 
-        EOS goes through ``consume_token`` once the grammar is complete (``try_consume_tokens`` refuses it);
-        a refused token leaves the matcher as it was (no error state).
+        EOS is allowed once the grammar is complete: a stopped matcher takes it without recording it,
+        an accepting one through ``consume_token`` (``try_consume_tokens`` refuses EOS). A refused
+        token leaves the matcher as it was (no error state).
         """
-        done = 0
+        done = recorded = 0
         for t in tokens:
-            if t in self.eos_ids:
-                ok = matcher.is_accepting() and matcher.consume_token(int(t))
+            if t in self.eos_ids and matcher.is_stopped():
+                ok, kept = True, 0
+            elif t in self.eos_ids:
+                ok, kept = matcher.is_accepting() and matcher.consume_token(int(t)), 1
             else:
-                ok = matcher.try_consume_tokens([int(t)]) == 1
+                ok, kept = matcher.try_consume_tokens([int(t)]) == 1, 1
             if not ok:
                 break
             done += 1
-        return done
+            recorded += kept
+        return done, recorded
 
     def mask(self, matcher) -> np.ndarray:
         """The packed mask [W] int32 of the tokens ``matcher`` allows next."""
         out = np.empty((1, self.words), np.int32)
         matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
         return out[0]
+
+
+def _one_line(error: str) -> str:
+    """llguidance's multi-line diagnostic as one line: its first line plus the ``error:`` lines."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    picked = lines[:1] + [line for line in lines[1:] if line.startswith("error:")]
+    return " ".join(picked)[:400]
 
 
 def allowed(mask: np.ndarray) -> np.ndarray:
@@ -180,10 +198,10 @@ class RowMasks:
         if key in self._memo:
             return self._memo[key]
         m = self.rows[row]
-        done = self.vocab.advance(m, path)
+        done, recorded = self.vocab.advance(m, path)
         out = self.vocab.mask(m) if done == len(path) else None
-        if done:
-            m.rollback(done)
+        if recorded:
+            m.rollback(recorded)
         self.masks += out is not None
         self._memo[key] = out
         return out
@@ -216,16 +234,23 @@ class RowMasks:
         """Up to ``depth`` tokens the grammar forces after row ``row``'s committed text.
 
         llguidance's fast-forward tokens (the canonical tokens of the bytes the grammar
-        forces), then tokens that are the only one their mask allows (EOS once the grammar
-        is complete). Proposed as a draft chain: the LLM verifies them like any draft, and
+        forces, or those bytes tokenized greedily), and tokens that are the only one their mask
+        allows (EOS once the grammar is complete). Proposed as a draft chain: the LLM verifies them like any draft, and
         where the mask allows one token only, its masked distribution accepts it with certainty.
         """
         m = self.rows[row]
         chain: list[int] = []
-        if m is None or depth < 1 or m.is_stopped():
+        if m is None or depth < 1:
             return chain
-        ff = list(m.compute_ff_tokens())
-        while len(chain) < depth and not m.is_stopped():
+        ff: list[int] = []
+        recorded = 0
+        while len(chain) < depth:
+            if m.is_stopped():  # the grammar is complete: EOS is all that is left
+                chain.append(self.vocab.eos_ids[0])
+                break
+            # the forced bytes' tokens; llguidance holds back a last token that later bytes could extend, so
+            # those bytes are tokenized here as a guess (a draft: the LLM decides)
+            ff = ff or list(m.compute_ff_tokens()) or list(self.vocab.tokenizer.tokenize_bytes(m.compute_ff_bytes()))
             mask = self._memo.get((row, tuple(chain)))
             if mask is None:
                 mask = self.vocab.mask(m)
@@ -238,9 +263,13 @@ class RowMasks:
                 if len(only) != 1:
                     break
                 t = int(only[0])
-            if not (int(mask[t // 32]) >> (t % 32)) & 1 or self.vocab.advance(m, [t]) != 1:
+            if not (int(mask[t // 32]) >> (t % 32)) & 1:
+                break
+            done, kept = self.vocab.advance(m, [t])
+            if not done:
                 break
             chain.append(t)
-        if chain:
-            m.rollback(len(chain))
+            recorded += kept
+        if recorded:
+            m.rollback(recorded)
         return chain

@@ -1,0 +1,344 @@
+"""Structured output (issue 25): llguidance grammars, masks at every draft level and tree node, forced tokens.
+
+Greedy constrained decoding with speculation must be token-identical to constrained
+incremental decoding; sampled constrained decoding must draw from the LLM's masked,
+renormalised distribution (chi-square); every output must match its grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxspec.decoding import constrain, sampling
+from jaxspec.decoding.kv_cache import KVCache
+from jaxspec.decoding.step import DecodeConfig, DecodeState, SSMGroup, decode_step, prefill, prefill_model
+from jaxspec.decoding.tree import DynamicTree, expansion_topology
+from jaxspec.engine import Engine, RequestError
+from jaxspec.engine.runner import early_exit
+from jaxspec.structured import Grammar, GrammarError, RowMasks, Vocabulary, allowed
+from models.config import ModelConfig
+from models.loaded import LoadedModel
+from models.transformer import init_params
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "topic": {"type": "string", "maxLength": 40},
+        "difficulty": {"type": "string", "enum": ["easy", "medium", "hard"]},
+        "keywords": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+    },
+    "required": ["topic", "difficulty", "keywords"],
+    "additionalProperties": False,
+}
+REGEX = r"(yes|no), because [a-z ]{1,40}\."
+LARK = r"""
+start: "The answer is " NUMBER " " UNIT "."
+NUMBER: /[0-9]{1,4}/
+UNIT: "apples" | "pears" | "kilograms"
+"""
+
+
+# -- masks on the device ----------------------------------------------------------------------
+def test_unpack_matches_llguidance_bit_order():
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    rng = np.random.default_rng(0)
+    vocab = 70  # not a multiple of 32: the last word is partly padding
+    bits = rng.integers(-2**31, 2**31, size=(3, constrain.words(vocab)), dtype=np.int64).astype(np.int32)
+    logits = rng.normal(size=(3, vocab)).astype(np.float32)
+    want = logits.copy()
+    apply_token_bitmask_inplace(want, bits)
+    got = np.asarray(constrain.apply(jnp.asarray(logits), jnp.asarray(bits)))
+    np.testing.assert_array_equal(np.isinf(want), got == constrain.NEG)
+    np.testing.assert_array_equal(np.where(np.isinf(want), 0, want), np.where(got == constrain.NEG, 0, got))
+
+
+# -- the grammar engine on the default tokenizer --------------------------------------------------
+@pytest.fixture(scope="module")
+def vocab(default_llm) -> Vocabulary:
+    return Vocabulary(default_llm.tokenizer, default_llm.cfg.vocab_size, default_llm.cfg.eos_token_ids)
+
+
+@pytest.mark.parametrize("grammar, needle", [
+    (Grammar("json_schema", '{"type": "nonsense"}'), "nonsense"),
+    (Grammar("regex", "a(b"), "unclosed group"),
+    (Grammar("lark", "start: undefined_rule"), "undefined_rule"),
+])
+def test_a_grammar_that_does_not_compile_is_named(vocab, grammar, needle):
+    with pytest.raises(GrammarError, match=needle):
+        vocab.compile(grammar)
+
+
+def test_bad_grammar_inputs_are_refused():
+    with pytest.raises(GrammarError, match="not valid JSON"):
+        Grammar.json_schema("{nope")
+    with pytest.raises(GrammarError, match="kind"):
+        Grammar("ebnf", "x")
+    with pytest.raises(GrammarError, match="empty"):
+        Grammar("regex", " ")
+
+
+def test_grammars_compile_once_per_content(vocab):
+    a = vocab.compile(Grammar.json_schema(SCHEMA))
+    b = vocab.compile(Grammar.json_schema(json.dumps(SCHEMA, indent=2)))  # the same schema, other whitespace
+    assert a is b
+
+
+def test_row_masks_walk_paths_and_roll_back(vocab, default_llm):
+    tok = default_llm.tokenizer
+    m = vocab.matcher(vocab.compile(Grammar("regex", "(yes|no)")))
+    rows = RowMasks(vocab)
+    rows.begin([m, None])
+    yes, no, cat = (tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no", "cat"))
+    # tree: root(0) -> yes(1), cat(2); yes -> eos(3)
+    tokens = np.array([[0, yes, cat, 2]] * 2, np.int32)
+    parent = np.array([[-1, 0, 0, 1]] * 2, np.int32)
+    nodes = np.array([[0, 1, 2, 3]] * 2, np.int32)
+    out = rows(tokens, parent, nodes)
+    assert {yes, no} <= set(allowed(out[0, 0]).tolist()) and cat not in allowed(out[0, 0])
+    assert allowed(out[0, 1]).tolist() == [2]  # after "yes" only EOS
+    assert (out[0, 2] == -1).all()  # a path the grammar forbids is never accepted: left unmasked
+    assert allowed(out[0, 3]).tolist() == [2]  # a finished grammar allows EOS only
+    assert (out[1] == -1).all()  # a row without a grammar
+    assert not m.is_error() and vocab.advance(m, [no, 2])[0] == 2  # the walk left the matcher where it was
+
+
+def test_forced_chain_of_a_compact_schema(vocab, default_llm):
+    tok = default_llm.tokenizer
+    m = vocab.matcher(vocab.compile(Grammar.json_schema(SCHEMA)))
+    rows = RowMasks(vocab)
+    rows.begin([m])
+    chain = rows.forced(0, 8)
+    assert tok.decode(chain) == '{"topic":"'
+    text = tok.encode('{"topic":"x","difficulty":"easy","keywords":[]}', add_special_tokens=False)
+    assert vocab.advance(m, text)[0] == len(text)
+    rows.begin([m])
+    assert rows.forced(0, 8) == [2]  # the grammar is complete: EOS is the one token left
+
+
+# -- sampled exactness on a tiny model with a path-dependent grammar --------------------------------
+VOCAB = 16
+TINY = ModelConfig("llama", VOCAB, 32, 64, 2, 4, 2, 8, max_position_embeddings=128)
+PROMPT, ROOT, CAP = [3, 1, 4, 1], 5, 32
+
+
+def rule(path: tuple[int, ...]) -> np.ndarray:
+    """A test grammar: after ``path`` the allowed tokens are those t with (t + sum(path)) % 3 != 0."""
+    ok = np.array([(t + sum(path)) % 3 != 0 for t in range(VOCAB)])
+    padded = np.zeros(constrain.words(len(ok)) * 32, np.uint8)
+    padded[: len(ok)] = ok
+    return np.packbits(padded, bitorder="little").view(np.int32)
+
+
+def rule_masks(tokens: np.ndarray, parent: np.ndarray, nodes: np.ndarray, committed: np.ndarray | None = None
+               ) -> np.ndarray:
+    """The rule's masks for nodes [B, K] of a tree (tokens/parent [B, P]); -1 (none) where a node is -1.
+
+    ``committed`` [B]: the sum of the tokens each row committed since the rule's start (its matcher state).
+    """
+    rows = np.arange(nodes.shape[0])[:, None]
+    node = np.maximum(nodes, 0)
+    total = np.zeros(nodes.shape, np.int64) + (0 if committed is None else committed[:, None])
+    for _ in range(parent.shape[1]):  # walk up to the root, summing the path's tokens
+        total += np.where(node > 0, tokens[rows, node], 0)
+        node = np.where(node > 0, parent[rows, node], 0)
+    by_residue = np.stack([rule((r,)) for r in range(3)])  # the rule depends on the sum mod 3 only
+    out = by_residue[total % 3]
+    out[nodes < 0] = -1
+    return out
+
+
+def _tiny(seed: int, layers: int = 2) -> LoadedModel:
+    cfg = TINY.replace(num_layers=layers)
+    params = jax.jit(lambda: init_params(cfg, seed))()
+    return LoadedModel(f"tiny-{seed}", cfg, jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim >= 2 else x, params))
+
+
+def test_sampled_constrained_tree_draws_from_the_masked_distribution():
+    """MSS over a merged tree (two SSMs + a forced chain), masks at every level and node: the first two
+    emitted tokens follow the LLM's masked, renormalised two-token law."""
+    llm = _tiny(0)
+    near, far = early_exit(llm, 1), _tiny(1, layers=1)
+    spec = sampling.WarpSpec(greedy=False)
+    b = 20_000
+    forced = (1, 2)  # a proposal chain the rule forbids at its second token (sum 1 + 2 = 3): never accepted there
+    cfg = DecodeConfig((expansion_topology((2, 2)), expansion_topology((1, 1))), spec, "mss", vocab=VOCAB,
+                       grammar=True, forced_depth=len(forced))
+    committed = np.zeros((b,), np.int64)  # what the rows' "matchers" consumed: step 2 starts after step 1's tokens
+    masker = constrain.host_masker(lambda t, p, n: rule_masks(t, p, n, committed), VOCAB)
+    chain = (jnp.broadcast_to(jnp.asarray(forced, jnp.int32), (b, len(forced))), jnp.full((b,), 2, jnp.int32))
+    sfw = (near.forward, far.forward)
+
+    def start(llm_params, ssm_params, key, values):
+        state = DecodeState(KVCache.create(TINY, b, CAP), tuple(KVCache.create(s.cfg, b, CAP) for s in (near, far)),
+                            jnp.zeros((b, CAP), jnp.int32), jnp.zeros((b,), jnp.int32), key, values)
+        toks = jnp.broadcast_to(jnp.asarray(PROMPT, jnp.int32), (b, len(PROMPT)))
+        state, _ = prefill(cfg, llm.forward, sfw, llm_params, ssm_params, state, toks, jnp.full((b,), len(PROMPT)))
+        return state.replace(root=jnp.full((b,), ROOT, jnp.int32))
+
+    step = jax.jit(lambda lp, sp, state: decode_step(cfg, llm.forward, sfw, lp, sp, state, None, chain, masker))
+    values = sampling.warp_arrays(sampling.SamplingParams(temperature=1.0), b)
+    ssm_params = (near.params, far.params)
+    state = jax.jit(start)(llm.params, ssm_params, jax.random.PRNGKey(3), values)
+    state, o1 = step(llm.params, ssm_params, state)
+    t1, num = np.asarray(o1.tokens), np.asarray(o1.num)
+    committed[:] = [row[: n].sum() for row, n in zip(t1, num)]  # the rows' grammar state after step 1
+    _, o2 = step(llm.params, ssm_params, state)
+    firsts = np.stack([t1[:, 0], np.where(num >= 2, t1[:, 1], np.asarray(o2.tokens)[:, 0])], axis=1)
+
+    # the law: p(y1 | ctx) masked by rule(()), p(y2 | ctx, y1) masked by rule((y1,))
+    ctx = PROMPT + [ROOT]
+    seqs = np.concatenate([np.broadcast_to(np.asarray(ctx), (VOCAB, len(ctx))), np.arange(VOCAB)[:, None]], axis=1)
+
+    def probs(seqs):
+        cache = KVCache.create(TINY, VOCAB, seqs.shape[1])
+        logits = prefill_model(llm.forward, llm.params, cache, jnp.asarray(seqs, jnp.int32),
+                               jnp.full((VOCAB,), seqs.shape[1], jnp.int32))[0]
+        return np.asarray(jax.nn.softmax(logits), np.float64)
+
+    p1 = probs(seqs[:, :-1])[0] * np.unpackbits(rule(()).view(np.uint8), bitorder="little")[:VOCAB]
+    p2 = probs(seqs) * np.stack([np.unpackbits(rule((y,)).view(np.uint8), bitorder="little")[:VOCAB]
+                                 for y in range(VOCAB)])
+    law = (p1 / p1.sum())[:, None] * (p2 / p2.sum(-1, keepdims=True))
+    observed = np.bincount(firsts[:, 0] * VOCAB + firsts[:, 1], minlength=VOCAB * VOCAB)
+    assert observed[law.ravel() == 0].sum() == 0  # never a token the grammar forbids
+    keep = law.ravel() * b >= 5  # rare cells pooled into one (empty cells dropped)
+    expected = np.append(law.ravel()[keep], law.ravel()[~keep].sum()) * b
+    counts = np.append(observed[keep], observed[~keep].sum())
+    counts, expected = counts[expected > 0], expected[expected > 0]
+    pval = stats.chisquare(counts, expected * counts.sum() / expected.sum()).pvalue
+    assert 1.05 < num.mean(), num.mean()  # speculation accepted drafts
+    assert pval > 1e-3, pval
+
+
+def test_greedy_constrained_tree_with_a_vmapped_pool_matches_masked_incremental():
+    """A two-member vmapped SSM group and a dynamic tree, masked per level: greedy output equals greedy
+    decoding of the masked LLM, token by token."""
+    llm = _tiny(0)
+    pool = (_tiny(1, layers=1), _tiny(2, layers=1))
+    b, steps = 4, 6
+    committed = np.zeros((b,), np.int64)
+    masker = constrain.host_masker(lambda t, p, n: rule_masks(t, p, n, committed), VOCAB)
+    prompts = jnp.asarray(np.random.default_rng(0).integers(1, VOCAB, size=(b, 5)), jnp.int32)
+    spec = sampling.WarpSpec()
+
+    def decode(cfg, ssms, groups_params):
+        sfw = tuple(s.forward for s in ssms[: len(groups_params)])
+        state = DecodeState(KVCache.create(TINY, b, 64),
+                            tuple(KVCache.create(ssms[0].cfg, b, 64) if len(g.members) == 1 else
+                                  jax.tree_util.tree_map(lambda x: jnp.stack([x] * len(g.members)),
+                                                         KVCache.create(ssms[0].cfg, b, 64))
+                                  for g in cfg.ssm_groups),
+                            jnp.zeros((b, 64), jnp.int32), jnp.zeros((b,), jnp.int32), jax.random.PRNGKey(0),
+                            sampling.warp_arrays(sampling.SamplingParams(), b))
+        state, _ = prefill(cfg, llm.forward, sfw, llm.params, groups_params, state, prompts, jnp.full((b,), 5))
+        state = state.replace(root=jnp.full((b,), 1, jnp.int32))  # the rule starts after this root
+        committed[:] = 0
+        step = jax.jit(lambda state: decode_step(cfg, llm.forward, sfw, llm.params, groups_params, state, None, None,
+                                                 masker))
+        out = [[] for _ in range(b)]
+        for _ in range(steps):
+            state, o = step(state)
+            for r in range(b):
+                new = [int(t) for t in o.tokens[r, : int(o.num[r])]]
+                out[r] += new
+                committed[r] += sum(new)
+        return [row[:steps] for row in out]
+
+    plain = DecodeConfig((), spec, vocab=VOCAB, grammar=True)
+    want = decode(plain, pool, ())
+    stacked = jax.tree_util.tree_map(lambda *x: jnp.stack(x), pool[0].params, pool[1].params)
+    group = (SSMGroup((0, 1)),)
+    tree = DecodeConfig((expansion_topology((2, 1)),) * 2, spec, groups=group, vocab=VOCAB, grammar=True)
+    dyn = DecodeConfig((DynamicTree(8, 3, 2),), spec, vocab=VOCAB, grammar=True)
+    assert decode(tree, pool, (stacked,)) == want
+    assert decode(dyn, pool[:1], (pool[0].params,)) == want
+    for row in want:  # and the masked argmax obeyed the rule along the whole text
+        path = [1]
+        for t in row:
+            assert (t + sum(path[1:])) % 3 != 0
+            path.append(t)
+
+
+# -- the default model, end to end -------------------------------------------------------------------
+GRAMMARS = {
+    "json_schema": Grammar.json_schema(SCHEMA),
+    "regex": Grammar("regex", REGEX),
+    "lark": Grammar("lark", LARK),
+}
+PROMPTS = {
+    "json_schema": "Describe photosynthesis as a JSON object with a topic, a difficulty and keywords.",
+    "regex": "Is the sky blue? Answer yes or no and say why.",
+    "lark": "How many apples are in a basket of twelve? Answer in one sentence.",
+}
+
+
+def valid(kind: str, text: str) -> bool:
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    return re.fullmatch(r"The answer is [0-9]{1,4} (apples|pears|kilograms)\.", text) is not None
+
+
+@pytest.fixture(scope="module")
+def outputs(default_llm):
+    """Constrained greedy outputs of every grammar under incremental decoding and four speculative setups."""
+    from jaxspec.speculators.resolve import load_ssms
+    from models.tokenizer import encode_prompt
+
+    tok = default_llm.tokenizer
+    drafter = load_ssms(["drafter"], default_llm, "float32")
+    pool = load_ssms(["default"], default_llm, "float32")
+    ngram = load_ssms(["ngram:3"], default_llm, "float32")
+    engines = {
+        "incremental": Engine(default_llm, ()),
+        "auto": Engine(default_llm, drafter + ngram, ((1, 1, 1), (1, 1, 1, 1, 1, 1)), auto=True, forced_tokens=8),
+        "pool-tree": Engine(default_llm, pool, (1, 1, 3, 1), forced_tokens=8),
+        "dynamic": Engine(default_llm, drafter, DynamicTree(16, 4, 4), forced_tokens=8),
+        "drafter+ngram": Engine(default_llm, drafter + ngram, ((1, 1, 1), (1, 1, 1, 1)), forced_tokens=8),
+    }
+    out = {}
+    for name, engine in engines.items():
+        for kind, g in GRAMMARS.items():
+            gen = engine.generate(encode_prompt(tok, PROMPTS[kind], True), 48, grammar=g)
+            out[name, kind] = gen
+    return out, tok
+
+
+@pytest.mark.parametrize("setup", ["auto", "pool-tree", "dynamic", "drafter+ngram"])
+def test_greedy_constrained_speculation_is_identical_to_constrained_incremental(outputs, setup):
+    out, tok = outputs
+    for kind in GRAMMARS:
+        want, got = out["incremental", kind], out[setup, kind]
+        assert got.token_ids == want.token_ids, (kind, tok.decode(want.token_ids), tok.decode(got.token_ids))
+
+
+@pytest.mark.parametrize("kind", list(GRAMMARS))
+def test_constrained_outputs_match_their_grammar_and_end_with_eos(outputs, kind):
+    out, tok = outputs
+    gen = out["incremental", kind]
+    assert gen.finish_reason == "eos" and gen.token_ids[-1] == 2  # the grammar ended: EOS was forced
+    assert valid(kind, tok.decode(gen.token_ids, skip_special_tokens=True)), tok.decode(gen.token_ids)
+
+
+def test_forced_tokens_and_masked_drafts_raise_tokens_per_step(outputs):
+    out, _ = outputs
+    json_steps = {name: out[name, "json_schema"].tokens_per_step for name in ("incremental", "drafter+ngram")}
+    assert json_steps["incremental"] == 1.0
+    assert json_steps["drafter+ngram"] > 1.5, json_steps  # keys and punctuation ride in the tree
+
+
+def test_an_uncompilable_grammar_is_a_request_error(default_llm):
+    engine = Engine(default_llm, ())
+    with pytest.raises(RequestError, match="does not compile"):
+        engine.generate([1, 2, 3], 4, grammar=Grammar("regex", "(unclosed"))
