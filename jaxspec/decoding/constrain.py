@@ -45,9 +45,12 @@ def host_masker(fn: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray], 
     """A ``Masker`` that calls ``fn`` (numpy in, int32 [B, K, W] out) on the host from inside the jitted step."""
     w = words(vocab)
 
+    def host(*arrays) -> np.ndarray:  # the callback may receive jax arrays: index numpy ones, not device slices
+        return fn(*(np.asarray(a) for a in arrays))
+
     def masker(tokens: jax.Array, parent: jax.Array, nodes: jax.Array) -> jax.Array:
         shape = jax.ShapeDtypeStruct(nodes.shape + (w,), jnp.int32)
-        return jax.pure_callback(fn, shape, tokens.astype(jnp.int32), parent.astype(jnp.int32),
+        return jax.pure_callback(host, shape, tokens.astype(jnp.int32), parent.astype(jnp.int32),
                                  nodes.astype(jnp.int32), vmap_method="sequential")
 
     return masker

@@ -800,20 +800,20 @@ class BatchEngine:
             name = next(iter(family))
         cfg = family[name]
         constrained = any(s.matcher is not None for _, s in live)
-        if constrained:  # masks walk the rows' matchers: they must hold every committed token
-            cfg = e.constrained(cfg)
-        if stale and (cfg.ngram_depth or constrained):
+        if stale and (cfg.ngram_depth or constrained):  # masks walk the rows' matchers: they hold every token
             return None
+        chains: list[list[int]] = []
+        if constrained:
+            masks = e.row_masks()
+            masks.begin([s.matcher for _, s in live] + [None] * (self.rows - len(live)))
+            chains = [masks.forced(i, e.forced_depth) for i in range(self.rows)]
+            cfg = e.constrained(cfg, e.forced_bucket(max(map(len, chains))))
         ahead = self._max_emit if stale else 0  # tokens the iteration in flight may still commit
         for _, s in live:
             _check_fits(s.committed + ahead + cfg.num_nodes, self.capacity, "a decoding step")
         arrays = self._proposal_arrays(proposals)
-        if constrained:
-            masks = e.row_masks()
-            masks.begin([s.matcher for _, s in live] + [None] * (self.rows - len(live)))
-            if cfg.forced_depth:
-                chains = [masks.forced(i, cfg.forced_depth) for i in range(self.rows)]
-                arrays = (*arrays, *jax.device_put(ngram.proposal_arrays(chains, cfg.forced_depth)))
+        if cfg.forced_depth:
+            arrays = (*arrays, *jax.device_put(ngram.proposal_arrays(chains, cfg.forced_depth)))
         start = time.perf_counter()
         self.state, out = e._step_fn(cfg)(e._llm_params, e._group_params, self.state, *arrays)
         self.iterations += 1

@@ -201,10 +201,19 @@ class Runner:
                 out["ssm+ngram"] = cfg(topologies, self.ngram_depth)
         return out
 
-    def constrained(self, cfg: DecodeConfig) -> DecodeConfig:
-        """A member's grammar step: masks from the host at every draft level and tree node, plus the forced chain."""
-        budget = cfg.tree_budget + self.forced_depth if cfg.tree_budget else None
-        return dataclasses.replace(cfg, grammar=True, forced_depth=self.forced_depth, tree_budget=budget)
+    def constrained(self, cfg: DecodeConfig, forced: int | None = None) -> DecodeConfig:
+        """A member's grammar step: masks from the host at every draft level and tree node, plus a chain of
+        ``forced`` tokens the grammar forces (default the engine's most; the loop passes the bucket that
+        holds this iteration's longest chain, so an iteration without one verifies no empty chain)."""
+        forced = self.forced_depth if forced is None else forced
+        budget = cfg.tree_budget + forced if cfg.tree_budget else None
+        return dataclasses.replace(cfg, grammar=True, forced_depth=forced, tree_budget=budget)
+
+    def forced_bucket(self, longest: int) -> int:
+        """The forced-chain depth an iteration compiles for: 0, then powers of two up to ``forced_depth``."""
+        if longest <= 0:
+            return 0
+        return min(1 << (longest - 1).bit_length(), self.forced_depth)
 
     def row_masks(self):
         """The host side of constrained steps (``jaxspec.structured.RowMasks`` over the LLM's tokenizer)."""

@@ -1,0 +1,168 @@
+"""Structured output vs free text, with and without speculation (issue 25), on extraction tasks.
+
+Every prompt of a prompt file becomes an extraction task ("describe this request as JSON")
+answered under ``SCHEMA`` (constrained) or freely (unconstrained). Each configuration runs in
+a process of its own (``--worker``): the engine ``jaxspec generate`` builds for those flags,
+``--max-batch`` requests decoded together, one untimed pass that compiles every shape, then the
+timed pass. Reports per configuration: tokens per LLM step, ms per generated token (wall time of
+the timed pass over its tokens), the share of valid outputs, and for constrained runs the grammar
+masks computed, host milliseconds per mask and the callback's share of the wall time.
+Writes ``OUT/structured.csv`` and ``OUT/structured.png``; run it with nothing else on the machine.
+
+    .venv/bin/python scripts/structured_bench.py --prompt-file ../shared/prompts/dev_prompts.jsonl \\
+        --limit 24 --batches 1,8 --output docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "task": {"type": "string", "enum": ["question", "instruction", "creative", "classification", "rewrite",
+                                            "other"]},
+        "topic": {"type": "string", "maxLength": 40},
+        "keywords": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 4},
+        "needs_code": {"type": "boolean"},
+        "answer_length": {"type": "string", "enum": ["short", "medium", "long"]},
+    },
+    "required": ["task", "topic", "keywords", "needs_code", "answer_length"],
+    "additionalProperties": False,
+}
+TASK = ("Describe the request below as a JSON object with the fields task, topic, keywords, needs_code and "
+        "answer_length.\n\nRequest: {prompt}")
+AUTO = ("--mode", "auto")
+DYNAMIC = ("--mode", "tree", "--ssm", "drafter", "--ssm", "ngram:3", "--expansion", "dynamic:32:6:4;1,1,1,1,1,1")
+CONFIGS = {  # name -> (generate flags, constrained)
+    "incremental free": (("--mode", "incremental"), False),
+    "incremental json": (("--mode", "incremental"), True),
+    "auto free": (AUTO, False),
+    "auto json": (AUTO, True),
+    "auto json no-forced": (AUTO + ("--forced-tokens", "0"), True),
+    "dynamic free": (DYNAMIC, False),
+    "dynamic json": (DYNAMIC, True),
+    "dynamic json no-forced": (DYNAMIC + ("--forced-tokens", "0"), True),
+}
+
+
+def worker(args) -> None:
+    """One configuration in this process: an untimed pass, then the timed one; prints one JSON line."""
+    import jsonschema
+
+    from jaxspec.cli.app import build_parser
+    from jaxspec.cli.common import build_engine
+    from jaxspec.engine.batch import BatchEngine, Request
+    from jaxspec.structured import Grammar
+    from models.tokenizer import encode_prompt
+
+    flags, constrained = CONFIGS[args.worker]
+    gen_args = build_parser().parse_args(["generate", "--prompt", "x", *flags])
+    engine, llm = build_engine(gen_args)
+    rows = [json.loads(line) for line in Path(args.prompt_file).read_text().splitlines() if line.strip()]
+    rows = rows[: args.limit]
+    grammar = Grammar.json_schema(SCHEMA) if constrained else None
+    prompts = [encode_prompt(llm.tokenizer, TASK.format(prompt=r["prompt"]), True) for r in rows]
+    batch = BatchEngine(engine, max_batch=args.batch, max_model_len=max(map(len, prompts)) + args.max_new_tokens)
+
+    def run() -> tuple[list, float]:
+        reqs = [Request(p, args.max_new_tokens, grammar=grammar) for p in prompts]
+        began = time.perf_counter()
+        gens = batch.generate(reqs)
+        return gens, time.perf_counter() - began
+
+    run()  # compiles every shape the timed pass uses (the same requests, the same buckets)
+    masks = engine.row_masks() if constrained else None
+    before = (masks.masks, masks.seconds) if masks else (0, 0.0)
+    gens, seconds = run()
+    tokens = sum(len(g.token_ids) for g in gens)
+    steps = sum(g.llm_steps for g in gens)
+    valid = 0
+    for g in gens:
+        try:
+            jsonschema.validate(json.loads(llm.tokenizer.decode(g.token_ids, skip_special_tokens=True)), SCHEMA)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    made, spent = ((masks.masks - before[0], masks.seconds - before[1]) if masks else (0, 0.0))
+    print(json.dumps({
+        "config": args.worker, "batch": args.batch, "requests": len(gens), "tokens": tokens, "llm_steps": steps,
+        "tokens_per_step": round(sum(sum(g.step_tokens) for g in gens) / max(steps, 1), 3),
+        "ms_per_token": round(1000 * seconds / max(tokens, 1), 2), "valid_json": round(valid / len(gens), 3),
+        "finished_eos": sum(g.finish_reason == "eos" for g in gens), "masks": made,
+        "ms_per_mask": round(1000 * spent / made, 4) if made else "", "mask_share": round(spent / seconds, 4),
+    }))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(batches)
+    for ax, key, label in ((axes[0], "tokens_per_step", "tokens per LLM step"), (axes[1], "ms_per_token",
+                                                                                   "ms per token (wall)")):
+        for j, b in enumerate(batches):
+            ys = [next((r[key] for r in rows if r["config"] == c and r["batch"] == b), 0) for c in configs]
+            ax.bar([i + (j - (len(batches) - 1) / 2) * width for i in range(len(configs))], ys, width,
+                   label=f"batch {b}")
+        ax.set_xticks(range(len(configs)), configs, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle("SmolLM2-135M, extraction tasks: JSON schema (llguidance) vs free text")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompt-file", required=True)
+    p.add_argument("--limit", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
+    p.add_argument("--output", default="runs/structured")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    from tqdm import tqdm
+
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    jobs = [(c, int(b)) for b in args.batches.split(",") for c in names]
+    rows = []
+    for name, b in tqdm(jobs, desc="structured bench", unit="config"):
+        cmd = [sys.executable, __file__, "--worker", name, "--batch", str(b), "--prompt-file", args.prompt_file,
+               "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"{name} (batch {b}) failed:\n{proc.stderr[-3000:]}")
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        tqdm.write(json.dumps(rows[-1]))
+    with open(out / "structured.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, out / "structured.png")
+    print(f"CSV: {out / 'structured.csv'}; PNG: {out / 'structured.png'}")
+
+
+if __name__ == "__main__":
+    main()
