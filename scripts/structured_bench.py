@@ -5,8 +5,10 @@ answered under ``SCHEMA`` (constrained) or freely (unconstrained). Each configur
 a process of its own (``--worker``): the engine ``jaxspec generate`` builds for those flags,
 ``--max-batch`` requests decoded together, one untimed pass that compiles every shape, then the
 timed pass. Reports per configuration: tokens per LLM step, ms per generated token (wall time of
-the timed pass over its tokens), the share of valid outputs, and for constrained runs the grammar
-masks computed, host milliseconds per mask and the callback's share of the wall time.
+the timed pass over its tokens, prefills included), the median iteration time with every slot busy
+and with one row (the per-step cost, apart from how long the outputs are), the share of valid
+outputs, and for constrained runs the grammar masks computed, host milliseconds per mask and the
+mask callback's share of the wall time.
 Writes ``OUT/structured.csv`` and ``OUT/structured.png``; run it with nothing else on the machine.
 
     .venv/bin/python scripts/structured_bench.py --prompt-file ../shared/prompts/dev_prompts.jsonl \\
@@ -22,6 +24,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 SCHEMA = {
     "type": "object",
@@ -69,7 +73,9 @@ def worker(args) -> None:
     rows = rows[: args.limit]
     grammar = Grammar.json_schema(SCHEMA) if constrained else None
     prompts = [encode_prompt(llm.tokenizer, TASK.format(prompt=r["prompt"]), True) for r in rows]
-    batch = BatchEngine(engine, max_batch=args.batch, max_model_len=max(map(len, prompts)) + args.max_new_tokens)
+    iterations: list[tuple[int, float]] = []  # (active rows, seconds) of each decoding iteration of the timed pass
+    batch = BatchEngine(engine, max_batch=args.batch, max_model_len=max(map(len, prompts)) + args.max_new_tokens,
+                        on_iteration=lambda st: iterations.append((st.active, st.seconds)))
 
     def run() -> tuple[list, float]:
         reqs = [Request(p, args.max_new_tokens, grammar=grammar) for p in prompts]
@@ -78,6 +84,7 @@ def worker(args) -> None:
         return gens, time.perf_counter() - began
 
     run()  # compiles every shape the timed pass uses (the same requests, the same buckets)
+    iterations.clear()
     masks = engine.row_masks() if constrained else None
     before = (masks.masks, masks.seconds) if masks else (0, 0.0)
     gens, seconds = run()
@@ -91,12 +98,16 @@ def worker(args) -> None:
         except (ValueError, jsonschema.ValidationError):
             pass
     made, spent = ((masks.masks - before[0], masks.seconds - before[1]) if masks else (0, 0.0))
+    full = [s for a, s in iterations if a == args.batch]  # iterations with every slot busy
+    one = [s for a, s in iterations if a == 1]
     print(json.dumps({
         "config": args.worker, "batch": args.batch, "requests": len(gens), "tokens": tokens, "llm_steps": steps,
         "tokens_per_step": round(sum(sum(g.step_tokens) for g in gens) / max(steps, 1), 3),
         "ms_per_token": round(1000 * seconds / max(tokens, 1), 2), "valid_json": round(valid / len(gens), 3),
         "finished_eos": sum(g.finish_reason == "eos" for g in gens), "masks": made,
         "ms_per_mask": round(1000 * spent / made, 4) if made else "", "mask_share": round(spent / seconds, 4),
+        "iteration_ms_full": round(1000 * float(np.median(full)), 2) if full else "",
+        "iteration_ms_one_row": round(1000 * float(np.median(one)), 2) if one else "",
     }))
 
 

@@ -12,6 +12,7 @@ PACKAGES = ("jaxspec", "models", "training")
 LAYERS = {  # subpackage -> what it is; see docs/architecture.md
     "jaxspec.decoding": "the device-side decoding core",
     "jaxspec.engine": "the engine, its loop, costs and auto",
+    "jaxspec.structured": "structured output on the host (llguidance)",
     "jaxspec.speculators": "speculators on disk",
     "jaxspec.parallel": "meshes, multi-process runs, offloading",
     "jaxspec.serving": "the HTTP server, metrics, load bench",
@@ -96,6 +97,8 @@ def test_imports_run_one_way():
                 wrong.append(f"{mod} -> {t} (models/ imports nothing of jaxspec or training)")
             if within(mod, "jaxspec.decoding") and within(t, "jaxspec") and not within(t, "jaxspec.decoding"):
                 wrong.append(f"{mod} -> {t} (the decoding core imports only the core)")
+            if within(mod, "jaxspec.structured") and within(t, "jaxspec"):
+                wrong.append(f"{mod} -> {t} (the grammar host side stands alone: the engine calls it)")
             if within(mod, "jaxspec.engine") and any(within(t, p) for p in (
                     "jaxspec.serving", "jaxspec.cli", "jaxspec.speculators", "jaxspec.parallel.distributed")):
                 wrong.append(f"{mod} -> {t} (the engine knows nothing of who drives it)")

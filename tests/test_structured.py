@@ -342,3 +342,25 @@ def test_an_uncompilable_grammar_is_a_request_error(default_llm):
     engine = Engine(default_llm, ())
     with pytest.raises(RequestError, match="does not compile"):
         engine.generate([1, 2, 3], 4, grammar=Grammar("regex", "(unclosed"))
+
+
+# -- the command line ---------------------------------------------------------------------------------
+def test_cli_grammar_flags_and_per_prompt_grammars(tmp_path, capsys):
+    from jaxspec import cli
+
+    assert cli.main(["generate", "--prompt", "hi", "--json-schema", str(tmp_path / "none.json")]) == 2
+    assert "--json-schema: file not found" in capsys.readouterr().err
+    assert cli.main(["generate", "--prompt", "hi", "--mode", "incremental", "--regex", "(unclosed"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("jaxspec: error:") and "does not compile" in err and "unclosed group" in err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "Is ice cold?", "regex": "(yes|no)!"}) + "\n"
+                       + json.dumps({"id": "b", "prompt": "Name a fruit.", "json_schema": {
+                           "type": "object", "properties": {"fruit": {"enum": ["apple", "pear"]}},
+                           "required": ["fruit"], "additionalProperties": False}}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["generate", "--prompt-file", str(prompts), "--mode", "incremental", "--max-new-tokens", "16",
+                     "--output", str(out)]) == 0
+    a, b = (json.loads(line) for line in out.read_text().splitlines())
+    assert re.fullmatch("(yes|no)!", a["text"]) and a["finish_reason"] == "eos"
+    assert json.loads(b["text"])["fruit"] in ("apple", "pear")

@@ -4,10 +4,12 @@ One engine loop (``BatchEngine.run``) runs in its own thread, fed by ``submit``;
 events come back to the asyncio side through ``loop.call_soon_threadsafe`` into one
 queue per HTTP request. Endpoints: ``/v1/models``, ``/v1/completions``,
 ``/v1/chat/completions`` (streaming as server-sent events, or not), ``/health`` and
-``/metrics`` (Prometheus, ``jaxspec.serving.metrics``).
+``/metrics`` (Prometheus, ``jaxspec.serving.metrics``). Structured output: OpenAI's
+``response_format`` and vLLM's ``structured_outputs`` / ``guided_*`` fields (``jaxspec.structured``).
 
 Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for
-malformed JSON, unknown or unsupported parameters, bad sampling values and requests past
+malformed JSON, unknown or unsupported parameters, bad sampling values, grammars that do not
+compile (code ``invalid_grammar``) and requests past
 ``--max-model-len`` (code ``context_length_exceeded``, with the numbers, as OpenAI does);
 401 without the ``--api-key``; 404 for an unknown model; 429 when ``--max-queue`` requests
 already wait; 500 when generating one request failed (the server keeps serving the rest).

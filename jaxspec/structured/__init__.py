@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import time
 from typing import Sequence
 
 import numpy as np
@@ -207,8 +208,6 @@ class RowMasks:
         return out
 
     def __call__(self, tokens: np.ndarray, parent: np.ndarray, nodes: np.ndarray) -> np.ndarray:
-        import time  # noqa: PLC0415
-
         began = time.perf_counter()
         b, k = nodes.shape
         out = np.full((b, k, self.vocab.words), -1, np.int32)
@@ -235,8 +234,9 @@ class RowMasks:
 
         llguidance's fast-forward tokens (the canonical tokens of the bytes the grammar
         forces, or those bytes tokenized greedily), and tokens that are the only one their mask
-        allows (EOS once the grammar is complete). Proposed as a draft chain: the LLM verifies them like any draft, and
-        where the mask allows one token only, its masked distribution accepts it with certainty.
+        allows (EOS once the grammar is complete). Proposed as a draft chain: the LLM verifies
+        them like any draft, and where the mask allows one token only, its masked distribution
+        accepts it with certainty.
         """
         m = self.rows[row]
         chain: list[int] = []
