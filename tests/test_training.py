@@ -147,7 +147,7 @@ def test_second_ssm_trains_on_exactly_the_unmarked_samples(tiny_run):
 
 
 def test_agreement_matches_a_direct_ranking_of_the_ssm_logits(tiny_run):
-    from jaxspec.cli.bench import _teacher_forced
+    from jaxspec.repro.measures import teacher_forced
 
     cfg, out, _ = tiny_run
     samples = load_samples(out / "data")
@@ -157,7 +157,7 @@ def test_agreement_matches_a_direct_ranking_of_the_ssm_logits(tiny_run):
     cont = samples.continuation()
     for i in range(0, len(samples), 5):
         p, c = int(samples.prompt_len[i]), int(samples.cont_len[i])
-        logits = np.asarray(_teacher_forced(ssm, samples.tokens[i, : p + c].tolist())[0])[p - 1 : p - 1 + c]
+        logits = np.asarray(teacher_forced(ssm, samples.tokens[i, : p + c].tolist())[0])[p - 1 : p - 1 + c]
         order = np.argsort(-logits, axis=-1)
         np.testing.assert_array_equal(ag.top1[i, :c], order[:, 0] == cont[i, :c])
         np.testing.assert_array_equal(ag.topk[i, :c], (order[:, :k] == cont[i, :c, None]).any(-1))

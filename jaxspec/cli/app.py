@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from jaxspec.cli import bench
+from jaxspec.cli import bench, repro
 from jaxspec.decoding import sampling
 from jaxspec.parallel import distributed
 from jaxspec.cli.common import (
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     bench.add_parser(sub)
+    repro.add_parser(sub)
     from jaxspec.serving import server
 
     distributed.add_args(server.add_parser(sub))

@@ -45,6 +45,45 @@ def generate(model, ids: list[int], n: int, sampling: dict) -> tuple[list[int], 
     return out[0, len(ids):].tolist(), seconds
 
 
+def generate_batch(model, batch: list[list[int]], n: int, sampling: dict) -> float:
+    """Seconds of one ``generate()`` over a left-padded batch (attention mask over the padding), n tokens each."""
+    import torch  # noqa: PLC0415
+
+    width = max(len(ids) for ids in batch)
+    x = torch.tensor([[0] * (width - len(ids)) + ids for ids in batch])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+    kw = {"do_sample": sampling["temperature"] > 0, "max_new_tokens": n, "min_new_tokens": n, "pad_token_id": 0}
+    if kw["do_sample"]:
+        kw.update(temperature=sampling["temperature"], top_k=sampling["top_k"] or None, top_p=sampling["top_p"])
+        torch.manual_seed(sampling["seed"])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model.generate(x, attention_mask=mask, **kw)
+        return time.perf_counter() - start
+
+
+def run_batches(job: dict) -> dict:
+    """``jaxspec repro fig7``'s baseline: per batch size, the prompts in groups (``jaxspec.repro.worker.groups_of``),
+    each group once as a warm-up, then once timed."""
+    import torch  # noqa: PLC0415
+
+    from jaxspec.repro.worker import groups_of  # noqa: PLC0415
+
+    torch.set_num_threads(job["threads"])
+    start = time.perf_counter()
+    model = load_model(job["model"], job["dtype"])
+    load_seconds = time.perf_counter() - start
+    rows = []
+    for batch in job["batches"]:
+        groups = groups_of(job["prompts"], batch)
+        warmup = sum(generate_batch(model, g, job["max_new_tokens"], job["sampling"]) for g in groups)
+        for k, group in enumerate(groups):
+            seconds = generate_batch(model, group, job["max_new_tokens"], job["sampling"])
+            rows.append({"batch": batch, "group": k, "seconds": seconds, "warmup_seconds": warmup / len(groups),
+                         "tokens": job["max_new_tokens"], "tokens_per_step": 1.0})
+    return {"system": job["label"], "threads": torch.get_num_threads(), "load_seconds": load_seconds, "rows": rows}
+
+
 def run(job: dict) -> dict:
     """Runs every prompt of the job: a warm-up generation, then the timed one."""
     import torch  # noqa: PLC0415
@@ -73,7 +112,8 @@ def main(argv: list[str]) -> int:
         print(f"jaxspec: error: the transformers baseline needs torch and transformers ({e.name} is missing: "
               "pip install -e '.[test]')", file=sys.stderr)
         return 2
-    result = run(json.loads(Path(argv[0]).read_text()))
+    job = json.loads(Path(argv[0]).read_text())
+    result = run_batches(job) if "batches" in job else run(job)
     Path(argv[1]).write_text(json.dumps(result))
     return 0
 
