@@ -122,7 +122,7 @@ def test_the_claim_table_marks_claims_that_miss():
 
 
 def test_repro_errors_are_one_line(tmp_path):
-    for args, message in ((["table1", "--model", str(tmp_path)], "--model and --ssm go together"),
+    for args, message in ((["table1", "--model", str(tmp_path)], "--model needs --ssm"),
                           (["report", "--output", str(tmp_path / "none")], "no results in"),
                           (["table1", "--prompt-file", str(tmp_path / "missing.jsonl")], "prompt file not found")):
         proc = subprocess.run([sys.executable, "-m", "jaxspec", "repro", *args], capture_output=True, text=True,

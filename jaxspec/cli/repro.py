@@ -23,10 +23,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("repro", help="reproduce the paper's tables and figures (CSV + PNG + markdown; report)")
     p.add_argument("name", choices=NAMES + ("all", "report"), help="an experiment, all of them, or the report")
     p.add_argument("--pair", default="smollm2", choices=("smollm2", "qwen-coder"),
-                   help="LLM/SSM pair: smollm2 (embedded SmolLM2-135M + the shipped pool's first SSM) or qwen-coder "
+                   help="LLM/SSM pair: smollm2 (embedded SmolLM2-135M + the shipped feature drafter) or qwen-coder "
                         "(Qwen2.5-Coder 1.5B + 0.5B: python scripts/fetch_qwen_pair.py)")
     p.add_argument("--model", help="a custom pair's LLM (with --ssm)")
-    p.add_argument("--ssm", help="a custom pair's SSM, as jaxspec generate --ssm (with --model)")
+    p.add_argument("--ssm", help="the SSM, as jaxspec generate --ssm (its first learned model): replaces the pair's, "
+                   "or with --model makes a custom pair")
     p.add_argument("--quick", action="store_true", help="4 prompts, 32 tokens, batches 1 and 4 (all: < 30 min on 2 "
                    "CPU cores); default: 20 prompts, 128 tokens, batches 1-16")
     p.add_argument("--output", help="results directory (default: out/repro/<pair>)")

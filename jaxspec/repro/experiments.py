@@ -49,20 +49,21 @@ QWEN_FILES = ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen2.5-coder-0.5b-ins
 
 
 def pair(name: str, llm: str | None = None, ssm: str | None = None) -> Pair:
-    """A named pair (``smollm2``, ``qwen-coder``), or the given LLM and SSM (``custom``)."""
-    if llm or ssm:
-        if not (llm and ssm):
-            raise ReproError("--model and --ssm go together (a custom pair needs both)")
+    """A named pair (``smollm2``: the embedded LLM with the shipped feature drafter; ``qwen-coder``), its SSM
+    replaced by ``ssm`` when given; or ``llm`` with ``ssm`` (``custom``)."""
+    if llm:
+        if not ssm:
+            raise ReproError("--model needs --ssm (a custom pair names both)")
         return Pair("custom", str(Path(llm).expanduser()), ssm)
     if name == "smollm2":
-        return Pair("smollm2", None, "default")
+        return Pair("smollm2", None, ssm or "drafter")
     if name == "qwen-coder":
         files = [cache_root() / f for f in QWEN_FILES]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise ReproError(f"the qwen-coder pair is not on this machine ({', '.join(missing)}): run "
                              "python scripts/fetch_qwen_pair.py")
-        return Pair("qwen-coder", str(files[0]), str(files[1]))
+        return Pair("qwen-coder", str(files[0]), ssm or str(files[1]))
     raise ReproError(f"unknown pair {name!r}: choose smollm2 or qwen-coder (or give --model and --ssm)")
 
 
