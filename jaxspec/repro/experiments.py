@@ -363,7 +363,8 @@ def _run_process(setup: Setup, system: dict, job: dict) -> dict:
         proc = subprocess.run([sys.executable, "-m", module, str(jpath), str(opath)], capture_output=True, text=True)
         if proc.returncode != 0 or not opath.is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-            raise ReproError(f"{system['label']}: its process failed (exit code {proc.returncode}): " + " | ".join(tail))
+            raise ReproError(f"{system['label']}: its process failed (exit code {proc.returncode}): "
+                             + " | ".join(tail))
         return json.loads(opath.read_text())
 
 

@@ -260,8 +260,11 @@ def _figure(ncols: int = 1):
 
 
 def _save(plt, fig, path: Path, result: Result) -> None:
-    fig.suptitle(f"{TITLES[result.name]}\n{result.meta['models']}; {result.meta['prompt_set']}", fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 0.9))  # room for the two-line title
+    import textwrap  # noqa: PLC0415
+
+    what = textwrap.fill(f"{result.meta['models']}; {result.meta['prompt_set']}", int(fig.get_figwidth() * 14))
+    fig.suptitle(f"{TITLES[result.name]}\n{what}", fontsize=8)
+    fig.tight_layout()  # makes room for the suptitle too
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -279,7 +282,7 @@ def plot_table1(result: Result, paper: dict, path: Path) -> None:
         ks = list(range(1, 6))
         _paper_band(ax, paper["table1"][kind], ks)
         ax.plot(ks, [ours[f"k{k}"] for k in ks], marker="o", label="ours")
-        ax.set(xlabel="k", ylabel="verification success rate", title=f"{kind} decoding", ylim=(0, 1.02))
+        ax.set(xlabel="k", ylabel="verification success rate", title=f"{kind} decoding", ylim=(0, 1.02), xticks=ks)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     _save(plt, fig, path, result)
@@ -291,7 +294,8 @@ def plot_table2(result: Result, paper: dict, path: Path) -> None:
         sel = [r for r in result.rows if r["decoding"] == kind]
         _paper_band(ax, paper["table2"][kind], [1, 2, 3, 4, 5])
         ax.plot([r["width"] for r in sel], [r["tokens_per_step"] for r in sel], marker="o", label="ours")
-        ax.set(xlabel="token tree width", ylabel="tokens verified per LLM step", title=f"{kind} decoding")
+        ax.set(xlabel="token tree width", ylabel="tokens verified per LLM step", title=f"{kind} decoding",
+               xticks=[1, 2, 3, 4, 5])
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     _save(plt, fig, path, result)
@@ -345,7 +349,8 @@ def plot_fig8(result: Result, paper: dict, path: Path) -> None:
         compute = [r["compute_ms_per_token"] for r in result.rows]
         transfer = [r["transfer_ms_per_token"] for r in result.rows]
         ax.bar(names, compute, label="compute (measured)")
-        ax.bar(names, transfer, bottom=compute, label=f"weight transfer (modelled, {result.meta['bandwidth_gbs']:g} GB/s)")
+        ax.bar(names, transfer, bottom=compute,
+               label=f"weight transfer (modelled, {result.meta['bandwidth_gbs']:g} GB/s)")
     else:
         ax.bar(names, [r["ms_per_token"] for r in result.rows], label="measured (offloaded)")
     ax.set_ylabel("per-token latency (ms)")
