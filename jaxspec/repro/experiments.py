@@ -216,18 +216,18 @@ class Lab:
             seconds = time.perf_counter() - began
             rows.append({"id": prompt["id"], "tokens": len(gen.token_ids), "llm_steps": gen.llm_steps,
                          "step_tokens": gen.step_tokens, "token_ids": gen.token_ids, "seconds": seconds})
-        release(engine)
+        del engine
+        release()
         return rows
 
 
-def release(engine) -> None:
-    """Frees an engine now: its own decoding layout of the LLM's weights (a copy: 6 GB for a 1.5B LLM in
-    float32) and its executables, which reference it; ``repro all`` builds a dozen engines in one process."""
+def release() -> None:
+    """Frees dropped engines now: each holds its own decoding layout of the LLM's weights (a copy: 6 GB for a
+    1.5B LLM in float32) in reference cycles with its executables; ``repro all`` builds a dozen in one process."""
     import gc  # noqa: PLC0415
 
     import jax  # noqa: PLC0415
 
-    del engine
     jax.clear_caches()
     gc.collect()
 
