@@ -29,24 +29,9 @@ def load_model(path: str, dtype: str):
     return model.eval()
 
 
-def generate(model, ids: list[int], n: int, sampling: dict) -> tuple[list[int], float]:
-    """(n new token ids, seconds) of one ``generate()`` call; exactly n tokens, EOS not honoured."""
-    import torch  # noqa: PLC0415
-
-    x = torch.tensor([ids])
-    kw = {"do_sample": sampling["temperature"] > 0, "max_new_tokens": n, "min_new_tokens": n, "pad_token_id": 0}
-    if kw["do_sample"]:
-        kw.update(temperature=sampling["temperature"], top_k=sampling["top_k"] or None, top_p=sampling["top_p"])
-        torch.manual_seed(sampling["seed"])
-    with torch.inference_mode():
-        start = time.perf_counter()
-        out = model.generate(x, **kw)
-        seconds = time.perf_counter() - start
-    return out[0, len(ids):].tolist(), seconds
-
-
-def generate_batch(model, batch: list[list[int]], n: int, sampling: dict) -> float:
-    """Seconds of one ``generate()`` over a left-padded batch (attention mask over the padding), n tokens each."""
+def generate(model, batch: list[list[int]], n: int, sampling: dict) -> tuple[list[list[int]], float]:
+    """(n new token ids per row, seconds) of one ``generate()`` over a left-padded batch (attention mask over the
+    padding; a single prompt has none); exactly n tokens each, EOS not honoured."""
     import torch  # noqa: PLC0415
 
     width = max(len(ids) for ids in batch)
@@ -58,8 +43,9 @@ def generate_batch(model, batch: list[list[int]], n: int, sampling: dict) -> flo
         torch.manual_seed(sampling["seed"])
     with torch.inference_mode():
         start = time.perf_counter()
-        model.generate(x, attention_mask=mask, **kw)
-        return time.perf_counter() - start
+        out = model.generate(x, attention_mask=mask, **kw)
+        seconds = time.perf_counter() - start
+    return out[:, width:].tolist(), seconds
 
 
 def run_batches(job: dict) -> dict:
@@ -76,9 +62,9 @@ def run_batches(job: dict) -> dict:
     rows = []
     for batch in job["batches"]:
         groups = groups_of(job["prompts"], batch)
-        warmup = sum(generate_batch(model, g, job["max_new_tokens"], job["sampling"]) for g in groups)
+        warmup = sum(generate(model, g, job["max_new_tokens"], job["sampling"])[1] for g in groups)
         for k, group in enumerate(groups):
-            seconds = generate_batch(model, group, job["max_new_tokens"], job["sampling"])
+            _, seconds = generate(model, group, job["max_new_tokens"], job["sampling"])
             rows.append({"batch": batch, "group": k, "seconds": seconds, "warmup_seconds": warmup / len(groups),
                          "tokens": job["max_new_tokens"], "tokens_per_step": 1.0})
     return {"system": job["label"], "threads": torch.get_num_threads(), "load_seconds": load_seconds, "rows": rows}
@@ -94,8 +80,8 @@ def run(job: dict) -> dict:
     load_seconds = time.perf_counter() - start
     rows = []
     for prompt in job["prompts"]:
-        _, warmup = generate(model, prompt["ids"], job["max_new_tokens"], job["sampling"])
-        new, seconds = generate(model, prompt["ids"], job["max_new_tokens"], job["sampling"])
+        _, warmup = generate(model, [prompt["ids"]], job["max_new_tokens"], job["sampling"])
+        (new,), seconds = generate(model, [prompt["ids"]], job["max_new_tokens"], job["sampling"])
         rows.append({"id": prompt["id"], "prompt_tokens": len(prompt["ids"]), "new_tokens": len(new),
                      "warmup_seconds": warmup, "seconds": seconds, "token_ids": new})
     return {"system": "transformers", "threads": torch.get_num_threads(), "load_seconds": load_seconds, "rows": rows}

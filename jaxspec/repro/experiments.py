@@ -11,6 +11,7 @@ figures run every system in a process of its own (``jaxspec.repro.worker``, and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -122,6 +123,7 @@ class Result:
     meta: dict[str, Any]
 
 
+@functools.cache
 def commit() -> str:
     """The jaxspec commit (``-dirty`` with uncommitted changes), or ``unknown`` outside a git checkout."""
     root = Path(__file__).resolve().parents[2]
