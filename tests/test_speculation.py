@@ -256,6 +256,27 @@ def test_chooser_learns_per_depth_acceptance():
     assert chooser.pick(4) == "ngram" and chooser.pick(0) == "none"
 
 
+def test_chooser_under_a_grammar_counts_forced_tokens_and_learns_their_cost():
+    """Forced tokens are certain: a long forced run favours a chain over a shallow tree, until grammar steps with
+    that chain are timed as too slow; a tree's forced first levels count as accepted; uncompiled members are out."""
+    members = [Member("none", {}, {}), Member("ssm", {"ssm": 2}, {"ssm": (0,)})]
+    chooser = TreeChooser(members, {"none": 1.0, "ssm": 1.3}, explore=False)
+    for _ in range(30):
+        chooser.observe("ssm", np.asarray([0]))  # the drafter never agrees on free text
+    assert chooser.pick() == "none"
+    assert chooser.expected_tokens("ssm", certain=2) == 3.0  # both levels forced: certain
+    assert chooser.pick_constrained([(0, 0, 0)], chains=(0,)) == ("none", 0)
+    assert chooser.pick_constrained([(0, 0, 2)], chains=(0,)) == ("ssm", 0)  # its masked drafts are the forced ones
+    assert chooser.pick_constrained([(0, 0, 8)], chains=(0, 8)) == ("none", 8)  # 9 tokens for ~2x a plain step
+    assert chooser.pick_constrained([(0, 0, 1)] * 4 + [(0, 0, 8)], chains=(0, 8)) == ("ssm", 0)
+    for _ in range(4):
+        chooser.observe_constrained_time("none", 8, 12.0)  # chains of 8 measured at 12 plain steps
+        chooser.observe_constrained_time("ssm", 8, 13.0)
+    assert chooser.constrained_cost("none", 8) == 12.0
+    assert chooser.pick_constrained([(0, 0, 8)], chains=(0, 8)) == ("ssm", 0)
+    assert chooser.pick_constrained([(0, 0, 2)], {"none": 1.0}, chains=(0,)) == ("none", 0)  # ssm not compiled
+
+
 def test_an_iteration_makes_no_implicit_transfers(tiny_llm):
     """The step runs with host transfers disallowed: only explicit puts/gets of ids."""
     engine = Engine(tiny_llm, [early_exit(tiny_llm, 1), NGramSpeculator()], [(1, 2), (1, 1, 1)], auto=True,

@@ -333,9 +333,10 @@ def test_constrained_outputs_match_their_grammar_and_end_with_eos(outputs, kind)
 
 def test_forced_tokens_and_masked_drafts_raise_tokens_per_step(outputs):
     out, _ = outputs
-    json_steps = {name: out[name, "json_schema"].tokens_per_step for name in ("incremental", "drafter+ngram")}
+    json_steps = {name: out[name, "json_schema"].tokens_per_step for name in ("incremental", "drafter+ngram", "auto")}
     assert json_steps["incremental"] == 1.0
     assert json_steps["drafter+ngram"] > 1.5, json_steps  # keys and punctuation ride in the tree
+    assert json_steps["auto"] > 1.5, json_steps  # auto counts the forced chain in what a pick is worth
 
 
 def test_an_uncompilable_grammar_is_a_request_error(default_llm):

@@ -24,6 +24,12 @@ rather than locked out for good. Costs start from the calibration and follow wha
 iterations really take: once a member has run ``MIN_TIMINGS`` times, its calibrated cost
 is scaled by the median ratio of observed to calibrated seconds, so a calibration
 measured on a busy machine (or stale) corrects itself.
+
+Under a grammar (``pick_constrained``) the choice also covers the forced chain: tokens the
+grammar forces are certain, so a row whose grammar forces L tokens accepts the first L
+levels of any tree, and a chain of b forced tokens gives min(L, b) + 1 even without one. A
+grammar step's cost (masks from the host, the chain's nodes) is the plain member's times a
+ratio learned from the grammar steps that ran, starting from a prior per chain node.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ GLOBAL_WEIGHT = 8.0  # earlier requests count as at most this many iterations in
 GLOBAL_CONFIDENCE = 64.0  # ... and as at most this many in how sure the estimate is (exploration)
 MIN_TIMINGS = 4  # observed iterations of a member before they rescale its calibrated cost
 TIMING_WINDOW = 32  # the newest observed/calibrated ratios kept per member
+FORCED_NODE_PRIOR = 0.12  # a forced-chain node's share of a plain step before a grammar step is timed
+GRAMMAR_PRIOR = 1.1  # a grammar step (host masks, no host/device overlap) over its plain member, before timing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +135,13 @@ class TreeChooser:
         return f"ngram:{min(max(ngram_match, 1), NGRAM_BUCKETS)}" if kind == "ngram" else kind
 
     def expected_tokens(self, name: str, ngram_len: int = 0, ngram_match: int = 1,
-                        rates: dict[str, np.ndarray] | None = None) -> float:
+                        rates: dict[str, np.ndarray] | None = None, certain: int = 0) -> float:
         """1 + Σ_i P(the merged tree agrees down to depth i): expected tokens of one iteration.
 
         ``ngram_len`` is how many tokens the n-gram proposes now, ``ngram_match`` how long a
-        suffix it matched; ``rates`` (kind -> per-depth rates) defaults to the posterior means.
+        suffix it matched; ``rates`` (kind -> per-depth rates) defaults to the posterior means;
+        ``certain``: the first levels a grammar forces (the SSMs' masked drafts there are the
+        forced tokens, accepted for sure).
         """
         m = self.members[name]
         miss = np.ones(self.max_depth + 1)  # P(no kind reaches depth i)
@@ -139,6 +149,9 @@ class TreeChooser:
             d = min(depth, ngram_len) if kind == "ngram" else depth
             stats_kind = self._stats_kind(kind, ngram_match)
             r = rates[stats_kind] if rates is not None else self.rates(stats_kind)
+            if kind == "ssm" and certain:
+                r = r.copy()
+                r[1 : certain + 1] = 1.0
             reach = np.zeros(self.max_depth + 1)
             reach[1 : d + 1] = np.cumprod(r[1 : d + 1])
             miss *= 1.0 - reach
@@ -162,6 +175,43 @@ class TreeChooser:
         base = (costs or self.costs)[name]
         if base > 0 and seconds > 0:
             self.timings[name].append(seconds / base)
+
+    def constrained_cost(self, name: str, forced: int, costs: dict[str, float] | None = None) -> float:
+        """Seconds of ``name``'s grammar step with a chain of ``forced`` nodes: the member's calibrated cost times
+        the median observed ratio of such steps once ``MIN_TIMINGS`` ran, before that a prior from the chain's
+        nodes on top of the plain member's own (rescaled) cost."""
+        base = (costs or self.costs)[name]
+        seen = self.timings.get(_grammar_key(name, forced), ())
+        if self.adapt_costs and len(seen) >= MIN_TIMINGS:
+            return base * float(np.median(seen))
+        return self.cost(name, costs) * GRAMMAR_PRIOR * (1.0 + FORCED_NODE_PRIOR * forced)
+
+    def observe_constrained_time(self, name: str, forced: int, seconds: float,
+                                 costs: dict[str, float] | None = None) -> None:
+        """Records what one grammar step of ``name`` with a chain of ``forced`` nodes took, against ``costs``."""
+        base = (costs or self.costs)[name]
+        if base > 0 and seconds > 0:
+            self.timings.setdefault(_grammar_key(name, forced), collections.deque(maxlen=TIMING_WINDOW)).append(
+                seconds / base)
+
+    def pick_constrained(self, rows: list[tuple[int, int, int]], costs: dict[str, float] | None = None,
+                         chains: tuple[int, ...] = (0,)) -> tuple[str, int]:
+        """(member, forced-chain depth) with the most expected tokens per second over a batch under grammars.
+
+        ``rows`` holds each active row's (n-gram proposal length, matched suffix length, tokens its
+        grammar forces after the root); ``chains`` the chain depths to choose from; members the
+        bucket has not compiled (absent from ``costs``) are left out. A row
+        whose grammar forces L tokens gets max(the tree's tokens with L certain levels,
+        min(L, chain) + 1).
+        """
+        rates = self._draw()
+        scores = {}
+        for n in (m for m in self.members if m in (costs or self.costs)):  # lazy auto: the bucket's compiled ones
+            tree = [self.expected_tokens(n, length, match, rates, certain=forced) for length, match, forced in rows]
+            for b in chains:
+                tokens = sum(max(t, min(forced, b) + 1.0) for t, (_, _, forced) in zip(tree, rows))
+                scores[n, b] = tokens / self.constrained_cost(n, b, costs)
+        return max(scores, key=lambda nb: (scores[nb], nb[0] == "none", -nb[1]))
 
     def pick(self, ngram_len: int = 0, ngram_match: int = 1) -> str:
         """The member with the most expected tokens per second ("none" wins ties)."""
@@ -190,3 +240,8 @@ class TreeChooser:
             stats = self.request[self._stats_kind(kind, ngram_match)]
             stats.trials[1 : tried + 1] += 1
             stats.hits[1 : agreed + 1] += 1
+
+
+def _grammar_key(name: str, forced: int) -> str:
+    """Where a member's grammar steps with a chain of ``forced`` nodes keep their timings."""
+    return f"{name}+forced{forced}"

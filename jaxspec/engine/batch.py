@@ -781,9 +781,21 @@ class BatchEngine:
             for i, s in live:
                 proposals[i] = s.index.propose(e.ngram_depth)
                 matched[i] = s.index.matched
+        constrained = any(s.matcher is not None for _, s in live)
+        if stale and constrained:  # masks walk the rows' matchers: they hold every token
+            return None
+        chains: list[list[int]] = []
+        if constrained:
+            masks = e.row_masks()
+            masks.begin([s.matcher for _, s in live] + [None] * (self.rows - len(live)))
+            chains = [masks.forced(i, e.forced_depth) for i in range(self.rows)]
+        longest = e.forced_bucket(max(map(len, chains), default=0))
         costs = self._costs(warp, self.rows, self.capacity)
         chooser = e.chooser(warp) if e.auto else None
-        if chooser is not None:
+        if chooser is not None and constrained:
+            rows3 = [(len(proposals[i]), matched[i], len(chains[i])) for i, _ in live]
+            name, longest = chooser.pick_constrained(rows3, costs, tuple(sorted({0, longest})))
+        elif chooser is not None:
             rows = [(len(proposals[i]), matched[i]) for i, _ in live]
             if self._lazy:
                 every = self._estimated(warp, self.rows, self.capacity, costs)
@@ -799,15 +811,10 @@ class BatchEngine:
         else:
             name = next(iter(family))
         cfg = family[name]
-        constrained = any(s.matcher is not None for _, s in live)
-        if stale and (cfg.ngram_depth or constrained):  # masks walk the rows' matchers: they hold every token
+        if stale and cfg.ngram_depth:  # the n-gram's proposal needs the tokens in flight
             return None
-        chains: list[list[int]] = []
         if constrained:
-            masks = e.row_masks()
-            masks.begin([s.matcher for _, s in live] + [None] * (self.rows - len(live)))
-            chains = [masks.forced(i, e.forced_depth) for i in range(self.rows)]
-            cfg = e.constrained(cfg, e.forced_bucket(max(map(len, chains))))
+            cfg = e.constrained(cfg, longest)
         ahead = self._max_emit if stale else 0  # tokens the iteration in flight may still commit
         for _, s in live:
             _check_fits(s.committed + ahead + cfg.num_nodes, self.capacity, "a decoding step")
@@ -817,7 +824,8 @@ class BatchEngine:
         start = time.perf_counter()
         self.state, out = e._step_fn(cfg)(e._llm_params, e._group_params, self.state, *arrays)
         self.iterations += 1
-        return _InFlight(name, cfg, live, proposals, matched, chooser, costs, out, start)
+        forced = [len(c) for c in chains] or [0] * self.rows
+        return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start)
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
@@ -830,7 +838,7 @@ class BatchEngine:
         ssm_nodes = cfg.num_nodes - 1 - cfg.ngram_depth - cfg.forced_depth
         for i, slot in live:
             n = int(num[i])
-            if it.chooser is not None:
+            if it.chooser is not None and not it.forced[i]:  # forced levels would pass as the drafters' hits
                 it.chooser.observe(it.name, depths[i], len(it.proposals[i]), it.matched[i])
             slot.committed += n
             slot.gen.llm_steps += 1
@@ -840,8 +848,11 @@ class BatchEngine:
             stats.emitted.append(n)
             stats.drafted.append(ssm_nodes + (min(len(it.proposals[i]), cfg.ngram_depth) if cfg.ngram_depth else 0))
             stats.accepted_depth.append(n - 1)
-        if it.chooser is not None and live and not cfg.grammar:  # a grammar step also waits on host masks
-            it.chooser.observe_time(it.name, seconds, it.costs)
+        if it.chooser is not None and live:  # a grammar step also waits on host masks: timed apart
+            if cfg.grammar:
+                it.chooser.observe_constrained_time(it.name, cfg.forced_depth, seconds, it.costs)
+            else:
+                it.chooser.observe_time(it.name, seconds, it.costs)
         for i, slot in live:
             if slot.row < 0:
                 continue  # retired by an earlier row's failure in this loop
@@ -864,6 +875,7 @@ class _InFlight:
     live: list[tuple[int, "_Slot"]]  # (row, its request) at dispatch
     proposals: list[list[int]]  # n-gram proposal per row
     matched: list[int]  # n-gram matched suffix length per row
+    forced: list[int]  # tokens each row's grammar forced after its root (0 without a grammar)
     chooser: TreeChooser | None  # auto's chooser for this warp
     costs: dict[str, float] | None  # auto's calibrated costs at the bucket it ran in
     out: StepOutput  # device arrays, not read yet
