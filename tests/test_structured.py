@@ -124,6 +124,33 @@ def test_forced_chain_of_a_compact_schema(vocab, default_llm):
     assert rows.forced(0, 8) == [2]  # the grammar is complete: EOS is the one token left
 
 
+def test_chain_masks_lay_out_root_forced_and_ngram_prefixes(vocab, default_llm):
+    """A chains-only tree's masks are computed before dispatch; on the device (source, depth) finds each node's."""
+    from jaxspec.decoding.tree import TokenTree
+
+    tok = default_llm.tokenizer
+    m = vocab.matcher(vocab.compile(Grammar("regex", "(yes|no)")))
+    rows = RowMasks(vocab)
+    rows.begin([m, None])
+    yes, no, cat = (tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no", "cat"))
+    table = rows.chain_masks([[yes], []], [[cat, 2], []], forced_depth=2, ngram_depth=2)
+    assert table.shape == (2, 5, vocab.words) and rows.callbacks == 0
+    assert {yes, no} <= set(allowed(table[0, 0]).tolist())  # the root
+    assert allowed(table[0, 1]).tolist() == [2]  # after the forced "yes": EOS only
+    assert (table[0, 2] == -1).all()  # past the forced chain's end
+    assert (table[0, 3] == -1).all() and (table[0, 4] == -1).all()  # "cat" is forbidden: left unmasked
+    assert (table[1] == -1).all()  # a row without a grammar
+    # merged tree of row 0: root, ngram "cat" (source 0) at depth 1, forced "yes" (source 1) at depth 1, padding
+    tree = TokenTree(*(jnp.asarray(a, jnp.int32) for a in ([[0, cat, yes, 0]], [[-1, 0, 0, -1]], [[0, 1, 1, 0]])),
+                     jnp.asarray([[True, True, True, False]]), jnp.asarray([[-1, 0, 1, -1]], jnp.int32),
+                     jnp.asarray([[-1, 0, 0, -1]], jnp.int32))
+    bits = np.asarray(constrain.chain_node_masks(jnp.asarray(table[:1]), tree, ("ngram", "forced"), 2))
+    np.testing.assert_array_equal(bits[0, 0], table[0, 0])
+    np.testing.assert_array_equal(bits[0, 1], table[0, 3])
+    np.testing.assert_array_equal(bits[0, 2], table[0, 1])
+    assert (bits[0, 3] == -1).all()  # padding
+
+
 # -- sampled exactness on a tiny model with a path-dependent grammar --------------------------------
 VOCAB = 16
 TINY = ModelConfig("llama", VOCAB, 32, 64, 2, 4, 2, 8, max_position_embeddings=128)
@@ -312,6 +339,7 @@ def outputs(default_llm):
         for kind, g in GRAMMARS.items():
             gen = engine.generate(encode_prompt(tok, PROMPTS[kind], True), 48, grammar=g)
             out[name, kind] = gen
+        out[name, "callbacks"] = engine.row_masks().callbacks
     return out, tok
 
 
@@ -329,6 +357,12 @@ def test_constrained_outputs_match_their_grammar_and_end_with_eos(outputs, kind)
     gen = out["incremental", kind]
     assert gen.finish_reason == "eos" and gen.token_ids[-1] == 2  # the grammar ended: EOS was forced
     assert valid(kind, tok.decode(gen.token_ids, skip_special_tokens=True)), tok.decode(gen.token_ids)
+
+
+def test_only_trees_with_ssm_drafts_ask_the_host_for_masks_mid_step(outputs):
+    out, _ = outputs
+    assert out["incremental", "callbacks"] == 0  # the root's mask is an input: the step dispatches asynchronously
+    assert out["pool-tree", "callbacks"] > 0 and out["dynamic", "callbacks"] > 0
 
 
 def test_forced_tokens_and_masked_drafts_raise_tokens_per_step(outputs):

@@ -56,6 +56,22 @@ def host_masker(fn: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray], 
     return masker
 
 
+def chain_node_masks(table: jax.Array, tree, sources: tuple[str, ...], forced_depth: int) -> jax.Array:
+    """Packed masks [B, N, W] of a chains-only tree's nodes from the host's table [B, 1 + F + D, W].
+
+    The table holds, per row, the mask at the root, after each prefix of the forced chain (F),
+    then after each prefix of the n-gram chain (D) (``jaxspec.structured.RowMasks.chain_masks``).
+    A node's path is a prefix of the chain its source proposed, so (source, depth) finds it; a node
+    two chains share has one path, hence one mask either way. Padding is unmasked.
+    """
+    forced = sources.index("forced") if "forced" in sources else -2
+    depth = tree.depth
+    index = jnp.where(depth == 0, 0, jnp.where(tree.ssm == forced, depth, forced_depth + depth))  # [B, N]
+    index = jnp.clip(index, 0, table.shape[1] - 1)
+    bits = jnp.take_along_axis(table, index[..., None], axis=1)  # [B, N, W]
+    return jnp.where(tree.valid[..., None], bits, -1)
+
+
 def masked(masker: Masker | None, logits: jax.Array, tokens: jax.Array, parent: jax.Array,
            nodes: jax.Array) -> jax.Array:
     """logits [B, K, V] of nodes [B, K] (of the tree tokens/parent [B, P]) masked by the grammar, if any."""

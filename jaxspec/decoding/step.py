@@ -94,6 +94,12 @@ class DecodeConfig:
             )
 
     @property
+    def host_masks(self) -> bool:
+        """A grammar step whose whole tree is known before dispatch (the root and chains: no SSM drafts), so
+        its masks travel in as an input (``constrain.chain_masks``) instead of a host callback mid-step."""
+        return self.grammar and not self.active
+
+    @property
     def ssm_groups(self) -> tuple[SSMGroup, ...]:
         """The groups, or one single-member group per SSM."""
         return self.groups or tuple(SSMGroup((j,)) for j in range(len(self.topologies)))
@@ -303,13 +309,16 @@ def decode_step(
     proposal: tuple[jax.Array, jax.Array] | None = None,
     forced: tuple[jax.Array, jax.Array] | None = None,
     masker: constrain.Masker | None = None,
+    chain_masks: jax.Array | None = None,
 ) -> tuple[DecodeState, StepOutput]:
     """One SpecInfer iteration for all B slots (pure; jit it with cfg, forwards and masker static).
 
     ``proposal`` = (tokens [B, D], count [B]) is the n-gram speculator's chain, needed
     when ``cfg.ngram_depth`` > 0; ``forced`` (tokens [B, F], count [B]) the grammar's forced
     chain when ``cfg.forced_depth`` > 0. A grammar step (``cfg.grammar``) masks every draft level
-    and the LLM's logits at every tree node with ``masker``'s masks. The caller guarantees every write fits the cache:
+    and the LLM's logits at every tree node with ``masker``'s masks, or, where the tree holds no SSM
+    drafts (``cfg.host_masks``), with ``chain_masks`` [B, 1 + F + D, W] if given, computed on the host
+    before dispatch (``RowMasks.chain_masks``: no callback, so the step dispatches asynchronously). The caller guarantees every write fits the cache:
     length + cfg.num_nodes <= capacity for every row (``Engine`` checks it per step).
     """
     keys = sampling.split_rows(state.key, 3)
@@ -320,7 +329,12 @@ def decode_step(
     noise = None
     if cfg.coupled:  # [B, D + 1, V]: the noise of the positions this iteration can emit (depth d -> length + d + 1)
         noise = sampling.gumbel_at(state.key, length[:, None] + 1 + jnp.arange(cfg.max_depth + 1), cfg.vocab)
-    masker = masker if cfg.grammar else None
+    if not cfg.grammar:
+        masker = chain_masks = None
+    elif chain_masks is not None:
+        if not cfg.host_masks:
+            raise ValueError("chain_masks serve trees without SSM drafts only")
+        masker = None
     tree, draft_probs, ssm_caches, proposed = draft(cfg, ssm_forwards, ssm_params, state, k_draft, proposal, noise,
                                                     masker, forced)
     tree = pad_tree(tree, cfg.num_nodes)
@@ -336,6 +350,9 @@ def decode_step(
     if masker is not None:  # the LLM's distribution at each node, restricted to what the grammar allows there
         nodes = jnp.where(tree.valid, jnp.arange(n)[None, :], -1)  # [B, N]: -1 = no mask (padding, pruned)
         logits = constrain.masked(masker, logits, tree.tokens, tree.parent, nodes)
+    elif chain_masks is not None:
+        bits = constrain.chain_node_masks(chain_masks, tree, cfg.sources, cfg.forced_depth)
+        logits = constrain.apply(logits, bits)
     verdict = accept(cfg, tree, logits, draft_probs, state, k_verify, noise)
     verdict = Verdict(verdict.path, jnp.where(act, verdict.num, 0), verdict.next_token)  # idle rows emit nothing
 

@@ -821,8 +821,12 @@ class BatchEngine:
         arrays = self._proposal_arrays(proposals)
         if cfg.forced_depth:
             arrays = (*arrays, *jax.device_put(ngram.proposal_arrays(chains, cfg.forced_depth)))
+        extra = {}
+        if cfg.host_masks:  # no SSM drafts: every node's path is known now, so are its masks
+            extra["chain_masks"] = jax.device_put(masks.chain_masks(chains, proposals, cfg.forced_depth,
+                                                                    cfg.ngram_depth))
         start = time.perf_counter()
-        self.state, out = e._step_fn(cfg)(e._llm_params, e._group_params, self.state, *arrays)
+        self.state, out = e._step_fn(cfg)(e._llm_params, e._group_params, self.state, *arrays, **extra)
         self.iterations += 1
         forced = [len(c) for c in chains] or [0] * self.rows
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start)

@@ -261,11 +261,11 @@ class Runner:
             masker = self._masker if cfg.grammar else None
 
             def step(llm_params, ssm_params, state, proposal_tokens, proposal_count, forced_tokens=None,
-                     forced_count=None):
+                     forced_count=None, chain_masks=None):
                 self.compilations += 1  # runs once per trace, i.e. per compilation
                 forced = (forced_tokens, forced_count) if cfg.forced_depth else None
                 return pinned(decode_step, self.mesh)(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state,
-                                                      (proposal_tokens, proposal_count), forced, masker)
+                                                      (proposal_tokens, proposal_count), forced, masker, chain_masks)
 
             self._compiled[cfg] = jax.jit(step, donate_argnums=(2,))
         return self._compiled[cfg]

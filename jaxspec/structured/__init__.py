@@ -188,6 +188,7 @@ class RowMasks:
         self._memo: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
         self.masks = 0  # masks computed (not memoised), for the cost report
         self.seconds = 0.0  # host time spent in the callback
+        self.callbacks = 0  # calls from inside a step (trees with SSM drafts; others get their masks as input)
 
     def begin(self, matchers: Sequence) -> None:
         self.rows = list(matchers)
@@ -209,6 +210,7 @@ class RowMasks:
 
     def __call__(self, tokens: np.ndarray, parent: np.ndarray, nodes: np.ndarray) -> np.ndarray:
         began = time.perf_counter()
+        self.callbacks += 1
         b, k = nodes.shape
         out = np.full((b, k, self.vocab.words), -1, np.int32)
         p = parent.shape[1]
@@ -226,6 +228,29 @@ class RowMasks:
                 mask = self.path_mask(r, tuple(reversed(path)))
                 if mask is not None:  # a path the grammar forbids is never accepted: leave it unmasked
                     out[r, j] = mask
+        self.seconds += time.perf_counter() - began
+        return out
+
+    def chain_masks(self, chains: Sequence[Sequence[int]], proposals: Sequence[Sequence[int]], forced_depth: int,
+                    ngram_depth: int) -> np.ndarray:
+        """[B, 1 + F + D, W] int32: each row's mask at the root, after each prefix of its forced chain (F
+        slots), then after each prefix of its n-gram proposal (D slots); -1 (all allowed) for rows without a
+        grammar, slots past a chain's end and paths the grammar forbids. The masks of a tree known before
+        dispatch (``DecodeConfig.host_masks``), laid out for ``constrain.chain_node_masks``."""
+        began = time.perf_counter()
+        out = np.full((len(self.rows), 1 + forced_depth + ngram_depth, self.vocab.words), -1, np.int32)
+        for r, m in enumerate(self.rows):
+            if m is None:
+                continue
+            paths = [()] + [tuple(chains[r][:t]) for t in range(1, min(len(chains[r]), forced_depth) + 1)]
+            slots = list(range(len(paths)))
+            ngram = [tuple(proposals[r][:t]) for t in range(1, min(len(proposals[r]), ngram_depth) + 1)]
+            paths += ngram
+            slots += [1 + forced_depth + t for t in range(len(ngram))]
+            for slot, path in zip(slots, paths):
+                mask = self.path_mask(r, path)
+                if mask is not None:
+                    out[r, slot] = mask
         self.seconds += time.perf_counter() - began
         return out
 
