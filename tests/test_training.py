@@ -355,6 +355,15 @@ def test_every_boost_config_loads(path):
     assert cfg.boost.num_ssms >= 1 and cfg.data.sequence_length > cfg.data.continuation_tokens
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "drafter").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_drafter_config_loads_and_warm_starts_from_a_shipped_drafter(path):
+    from training.drafter import DrafterConfig
+
+    cfg = DrafterConfig.load(str(path))
+    assert cfg.steps > 0 and cfg.cache_rows % 64 == 0
+    assert cfg.init_from is None or (ROOT / cfg.init_from / "drafter.json").exists(), cfg.init_from
+
+
 def test_dataclass_defaults_are_the_default_recipe():
     default = load_config(ROOT / "configs" / "boost" / "smollm2_default.yaml")
     assert load_config(None) == default
