@@ -379,6 +379,28 @@ def test_an_uncompilable_grammar_is_a_request_error(default_llm):
         engine.generate([1, 2, 3], 4, grammar=Grammar("regex", "(unclosed"))
 
 
+def test_structured_warm_up_compiles_every_grammar_step_a_request_needs(default_llm):
+    """After ``warm(grammar=True)`` a constrained request compiles nothing; without it, it compiles grammar steps."""
+    from jaxspec.engine.batch import BatchEngine, Request
+    from jaxspec.speculators.resolve import load_ssms
+    from models.tokenizer import encode_prompt
+
+    prompt = encode_prompt(default_llm.tokenizer, PROMPTS["json_schema"], True)
+    counts = {}
+    for warm in (True, False):
+        engine = Engine(default_llm, load_ssms(["ngram:3"], default_llm, "float32"), (1, 1, 1, 1), forced_tokens=4)
+        batch = BatchEngine(engine, max_batch=1, max_model_len=len(prompt) + 64)
+        batch.warm(sampled=False, grammar=warm)
+        assert engine.forced_buckets() == (0, 1, 2, 4)
+        other = [prompt[0] + 1] + prompt[1:]  # same chunks, no shared prefix to reuse
+        batch.generate([Request(other, 4)])  # the prefill and row moves compile here
+        before = engine.compilations
+        gen = batch.generate([Request(prompt, 48, grammar=GRAMMARS["json_schema"])])[0]
+        assert valid("json_schema", default_llm.tokenizer.decode(gen.token_ids, skip_special_tokens=True))
+        counts[warm] = engine.compilations - before
+    assert counts[True] == 0 and counts[False] > 0, counts
+
+
 # -- the command line ---------------------------------------------------------------------------------
 def test_cli_grammar_flags_and_per_prompt_grammars(tmp_path, capsys):
     from jaxspec import cli

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding import ngram, sampling
+from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import TreeChooser
 from jaxspec.engine.runner import Generation, RequestError, Runner, _check_fits
 from jaxspec.parallel.sharding import fetch, pinned
@@ -370,22 +370,33 @@ class BatchEngine:
         return self._compiled[key](state)
 
     def warm(self, greedy: bool = True, sampled: bool = True, rows: Sequence[int] | None = None,
-             capacities: Sequence[int] | None = None) -> None:
+             capacities: Sequence[int] | None = None, grammar: bool = False) -> None:
         """Compiles (and, under auto, calibrates) the steps of every bucket now instead of at first use.
 
         Defaults: every batch bucket at the smallest capacity bucket (longer caches compile
         when a request first needs one). Every family member, except under lazy auto: there
         every bucket's plain step and every tree at one row (auto's low-load trees, and the
         ratios other buckets start from); a tree at a wider bucket compiles once it pays
-        (``_worth_compiling``).
+        (``_worth_compiling``). ``grammar``: also those members' grammar steps at every
+        forced-chain depth (structured output's requests then compile nothing either).
         """
         for warp in sampling.BATCH_WARPS:
             if not (greedy if warp.greedy else sampled):
                 continue
             family = list(self.engine.family(warp))
+            if grammar and (not self.sync.local or self.engine.mesh is not None):
+                raise RequestError("structured output runs on one device in one process for now: drop --mesh "
+                                   "(or the structured warm-up)")
             for b in rows or self.row_buckets:
                 for cap in capacities or self.capacity_buckets[:1]:
-                    self._ready(warp, b, cap, ["none"] if self._lazy and b > 1 else family)
+                    names = ["none"] if self._lazy and b > 1 else family
+                    self._ready(warp, b, cap, names)
+                    if grammar:
+                        began = time.perf_counter()
+                        made = self.engine.warm_grammar(warp, cap, b, names)
+                        if made and self.verbose is not None:
+                            self.verbose(f"compiled {made} grammar step(s) for {b} row(s) x {cap} slots, "
+                                         f"{warp.label}: {time.perf_counter() - began:.1f} s")
 
     @property
     def _lazy(self) -> bool:
@@ -656,7 +667,9 @@ class BatchEngine:
         tokens[0, :count] = prompt[st.fed: st.fed + count]
         _check_fits(st.fed + size, self.capacity, "a prefill chunk")
         values = sampling.row_values([req.params], self.vocab)
-        first_mask = None  # a grammar's first mask, sent with the last chunk (whose logits give the first token)
+        # a grammar's first mask (all ones without one: one prefill executable serves both), applied with the last
+        # chunk, whose logits give the first token
+        first_mask = np.full((1, constrain.words(self.vocab)), -1, np.int32)
         if st.matcher is not None:
             first_mask = self.engine.row_masks().vocab.mask(st.matcher)[None, :]
         args = jax.device_put((tokens, np.int32(st.fed), np.int32(count), np.bool_(last),

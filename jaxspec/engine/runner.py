@@ -353,6 +353,37 @@ class Runner:
         if cold:
             self._measure(params, capacity, reps=0, batch=batch, names=cold)
 
+    def forced_buckets(self) -> tuple[int, ...]:
+        """Every forced-chain depth a grammar step may compile for (``forced_bucket``'s values)."""
+        return tuple(sorted({self.forced_bucket(n) for n in range(self.forced_depth + 1)}))
+
+    def warm_grammar(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int = 1,
+                     names: Sequence[str] | None = None) -> int:
+        """Compiles the grammar steps of members (default all) at every forced-chain depth for this bucket, so
+        a server's first structured requests do not stall on compiles; returns how many compiled now."""
+        warp, family = _warp(params), self.family(params)
+        masks = self.row_masks()
+        cold = [(n, f) for n in (list(family) if names is None else names) for f in self.forced_buckets()
+                if (warp, capacity, batch, n, "grammar", f) not in self._warmed]
+        key = ("lengths", batch, capacity)
+        if cold and key not in self._compiled:
+            self._compiled[key] = jax.jit(lambda s: set_lengths(s, MIN_PROMPT_BUCKET), donate_argnums=(0,))
+        for name, forced in cold:
+            cfg = self.constrained(family[name], forced)
+            arrays = ngram.proposal_arrays([[]] * batch, self.ngram_depth)
+            if forced:
+                arrays = (*arrays, *ngram.proposal_arrays([[]] * batch, forced))
+            extra = {}
+            if cfg.host_masks:
+                extra["chain_masks"] = np.full((batch, 1 + forced + cfg.ngram_depth, masks.vocab.words), -1, np.int32)
+            masks.begin([None] * batch)  # no row has a grammar: every mask allows everything
+            state = self._compiled[key](self.init_state(batch, capacity, params))
+            _, res = self._step_fn(cfg)(self._llm_params, self._group_params, state, *jax.device_put(arrays),
+                                        **jax.device_put(extra))
+            jax.block_until_ready(res)
+            self._warmed.add((warp, capacity, batch, name, "grammar", forced))
+        return len(cold)
+
     def is_warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int,
                 name: str) -> bool:
         """Whether member ``name`` is compiled for this bucket."""

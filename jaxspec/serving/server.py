@@ -434,13 +434,14 @@ class Service:
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def warm_up(self) -> None:
-        """Compiles before serving: the decoding family (``BatchEngine.warm``), then greedy and sampled
-        requests whose prompts reach every prefill chunk shape (``BatchEngine.buckets``), through the loop."""
+    def warm_up(self, grammar: bool = False) -> None:
+        """Compiles before serving: the decoding family (``BatchEngine.warm``; with ``grammar`` its
+        structured-output steps too), then greedy and sampled requests whose prompts reach every prefill
+        chunk shape (``BatchEngine.buckets``), through the loop."""
         from jaxspec.engine.batch import Request  # noqa: PLC0415
         from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
 
-        self.batch.warm()
+        self.batch.warm(grammar=grammar)
         longest = self.batch.max_model_len - WARMUP_TOKENS
         lengths = sorted({max(1, min(b, longest)) for b in getattr(self.batch, "buckets", (16,))})
         done = threading.Semaphore(0)
@@ -964,6 +965,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "without one gets a random seed, logged here and not in the response), tokens, finish reason")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are cancelled (10)")
+    p.add_argument("--warm-structured", action="store_true",
+                   help="also compile the structured-output (grammar) steps at start-up, so the first requests with "
+                        "a response_format do not wait for compiles (start-up takes longer)")
     add_compile_cache_args(p)
     p.set_defaults(func=main)
     return p
@@ -1004,6 +1008,11 @@ def main(args: argparse.Namespace) -> int:
                         max_queue=args.max_queue, on_iteration=lambda stats: service.on_iteration(stats))
     from jaxspec.parallel import distributed  # noqa: PLC0415
 
+    import jax  # noqa: PLC0415
+
+    if args.warm_structured and (engine.mesh is not None or jax.process_count() > 1):
+        raise CliError("--warm-structured: structured output runs on one device in one process for now "
+                       "(drop --mesh and the multi-process flags, or the structured warm-up)")
     if not distributed.serve_role(batch, lambda stops: stop_matcher(llm.tokenizer, stops)):
         return 0  # another process of a multi-host server: it followed process 0 until its stop
     service = Service(batch, llm.tokenizer, llm.cfg.vocab_size, name, args.max_queue, verbose=args.verbose,
@@ -1013,7 +1022,7 @@ def main(args: argparse.Namespace) -> int:
         log.info("compiling (warm-up requests; %d slots, max model length %d)", batch.max_batch,
                  batch.max_model_len)
         t0 = time.perf_counter()
-        service.warm_up()
+        service.warm_up(grammar=args.warm_structured)
         log.info("ready in %.1f s: model '%s'", time.perf_counter() - t0, name)
         app = create_app(service, args.api_key, args.shutdown_timeout, args.max_body_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
