@@ -199,3 +199,21 @@ def test_feature_cache_can_hold_and_serve_a_prefix_of_the_rows(tmp_path):
     first = FeatureCache(tmp_path, max_rows=4)
     assert len(first) == 4 and np.array_equal(first.rows(np.arange(4))["tokens"], rows[:4])
     assert first.rows(np.arange(1))["feats"].dtype == np.float32  # bfloat16 on disk, float32 to train on
+
+
+def test_acceptance_curve_is_a_csv_and_a_plot_of_every_held_out_set(tmp_path):
+    import csv
+    import json
+
+    from training.fused import write_curve
+
+    path = tmp_path / "acceptance.jsonl"
+    rows = [{"step": s, "tokens": s * 2048, "top1_1": 0.4 + s / 1e3, "top1_2": 0.3, "answers0_top1_1": 0.2 + s / 1e3,
+             "answers0_top1_2": 0.1} for s in (0, 100)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_curve(path)
+    with (tmp_path / "acceptance.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert [float(r["answers0_top1_1"]) for r in table] == [r["answers0_top1_1"] for r in rows]
+    assert list(table[0]) == list(rows[0])
+    assert (tmp_path / "acceptance.png").read_bytes()[:4] == b"\x89PNG"

@@ -36,7 +36,7 @@ from training.progress import after_step
 
 CHECKPOINT = "checkpoint.msgpack"
 LOG = "log.csv"
-CURVE = "acceptance.csv"
+CURVE = "acceptance.jsonl"  # held-out evaluations, one JSON line each (appended); acceptance.csv/.png beside it
 
 
 def ttt_mask(t: int, j: int) -> jax.Array:
@@ -140,8 +140,11 @@ def _warm_start(own: dict, directory: str, llm_params: dict, layers: tuple[int, 
     return out
 
 
-def _plot_curve(path: Path) -> None:
-    """acceptance.png next to acceptance.csv: held-out top-1 by draft level vs tokens trained."""
+def write_curve(path: Path) -> None:
+    """acceptance.csv and acceptance.png beside the evaluations ``path`` (JSON lines): held-out top-1 by draft
+    level vs tokens trained, for ShareGPT and for each held-out set of the LLM's answers."""
+    import csv  # noqa: PLC0415
+
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -150,14 +153,23 @@ def _plot_curve(path: Path) -> None:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows:
         return
-    levels = sorted(int(k.split("_")[1]) for k in rows[0] if k.startswith("top1_"))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for j in levels:
-        ax.plot([r["tokens"] / 1e6 for r in rows], [r[f"top1_{j}"] for r in rows], marker="o", label=f"level {j}")
-    ax.set_xlabel("tokens trained (M)")
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with path.with_suffix(".csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+    curves = sorted((k.rsplit("top1_", 1)[0], int(k.rsplit("_", 1)[1])) for k in fields if "top1_" in k)
+    sources = list(dict.fromkeys(prefix for prefix, _ in curves))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for prefix, level in curves:
+        seen = [r for r in rows if f"{prefix}top1_{level}" in r]
+        ax.plot([r["tokens"] / 1e6 for r in seen], [r[f"{prefix}top1_{level}"] for r in seen], marker="o",
+                color=f"C{level - 1}", linestyle=("-", "--", ":", "-.")[sources.index(prefix) % 4],
+                label=f"{prefix.rstrip('_') or 'ShareGPT'}, level {level}")
+    ax.set_xlabel("tokens trained in this run (M)")
     ax.set_ylabel("held-out top-1 agreement with the LLM")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7, ncol=max(1, len(sources)))
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=120)
     plt.close(fig)
@@ -234,6 +246,9 @@ def train_fused(cfg, export_only: bool = False) -> Path:
     frozen = {k: v for k, v in params.items() if k not in names}
     head = frozen["embed"]["embedding"][ids] if dcfg.tie_word_embeddings else llm.params["lm_head"]["kernel"][:, ids].T
     ckpt = out / CHECKPOINT
+    legacy = out / "acceptance.csv"  # runs from before the evaluations had their own file kept JSON lines there
+    if not (out / CURVE).exists() and legacy.exists() and legacy.read_text().startswith("{"):
+        legacy.rename(out / CURVE)
     start = 0
     if ckpt.exists():
         state = serialization.from_bytes({"own": own, "opt": opt.init(own), "step": 0}, ckpt.read_bytes())
@@ -294,7 +309,7 @@ def train_fused(cfg, export_only: bool = False) -> Path:
         ev = held_out()
         with (out / CURVE).open("a") as f:
             f.write(json.dumps({"step": step, "tokens": step * cfg.batch_size * cfg.seq_len, **ev}) + "\n")
-        _plot_curve(out / CURVE)
+        write_curve(out / CURVE)
         return ev
 
     if start == 0:
