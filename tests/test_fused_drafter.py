@@ -217,3 +217,29 @@ def test_acceptance_curve_is_a_csv_and_a_plot_of_every_held_out_set(tmp_path):
     assert [float(r["answers0_top1_1"]) for r in table] == [r["answers0_top1_1"] for r in rows]
     assert list(table[0]) == list(rows[0])
     assert (tmp_path / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_teacher_forced_coverage_reads_the_taps_the_engine_drafts_from(tmp_path, monkeypatch):
+    """``bench coverage`` / ``repro table1`` score a fused drafter on the LLM's blocks it reads: replaying a <1>
+    tree from the teacher-forced drafter's argmax gives exactly the engine's accepted tokens per step."""
+    from jaxspec.repro.measures import features_of, teacher_forced
+    from jaxspec.speculators import drafter_io
+
+    llm = tiny_model(seed=2)
+    monkeypatch.setattr(drafter_io, "check_llm", lambda *a: None)  # the tiny LLM has no tokenizer digest
+    drafter = load_drafter(_fused_model(llm, _drafter(llm, noise=0.05), tmp_path), llm)
+    assert features_of(drafter) == LAYERS
+    engine = Engine(llm, [drafter], (1,))
+    for prompt in random_prompts(2, llm.cfg.vocab_size, seed=7, hi=14):
+        gen = engine.generate(prompt, 24)
+        seq = prompt + gen.token_ids
+        _, states = teacher_forced(llm, seq, hidden=features_of(drafter))
+        assert states.shape[-1] == len(LAYERS) * llm.cfg.hidden_size
+        guess = np.asarray(teacher_forced(drafter, seq, states)[0]).argmax(-1)  # [T]: level 1 after each root
+        steps, i = [], 0  # i: index in gen of the step's root
+        while i < len(gen.token_ids) - 1:
+            hit = i + 1 < len(gen.token_ids) - 1 and guess[len(prompt) + i] == gen.token_ids[i + 1]
+            steps.append(2 if hit else 1)
+            i += steps[-1]
+        assert steps == gen.step_tokens[: len(steps)], (steps, gen.step_tokens)
+        assert 0 < steps.count(2) < len(steps)  # the replay is not trivially all hits or all misses

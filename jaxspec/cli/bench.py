@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts, sampling_params
-from jaxspec.repro.measures import coverage_rates, teacher_forced
+from jaxspec.repro.measures import coverage_rates, features_of, teacher_forced
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # jaxspec.engine.costs.DEFAULT_TOKENS, without importing jax here
 DEFAULT_DRAFT_WIDTHS = (1, 2, 4, 8, 16)
@@ -439,10 +439,11 @@ def cmd_coverage(args) -> int:
                          unit="prompt", file=sys.stderr):
         gen = engine.generate(ids, args.max_new_tokens)
         seq = ids + gen.token_ids
-        ref, states = teacher_forced(llm, seq, hidden=any(ssm.features for ssm in ssms))
+        ref, _ = teacher_forced(llm, seq)
         ref = np.asarray(ref)[len(ids) - 1 : -1]  # positions predicting the output
+        states = {h: teacher_forced(llm, seq, hidden=h)[1] for h in {features_of(s) for s in ssms} if h}
         for j, ssm in enumerate(ssms):
-            draft, _ = teacher_forced(ssm, seq, states if ssm.features else None)
+            draft, _ = teacher_forced(ssm, seq, states.get(features_of(ssm)))
             draft = np.asarray(draft)[len(ids) - 1 : -1]
             greedy, stochastic = coverage_rates(ref, draft, args.max_k, temperature)
             for kind, rates in (("greedy", greedy), ("stochastic", stochastic)):

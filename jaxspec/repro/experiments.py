@@ -265,7 +265,7 @@ def table1(setup: Setup, lab: Lab) -> Result:
     """Success rate of verifying the LLM's token with the SSM's top-k (greedy) / k draws (stochastic)."""
     import numpy as np  # noqa: PLC0415
 
-    from jaxspec.repro.measures import coverage_rates, teacher_forced  # noqa: PLC0415
+    from jaxspec.repro.measures import coverage_rates, features_of, teacher_forced  # noqa: PLC0415
 
     greedy_runs = lab.decode(None, "greedy", 0.0)
     per = {"greedy": [], "stochastic": []}
@@ -273,8 +273,8 @@ def table1(setup: Setup, lab: Lab) -> Result:
     setup.progress("table1: teacher-forced logits")
     for prompt, ids, run in zip(setup.prompts, lab.prompt_ids, greedy_runs):
         seq = ids + run["token_ids"]
-        ref, states = teacher_forced(lab.llm, seq, hidden=lab.ssm.features)
-        draft, _ = teacher_forced(lab.ssm, seq, states if lab.ssm.features else None)
+        ref, states = teacher_forced(lab.llm, seq, hidden=features_of(lab.ssm))
+        draft, _ = teacher_forced(lab.ssm, seq, states)
         ref, draft = np.asarray(ref)[len(ids) - 1: -1], np.asarray(draft)[len(ids) - 1: -1]
         greedy, stochastic = coverage_rates(ref, draft, MAX_K, setup.temperature)
         for kind, rates in (("greedy", greedy), ("stochastic", stochastic)):

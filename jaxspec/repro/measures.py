@@ -40,23 +40,38 @@ def coverage_rates(llm_logits, ssm_logits, max_k: int, temperature: float):
     return greedy.astype(float), stochastic
 
 
-def teacher_forced(model, ids: list[int], states=None, hidden: bool = False):
-    """(logits [T, V], states [1, T, D] or None) of a model over a whole sequence (no reuse), in one forward.
+def features_of(ssm) -> bool | tuple[int, ...]:
+    """What a speculator reads from the LLM: False (nothing), True (final-norm states) or the blocks a fused
+    feature drafter reads (``teacher_forced``'s ``hidden``)."""
+    if not getattr(ssm, "features", False):
+        return False
+    return tuple(getattr(ssm, "feature_layers", ())) or True
 
-    ``hidden`` also returns the model's (an LLM's) final-norm states; a feature drafter reads
-    those ``states``, so its rates are those of its first draft level.
+
+def teacher_forced(model, ids: list[int], states=None, hidden: bool | tuple[int, ...] = False):
+    """(logits [T, V], states [1, T, D'] or None) of a model over a whole sequence (no reuse), in one forward.
+
+    ``hidden`` also returns the model's (an LLM's) states as a feature drafter reads them
+    (``features_of``): the final-norm states [1, T, D] (True), or the outputs of the given blocks
+    side by side [1, T, k·D] (a fused drafter's); a feature drafter given ``states`` scores its first
+    draft level.
     """
     import jax.numpy as jnp
 
     from jaxspec.decoding.speculate import call
     from jaxspec.decoding.step import shift_features
-    from models.transformer import KVCache, make_forward
+    from models.transformer import KVCache, decoding_layout, make_forward
 
     n = len(ids)
     p = jnp.arange(n)[None]
     mask = jnp.arange(n)[None, None, :] <= p[:, :, None]
-    forward = make_forward(model.cfg, model.dtype, hidden=True) if hidden else model.forward
+    params = model.params
+    if isinstance(hidden, tuple):  # the blocks' outputs are read from the unrolled layout
+        forward = make_forward(model.cfg, model.dtype, unrolled=True, hidden=hidden)
+        params = decoding_layout(params)
+    else:
+        forward = make_forward(model.cfg, model.dtype, hidden=True) if hidden else model.forward
     feats = None if states is None else shift_features(states)
-    logits, _, out = call(forward, model.params, jnp.asarray([ids]), feats, p,
+    logits, _, out = call(forward, params, jnp.asarray([ids]), feats, p,
                           KVCache.create(model.cfg, 1, n, model.dtype), mask)
     return logits[0], out
