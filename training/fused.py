@@ -280,10 +280,10 @@ def train_fused(cfg, export_only: bool = False) -> Path:
     for name, train_dir, held_dir in answers:
         sources.append(FeatureCache(train_dir))
         held[f"{name}_"] = FeatureCache(held_dir)
-    counts = batch_counts(cfg.batch_size, cfg.answer_mix, len(answers))
+    per_source = batch_counts(cfg.batch_size, cfg.answer_mix, len(answers))  # rows per batch (not token counts)
     tqdm.write(f"[train] {len(train)} cached ShareGPT rows ({len(train) * cfg.seq_len / 1e6:.2f} M tokens)"
                + "".join(f", {len(c)} rows of {name}" for (name, _, _), c in zip(answers, sources[1:]))
-               + f"; batch rows {counts}; {len(held[''])} held out; blocks {list(layers)}")
+               + f"; batch rows {per_source}; {len(held[''])} held out; blocks {list(layers)}")
     step_fn, eval_fn = make_fused_step(dcfg, layers, ids, cfg, opt)
 
     def save(step: int) -> None:
@@ -302,7 +302,7 @@ def train_fused(cfg, export_only: bool = False) -> Path:
 
     def batch_rows(step: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([cfg.seed, step])
-        parts = [c.rows(rng.choice(len(c), n, replace=False)) for c, n in zip(sources, counts) if n]
+        parts = [c.rows(rng.choice(len(c), n, replace=False)) for c, n in zip(sources, per_source) if n]
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     def record(step: int) -> dict:

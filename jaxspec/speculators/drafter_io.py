@@ -44,6 +44,8 @@ def save_drafter(directory: str | Path, cfg: ModelConfig, own: dict, llm_identit
     """Writes a drafter directory from its own parameters (``models.drafter.own_names``)."""
     from safetensors.flax import save_file  # noqa: PLC0415
 
+    if np.shape(counts) != (cfg.vocab_size,):  # checked here, not first when the directory is loaded
+        raise ValueError(f"token counts of shape {np.shape(counts)} for a vocabulary of {cfg.vocab_size}")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     flat = {k: jnp.asarray(v, DTYPES[dtype]) for k, v in flatten(own).items()}
