@@ -96,7 +96,7 @@ class DecodeConfig:
     @property
     def host_masks(self) -> bool:
         """A grammar step whose whole tree is known before dispatch (the root and chains: no SSM drafts), so
-        its masks travel in as an input (``constrain.chain_masks``) instead of a host callback mid-step."""
+        its masks travel in as an input (``RowMasks.chain_masks``) instead of a host callback mid-step."""
         return self.grammar and not self.active
 
     @property
@@ -318,8 +318,9 @@ def decode_step(
     chain when ``cfg.forced_depth`` > 0. A grammar step (``cfg.grammar``) masks every draft level
     and the LLM's logits at every tree node with ``masker``'s masks, or, where the tree holds no SSM
     drafts (``cfg.host_masks``), with ``chain_masks`` [B, 1 + F + D, W] if given, computed on the host
-    before dispatch (``RowMasks.chain_masks``: no callback, so the step dispatches asynchronously). The caller guarantees every write fits the cache:
-    length + cfg.num_nodes <= capacity for every row (``Engine`` checks it per step).
+    before dispatch (``RowMasks.chain_masks``: no callback, so the step dispatches asynchronously).
+    The caller guarantees every write fits the cache: length + cfg.num_nodes <= capacity for every
+    row (``Engine`` checks it per step).
     """
     keys = sampling.split_rows(state.key, 3)
     key, k_draft, k_verify = (sampling.pick_key(keys, i) for i in range(3))

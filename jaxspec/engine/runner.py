@@ -321,16 +321,13 @@ class Runner:
     def _measure(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, reps: int = 5,
                  batch: int = 1, names: Sequence[str] | None = None) -> dict[str, float]:
         """Seconds per iteration of members (default all) on ``batch`` rows of ``capacity`` slots (reps 0: compile only)."""
-        key = ("lengths", batch, capacity)
-        if key not in self._compiled:
-            self._compiled[key] = jax.jit(lambda s: set_lengths(s, MIN_PROMPT_BUCKET), donate_argnums=(0,))
         toks, count = jax.device_put(ngram.proposal_arrays([list(range(1, self.ngram_depth + 1))] * batch,
                                                            self.ngram_depth))
         family = self.family(params)
         out = {}
         for name in family if names is None else names:
             step_fn = self._step_fn(family[name])
-            state = self._compiled[key](self.init_state(batch, capacity, params))
+            state = self._measured_state(params, batch, capacity)
             times = []
             for _ in range(reps + 1):
                 t0 = time.perf_counter()
@@ -353,6 +350,14 @@ class Runner:
         if cold:
             self._measure(params, capacity, reps=0, batch=batch, names=cold)
 
+    def _measured_state(self, params: sampling.SamplingParams | sampling.WarpSpec, batch: int,
+                        capacity: int) -> DecodeState:
+        """A fresh state of ``batch`` rows whose caches hold a shortest prompt: what compiling and timing run on."""
+        key = ("lengths", batch, capacity)
+        if key not in self._compiled:
+            self._compiled[key] = jax.jit(lambda s: set_lengths(s, MIN_PROMPT_BUCKET), donate_argnums=(0,))
+        return self._compiled[key](self.init_state(batch, capacity, params))
+
     def forced_buckets(self) -> tuple[int, ...]:
         """Every forced-chain depth a grammar step may compile for (``forced_bucket``'s values)."""
         return tuple(sorted({self.forced_bucket(n) for n in range(self.forced_depth + 1)}))
@@ -365,9 +370,6 @@ class Runner:
         masks = self.row_masks()
         cold = [(n, f) for n in (list(family) if names is None else names) for f in self.forced_buckets()
                 if (warp, capacity, batch, n, "grammar", f) not in self._warmed]
-        key = ("lengths", batch, capacity)
-        if cold and key not in self._compiled:
-            self._compiled[key] = jax.jit(lambda s: set_lengths(s, MIN_PROMPT_BUCKET), donate_argnums=(0,))
         for name, forced in cold:
             cfg = self.constrained(family[name], forced)
             arrays = ngram.proposal_arrays([[]] * batch, self.ngram_depth)
@@ -377,7 +379,7 @@ class Runner:
             if cfg.host_masks:
                 extra["chain_masks"] = np.full((batch, 1 + forced + cfg.ngram_depth, masks.vocab.words), -1, np.int32)
             masks.begin([None] * batch)  # no row has a grammar: every mask allows everything
-            state = self._compiled[key](self.init_state(batch, capacity, params))
+            state = self._measured_state(params, batch, capacity)
             _, res = self._step_fn(cfg)(self._llm_params, self._group_params, state, *jax.device_put(arrays),
                                         **jax.device_put(extra))
             jax.block_until_ready(res)
