@@ -92,12 +92,17 @@ def test_grammars_compile_once_per_content(vocab):
     assert a is b
 
 
-def test_row_masks_walk_paths_and_roll_back(vocab, default_llm):
-    tok = default_llm.tokenizer
+def _yes_no_rows(vocab, tok) -> tuple:
+    """RowMasks over two rows, the first under the regex "(yes|no)"; its matcher and the ids of yes, no, cat."""
     m = vocab.matcher(vocab.compile(Grammar("regex", "(yes|no)")))
     rows = RowMasks(vocab)
     rows.begin([m, None])
     yes, no, cat = (tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no", "cat"))
+    return rows, m, yes, no, cat
+
+
+def test_row_masks_walk_paths_and_roll_back(vocab, default_llm):
+    rows, m, yes, no, cat = _yes_no_rows(vocab, default_llm.tokenizer)
     # tree: root(0) -> yes(1), cat(2); yes -> eos(3)
     tokens = np.array([[0, yes, cat, 2]] * 2, np.int32)
     parent = np.array([[-1, 0, 0, 1]] * 2, np.int32)
@@ -128,11 +133,7 @@ def test_chain_masks_lay_out_root_forced_and_ngram_prefixes(vocab, default_llm):
     """A chains-only tree's masks are computed before dispatch; on the device (source, depth) finds each node's."""
     from jaxspec.decoding.tree import TokenTree
 
-    tok = default_llm.tokenizer
-    m = vocab.matcher(vocab.compile(Grammar("regex", "(yes|no)")))
-    rows = RowMasks(vocab)
-    rows.begin([m, None])
-    yes, no, cat = (tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no", "cat"))
+    rows, m, yes, no, cat = _yes_no_rows(vocab, default_llm.tokenizer)
     table = rows.chain_masks([[yes], []], [[cat, 2], []], forced_depth=2, ngram_depth=2)
     assert table.shape == (2, 5, vocab.words) and rows.callbacks == 0
     assert {yes, no} <= set(allowed(table[0, 0]).tolist())  # the root
