@@ -3,8 +3,8 @@
 Every prompt of a prompt file becomes an extraction task ("describe this request as JSON")
 answered under ``SCHEMA`` (constrained) or freely (unconstrained). Each configuration runs in
 a process of its own (``--worker``): the engine ``jaxspec generate`` builds for those flags,
-``--max-batch`` requests decoded together, one untimed pass that compiles every shape, then the
-timed pass. Reports per configuration: tokens per LLM step, ms per generated token (wall time of
+``--max-batch`` requests decoded together, untimed passes until one compiles nothing (at least
+``--warm-passes``), then the timed pass (``compiles_timed`` says whether it still compiled). Reports per configuration: tokens per LLM step, ms per generated token (wall time of
 the timed pass over its tokens, prefills included), the median iteration time with every slot busy
 and with one row (the per-step cost, apart from how long the outputs are), the share of valid
 outputs, and for constrained runs the grammar masks computed, host milliseconds per mask and the
@@ -83,9 +83,15 @@ def worker(args) -> None:
         gens = batch.generate(reqs)
         return gens, time.perf_counter() - began
 
-    for _ in range(args.warm_passes):  # compile the shapes the timed pass uses (the same requests and buckets;
-        run()  # auto's exploring picks may need a second pass to have met every tree it picks)
+    warm = 0  # untimed passes: at least --warm-passes, then more until one compiles nothing (auto's exploring
+    while warm < args.warm_passes + 4:  # picks may meet a tree or forced-chain depth only in a later pass)
+        before = engine.compilations
+        run()
+        warm += 1
+        if warm >= args.warm_passes and engine.compilations == before:
+            break
     iterations.clear()
+    compiled = engine.compilations
     masks = engine.row_masks() if constrained else None
     before = (masks.masks, masks.seconds) if masks else (0, 0.0)
     gens, seconds = run()
@@ -109,6 +115,7 @@ def worker(args) -> None:
         "ms_per_mask": round(1000 * spent / made, 4) if made else "", "mask_share": round(spent / seconds, 4),
         "iteration_ms_full": round(1000 * float(np.median(full)), 2) if full else "",
         "iteration_ms_one_row": round(1000 * float(np.median(one)), 2) if one else "",
+        "warm_passes": warm, "compiles_timed": engine.compilations - compiled,
     }))
 
 
@@ -146,7 +153,7 @@ def main() -> None:
     p.add_argument("--output", default="runs/structured")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--warm-passes", type=int, default=1, help="untimed passes before the timed one")
+    p.add_argument("--warm-passes", type=int, default=1, help="untimed passes before the timed one, at least (more until one compiles nothing)")
     args = p.parse_args()
     if args.worker:
         worker(args)
