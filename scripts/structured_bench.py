@@ -2,13 +2,15 @@
 
 Every prompt of a prompt file becomes an extraction task ("describe this request as JSON")
 answered under ``SCHEMA`` (constrained) or freely (unconstrained). Each configuration runs in
-a process of its own (``--worker``): the engine ``jaxspec generate`` builds for those flags,
+a process of its own (``--worker``; with ``--same-process`` configurations of the same flags
+share one and are timed in turn): the engine ``jaxspec generate`` builds for those flags,
 ``--max-batch`` requests decoded together, untimed passes until one compiles nothing (at least
-``--warm-passes``), then the timed pass (``compiles_timed`` says whether it still compiled). Reports per configuration: tokens per LLM step, ms per generated token (wall time of
-the timed pass over its tokens, prefills included), the median iteration time with every slot busy
-and with one row (the per-step cost, apart from how long the outputs are), the share of valid
-outputs, and for constrained runs the grammar masks computed, host milliseconds per mask and the
-mask callback's share of the wall time.
+``--warm-passes``), then ``--rounds`` timed passes (``compiles_timed`` says whether they still
+compiled). Reports per configuration: tokens per LLM step, ms per generated token (wall time of
+the timed passes over their tokens, prefills included), the median iteration time with every slot
+busy and with one row (the per-step cost, apart from how long the outputs are), the share of
+valid outputs, and for constrained runs the grammar masks computed, host milliseconds per mask
+and the masks' share of the wall time.
 Writes ``OUT/structured.csv`` and ``OUT/structured.png``; run it with nothing else on the machine.
 
     .venv/bin/python scripts/structured_bench.py --prompt-file ../shared/prompts/dev_prompts.jsonl \\
@@ -57,7 +59,8 @@ CONFIGS = {  # name -> (generate flags, constrained)
 
 
 def worker(args) -> None:
-    """One configuration in this process: an untimed pass, then the timed one; prints one JSON line."""
+    """Configurations sharing one engine in this process (``--worker A[,B...]``, the same generate flags): untimed
+    passes of each, then ``--rounds`` timed passes of each in turn (A, B, A, B, ...); prints a JSON line each."""
     import jsonschema
 
     from jaxspec.cli.app import build_parser
@@ -66,18 +69,22 @@ def worker(args) -> None:
     from jaxspec.structured import Grammar
     from models.tokenizer import encode_prompt
 
-    flags, constrained = CONFIGS[args.worker]
+    names = args.worker.split(",")
+    flags = CONFIGS[names[0]][0]
+    if any(CONFIGS[n][0] != flags for n in names):
+        raise SystemExit(f"configs sharing a process must share their generate flags: {names}")
     gen_args = build_parser().parse_args(["generate", "--prompt", "x", *flags])
     engine, llm = build_engine(gen_args)
     rows = [json.loads(line) for line in Path(args.prompt_file).read_text().splitlines() if line.strip()]
     rows = rows[: args.limit]
-    grammar = Grammar.json_schema(SCHEMA) if constrained else None
     prompts = [encode_prompt(llm.tokenizer, TASK.format(prompt=r["prompt"]), True) for r in rows]
-    iterations: list[tuple[int, float]] = []  # (active rows, seconds) of each decoding iteration of the timed pass
+    iterations: list[tuple[int, float]] = []  # (active rows, seconds) of each decoding iteration of a timed pass
     batch = BatchEngine(engine, max_batch=args.batch, max_model_len=max(map(len, prompts)) + args.max_new_tokens,
                         on_iteration=lambda st: iterations.append((st.active, st.seconds)))
+    masks = engine.row_masks()
 
-    def run() -> tuple[list, float]:
+    def run(name: str) -> tuple[list, float]:
+        grammar = Grammar.json_schema(SCHEMA) if CONFIGS[name][1] else None
         reqs = [Request(p, args.max_new_tokens, grammar=grammar) for p in prompts]
         began = time.perf_counter()
         gens = batch.generate(reqs)
@@ -86,37 +93,50 @@ def worker(args) -> None:
     warm = 0  # untimed passes: at least --warm-passes, then more until one compiles nothing (auto's exploring
     while warm < args.warm_passes + 4:  # picks may meet a tree or forced-chain depth only in a later pass)
         before = engine.compilations
-        run()
+        for name in names:
+            run(name)
         warm += 1
         if warm >= args.warm_passes and engine.compilations == before:
             break
-    iterations.clear()
     compiled = engine.compilations
-    masks = engine.row_masks() if constrained else None
-    before = (masks.masks, masks.seconds) if masks else (0, 0.0)
-    gens, seconds = run()
-    tokens = sum(len(g.token_ids) for g in gens)
-    steps = sum(g.llm_steps for g in gens)
-    valid = 0
-    for g in gens:
-        try:
-            jsonschema.validate(json.loads(llm.tokenizer.decode(g.token_ids, skip_special_tokens=True)), SCHEMA)
-            valid += 1
-        except (ValueError, jsonschema.ValidationError):
-            pass
-    made, spent = ((masks.masks - before[0], masks.seconds - before[1]) if masks else (0, 0.0))
-    full = [s for a, s in iterations if a == args.batch]  # iterations with every slot busy
-    one = [s for a, s in iterations if a == 1]
-    print(json.dumps({
-        "config": args.worker, "batch": args.batch, "requests": len(gens), "tokens": tokens, "llm_steps": steps,
-        "tokens_per_step": round(sum(sum(g.step_tokens) for g in gens) / max(steps, 1), 3),
-        "ms_per_token": round(1000 * seconds / max(tokens, 1), 2), "valid_json": round(valid / len(gens), 3),
-        "finished_eos": sum(g.finish_reason == "eos" for g in gens), "masks": made,
-        "ms_per_mask": round(1000 * spent / made, 4) if made else "", "mask_share": round(spent / seconds, 4),
-        "iteration_ms_full": round(1000 * float(np.median(full)), 2) if full else "",
-        "iteration_ms_one_row": round(1000 * float(np.median(one)), 2) if one else "",
-        "warm_passes": warm, "compiles_timed": engine.compilations - compiled,
-    }))
+    timed = {n: {"seconds": 0.0, "iterations": [], "masks": 0, "mask_seconds": 0.0} for n in names}
+    for _ in range(args.rounds):
+        for name in names:
+            iterations.clear()
+            before = (masks.masks, masks.seconds)
+            gens, seconds = run(name)
+            t = timed[name]
+            t["gens"], t["seconds"] = gens, t["seconds"] + seconds
+            t["iterations"] += iterations
+            t["masks"] += masks.masks - before[0]
+            t["mask_seconds"] += masks.seconds - before[1]
+    for name in names:
+        t = timed[name]
+        gens = t["gens"]  # greedy: every round decodes the same tokens
+        tokens = sum(len(g.token_ids) for g in gens)
+        steps = sum(g.llm_steps for g in gens)
+        valid = 0
+        for g in gens:
+            try:
+                jsonschema.validate(json.loads(llm.tokenizer.decode(g.token_ids, skip_special_tokens=True)), SCHEMA)
+                valid += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+        full = [s for a, s in t["iterations"] if a == args.batch]  # iterations with every slot busy
+        one = [s for a, s in t["iterations"] if a == 1]
+        made = t["masks"]
+        print(json.dumps({
+            "config": name, "batch": args.batch, "requests": len(gens), "tokens": tokens, "llm_steps": steps,
+            "tokens_per_step": round(sum(sum(g.step_tokens) for g in gens) / max(steps, 1), 3),
+            "ms_per_token": round(1000 * t["seconds"] / max(tokens * args.rounds, 1), 2),
+            "valid_json": round(valid / len(gens), 3), "finished_eos": sum(g.finish_reason == "eos" for g in gens),
+            "masks": made // args.rounds, "ms_per_mask": round(1000 * t["mask_seconds"] / made, 4) if made else "",
+            "mask_share": round(t["mask_seconds"] / t["seconds"], 4),
+            "iteration_ms_full": round(1000 * float(np.median(full)), 2) if full else "",
+            "iteration_ms_one_row": round(1000 * float(np.median(one)), 2) if one else "",
+            "warm_passes": warm, "compiles_timed": engine.compilations - compiled,
+            "process": "+".join(names), "rounds": args.rounds,
+        }))
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -153,6 +173,11 @@ def main() -> None:
     p.add_argument("--output", default="runs/structured")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--rounds", type=int, default=1, help="timed passes of each configuration")
+    p.add_argument("--same-process", action="store_true",
+                   help="configurations with the same generate flags (e.g. incremental free and json) share one "
+                        "process and engine and are timed in alternation: their ratio without the between-process "
+                        "spread of this machine")
     p.add_argument("--warm-passes", type=int, default=1, help="untimed passes before the timed one, at least (more until one compiles nothing)")
     args = p.parse_args()
     if args.worker:
@@ -166,17 +191,24 @@ def main() -> None:
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
-    jobs = [(c, int(b)) for b in args.batches.split(",") for c in names]
+    groups = [[c] for c in names]
+    if args.same_process:  # configs with the same generate flags share a process, timed in alternation
+        shared: dict[tuple, list[str]] = {}
+        for c in names:
+            shared.setdefault(CONFIGS[c][0], []).append(c)
+        groups = list(shared.values())
+    jobs = [(",".join(g), int(b)) for b in args.batches.split(",") for g in groups]
     rows = []
-    for name, b in tqdm(jobs, desc="structured bench", unit="config"):
+    for name, b in tqdm(jobs, desc="structured bench", unit="process"):
         cmd = [sys.executable, __file__, "--worker", name, "--batch", str(b), "--prompt-file", args.prompt_file,
                "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
-               "--warm-passes", str(args.warm_passes)]
+               "--warm-passes", str(args.warm_passes), "--rounds", str(args.rounds)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"{name} (batch {b}) failed:\n{proc.stderr[-3000:]}")
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        tqdm.write(json.dumps(rows[-1]))
+        for line in proc.stdout.strip().splitlines()[-len(name.split(",")):]:
+            rows.append(json.loads(line))
+            tqdm.write(line)
     with open(out / "structured.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

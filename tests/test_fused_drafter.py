@@ -210,11 +210,14 @@ def test_acceptance_curve_is_a_csv_and_a_plot_of_every_held_out_set(tmp_path):
     path = tmp_path / "acceptance.jsonl"
     rows = [{"step": s, "tokens": s * 2048, "top1_1": 0.4 + s / 1e3, "top1_2": 0.3, "answers0_top1_1": 0.2 + s / 1e3,
              "answers0_top1_2": 0.1} for s in (0, 100)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    again = {**rows[-1], "top1_2": 0.35}  # the last step evaluated again (the final evaluation, or a resume)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + [again]))
+    rows[-1] = again
     write_curve(path)
     with (tmp_path / "acceptance.csv").open() as f:
         table = list(csv.DictReader(f))
     assert [float(r["answers0_top1_1"]) for r in table] == [r["answers0_top1_1"] for r in rows]
+    assert [float(r["top1_2"]) for r in table] == [0.3, 0.35]  # one row per step: its latest evaluation
     assert list(table[0]) == list(rows[0])
     assert (tmp_path / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
 

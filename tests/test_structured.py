@@ -116,6 +116,24 @@ def test_row_masks_walk_paths_and_roll_back(vocab, default_llm):
     assert not m.is_error() and vocab.advance(m, [no, 2])[0] == 2  # the walk left the matcher where it was
 
 
+def test_root_masks_of_several_rows_are_computed_together(vocab, default_llm):
+    """``begin`` computes every constrained row's root mask in one parallel call: the same masks, row by row,
+    as one matcher at a time, and the rows without a grammar stay unmasked."""
+    yes_no = vocab.matcher(vocab.compile(Grammar("regex", "(yes|no)")))
+    digits = vocab.matcher(vocab.compile(Grammar("regex", "[0-9]+")))
+    vocab.advance(digits, default_llm.tokenizer.encode("12", add_special_tokens=False))
+    rows = RowMasks(vocab)
+    rows.begin([yes_no, None, digits])
+    assert rows.masks == 2
+    assert np.array_equal(rows.path_mask(0, ()), vocab.mask(yes_no))
+    assert np.array_equal(rows.path_mask(2, ()), vocab.mask(digits))
+    assert rows.masks == 2  # served from what begin computed
+    assert 2 in allowed(rows.path_mask(2, ()))  # "12" may end: EOS allowed
+    assert not set(allowed(rows.path_mask(0, ()))) & set(allowed(rows.path_mask(2, ())))
+    out = rows.chain_masks([[], [], []], [[], [], []], 0, 0)
+    assert (out[1] == -1).all() and np.array_equal(out[0, 0], vocab.mask(yes_no))
+
+
 def test_forced_chain_of_a_compact_schema(vocab, default_llm):
     tok = default_llm.tokenizer
     m = vocab.matcher(vocab.compile(Grammar.json_schema(SCHEMA)))

@@ -151,6 +151,8 @@ def write_curve(path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # a step evaluated twice (the final evaluation, a resumed run) keeps its latest evaluation
+    rows = list({r["step"]: r for r in rows}.values())
     if not rows:
         return
     fields = list(dict.fromkeys(k for r in rows for k in r))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import time
 from typing import Sequence
 
@@ -113,6 +114,7 @@ class Vocabulary:
         self.words = (vocab + 31) // 32
         self.tokenizer = ll.LLTokenizer(backend.to_str(), n_vocab=vocab, eos_token=list(self.eos_ids))
         self._compile = functools.lru_cache(maxsize=CACHE_SIZE)(self._check)
+        self._executor = None
 
     def _check(self, g: Grammar) -> Compiled:
         text = grammar_text(g)
@@ -154,6 +156,12 @@ class Vocabulary:
             recorded += kept
         return done, recorded
 
+    def executor(self):
+        """llguidance's thread pool for computing several matchers' masks at once (made on first use)."""
+        if self._executor is None:
+            self._executor = _llguidance().LLExecutor(num_threads=min(os.cpu_count() or 1, 16))
+        return self._executor
+
     def mask(self, matcher) -> np.ndarray:
         """The packed mask [W] int32 of the tokens ``matcher`` allows next."""
         out = np.empty((1, self.words), np.int32)
@@ -191,8 +199,21 @@ class RowMasks:
         self.callbacks = 0  # calls from inside a step (trees with SSM drafts; others get their masks as input)
 
     def begin(self, matchers: Sequence) -> None:
+        """Installs the rows' matchers and computes every row's root mask at once, in llguidance's thread pool
+        (every constrained step needs them; with the device idle until the step is dispatched)."""
         self.rows = list(matchers)
         self._memo.clear()
+        live = [(r, m) for r, m in enumerate(self.rows) if m is not None]
+        if len(live) < 2:
+            return
+        began = time.perf_counter()
+        out = np.empty((len(live), self.vocab.words), np.int32)
+        self.vocab.executor().unsafe_compute_mask_ptr([(m, i) for i, (_, m) in enumerate(live)], out.ctypes.data,
+                                                      out.shape[1] * 4, out.shape[0])
+        for i, (r, _) in enumerate(live):
+            self._memo[(r, ())] = out[i]
+        self.masks += len(live)
+        self.seconds += time.perf_counter() - began
 
     def path_mask(self, row: int, path: tuple[int, ...]) -> np.ndarray | None:
         """The mask after ``path`` from row ``row``'s committed state; None if the grammar forbids the path."""
