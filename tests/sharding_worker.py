@@ -164,6 +164,32 @@ def batched() -> dict:
     return out
 
 
+def structured() -> dict:
+    """Grammar-constrained batches on data=2,tensor=2 vs one device: a random tiny model over SmolLM2's
+    tokenizer, a regex, an SSM tree (masks from the host callback) and incremental decoding (masks as input)."""
+    import dataclasses
+
+    from jaxspec.engine.batch import BatchEngine, Request
+    from jaxspec.speculators.resolve import load_llm
+    from jaxspec.structured import Grammar
+
+    tok = load_llm(None, "float32").tokenizer
+    m = dataclasses.replace(tiny_model(seed=1, vocab_size=49152, eos_token_ids=(2,), **FAMILIES["llama"]),
+                            tokenizer=tok)
+    prompts = random_prompts(3, 49152, seed=5, lo=4, hi=12)
+    grammar = Grammar("regex", "(yes|no), because [a-z ]+\\.")
+    out: dict = {}
+    for mode, speculators in (("incremental", ([], ())), ("tree", ([early_exit(m, 1)], TREE))):
+        for name, mesh in (("one", None), ("mesh", mesh_of("data=2,tensor=2"))):
+            engine = Engine(m, *speculators, mesh=mesh)
+            gens = BatchEngine(engine, max_batch=2, max_model_len=64).generate(
+                [Request(p, NEW_TOKENS, grammar=grammar) for p in prompts])
+            out[f"{mode}_{name}"] = {"tokens": [g.token_ids for g in gens],
+                                     "texts": [tok.decode(g.token_ids, skip_special_tokens=True) for g in gens],
+                                     "callbacks": engine.row_masks().callbacks}
+    return out
+
+
 def fallback() -> dict:
     """3 query / 1 KV heads under tensor=2: replicated heads (said once), split MLP, same output."""
     m = model("llama3heads")
@@ -240,6 +266,7 @@ GROUPS = {
         "fallback": fallback,
         "errors": errors,
         "load": load_into_shards,
+        "structured": structured,
     },
     "slow": {
         "tp_llama_2": lambda: tensor_parallel("llama", "tensor=2", ("incremental", "mss")),

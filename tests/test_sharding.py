@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -207,6 +208,17 @@ def test_checkpoint_loads_straight_into_its_shards(default_checks):
     assert shards == [[shape[0], shape[1], shape[2] // 2]] * 2
     shape, shards = r["shards"]["layers/attn/q/kernel"]  # 9 heads do not divide 2: replicated
     assert shards == [shape] * 2
+
+
+def test_structured_output_on_a_mesh_matches_one_device(default_checks):
+    """A regex-constrained batch on data=2,tensor=2 gives one device's tokens, incremental (masks as a step input)
+    and with an SSM tree (masks from the host callback), and every text stays in the regex's alphabet."""
+    r = check(default_checks, "structured")
+    for mode in ("incremental", "tree"):
+        assert r[f"{mode}_mesh"]["tokens"] == r[f"{mode}_one"]["tokens"], mode
+        for text in r[f"{mode}_mesh"]["texts"]:
+            assert re.fullmatch(r"(yes|no)[, a-z]*\.?", text), (mode, text)
+    assert r["incremental_mesh"]["callbacks"] == 0 and r["tree_mesh"]["callbacks"] > 0
 
 
 def test_worker_errors_are_clear_value_errors(default_checks):

@@ -303,8 +303,8 @@ class BatchEngine:
         check_stops(req.stop_strings)
         sampling.SamplingParams(req.params.temperature, req.params.top_k, req.params.top_p, req.params.seed)
         if req.grammar is not None:
-            if not self.sync.local or self.engine.mesh is not None:
-                raise RequestError("structured output runs on one device in one process for now: drop --mesh")
+            if not self.sync.local:
+                raise RequestError("structured output runs in one process for now: drop the multi-process flags")
             try:
                 self.engine.row_masks().vocab.compile(req.grammar)
             except GrammarError as e:
@@ -384,8 +384,8 @@ class BatchEngine:
             if not (greedy if warp.greedy else sampled):
                 continue
             family = list(self.engine.family(warp))
-            if grammar and (not self.sync.local or self.engine.mesh is not None):
-                raise RequestError("structured output runs on one device in one process for now: drop --mesh "
+            if grammar and not self.sync.local:
+                raise RequestError("structured output runs in one process for now: drop the multi-process flags "
                                    "(or the structured warm-up)")
             for b in rows or self.row_buckets:
                 for cap in capacities or self.capacity_buckets[:1]:

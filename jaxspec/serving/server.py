@@ -1010,9 +1010,9 @@ def main(args: argparse.Namespace) -> int:
 
     import jax  # noqa: PLC0415
 
-    if args.warm_structured and (engine.mesh is not None or jax.process_count() > 1):
-        raise CliError("--warm-structured: structured output runs on one device in one process for now "
-                       "(drop --mesh and the multi-process flags, or the structured warm-up)")
+    if args.warm_structured and jax.process_count() > 1:
+        raise CliError("--warm-structured: structured output runs in one process for now "
+                       "(drop the multi-process flags, or the structured warm-up)")
     if not distributed.serve_role(batch, lambda stops: stop_matcher(llm.tokenizer, stops)):
         return 0  # another process of a multi-host server: it followed process 0 until its stop
     service = Service(batch, llm.tokenizer, llm.cfg.vocab_size, name, args.max_queue, verbose=args.verbose,
