@@ -170,10 +170,11 @@ def structured() -> dict:
     import dataclasses
 
     from jaxspec.engine.batch import BatchEngine, Request
-    from jaxspec.speculators.resolve import load_llm
     from jaxspec.structured import Grammar
+    from models.loading import default_model_path
+    from models.tokenizer import load_tokenizer
 
-    tok = load_llm(None, "float32").tokenizer
+    tok = load_tokenizer(default_model_path())
     m = dataclasses.replace(tiny_model(seed=1, vocab_size=49152, eos_token_ids=(2,), **FAMILIES["llama"]),
                             tokenizer=tok)
     prompts = random_prompts(3, 49152, seed=5, lo=4, hi=12)

@@ -439,9 +439,11 @@ def cmd_coverage(args) -> int:
                          unit="prompt", file=sys.stderr):
         gen = engine.generate(ids, args.max_new_tokens)
         seq = ids + gen.token_ids
-        ref, _ = teacher_forced(llm, seq)
+        # one LLM pass per kind of state the speculators read (any of them gives the reference logits)
+        runs = {h: teacher_forced(llm, seq, hidden=h) for h in {features_of(s) for s in ssms} if h}
+        ref = next(iter(runs.values()))[0] if runs else teacher_forced(llm, seq)[0]
         ref = np.asarray(ref)[len(ids) - 1 : -1]  # positions predicting the output
-        states = {h: teacher_forced(llm, seq, hidden=h)[1] for h in {features_of(s) for s in ssms} if h}
+        states = {h: out for h, (_, out) in runs.items()}
         for j, ssm in enumerate(ssms):
             draft, _ = teacher_forced(ssm, seq, states.get(features_of(ssm)))
             draft = np.asarray(draft)[len(ids) - 1 : -1]

@@ -303,8 +303,7 @@ class BatchEngine:
         check_stops(req.stop_strings)
         sampling.SamplingParams(req.params.temperature, req.params.top_k, req.params.top_p, req.params.seed)
         if req.grammar is not None:
-            if not self.sync.local:
-                raise RequestError("structured output runs in one process for now: drop the multi-process flags")
+            self._check_structured()
             try:
                 self.engine.row_masks().vocab.compile(req.grammar)
             except GrammarError as e:
@@ -334,6 +333,11 @@ class BatchEngine:
 
     def idle(self) -> bool:
         return not self.waiting and not self.incoming and self.staging is None and not self.slots
+
+    def _check_structured(self) -> None:
+        """Grammars run on one process (a mesh included): each process would need the rows' matchers and masks."""
+        if not self.sync.local:
+            raise RequestError("structured output runs in one process for now: drop the multi-process flags")
 
     # -- compiled pieces --------------------------------------------------------------
     def _prefill_cfg(self) -> DecodeConfig:
@@ -384,9 +388,8 @@ class BatchEngine:
             if not (greedy if warp.greedy else sampled):
                 continue
             family = list(self.engine.family(warp))
-            if grammar and not self.sync.local:
-                raise RequestError("structured output runs in one process for now: drop the multi-process flags "
-                                   "(or the structured warm-up)")
+            if grammar:
+                self._check_structured()
             for b in rows or self.row_buckets:
                 for cap in capacities or self.capacity_buckets[:1]:
                     names = ["none"] if self._lazy and b > 1 else family
