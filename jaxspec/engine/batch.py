@@ -630,9 +630,19 @@ class BatchEngine:
             return
         self.state = self._resize(self.state, rows, capacity)
         if capacity != self.capacity:
-            self.staging_state = self._resize(self.staging_state, 1, capacity)
+            self._resize_staging(capacity)
         self.rows, self.capacity = rows, capacity
         self.resizes += 1
+
+    def _resize_staging(self, capacity: int) -> None:
+        """Re-lays the staging row for ``capacity`` slots; the reusable prefix keeps only the K/V that survive.
+
+        The one place the staging cache changes shape: a shrink cuts slots [capacity, ...), so
+        the prompt prefix recorded as held there is cut with them (a longer record would let
+        the next request sharing it start after K/V that are now zeros).
+        """
+        self.staging_state = self._resize(self.staging_state, 1, capacity)
+        del self._staged[capacity:]
 
     def _admit(self) -> int:
         """Feeds the staged request's next chunk (staging the next waiting one first); returns tokens fed.
