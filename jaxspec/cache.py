@@ -53,6 +53,13 @@ class CompileCacheStats:
 STATS = CompileCacheStats()
 
 
+def compile_cache_on() -> bool:
+    """Whether this process keeps compiled executables on disk (a second build of one is a load)."""
+    import jax  # noqa: PLC0415
+
+    return bool(jax.config.jax_compilation_cache_dir)
+
+
 def enable_compile_cache(directory: Path) -> None:
     """Caches every compiled executable (no size or compile-time threshold) under ``directory``.
 

@@ -198,7 +198,7 @@ def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm)
     engine = Engine(llm, ssms=[llm], expansion=[(1, 1, 1)], auto=True)  # the LLM as its own SSM: drafts agree
     want = [Engine(llm).generate(p, 12).token_ids for p in PROMPTS]
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
-    batch = BatchEngine(engine, max_batch=2, max_model_len=64)
+    batch = BatchEngine(engine, max_batch=2, max_model_len=64, background=False)  # the loop waits for each build
     batch._anchors[greedy] = {"none": 1.0, "ssm": 1.0}  # the tree as cheap as a plain step where not measured
     batch._compile_seconds = 1e9  # compiling never pays
     assert [g.token_ids for g in batch.generate([Request(p, 12) for p in PROMPTS])] == want
@@ -209,9 +209,9 @@ def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm)
     assert regret > 0  # the time lost without the tree is counted
     # rent or buy: once the time lost exceeds the compile cost, a request too short to pay for it alone compiles it
     batch._compile_seconds = regret / 2
-    batch.generate([Request(PROMPTS[0], 2), Request(PROMPTS[1], 2)])
+    batch.generate([Request(PROMPTS[0], 4), Request(PROMPTS[1], 4)])  # a few picks (each a posterior draw)
     assert engine.is_warm(greedy, batch.capacity_buckets[0], 2, "ssm")
-    batch = BatchEngine(engine, max_batch=2, max_model_len=64)  # a fresh loop: nothing readied, nothing lost
+    batch = BatchEngine(engine, max_batch=2, max_model_len=64, background=False)  # fresh: nothing readied or lost
     batch._anchors[greedy] = {"none": 1.0, "ssm": 1.0}
     batch._compile_seconds = 0.0  # compiling always pays: the tree is readied at the first pick
     gens = batch.generate([Request(p, 12) for p in PROMPTS])
@@ -251,3 +251,84 @@ def test_sampled_requests_on_a_dynamic_tree_fit_the_cache():
         prompt = [int(t) for t in np.random.default_rng(length).integers(1, llm.cfg.vocab_size, length)]
         out = engine.generate(prompt, 30, sampling.SamplingParams(0.8, seed=1))
         assert len(out.token_ids) == 30
+
+
+def test_a_failure_late_in_admission_ends_that_request_and_frees_its_row(llm, monkeypatch):
+    """An exception after the staged row went live on the device (here: building the n-gram index) ends that
+    request with an error event, leaves no untracked live row, and the loop serves the next request."""
+    import jaxspec.engine.batch as batch_module
+
+    engine = Engine(llm, [NGramSpeculator(3)], [(1, 1, 1)])
+    want = [engine.generate(p, 6).token_ids for p in PROMPTS[:2]]
+    real = batch_module.ngram.NGramIndex
+
+    def flaky(prompt, *args):
+        if list(prompt) == PROMPTS[0]:
+            raise RuntimeError("injected")
+        return real(prompt, *args)
+
+    monkeypatch.setattr(batch_module.ngram, "NGramIndex", flaky)
+    batch = BatchEngine(engine, max_batch=2, max_model_len=64)
+    events: dict[str, list[Event]] = {}
+    for k, p in enumerate(PROMPTS[:2]):
+        batch.submit(Request(p, 6, id=str(k)), events.setdefault(str(k), []).append)
+    while batch.queue_depth() or batch.active_slots() or batch.staging is not None:
+        batch.step()
+    assert events["0"][-1].finish_reason == "error" and "injected" in events["0"][-1].error
+    assert [t for e in events["1"] for t in e.token_ids] == want[1]
+    assert not np.asarray(batch.state.active).any()  # no live row left behind
+    monkeypatch.setattr(batch_module.ngram, "NGramIndex", real)
+    (gen,) = batch.generate([Request(PROMPTS[0], 6)])
+    assert gen.token_ids == want[0]
+
+
+def test_lazy_auto_builds_trees_in_the_background_while_plain_steps_go_on(llm):
+    """A tree worth compiling is built in a worker thread: the loop runs plain steps meanwhile (never waits), adopts
+    the build when it is in, and then runs it; every output is unchanged."""
+    engine = Engine(llm, ssms=[llm], expansion=[(1, 1, 1)], auto=True)  # the LLM as its own SSM: drafts agree
+    want = [Engine(llm).generate(p, 12).token_ids for p in PROMPTS]
+    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
+    batch = BatchEngine(engine, max_batch=1, max_model_len=64)
+    assert batch.background
+    batch._anchors[greedy] = {"none": 1.0, "ssm": 1.0}
+    batch._costs(greedy, 1, batch.capacity_buckets[0])  # the plain step readied (its compile is timed) first
+    batch._compile_seconds = 0.0  # building always pays
+    first = batch.generate([Request(PROMPTS[2], 12)])
+    assert first[0].token_ids == want[2]
+    assert [key[3] for _, key in batch.builds] == ["ssm"] and batch.builds[0][0] == 0  # asked at the first pick
+    batch.settle()
+    assert engine.is_warm(greedy, batch.capacity_buckets[0], 1, "ssm") and not batch._building
+    gens = batch.generate([Request(p, 12) for p in PROMPTS])
+    assert [g.token_ids for g in gens] == want
+    assert any("ssm" in g.trees for g in gens) and len(batch.builds) == 1
+
+
+def test_replayed_gpu_measurements_make_lazy_auto_speculate_from_the_first_request(llm):
+    """The planner fed the first GPU run's records (H200, default model's shape: a plain step 2.5 ms, a 4-node
+    tree 1.20x and an 8-node one 1.57x of it, compiles of 5 s, the shipped drafter's held-out top-1 acceptance
+    0.49 / 0.44 / 0.41 by depth) decides at its first pick to build the drafter's tree (a background build on a
+    spare host core costs the loop nothing), where the old rule (seconds saved vs seconds of compile) never did."""
+    from jaxspec.engine.auto import KINDS
+
+    engine = Engine(llm, ssms=[llm], expansion=[(1, 1, 1)], auto=True)
+    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
+    batch = BatchEngine(engine, max_batch=1, max_model_len=64)
+    batch.platform = "gpu"  # the recorded machine: an accelerator behind a 16-core host
+    batch._anchors[greedy] = {"none": 1.0, "ssm": 1.20 + 3 * 0.12}  # the LLM over 4 nodes + 3 drafter levels
+    batch._compile_seconds = 5.0
+    chooser = engine.chooser(greedy)
+    drafter = chooser.global_stats[KINDS[0]]
+    for depth, rate in enumerate((0.49, 0.44, 0.41), start=1):
+        drafter.trials[depth] += 200
+        drafter.hits[depth] += 200 * rate
+    key = (greedy, 1, batch.capacity_buckets[0])
+    batch._bucket_costs[key] = {"none": 2.5e-3}  # the plain step as timed there
+    worth = batch._worth_compiling("ssm", chooser, [(0, 0)], {"none": 2.5e-3, "ssm": 2.5e-3 * 1.56}, key)
+    saved = batch._regret[(*key, "ssm")]
+    assert 0 < saved * 96 < batch._compile_seconds  # 96 tokens in sight save far less than a compile: old no
+    batch._regret.clear()
+    (first,) = batch.generate([Request(PROMPTS[2], 12)])
+    assert worth and [k[3] for _, k in batch.builds] == ["ssm"] and batch.builds[0][0] < first.llm_steps
+    batch.settle()
+    gens = batch.generate([Request(PROMPTS[0], 12)])
+    assert "ssm" in gens[0].trees

@@ -440,3 +440,26 @@ def test_cli_grammar_flags_and_per_prompt_grammars(tmp_path, capsys):
     a, b = (json.loads(line) for line in out.read_text().splitlines())
     assert re.fullmatch("(yes|no)!", a["text"]) and a["finish_reason"] == "eos"
     assert json.loads(b["text"])["fruit"] in ("apple", "pear")
+
+
+def test_racing_callers_share_one_row_masks(default_llm):
+    """The engine thread, the event loop and llguidance's pool may ask for the grammar state at once: all must get
+    the one object that holds the matchers (a second one, made by a racing caller, would hold none of them)."""
+    import threading
+
+    from jaxspec.engine import Engine
+
+    engine = Engine(default_llm)
+    start = threading.Barrier(8)
+    got = []
+
+    def ask() -> None:
+        start.wait()
+        got.append(engine.row_masks())
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and len({id(x) for x in got}) == 1

@@ -181,6 +181,15 @@ def report_learned(engine) -> None:
                       f"({int(trials[0])} tries)", file=sys.stderr)
 
 
+def report_host(batch: "BatchEngine", args) -> None:
+    """``-v``: host milliseconds per iteration (choosing, launching, reading) beside the whole iteration's."""
+    if args.verbose and batch.iterations:
+        busy = batch.busy_seconds
+        print(f"[jaxspec] host {batch.host_seconds / batch.iterations * 1e3:.2f} ms per iteration of "
+              f"{busy / batch.iterations * 1e3:.2f} ms ({batch.iterations} iterations, {batch.overlapped} overlapped)",
+              file=sys.stderr)
+
+
 def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     """Every prompt x sample through the one scheduling loop; a single prompt streams its text.
 
@@ -227,6 +236,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
         gen = gens[0]
         print(f"[jaxspec] {len(gen.token_ids)} tokens in {gen.seconds:.2f}s, {gen.llm_steps} LLM steps, "
               f"{gen.tokens_per_step:.2f} tokens/step ({gen.finish_reason})", file=sys.stderr)
+        report_host(batch, args)
         if out:
             out.write(json.dumps(record(rows[0], 0, gen, llm.tokenizer, args)) + "\n")
         return 0
@@ -239,6 +249,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
         print(line, file=out) if out else print(line)
     print(f"[jaxspec] {len(jobs)} requests in batches of up to {batch.max_batch}: {batch.iterations} iterations, "
           f"{tokens / max(steps, 1):.2f} tokens/step per request", file=sys.stderr)
+    report_host(batch, args)
     return 0
 
 

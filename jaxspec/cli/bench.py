@@ -93,6 +93,9 @@ def add_parser(sub) -> None:
                        help="passed to every mode but incremental (as jaxspec generate --draft-vocab)")
     modes.add_argument("--verify", default="mss", choices=("mss", "naive", "coupled"),
                        help="stochastic verifier of every mode (as jaxspec generate --verify)")
+    modes.add_argument("--compile", choices=("lazy", "all"), default="lazy",
+                       help="as jaxspec generate --compile: lazy (the default users run: auto compiles a tree where "
+                            "it pays) or all (every member of every bucket at its first use)")
     modes.add_argument("--warmup", type=int, default=1,
                        help="warm-up rounds before the measured prompts, excluded from ms/token: each runs the "
                             "shortest and longest prompt of every prompt-length bucket, so nothing measured compiles")
@@ -636,7 +639,7 @@ def _generate_command(mode: str, args, prompts: Path, limit: int, output: Path) 
            "--limit", str(limit), "--max-new-tokens", str(args.max_new_tokens), "--output", str(output),
            "--dtype", args.dtype, "--temperature", str(args.temperature), "--top-k", str(args.top_k),
            "--top-p", str(args.top_p), "--seed", str(args.seed), "--verify", args.verify, "--max-batch", "1",
-           "--compile", "all"]
+           "--compile", getattr(args, "compile", "lazy")]
     if args.model:
         cmd += ["--model", args.model]
     if args.no_chat:

@@ -165,10 +165,12 @@ class TreeChooser:
         in, so what is learned at one batch or cache bucket carries over to the others.
         """
         base = (costs or self.costs)[name]
-        seen = self.timings[name]
-        if not self.adapt_costs or len(seen) < MIN_TIMINGS:
+        if not self.adapt_costs:
             return base
-        return base * float(np.median(seen))
+        seen = self.timings[name]
+        if len(seen) < MIN_TIMINGS:  # not run enough yet: the machine's drift as the plain step saw it
+            seen = self.timings["none"]
+        return base * float(np.median(seen)) if len(seen) >= MIN_TIMINGS else base
 
     def observe_time(self, name: str, seconds: float, costs: dict[str, float] | None = None) -> None:
         """Records what one iteration of ``name`` took (dispatch to tokens on the host) against ``costs``."""

@@ -30,8 +30,10 @@ output depends on its own seed only: each slot draws from its own key.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import math
+import os
 import threading
 import time
 from typing import Callable, Sequence
@@ -40,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.cache import compile_cache_on
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import TreeChooser
 from jaxspec.engine.runner import Generation, RequestError, Runner, _check_fits
@@ -70,6 +73,11 @@ def capacity_buckets(top: int) -> tuple[int, ...]:
         out.append(c)
         c *= 2
     return tuple(out) + (top,)
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -236,9 +244,14 @@ class BatchEngine:
         sync: LoopSync | None = None,
         verbose: Callable[[str], None] | None = None,
         eager: bool = False,
+        reuse_prefix: bool = True,
+        background: bool = True,
     ) -> None:
         """``sync`` joins a multi-process run (``jaxspec.parallel.distributed``); ``verbose`` hears what compiles when;
-        ``eager`` compiles every family member at a bucket's first use (else auto's trees compile where they pay)."""
+        ``eager`` compiles every family member at a bucket's first use (else auto's trees compile where they pay);
+        ``reuse_prefix``: a request sharing a prompt prefix with the one staged before it starts after that prefix;
+        ``background``: lazy auto builds a tree it wants in a worker thread while plain steps go on (one process only;
+        False: the loop waits for the build, as every process of a multi-process run must)."""
         if max_batch < 1:
             raise RequestError(f"--max-batch must be >= 1, got {max_batch}")
         limit = engine.llm.cfg.max_position_embeddings
@@ -268,6 +281,8 @@ class BatchEngine:
         self.slots: list[_Slot] = []  # live requests; slots[i] owns row i of the state
         self.staging: _Staging | None = None
         self._staged: list[int] = []  # the prompt prefix whose K/V the staging row holds
+        self.reuse_prefix = reuse_prefix
+        self.prefix_reuses = 0  # requests admitted after a reused prefix
         self.waiting: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
         self.incoming: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
         self.lock = threading.Lock()
@@ -277,12 +292,24 @@ class BatchEngine:
         self._compiled: dict = {}
         self._bucket_costs: dict = {}  # (warp, rows, capacity) -> auto's measured costs of the members ready there
         self._anchors: dict = {}  # warp -> every member's cost at one row, the smallest cache
-        self._compile_seconds = 2.0  # what readying one member for a bucket took last (a start-up guess)
+        # what readying one member for a bucket took last on this machine: compiling one never built here, and
+        # loading one built before (its cost is in the calibration cache, its executable in the compile cache);
+        # None until measured (the first bucket's plain step always readies before any tree is considered)
+        self._compile_seconds: float | None = None
+        self._load_seconds: float | None = None
+        self._built: dict = {}  # (warp, rows, capacity, member) -> built on this machine before (``_built_before``)
+        self.background = background and self.sync.local
+        self.platform = jax.default_backend()  # where the steps run: decides what a background build costs the loop
+        self.builds: list[tuple[int, tuple]] = []  # (iteration, (warp, rows, capacity, member)) of background builds
+        self._builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: builds run one at a time
+        self._building: dict[tuple, concurrent.futures.Future] = {}  # (warp, rows, capacity, member) -> its build
         self._regret: dict = {}  # (warp, rows, capacity, tree) -> seconds lost running without that tree
         self._no_proposal: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
         self._last_done = 0.0
         self.overlapped = 0  # iterations dispatched before the previous one's tokens were read
+        self.host_seconds = 0.0  # host time spent choosing, launching and reading iterations (not waiting on them)
+        self.busy_seconds = 0.0  # wall time of the iterations read (each from its launch or the previous read)
 
     # -- requests ---------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -420,17 +447,93 @@ class BatchEngine:
         known = self._bucket_costs.setdefault(key, {} if e.auto else None)
         todo = [n for n in names if known is None or n not in known]
         cold = [n for n in todo if not e.is_warm(warp, capacity, rows, n)]
+        built = [n for n in cold if self._built_before(warp, rows, capacity, n)]
         began = time.perf_counter()
         if e.auto:
             known.update(e.calibrate(warp, capacity, refresh=self.sync.fresh_costs, batch=rows, names=todo))
         e.warm(warp, capacity, rows, names=todo)
         if cold:
             seconds = time.perf_counter() - began
-            self._compile_seconds = seconds / len(cold)
+            if len(built) == len(cold):
+                self._load_seconds = seconds / len(cold)
+            else:
+                self._compile_seconds = seconds / len(cold)
             if self.verbose is not None:
                 measured = ("; " + ", ".join(f"{n} {known[n] * 1e3:.1f} ms/step" for n in cold)) if e.auto else ""
                 self.verbose(f"compiled {', '.join(cold)} for {rows} row(s) x {capacity} slots, {warp.label}: "
                              f"{seconds:.1f} s{measured}")
+
+    def _built_before(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> bool:
+        """Whether this machine built ``name`` for the bucket before: its cost is in the calibration cache (auto
+        measures every member it readies), so with the persistent compile cache on, readying it is a load."""
+        e = self.engine
+        if not (e.auto and e.measures_costs and compile_cache_on()):
+            return False
+        key = (warp, rows, capacity, name)
+        if key not in self._built:  # read from disk once per bucket and member
+            self._built[key] = e.member_cost(warp, name, capacity, rows, cached_only=True) is not None
+        return self._built[key]
+
+    def _ready_seconds(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> float:
+        """What readying ``name`` for the bucket is expected to cost here: a load if built before, else a compile
+        (each as last measured on this machine; a load not measured yet is taken as a compile)."""
+        compile_seconds = self._compile_seconds if self._compile_seconds is not None else self._load_seconds or 0.0
+        if self._built_before(warp, rows, capacity, name) and self._load_seconds is not None:
+            return min(self._load_seconds, compile_seconds)
+        return compile_seconds
+
+    def _build_price(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> float:
+        """Loop seconds that readying ``name`` for the bucket costs: all of it when the loop waits or when the
+        step itself runs on the host's cores (a CPU platform); none when it builds in the background on a spare
+        core of an accelerator's host (the loop and the device go on as before)."""
+        seconds = self._ready_seconds(warp, rows, capacity, name)
+        if self.background and self.platform != "cpu" and host_cores() > 1:
+            return 0.0
+        return seconds
+
+    def _build_in_background(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> None:
+        """Starts compiling ``name`` for the bucket in the worker thread (once); ``_harvest`` adopts it."""
+        key = (warp, rows, capacity, name)
+        if key in self._building:
+            return
+        if self._builder is None:
+            self._builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-build")
+
+        def build() -> float:
+            began = time.perf_counter()
+            self.engine.warm(warp, capacity, rows, names=[name])
+            return time.perf_counter() - began
+
+        self._building[key] = self._builder.submit(build)
+        self.builds.append((self.iterations, key))
+        if self.verbose is not None:
+            self.verbose(f"building {name} for {rows} row(s) x {capacity} slots, {warp.label}, in the background")
+
+    def _harvest(self) -> None:
+        """Adopts the finished background builds: each member joins its bucket at its estimated cost (the
+        chooser rescales it by the iterations it then runs; nothing is timed while the loop shares the device)."""
+        for key in [k for k, f in self._building.items() if f.done()]:
+            warp, rows, capacity, name = key
+            future = self._building.pop(key)
+            try:
+                seconds = future.result()
+            except Exception as exc:  # noqa: BLE001 — a build that failed leaves the member unready
+                self.sync.failed(f"building {name} in the background", exc)
+                continue
+            if self._built_before(warp, rows, capacity, name):
+                self._load_seconds = seconds
+            else:
+                self._compile_seconds = seconds
+            known = self._bucket_costs.setdefault((warp, rows, capacity), {})
+            known[name] = self._estimated(warp, rows, capacity, known)[name]
+            if self.verbose is not None:
+                self.verbose(f"built {name} for {rows} row(s) x {capacity} slots, {warp.label}: {seconds:.1f} s "
+                             f"(background)")
+
+    def settle(self) -> None:
+        """Waits for the background builds in flight and adopts them (tests, and a clean shutdown)."""
+        concurrent.futures.wait(list(self._building.values()))
+        self._harvest()
 
     def _anchor(self, warp: sampling.WarpSpec) -> dict[str, float]:
         """Every member's cost relative to the plain step at one row and the smallest cache: where a bucket's
@@ -454,8 +557,9 @@ class BatchEngine:
         drafter's <1,1,1> costs 1.4x a plain step at 1 row, 1.5x at 4, 2.4x at 8), so a wide bucket does not
         compile trees an optimistic one-row ratio would promise."""
         out = dict(known)
-        seen = [((warp, 1, self.capacity_buckets[0]), self._anchor(warp))]
-        seen += [(k, c) for k, c in self._bucket_costs.items() if k[0] == warp and c and "none" in c]
+        # measured buckets first: at equal distance ``min`` keeps the first, so a measurement beats the anchor
+        seen = [(k, c) for k, c in self._bucket_costs.items() if k[0] == warp and c and "none" in c]
+        seen += [((warp, 1, self.capacity_buckets[0]), self._anchor(warp))]
         for name in self.engine.family(warp):
             if name in out:
                 continue
@@ -471,7 +575,8 @@ class BatchEngine:
         """Whether compiling ``name`` for ``bucket`` (warp, rows, capacity) now saves more than it costs.
 
         The saving per iteration is the share of time ``name`` saves over no speculation
-        (posterior means) times the plain step's cost. Compile once the iterations in sight
+        (posterior means) times the plain step's cost; the price is what readying it costs on this
+        machine (``_ready_seconds``: a compile, or a load where it was built before). Compile once the iterations in sight
         (the live rows' and the queue's tokens) would save the compile time, or once the
         iterations already run without it lost that much (rent or buy: a long-lived server
         whose requests are each too short still compiles the trees its load keeps wanting,
@@ -486,7 +591,7 @@ class BatchEngine:
         left += sum(t.request.max_new_tokens for t, _ in self.waiting) / self.max_batch
         key = (*bucket, name)
         self._regret[key] = self._regret.get(key, 0.0) + per_step
-        return max(per_step * left, self._regret[key]) > self._compile_seconds
+        return max(per_step * left, self._regret[key]) > self._build_price(*bucket, name)
 
     # -- the loop ---------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -658,9 +763,10 @@ class BatchEngine:
                     return 0
                 ticket, on_event = self.waiting.popleft()
             prompt = ticket.request.prompt_ids
-            shared = next((k for k, (a, b) in enumerate(zip(self._staged, prompt)) if a != b),
-                          min(len(self._staged), len(prompt)))
+            staged = self._staged if self.reuse_prefix else []
+            shared = next((k for k, (a, b) in enumerate(zip(staged, prompt)) if a != b), min(len(staged), len(prompt)))
             self.staging = _Staging(ticket, on_event, fed=min(shared, len(prompt) - 1))
+            self.prefix_reuses += self.staging.fed > 0
             if ticket.request.grammar is not None:
                 vocab = self.engine.row_masks().vocab
                 self.staging.matcher = vocab.matcher(vocab.compile(ticket.request.grammar))
@@ -697,12 +803,16 @@ class BatchEngine:
         self._fit(extra_rows=1)
         row = len(self.slots)
         self.state = self._fn("insert")(self.state, self.staging_state, jax.device_put(np.int32(row)))
-        first = int(fetch(self.staging_state.root)[0])
+        try:
+            first = int(fetch(self.staging_state.root)[0])
+            index = ngram.NGramIndex(prompt, e.ngram.max_n, e.ngram.min_n) if e.ngram else None
+            stop_ids = set(e.llm.cfg.eos_token_ids if req.stop_ids is None else req.stop_ids)
+            slot = _Slot(st.ticket, st.on_event, Generation([], 0, 0, 0.0, "length"), time.perf_counter(), index,
+                         len(prompt), stop_ids, row, st.matcher)
+        except BaseException:  # the row went live on the device but no slot tracks it: take it back
+            self.state = self._fn("retire")(self.state, jax.device_put(np.int32(row)))
+            raise  # ``step`` ends the still-staged request with an error event
         self.staging = None
-        index = ngram.NGramIndex(prompt, e.ngram.max_n, e.ngram.min_n) if e.ngram else None
-        stop_ids = set(e.llm.cfg.eos_token_ids if req.stop_ids is None else req.stop_ids)
-        slot = _Slot(st.ticket, st.on_event, Generation([], 0, 0, 0.0, "length"), time.perf_counter(), index,
-                     len(prompt), stop_ids, row, st.matcher)
         self.slots.append(slot)
         try:
             self._emit(slot, [first])
@@ -797,6 +907,7 @@ class BatchEngine:
         n-gram index, acceptance statistics) lag it by one iteration.
         """
         e = self.engine
+        began = time.perf_counter()
         self._fit()
         live = list(enumerate(self.slots))
         warp = sampling.batch_warp([s.ticket.request.params for _, s in live])
@@ -824,11 +935,19 @@ class BatchEngine:
         elif chooser is not None:
             rows = [(len(proposals[i]), matched[i]) for i, _ in live]
             if self._lazy:
+                if self._building:
+                    self._harvest()
                 every = self._estimated(warp, self.rows, self.capacity, costs)
                 name = chooser.pick_batch(rows, every)
-                if name not in costs and not self._worth_compiling(name, chooser, rows, every,
-                                                                   (warp, self.rows, self.capacity)):
-                    name = "none"
+                bucket = (warp, self.rows, self.capacity)
+                if name not in costs:
+                    if (*bucket, name) in self._building:  # plain steps until its build is in
+                        name = "none"
+                    elif not self._worth_compiling(name, chooser, rows, every, bucket):
+                        name = "none"
+                    elif self.background:
+                        self._build_in_background(*bucket, name)
+                        name = "none"
             else:
                 name = chooser.pick_batch(rows, costs)
             name = self.sync.agree_pick(name, list(family))
@@ -844,7 +963,7 @@ class BatchEngine:
         ahead = self._max_emit if stale else 0  # tokens the iteration in flight may still commit
         for _, s in live:
             _check_fits(s.committed + ahead + cfg.num_nodes, self.capacity, "a decoding step")
-        arrays = self._proposal_arrays(proposals)
+        arrays = self._proposal_arrays(proposals if cfg.ngram_depth else [[]] * self.rows)  # no chain: sent once
         if cfg.forced_depth:
             arrays = (*arrays, *jax.device_put(ngram.proposal_arrays(chains, cfg.forced_depth)))
         extra = {}
@@ -853,6 +972,7 @@ class BatchEngine:
                                                                     cfg.ngram_depth))
         start = time.perf_counter()
         self.state, out = e._step_fn(cfg)(e._llm_params, e._group_params, self.state, *arrays, **extra)
+        self.host_seconds += time.perf_counter() - began  # the launch returns before the device is done
         self.iterations += 1
         forced = [len(c) for c in chains] or [0] * self.rows
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start)
@@ -862,7 +982,16 @@ class BatchEngine:
         cfg = it.cfg
         emitted, num, depths = fetch((it.out.tokens, it.out.num, it.out.source_depth))
         now = time.perf_counter()
+        try:
+            self._account(it, emitted, num, depths, now)
+        finally:
+            self.host_seconds += time.perf_counter() - now
+
+    def _account(self, it: "_InFlight", emitted: np.ndarray, num: np.ndarray, depths: np.ndarray, now: float) -> None:
+        """Counts an iteration's read tokens [B, P] / [B] / [B, sources] into rows, the chooser and the stream."""
+        cfg = it.cfg
         seconds, self._last_done = now - max(it.start, self._last_done), now
+        self.busy_seconds += seconds
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
         stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
         ssm_nodes = cfg.num_nodes - 1 - cfg.ngram_depth - cfg.forced_depth

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -145,6 +146,7 @@ class Runner:
             raise RequestError(f"--forced-tokens must be >= 0, got {forced_tokens}")
         self.forced_depth = forced_tokens
         self._row_masks = None  # jaxspec.structured.RowMasks: the host side of constrained steps, made on first use
+        self._row_masks_lock = threading.Lock()
         self._masker = constrain.host_masker(lambda *a: self._row_masks(*a), llm.cfg.vocab_size)
         self.verify = verify
         self.auto = auto
@@ -216,14 +218,20 @@ class Runner:
         return min(1 << (longest - 1).bit_length(), self.forced_depth)
 
     def row_masks(self):
-        """The host side of constrained steps (``jaxspec.structured.RowMasks`` over the LLM's tokenizer)."""
-        if self._row_masks is None:
-            from jaxspec.structured import RowMasks, Vocabulary  # noqa: PLC0415 (llguidance loads on first use)
+        """The host side of constrained steps (``jaxspec.structured.RowMasks`` over the LLM's tokenizer).
 
-            if self.llm.tokenizer is None:
-                raise RequestError(f"structured output needs the tokenizer of {self.llm.name}")
-            self._row_masks = RowMasks(Vocabulary(self.llm.tokenizer, self.llm.cfg.vocab_size,
-                                                  self.llm.cfg.eos_token_ids))
+        Made once under a lock: the engine thread, the event loop and llguidance's pool all ask for
+        it, and a second object made by a racing caller would hold none of the first one's matchers.
+        """
+        if self._row_masks is None:
+            with self._row_masks_lock:
+                if self._row_masks is None:
+                    from jaxspec.structured import RowMasks, Vocabulary  # noqa: PLC0415 (llguidance loads lazily)
+
+                    if self.llm.tokenizer is None:
+                        raise RequestError(f"structured output needs the tokenizer of {self.llm.name}")
+                    self._row_masks = RowMasks(Vocabulary(self.llm.tokenizer, self.llm.cfg.vocab_size,
+                                                          self.llm.cfg.eos_token_ids))
         return self._row_masks
 
     def describe(self, name: str) -> str:
