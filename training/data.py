@@ -136,7 +136,10 @@ def _read_hf_dataset(p: Path, field: str) -> Iterator[str]:
 
 
 def _read_parquet(p: Path, field: str) -> Iterator[str]:
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise DataError("reading a parquet corpus needs `pip install pyarrow` (jaxspec[train])") from e
 
     f = pq.ParquetFile(p)
     if field not in f.schema_arrow.names:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts, sampling_params
+from jaxspec.cli.extras import BASELINE, require
 from jaxspec.repro.measures import coverage_rates, features_of, teacher_forced
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # jaxspec.engine.costs.DEFAULT_TOKENS, without importing jax here
@@ -160,7 +161,6 @@ def _timed_generate(engine, ids, n, params):
 
 def cmd_incremental(args) -> int:
     """jaxspec and transformers each in a process of their own, on the same prompt ids; one CSV with the ratio."""
-    import importlib.util
     import tempfile
 
     from jaxspec.cache import compile_cache_dir
@@ -170,10 +170,8 @@ def cmd_incremental(args) -> int:
     params = sampling_params(args)
     if not args.no_transformers and args.hf_threads < 1:
         raise CliError(f"--hf-threads must be >= 1, got {args.hf_threads}")
-    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
-    if not args.no_transformers and missing:
-        raise CliError(f"the transformers baseline needs {' and '.join(missing)} (pip install -e '.[test]'); "
-                       "or pass --no-transformers")
+    if not args.no_transformers:
+        require([BASELINE], hint="; or pass --no-transformers")
     rows = read_prompts(args.prompt_file, args.limit)
     cache = compile_cache_dir(args.compile_cache, args.no_compile_cache)
     model = str(Path(args.model or default_model_path()).expanduser())

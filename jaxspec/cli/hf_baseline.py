@@ -91,12 +91,13 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m jaxspec.cli.hf_baseline JOB.json OUT.json", file=sys.stderr)
         return 2
+    from jaxspec.cli.common import CliError  # noqa: PLC0415
+    from jaxspec.cli.extras import BASELINE, require  # noqa: PLC0415
+
     try:
-        import torch  # noqa: F401, PLC0415
-        import transformers  # noqa: F401, PLC0415
-    except ImportError as e:
-        print(f"jaxspec: error: the transformers baseline needs torch and transformers ({e.name} is missing: "
-              "pip install -e '.[test]')", file=sys.stderr)
+        require([BASELINE])
+    except CliError as e:
+        print(f"jaxspec: error: {e}", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[0]).read_text())
     result = run_batches(job) if "batches" in job else run(job)

@@ -4,6 +4,8 @@
 the default pair); ``jaxspec repro report`` joins what ran into ``report.md`` / ``report.html``
 with the claim table, recomputing nothing. Results are cached per (commit, pair,
 experiment, prompt set) under ``--output``/cache, so a rerun only computes what is missing.
+Before the first experiment, ``preflight`` checks that every process the run starts finds
+what it imports (the ``repro`` extra, ``jaxspec.cli.extras``) and that the pair is on disk.
 """
 
 from __future__ import annotations
@@ -11,8 +13,13 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts
+from jaxspec.cli.extras import NEEDS, SHAREGPT, require
+
+if TYPE_CHECKING:
+    from jaxspec.repro.experiments import Pair
 
 NAMES = ("table1", "table2", "table3", "fig7", "fig8", "fig9", "fig10", "fig11")
 SHAREGPT_MAX_CHARS = 400  # short single-turn questions, like the paper's prompt datasets
@@ -70,6 +77,28 @@ def _prompts(args, count: int) -> tuple[list[dict], str]:
             args.prompt_set or f"sharegpt (first {len(turns)} human turns of <= {SHAREGPT_MAX_CHARS} chars)")
 
 
+def preflight(names: list[str], pair: Pair, default_prompts: bool) -> None:
+    """Before the first experiment: every process the run starts finds what it imports, and the pair is on disk.
+
+    A missing extra would otherwise surface as a worker's traceback after the experiments before it
+    (Figure 7's baseline: 15 minutes into ``repro all --quick``); this says so in one line instead.
+    """
+    from jaxspec.repro.experiments import PROCESSES  # noqa: PLC0415
+    from jaxspec.speculators.resolve import spec_path  # noqa: PLC0415
+    from models.loading import default_model_path  # noqa: PLC0415
+
+    started = {module for name in names for module in PROCESSES.get(name, ())}
+    parts = [part for part, needs in NEEDS.items() if needs.extra == "repro" and started & set(needs.modules)]
+    require(parts)
+    if default_prompts:
+        require([SHAREGPT], hint="; or pass --prompt-file")
+    llm = Path(pair.llm) if pair.llm else Path(default_model_path())
+    ssm = spec_path(pair.ssm)
+    for what, path in (("the LLM", llm), ("the SSM", ssm)):
+        if path is not None and not path.exists():
+            raise CliError(f"{what} of pair {pair.name} not found: {path}")
+
+
 def cmd_repro(args) -> int:
     import dataclasses  # noqa: PLC0415
 
@@ -95,8 +124,9 @@ def cmd_repro(args) -> int:
     if count < 1 or args.temperature <= 0 or args.host_bandwidth <= 0:
         raise CliError("--limit, --temperature and --host-bandwidth must be > 0")
     pair = ex.pair(args.pair, args.model, args.ssm)
-    prompts, name = _prompts(args, count)
     names = list(NAMES) if args.name == "all" else [args.name]
+    preflight(names, pair, default_prompts=not args.prompt_file)
+    prompts, name = _prompts(args, count)
     print(f"[jaxspec] repro {', '.join(names)}: pair {pair.name} ({pair.describe()}), prompt set {name} "
           f"({len(prompts)} prompts), {scale.name} scale (all: {scale.expected}); results in {output}",
           file=sys.stderr)

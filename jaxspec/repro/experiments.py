@@ -28,6 +28,11 @@ from jaxspec.cache import cache_root
 PAPER_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)  # Section 6.1: every end-to-end experiment's tree
 DEPTH = 8  # the speculation length of <1,1,w,1,1,1,1,1>
 MAX_K = 5
+WORKER = "jaxspec.repro.worker"  # a jaxspec system of a latency figure, in its own process
+BASELINE = "jaxspec.cli.hf_baseline"  # Figure 7's transformers baseline, in its own process
+PROCESSES: dict[str, tuple[str, ...]] = {  # the modules an experiment runs as processes of their own
+    "fig7": (BASELINE, WORKER), "fig8": (WORKER,), "fig10": (WORKER,),
+}
 
 
 class ReproError(ValueError):
@@ -370,7 +375,7 @@ def _systems(setup: Setup, lab: Lab, systems: list[dict], batches: tuple[int, ..
 
 
 def _run_process(setup: Setup, system: dict, job: dict) -> dict:
-    module = "jaxspec.cli.hf_baseline" if system.get("transformers") else "jaxspec.repro.worker"
+    module = BASELINE if system.get("transformers") else WORKER
     setup.progress(f"{system['label']} (own process)")
     with tempfile.TemporaryDirectory(prefix="jaxspec-repro-") as tmp:
         jpath, opath = Path(tmp) / "job.json", Path(tmp) / "out.json"
@@ -389,14 +394,10 @@ def _latency(rows: list[dict], system: str, batch: int) -> float:
 
 def fig7(setup: Setup, lab: Lab) -> Result:
     """Per-token latency by batch size: transformers generate, jaxspec incremental, sequence-based, tree-based."""
-    import importlib.util  # noqa: PLC0415
-
-    systems = []
-    if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
-        systems.append({"label": "transformers incremental", "transformers": True})
-    systems += [{"label": "jaxspec incremental"},
-                {"label": "jaxspec sequence", "expansion": (1,) * DEPTH},
-                {"label": "jaxspec tree", "expansion": PAPER_EXPANSION}]
+    systems = [{"label": "transformers incremental", "transformers": True},
+               {"label": "jaxspec incremental"},
+               {"label": "jaxspec sequence", "expansion": (1,) * DEPTH},
+               {"label": "jaxspec tree", "expansion": PAPER_EXPANSION}]
     batches = setup.scale.batches
     rows = _systems(setup, lab, systems, batches, "fig7")
     inc = {b: _latency(rows, "jaxspec incremental", b) for b in batches}
@@ -404,11 +405,10 @@ def fig7(setup: Setup, lab: Lab) -> Result:
     lo, hi = min(batches), max(batches)
     metrics = {"tree_over_incremental_b1": inc[lo] / tree[lo],
                "tree_over_sequence_b1": _latency(rows, "jaxspec sequence", lo) / tree[lo],
-               "speedup_b1_over_bmax": (inc[lo] / tree[lo]) / (inc[hi] / tree[hi])}
-    if systems[0].get("transformers"):
-        metrics["baseline_over_incremental_b1"] = _latency(rows, "transformers incremental", lo) / inc[lo]
+               "speedup_b1_over_bmax": (inc[lo] / tree[lo]) / (inc[hi] / tree[hi]),
+               "baseline_over_incremental_b1": _latency(rows, "transformers incremental", lo) / inc[lo]}
     return Result("fig7", rows, metrics, _meta(setup, lab, batches=list(batches), hf_threads=setup.hf_threads,
-                                               baseline="transformers" if systems[0].get("transformers") else "none"))
+                                               baseline="transformers"))
 
 
 def fig10(setup: Setup, lab: Lab) -> Result:

@@ -59,6 +59,18 @@ def default_ssm_spec() -> str:
     return f"pool:{DEFAULT_POOL}" if (DEFAULT_POOL / "pool.json").exists() else FALLBACK_SSM
 
 
+def spec_path(spec: str) -> Path | None:
+    """The file or directory an ``--ssm`` spec reads (None: an SSM built from the LLM or the prompt), so a run can
+    check it is there before loading anything."""
+    if spec == "default":
+        spec = default_ssm_spec()
+    if spec == "drafter":
+        return DEFAULT_DRAFTER
+    if spec == "ngram" or spec.startswith(("ngram:", "layers:")):
+        return None
+    return Path(spec.split(":", 1)[1] if spec.startswith(("drafter:", "pool:")) else spec).expanduser()
+
+
 def ngram_speculator(spec: str) -> NGramSpeculator:
     """``ngram`` or ``ngram:N`` (match suffixes of up to N tokens)."""
     if spec == "ngram":
