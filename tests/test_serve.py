@@ -16,6 +16,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -352,6 +354,21 @@ def test_a_streamed_oversized_body_is_413_and_tiny_sampling_values_are_exact(ser
     greedy = complete(server, "Hello", 6, temperature=0).choices[0].text
     assert complete(server, "Hello", 6, temperature=1e-50).choices[0].text == greedy
     assert complete(server, "Hello", 6, temperature=1.0, top_p=1e-50, seed=3).choices[0].text == greedy
+
+
+def test_an_oversized_body_gets_its_413_from_a_blocking_client(server):
+    """urllib sends a whole 10 MB body before it reads the answer: it hears the 413 (not a connection reset),
+    announced by Content-Length or not, and the server answers the next request."""
+    for chunked in (False, True):
+        body = b"x" * (10 << 20)
+        data = iter([body[i: i + (1 << 20)] for i in range(0, len(body), 1 << 20)]) if chunked else body
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}  # an iterable goes chunked
+        req = urllib.request.Request(f"{server.url}/v1/completions", data=data, headers=headers, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == 413, chunked
+        assert str(MAX_BODY) in json.loads(e.value.read())["error"]["message"]
+    assert complete(server, "Hello", 2, temperature=0).choices[0].text is not None
 
 
 def test_health_never_shows_exception_text(server):

@@ -49,6 +49,8 @@ MAX_SEED = 2**63 - 1
 MAX_TEXT_CHARS = 1 << 20  # characters per prompt or message
 MAX_MESSAGES = 1024
 MAX_BODY_BYTES = 8 << 20  # --max-body-bytes default: larger bodies get 413
+DRAIN_BYTES = 64 << 20  # an over-limit body is read and dropped up to this, so a blocking client hears its 413
+DRAIN_S = 30.0  # ... for at most this long
 FAULT_ENV = "JAXSPEC_SERVE_FAULT"  # tests: a stop string naming this value makes the engine's stop check raise
 WARMUP_TOKENS = 4
 SHUTDOWN_GRACE_S = 5.0  # past --shutdown-timeout, for cancelled requests to end before uvicorn cuts them
@@ -870,7 +872,11 @@ async def _refuse(send, status: int, error: APIError, headers: tuple = ()) -> No
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` gets 413 (announced or streamed), before it is parsed."""
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 (announced or streamed), before it is parsed.
+
+    The refused body is read and dropped first (up to ``DRAIN_BYTES`` in ``DRAIN_S``): a client that sends
+    it whole before reading (urllib, requests) would otherwise see the connection reset, not the 413.
+    """
 
     def __init__(self, app, max_bytes: int, on_refuse: Callable[[], None] = lambda: None) -> None:
         self.app, self.max_bytes, self.on_refuse = app, max_bytes, on_refuse
@@ -878,12 +884,10 @@ class BodyLimit:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_big = APIError(413, f"the request body is larger than {self.max_bytes} bytes (--max-body-bytes)",
-                           code="body_too_large")
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_bytes:
-            self.on_refuse()
-            return await _refuse(send, 413, too_big)
+            announced = int(length) if length.isdigit() else DRAIN_BYTES + 1
+            return await self._refuse(receive, send, more=True, left=announced)
         chunks, size, more = [], 0, True
         while more:  # read it whole (at most max_bytes), then replay it to the app
             message = await receive()
@@ -893,14 +897,42 @@ class BodyLimit:
             size += len(chunks[-1])
             more = message.get("more_body", False)
             if size > self.max_bytes:
-                self.on_refuse()
-                return await _refuse(send, 413, too_big)
+                return await self._refuse(receive, send, more)
         replayed = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay():
             return replayed.pop() if replayed else await receive()
 
         await self.app(scope, replay, send)
+
+    async def _refuse(self, receive, send, more: bool, left: int = 0) -> None:
+        """413 once the rest of the body is read and dropped; past the drain bounds, 413 and the connection closes."""
+        self.on_refuse()
+        too_big = APIError(413, f"the request body is larger than {self.max_bytes} bytes (--max-body-bytes)",
+                           code="body_too_large")
+        drained = left <= DRAIN_BYTES and more and await _drain(receive, DRAIN_BYTES, DRAIN_S)
+        close = () if drained or not more else ((b"connection", b"close"),)
+        await _refuse(send, 413, too_big, close)
+
+
+async def _drain(receive, limit: int, seconds: float) -> bool:
+    """Reads and drops a request's body; True once it ended within ``limit`` bytes and ``seconds``."""
+    async def read() -> bool:
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return False
+            size += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return True
+            if size > limit:
+                return False
+
+    try:
+        return await asyncio.wait_for(read(), seconds)
+    except asyncio.TimeoutError:
+        return False
 
 
 class BearerAuth:
