@@ -251,6 +251,25 @@ def test_stop_strings_cut_before_the_match(server):
             full[:full.index(mid)]
 
 
+def test_a_stop_string_gives_the_same_text_in_jaxspec_generate_and_the_server(server, tmp_path):
+    """One stop rule: a stop string starting inside a token keeps the text before it in that token, in the CLI's
+    JSONL and stream as in the server's answer (the CLI used to drop the whole token), with the same tokens."""
+    full = chat(server, PROMPTS[3], 16, temperature=0).choices[0].message.content
+    word = next(w for w in full.split() if len(w) >= 5 and w.isalpha())
+    stop = word[2:4]  # inside the word's token: text before it in the same token
+    cut = full[:full.index(stop)]
+    out = tmp_path / "gen.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "jaxspec.cli", "generate", "--mode", "incremental", "--prompt",
+                           PROMPTS[3], "--max-new-tokens", "16", "--stop", stop, "--stop", "@@never@@",
+                           "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ref = json.loads(out.read_text())
+    r = chat(server, PROMPTS[3], 16, temperature=0, stop=[stop, "@@never@@"])
+    assert r.choices[0].message.content == ref["text"] == cut and proc.stdout == cut + "\n"
+    assert r.choices[0].finish_reason == "stop" and ref["finish_reason"] == "stop"
+    assert r.usage.completion_tokens == len(ref["token_ids"]) < 16
+
+
 # -------------------------------------------------------------------------------------- errors
 
 def error_cases(model: str) -> list[tuple[str, object, int, list[str]]]:

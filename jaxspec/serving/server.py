@@ -38,7 +38,7 @@ from typing import IO, Annotated, Any, AsyncIterator, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxspec.engine.batch import MAX_STOPS, check_stops
+from jaxspec.engine.stops import MAX_STOPS, StopText, check_stops
 
 log = logging.getLogger("jaxspec.serving.server")
 
@@ -235,60 +235,9 @@ def refuse_unsupported(body: _Sampling) -> None:
 
 # ---------------------------------------------------------------------------------------- text
 
-class TextStream:
-    """Incremental detokenization of one completion that never sends what a stop string may claim.
-
-    Text decodes over a short window of earlier tokens (vLLM's prefix/read offsets) so each
-    update costs a few tokens, and waits while the newest bytes are an incomplete character.
-    """
-
-    def __init__(self, tokenizer, stops: list[str]) -> None:
-        self.tokenizer, self.stops = tokenizer, stops
-        self.hold = max(map(len, stops), default=1) - 1  # characters a stop string could still grow from
-        self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0
-        self._prefix = self._read = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _catch_up(self, final: bool) -> None:
-        before = self._decode(self.ids[self._prefix:self._read])
-        after = self._decode(self.ids[self._prefix:])
-        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            self.text += after[len(before):]
-            self._prefix, self._read = self._read, len(self.ids)
-
-    def _stop_at(self) -> int | None:
-        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def add(self, ids: list[int]) -> str:
-        """Appends generated ids; returns the text now safe to send."""
-        self.ids.extend(ids)
-        self._catch_up(final=False)
-        cut = self._stop_at()
-        end = cut if cut is not None else max(len(self.text) - self.hold, self.sent)
-        return self._send(end)
-
-    def finish(self) -> tuple[str, bool]:
-        """The rest of the text (cut before the first stop string) and whether a stop string cut it."""
-        self._catch_up(final=True)
-        cut = self._stop_at()
-        if cut is not None:
-            self.text = self.text[:cut]
-        return self._send(len(self.text)), cut is not None
-
-    def _send(self, end: int) -> str:
-        out = self.text[self.sent:end]
-        self.sent = max(self.sent, end)
-        return out
-
-
 def stop_matcher(tokenizer, stops: list[str]) -> Callable[[list[int]], int | None] | None:
-    """The engine's stop check: generated ids -> how many to keep (through the token where a stop string
-    starts; the server cuts the text itself) or None. Decodes only the tail a new match can lie in."""
+    """The engine's stop check for one choice (``StopText``, the rule ``jaxspec generate`` applies too), or None
+    without stop strings; a stop string naming $JAXSPEC_SERVE_FAULT makes it raise instead (tests)."""
     if not stops:
         return None
     if os.environ.get(FAULT_ENV) in stops:
@@ -296,24 +245,7 @@ def stop_matcher(tokenizer, stops: list[str]) -> Callable[[list[int]], int | Non
             raise RuntimeError(f"fault injected by {FAULT_ENV}")
 
         return fault
-    reach = 4 * max(map(len, stops))  # tokens a stop string can span (a character is at most 4 byte tokens)
-    checked = 0
-
-    def match(ids: list[int]) -> int | None:
-        nonlocal checked
-        start = max(0, checked - reach)
-        text = tokenizer.decode(ids[start:], skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-        checked = len(ids)
-        if not hits:
-            return None
-        cut = min(hits)
-        for n in range(start + 1, len(ids) + 1):
-            if len(tokenizer.decode(ids[start:n], skip_special_tokens=True)) > cut:
-                return n
-        return len(ids)
-
-    return match
+    return StopText(tokenizer, stops)
 
 
 # ---------------------------------------------------------------------------------------- engine side
@@ -324,7 +256,7 @@ class Choice:
 
     index: int
     prompt_tokens: int
-    text: TextStream
+    text: StopText  # its text as it streams, under the engine's stop rule
     arrival: float
     ticket: Any = None
     first: float | None = None
@@ -535,7 +467,7 @@ class Service:
             except (RequestError, SamplingError) as e:
                 raise APIError(400, str(e), code="invalid_request") from None
             p = req.params
-            job.choices.append(Choice(i, len(req.prompt_ids), TextStream(self.tokenizer, stops), arrival,
+            job.choices.append(Choice(i, len(req.prompt_ids), StopText(self.tokenizer, stops), arrival,
                                       sampling={"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
                                                 "seed": p.seed, "seed_from": seed_from}))
         waiting = self.batch.queue_depth()
