@@ -139,3 +139,14 @@ def test_each_token_decodes_a_few_tokens_not_the_whole_text(tok):
         assert check(ids[:n]) is None
     assert sum(decoded) < 8 * len(ids), (sum(decoded), len(ids))
     assert check.text == tok.decode(ids)
+
+
+def test_the_text_is_the_tokenizers_without_special_tokens(tok):
+    """The Rust decoder the rule uses gives transformers' text: special tokens (EOS, chat markers) dropped."""
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": TEXT + CJK}],
+                                   tokenize=False)
+    ids = tok.encode(chat, add_special_tokens=False) + [tok.eos_token_id]
+    want = tok.decode(ids, skip_special_tokens=True)
+    assert "<|im_start|>" not in want and StopText.text_of(tok, ids) == (want, False)
+    stream = StopText(tok, ["@@"])
+    assert "".join(stream.add([t]) for t in ids) + stream.finish()[0] == want

@@ -5,17 +5,18 @@ the returned text ends right before the earliest stop string in it (text before 
 the same token is kept); the completion's tokens are those through that token, its finish reason
 ``stop``. An EOS after it in the same step is dropped with the rest.
 
-Text is detokenised incrementally, one token at a time over a short window of earlier tokens
-(vLLM's prefix / read offsets), and waits while its newest bytes are an incomplete UTF-8
-character; each token costs a few tokens' decoding and a search of the last stop's length of
-text, never the whole text. Token by token, the match does not depend on how many tokens a step
-emits, so every mode, the engine thread and the edge that streams the text agree. A stream holds
-back only the tail that could still begin a stop string.
+Text is detokenised incrementally over a short window of earlier tokens (vLLM's prefix / read
+offsets) and waits while its newest bytes are an incomplete UTF-8 character; a step costs a few
+tokens' decoding and a search of the new text (and the longest stop's length before it), never
+the whole text. The match is defined token by token (a step that completes a stop string is fed
+again one token at a time), so it does not depend on how many tokens a step emits: every mode,
+the engine thread and the edge that streams the text agree. A stream holds back only the tail
+that could still begin a stop string.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from jaxspec.engine.runner import RequestError
 
@@ -30,6 +31,15 @@ def check_stops(stops: Sequence[str]) -> None:
         raise RequestError(f"stop takes 1 to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")
 
 
+def decoder(tokenizer) -> Callable[[list[int]], str]:
+    """ids -> text without special tokens: the Rust tokenizer's own decode where transformers adds nothing to it
+    (no clean-up of spaces), which costs a microsecond where transformers' wrapper costs tens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class StopText:
     """One completion's text under its stop strings: fed token ids, it says where the completion stops.
 
@@ -42,6 +52,7 @@ class StopText:
         self.tokenizer = tokenizer
         self.stops = tuple(stops)
         self.longest = max(map(len, self.stops), default=0)
+        self._decoder = decoder(tokenizer)
         self._start()
 
     def _start(self) -> None:
@@ -65,19 +76,36 @@ class StopText:
         """The engine's check: of the generated ``ids``, how many the completion keeps once a stop string completed.
 
         The engine passes what it generated so far each step; only the ids not yet fed are decoded.
-        Ids that do not continue what was fed (never expected) start the text over."""
-        if len(ids) < len(self.ids) or ids[: len(self.ids)] != self.ids:
+        Ids that visibly do not continue what was fed (never expected) start the text over."""
+        n = len(self.ids)
+        if len(ids) < n or (n and ids[n - 1] != self.ids[-1]):
             self._start()
         return self.feed(ids[len(self.ids):])
 
     def feed(self, ids: Sequence[int]) -> int | None:
-        """Appends ids one at a time until a stop string completes; returns ``tokens`` (None while none did)."""
+        """Appends ids until a stop string completes; returns ``tokens`` (None while none did).
+
+        A step's ids decode together; only when a stop string completed among them (or their last
+        character is incomplete) are they fed again one at a time, to find the token that completed it."""
+        if self.end is not None or not len(ids):
+            return self.tokens
+        if len(ids) > 1:
+            mark = len(self.ids), len(self.text), self._prefix, self._read
+            self.ids.extend(int(t) for t in ids)
+            if self._catch_up(final=False) and self._search() is None:
+                self._searched = len(self.text)
+                return None
+            n, chars, self._prefix, self._read = mark
+            del self.ids[n:]
+            self.text = self.text[:chars]
         for t in ids:
-            if self.end is not None:
-                break
             self.ids.append(int(t))
-            if self._catch_up(final=False) and self.stops:
-                self._match()
+            if self._catch_up(final=False):
+                cut = self._search()
+                self._searched = len(self.text)
+                if cut is not None:
+                    self.end, self.tokens = cut, len(self.ids)
+                    break
         return self.tokens
 
     def add(self, ids: Sequence[int]) -> str:
@@ -97,7 +125,7 @@ class StopText:
         return self._send(self.end), True
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self._decoder(ids)
 
     def _catch_up(self, final: bool) -> bool:
         """Moves the newly complete text of the window into ``text``; True when some arrived."""
@@ -109,13 +137,13 @@ class StopText:
         self._prefix, self._read = self._read, len(self.ids)
         return True
 
-    def _match(self) -> None:
-        """Searches the text a stop string completed by the newest token could lie in."""
+    def _search(self) -> int | None:
+        """Where the earliest stop string completed by the text since the last search starts, or None."""
+        if not self.stops:
+            return None
         start = max(0, self._searched - self.longest + 1)
         hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        self._searched = len(self.text)
-        if hits:
-            self.end, self.tokens = min(hits), len(self.ids)
+        return min(hits, default=None)
 
     def _held(self) -> int:
         """Characters at the end of the unsent text that could still begin a stop string."""
