@@ -16,6 +16,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -249,6 +251,25 @@ def test_stop_strings_cut_before_the_match(server):
             full[:full.index(mid)]
 
 
+def test_a_stop_string_gives_the_same_text_in_jaxspec_generate_and_the_server(server, tmp_path):
+    """One stop rule: a stop string starting inside a token keeps the text before it in that token, in the CLI's
+    JSONL and stream as in the server's answer (the CLI used to drop the whole token), with the same tokens."""
+    full = chat(server, PROMPTS[3], 16, temperature=0).choices[0].message.content
+    word = next(w for w in full.split() if len(w) >= 5 and w.isalpha())
+    stop = word[2:4]  # inside the word's token: text before it in the same token
+    cut = full[:full.index(stop)]
+    out = tmp_path / "gen.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "jaxspec.cli", "generate", "--mode", "incremental", "--prompt",
+                           PROMPTS[3], "--max-new-tokens", "16", "--stop", stop, "--stop", "@@never@@",
+                           "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ref = json.loads(out.read_text())
+    r = chat(server, PROMPTS[3], 16, temperature=0, stop=[stop, "@@never@@"])
+    assert r.choices[0].message.content == ref["text"] == cut and proc.stdout == cut + "\n"
+    assert r.choices[0].finish_reason == "stop" and ref["finish_reason"] == "stop"
+    assert r.usage.completion_tokens == len(ref["token_ids"]) < 16
+
+
 # -------------------------------------------------------------------------------------- errors
 
 def error_cases(model: str) -> list[tuple[str, object, int, list[str]]]:
@@ -352,6 +373,21 @@ def test_a_streamed_oversized_body_is_413_and_tiny_sampling_values_are_exact(ser
     greedy = complete(server, "Hello", 6, temperature=0).choices[0].text
     assert complete(server, "Hello", 6, temperature=1e-50).choices[0].text == greedy
     assert complete(server, "Hello", 6, temperature=1.0, top_p=1e-50, seed=3).choices[0].text == greedy
+
+
+def test_an_oversized_body_gets_its_413_from_a_blocking_client(server):
+    """urllib sends a whole 10 MB body before it reads the answer: it hears the 413 (not a connection reset),
+    announced by Content-Length or not, and the server answers the next request."""
+    for chunked in (False, True):
+        body = b"x" * (10 << 20)
+        data = iter([body[i: i + (1 << 20)] for i in range(0, len(body), 1 << 20)]) if chunked else body
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}  # an iterable goes chunked
+        req = urllib.request.Request(f"{server.url}/v1/completions", data=data, headers=headers, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == 413, chunked
+        assert str(MAX_BODY) in json.loads(e.value.read())["error"]["message"]
+    assert complete(server, "Hello", 2, temperature=0).choices[0].text is not None
 
 
 def test_health_never_shows_exception_text(server):

@@ -11,7 +11,7 @@ import json
 import os
 import secrets
 import sys
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 
@@ -97,31 +97,15 @@ def report_calibration(engine, batch, args, prompt_ids: list[int]) -> None:
               f"({seconds / base:.2f}x none)", file=sys.stderr)
 
 
-def stop_checker(tokenizer, stops: Sequence[str]):
-    """Returns f(ids) -> cut index of the first stop string in the decoded text, or None."""
-    if not stops:
-        return None
-
-    def check(ids: list[int]):
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        hits = [text.find(s) for s in stops if s in text]
-        if not hits:
-            return None
-        cut = min(hits)
-        for n in range(len(ids) + 1):  # shortest prefix whose text reaches the stop string
-            if len(tokenizer.decode(ids[:n], skip_special_tokens=True)) > cut:
-                return max(n - 1, 0)
-        return len(ids)
-
-    return check
-
-
 def record(row: dict, sample: int, gen, tokenizer, args) -> dict:
+    """One JSONL line: the text is cut before the first stop string, by the rule the server applies."""
+    from jaxspec.engine.stops import StopText  # noqa: PLC0415
+
     return {
         "id": row["id"],
         "sample": sample,
         "prompt": row["prompt"],
-        "text": tokenizer.decode(gen.token_ids, skip_special_tokens=True),
+        "text": StopText.text_of(tokenizer, gen.token_ids, args.stop)[0],
         "token_ids": gen.token_ids,
         "llm_steps": gen.llm_steps,
         "ssm_steps": gen.ssm_steps,
@@ -146,7 +130,7 @@ def cmd_generate(args) -> int:
         if args.temperature > 0 and distributed.is_leader():
             print(f"[jaxspec] seed {args.seed} (pass --seed {args.seed} to repeat this run)", file=sys.stderr)
     sampling_params(args)  # validate before loading anything
-    from jaxspec.engine.batch import check_stops  # noqa: PLC0415
+    from jaxspec.engine.stops import check_stops  # noqa: PLC0415
     from jaxspec.engine.runner import RequestError  # noqa: PLC0415
 
     try:
@@ -198,16 +182,18 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     from tqdm import tqdm
 
     from jaxspec.engine.batch import BatchEngine, Request
+    from jaxspec.engine.stops import StopText
     from models.tokenizer import encode_prompt
 
-    stop = stop_checker(llm.tokenizer, args.stop)
     jobs = []  # (row, sample, request)
     for row in rows:
         ids = encode_prompt(llm.tokenizer, row["prompt"], chat=not args.no_chat)
         grammar = grammar_for(args, row)
         for sample in range(args.num_samples):
+            stop = StopText(llm.tokenizer, args.stop) if args.stop else None  # one per request: it holds the text
             jobs.append((row, sample, Request(ids, args.max_new_tokens, sampling_params(args, sample), stop=stop,
-                                              id=f"{row['id']}/{sample}", grammar=grammar)))
+                                              id=f"{row['id']}/{sample}", stop_strings=tuple(args.stop),
+                                              grammar=grammar)))
     longest = max(len(r.prompt_ids) for _, _, r in jobs)
     say = (lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr)) if args.verbose else None  # noqa: E731
     batch = BatchEngine(engine, max_batch=min(args.max_batch, len(jobs)),
@@ -216,23 +202,19 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     if engine.auto and (args.verbose or args.recalibrate):
         report_calibration(engine, batch, args, jobs[0][2].prompt_ids)
     streaming = len(jobs) == 1
-    printed = [0]
-    shown: list[int] = []
+    shown = StopText(llm.tokenizer, args.stop)  # the streamed text, held back where a stop string may begin
 
     def on_event(_: int, ev) -> None:
         if args.verbose and engine.auto and ev.tree is not None:
             print(f"\n[jaxspec] step: tree {ev.tree}, {len(ev.token_ids)} tokens", file=sys.stderr)
         if streaming:
-            shown.extend(ev.token_ids)
-            text = llm.tokenizer.decode(shown, skip_special_tokens=True)
-            sys.stdout.write(text[printed[0]:])
+            sys.stdout.write(shown.add(ev.token_ids))
             sys.stdout.flush()
-            printed[0] = len(text)
 
     requests = [r for _, _, r in jobs]
     if streaming:
         gens = batch.generate(requests, on_event=on_event)
-        print()
+        print(shown.finish()[0])
         gen = gens[0]
         print(f"[jaxspec] {len(gen.token_ids)} tokens in {gen.seconds:.2f}s, {gen.llm_steps} LLM steps, "
               f"{gen.tokens_per_step:.2f} tokens/step ({gen.finish_reason})", file=sys.stderr)

@@ -40,8 +40,9 @@ class Engine(Runner):
                  grammar: Grammar | None = None) -> Generation:
         """One request through the scheduling loop (one slot; the cache grows by buckets as it needs).
 
-        ``stop_ids`` defaults to the LLM's EOS ids; ``stop`` maps the generated ids to a cut
-        index when a stop string matched (None otherwise); ``grammar`` constrains the output
+        ``stop_ids`` defaults to the LLM's EOS ids; ``stop`` maps the generated ids to how many to
+        keep once a stop string completed (None otherwise; ``jaxspec.engine.stops.StopText(tokenizer,
+        stops)`` is the rule every entry point uses); ``grammar`` constrains the output
         (``jaxspec.structured.Grammar``: a JSON schema, a regex or a Lark grammar).
         """
         if self._solo is None:

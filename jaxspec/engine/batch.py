@@ -46,6 +46,7 @@ from jaxspec.cache import compile_cache_on
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import TreeChooser
 from jaxspec.engine.runner import Generation, RequestError, Runner, _check_fits
+from jaxspec.engine.stops import check_stops
 from jaxspec.parallel.sharding import fetch, pinned
 from jaxspec.decoding.step import DecodeConfig, StepOutput, insert_row, move_row, prefill_row, resize, set_inactive
 from jaxspec.structured import Grammar, GrammarError
@@ -106,22 +107,11 @@ def cut_tokens(done: list[int], new: list[int], limit: int, stop_ids: set[int],
     return new, reason
 
 
-MAX_STOPS = 16  # stop strings per request (every entry point: CLI, server, multi-process message)
-MAX_STOP_CHARS = 256  # characters per stop string
-
-
 def prior_ratio(cfg: DecodeConfig) -> float:
     """A tree's cost over a plain step before any measurement: each extra node verified and each draft level
     adds a share (fit on this project's measurements at one row on a 2-core CPU: 1.4x for <1,1,1>, 1.7x for
     the n-gram's <1x6>); the measurement replaces it as soon as the tree runs."""
     return 1.0 + 0.12 * (cfg.num_nodes - 1) + 0.05 * cfg.draft_levels
-
-
-def check_stops(stops: Sequence[str]) -> None:
-    """Raises RequestError unless ``stops`` holds at most MAX_STOPS non-empty strings of at most MAX_STOP_CHARS:
-    the one rule for the CLI, the server and the engine (and what the multi-process message is sized for)."""
-    if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-        raise RequestError(f"stop takes 1 to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")
 
 
 class QueueFull(RuntimeError):
@@ -136,7 +126,7 @@ class Request:
     max_new_tokens: int
     params: sampling.SamplingParams = sampling.SamplingParams()
     stop_ids: Sequence[int] | None = None  # None: the LLM's EOS ids
-    stop: Callable[[list[int]], int | None] | None = None  # stop-string matcher: generated ids -> cut index
+    stop: Callable[[list[int]], int | None] | None = None  # stop check (``stops.StopText``): ids -> tokens kept
     id: str = ""
     stop_strings: tuple[str, ...] = ()  # what ``stop`` matches (a multi-host server sends them to its peers)
     grammar: Grammar | None = None  # structured output: the text must match it (``jaxspec.structured``)

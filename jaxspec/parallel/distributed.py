@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from jaxspec.cli.common import CliError
-from jaxspec.engine.batch import MAX_STOP_CHARS, MAX_STOPS
+from jaxspec.engine.stops import MAX_STOP_CHARS, MAX_STOPS
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"

@@ -38,7 +38,7 @@ from typing import IO, Annotated, Any, AsyncIterator, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxspec.engine.batch import MAX_STOPS, check_stops
+from jaxspec.engine.stops import MAX_STOPS, StopText, check_stops
 
 log = logging.getLogger("jaxspec.serving.server")
 
@@ -49,6 +49,8 @@ MAX_SEED = 2**63 - 1
 MAX_TEXT_CHARS = 1 << 20  # characters per prompt or message
 MAX_MESSAGES = 1024
 MAX_BODY_BYTES = 8 << 20  # --max-body-bytes default: larger bodies get 413
+DRAIN_BYTES = 64 << 20  # an over-limit body is read and dropped up to this, so a blocking client hears its 413
+DRAIN_S = 30.0  # ... for at most this long
 FAULT_ENV = "JAXSPEC_SERVE_FAULT"  # tests: a stop string naming this value makes the engine's stop check raise
 WARMUP_TOKENS = 4
 SHUTDOWN_GRACE_S = 5.0  # past --shutdown-timeout, for cancelled requests to end before uvicorn cuts them
@@ -233,60 +235,9 @@ def refuse_unsupported(body: _Sampling) -> None:
 
 # ---------------------------------------------------------------------------------------- text
 
-class TextStream:
-    """Incremental detokenization of one completion that never sends what a stop string may claim.
-
-    Text decodes over a short window of earlier tokens (vLLM's prefix/read offsets) so each
-    update costs a few tokens, and waits while the newest bytes are an incomplete character.
-    """
-
-    def __init__(self, tokenizer, stops: list[str]) -> None:
-        self.tokenizer, self.stops = tokenizer, stops
-        self.hold = max(map(len, stops), default=1) - 1  # characters a stop string could still grow from
-        self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0
-        self._prefix = self._read = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _catch_up(self, final: bool) -> None:
-        before = self._decode(self.ids[self._prefix:self._read])
-        after = self._decode(self.ids[self._prefix:])
-        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            self.text += after[len(before):]
-            self._prefix, self._read = self._read, len(self.ids)
-
-    def _stop_at(self) -> int | None:
-        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def add(self, ids: list[int]) -> str:
-        """Appends generated ids; returns the text now safe to send."""
-        self.ids.extend(ids)
-        self._catch_up(final=False)
-        cut = self._stop_at()
-        end = cut if cut is not None else max(len(self.text) - self.hold, self.sent)
-        return self._send(end)
-
-    def finish(self) -> tuple[str, bool]:
-        """The rest of the text (cut before the first stop string) and whether a stop string cut it."""
-        self._catch_up(final=True)
-        cut = self._stop_at()
-        if cut is not None:
-            self.text = self.text[:cut]
-        return self._send(len(self.text)), cut is not None
-
-    def _send(self, end: int) -> str:
-        out = self.text[self.sent:end]
-        self.sent = max(self.sent, end)
-        return out
-
-
 def stop_matcher(tokenizer, stops: list[str]) -> Callable[[list[int]], int | None] | None:
-    """The engine's stop check: generated ids -> how many to keep (through the token where a stop string
-    starts; the server cuts the text itself) or None. Decodes only the tail a new match can lie in."""
+    """The engine's stop check for one choice (``StopText``, the rule ``jaxspec generate`` applies too), or None
+    without stop strings; a stop string naming $JAXSPEC_SERVE_FAULT makes it raise instead (tests)."""
     if not stops:
         return None
     if os.environ.get(FAULT_ENV) in stops:
@@ -294,24 +245,7 @@ def stop_matcher(tokenizer, stops: list[str]) -> Callable[[list[int]], int | Non
             raise RuntimeError(f"fault injected by {FAULT_ENV}")
 
         return fault
-    reach = 4 * max(map(len, stops))  # tokens a stop string can span (a character is at most 4 byte tokens)
-    checked = 0
-
-    def match(ids: list[int]) -> int | None:
-        nonlocal checked
-        start = max(0, checked - reach)
-        text = tokenizer.decode(ids[start:], skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-        checked = len(ids)
-        if not hits:
-            return None
-        cut = min(hits)
-        for n in range(start + 1, len(ids) + 1):
-            if len(tokenizer.decode(ids[start:n], skip_special_tokens=True)) > cut:
-                return n
-        return len(ids)
-
-    return match
+    return StopText(tokenizer, stops)
 
 
 # ---------------------------------------------------------------------------------------- engine side
@@ -322,7 +256,7 @@ class Choice:
 
     index: int
     prompt_tokens: int
-    text: TextStream
+    text: StopText  # its text as it streams, under the engine's stop rule
     arrival: float
     ticket: Any = None
     first: float | None = None
@@ -533,7 +467,7 @@ class Service:
             except (RequestError, SamplingError) as e:
                 raise APIError(400, str(e), code="invalid_request") from None
             p = req.params
-            job.choices.append(Choice(i, len(req.prompt_ids), TextStream(self.tokenizer, stops), arrival,
+            job.choices.append(Choice(i, len(req.prompt_ids), StopText(self.tokenizer, stops), arrival,
                                       sampling={"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
                                                 "seed": p.seed, "seed_from": seed_from}))
         waiting = self.batch.queue_depth()
@@ -870,7 +804,11 @@ async def _refuse(send, status: int, error: APIError, headers: tuple = ()) -> No
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` gets 413 (announced or streamed), before it is parsed."""
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 (announced or streamed), before it is parsed.
+
+    The refused body is read and dropped first (up to ``DRAIN_BYTES`` in ``DRAIN_S``): a client that sends
+    it whole before reading (urllib, requests) would otherwise see the connection reset, not the 413.
+    """
 
     def __init__(self, app, max_bytes: int, on_refuse: Callable[[], None] = lambda: None) -> None:
         self.app, self.max_bytes, self.on_refuse = app, max_bytes, on_refuse
@@ -878,12 +816,10 @@ class BodyLimit:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_big = APIError(413, f"the request body is larger than {self.max_bytes} bytes (--max-body-bytes)",
-                           code="body_too_large")
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_bytes:
-            self.on_refuse()
-            return await _refuse(send, 413, too_big)
+            announced = int(length) if length.isdigit() else DRAIN_BYTES + 1
+            return await self._refuse(receive, send, more=True, left=announced)
         chunks, size, more = [], 0, True
         while more:  # read it whole (at most max_bytes), then replay it to the app
             message = await receive()
@@ -893,14 +829,42 @@ class BodyLimit:
             size += len(chunks[-1])
             more = message.get("more_body", False)
             if size > self.max_bytes:
-                self.on_refuse()
-                return await _refuse(send, 413, too_big)
+                return await self._refuse(receive, send, more)
         replayed = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay():
             return replayed.pop() if replayed else await receive()
 
         await self.app(scope, replay, send)
+
+    async def _refuse(self, receive, send, more: bool, left: int = 0) -> None:
+        """413 once the rest of the body is read and dropped; past the drain bounds, 413 and the connection closes."""
+        self.on_refuse()
+        too_big = APIError(413, f"the request body is larger than {self.max_bytes} bytes (--max-body-bytes)",
+                           code="body_too_large")
+        drained = left <= DRAIN_BYTES and more and await _drain(receive, DRAIN_BYTES, DRAIN_S)
+        close = () if drained or not more else ((b"connection", b"close"),)
+        await _refuse(send, 413, too_big, close)
+
+
+async def _drain(receive, limit: int, seconds: float) -> bool:
+    """Reads and drops a request's body; True once it ended within ``limit`` bytes and ``seconds``."""
+    async def read() -> bool:
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return False
+            size += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return True
+            if size > limit:
+                return False
+
+    try:
+        return await asyncio.wait_for(read(), seconds)
+    except asyncio.TimeoutError:
+        return False
 
 
 class BearerAuth:
