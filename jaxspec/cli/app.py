@@ -157,12 +157,12 @@ def report_learned(engine) -> None:
             scale = f"{np.median(seen):.2f}x calibrated" if seen else "calibrated"
             print(f"[jaxspec] learned: tree {name:<10} {warp.label}: observed {scale} ({len(seen)} timed)",
                   file=sys.stderr)
-        for kind in chooser.global_stats:  # rates() blends the running request's counts in; so do the tries
+        for kind in chooser.global_stats:  # rates() blends the open requests' counts in; so do the tries
             trials = chooser.global_stats[kind].trials[1:] + chooser.request[kind].trials[1:]
             if trials.any():
                 rates = " ".join(f"{r:.2f}" for r in chooser.rates(kind)[1:])
                 print(f"[jaxspec] learned: {kind:<8} acceptance by depth {rates} "
-                      f"({int(trials[0])} tries)", file=sys.stderr)
+                      f"({trials[0]:.0f} tries, earlier requests' discounted)", file=sys.stderr)
 
 
 def report_host(batch: "BatchEngine", args) -> None:

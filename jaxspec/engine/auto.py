@@ -11,16 +11,27 @@ Statistics are kept per proposer kind (``ssm``: the learned SSMs' tree; ``ngram`
 prompt-lookup chain, kept apart by the length of the suffix it matched, 1, 2 or 3+
 tokens, since longer matches are far more reliable) and per tree depth i: of the iterations where the kind's proposal
 agreed with the emitted tokens down to depth i - 1 and reached depth i, how often it
-agreed at depth i too. Counts of the current request are blended with those of earlier
-requests (at most ``GLOBAL_WEIGHT`` pseudo-iterations) and an optimistic prior, so a kind
-gets tried before it is judged and a request with unusual text adapts within a few
-iterations. A merged tree accepts at depth i when any of its kinds does; kinds are
-treated as independent.
+agreed at depth i too. Each request (row) keeps its own counts, named by a key the
+engine passes (its ticket); a row's rates blend its request's counts with those of
+earlier requests (at most ``GLOBAL_WEIGHT`` pseudo-iterations) and an optimistic prior,
+so a kind gets tried before it is judged and a request with unusual text adapts within a
+few iterations without moving its neighbours' estimates. A merged tree accepts at depth i
+when any of its kinds does; kinds are treated as independent.
 
-The choice explores by Thompson sampling: each pick draws every kind's per-depth rates
-from their Beta posteriors (seeded, so a run is reproducible) instead of taking the
-means, so a speculator that failed its first few tries is tried again now and then
-rather than locked out for good. Costs start from the calibration and follow what
+Earlier requests are forgotten: when a request finishes, the global counts are multiplied
+by ``DISCOUNT`` before its own are added, so a request's evidence weighs half as much
+``HALF_LIFE`` finished requests later. Evidence against a speculator thus fades even while
+it is not run, its estimate drifts back toward the prior and it is tried again; and when
+traffic changes, the statistics follow it. Requests that must not teach the chooser
+(``serve``'s synthetic warm-up) are simply never observed, and finishing a request that was
+never observed changes nothing.
+
+The choice explores by Thompson sampling: each pick draws the per-depth rates its
+candidates need (only the kinds the members it may run use, per row's request) from their
+Beta posteriors (seeded, so a run is reproducible) instead of taking the means, so a
+speculator that failed its first few tries is tried again now and then rather than
+waiting for the forgetting alone. A pick with one candidate (a bucket where only the plain
+step is ready) returns it without drawing. Costs start from the calibration and follow what
 iterations really take: once a member has run ``MIN_TIMINGS`` times, its calibrated cost
 is scaled by the median ratio of observed to calibrated seconds, so a calibration
 measured on a busy machine (or stale) corrects itself.
@@ -36,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Hashable, Sequence
 
 import numpy as np
 
@@ -45,6 +57,10 @@ PRIOR_RATE = 0.6  # optimistic prior acceptance per depth, worth PRIOR_WEIGHT it
 PRIOR_WEIGHT = 1.0
 GLOBAL_WEIGHT = 8.0  # earlier requests count as at most this many iterations in the estimated rates
 GLOBAL_CONFIDENCE = 64.0  # ... and as at most this many in how sure the estimate is (exploration)
+# Forgetting is a statistical choice about traffic, not a machine cost: the last dozen or so requests are
+# taken to describe the next one. Evidence from a finished request weighs half as much HALF_LIFE requests later.
+HALF_LIFE = 8.0
+DISCOUNT = 0.5 ** (1.0 / HALF_LIFE)  # global counts are multiplied by this at each finished request (~0.917)
 MIN_TIMINGS = 4  # observed iterations of a member before they rescale its calibrated cost
 TIMING_WINDOW = 32  # the newest observed/calibrated ratios kept per member
 FORCED_NODE_PRIOR = 0.12  # a forced-chain node's share of a plain step before a grammar step is timed
@@ -78,77 +94,124 @@ class TreeChooser:
     ``explore`` draws acceptance rates from their posteriors at each pick (Thompson
     sampling, from a generator seeded by ``seed``); without it picks use the posterior
     means (deterministic). ``adapt_costs`` rescales calibrated costs by observed ones
-    (``observe_time``); an injected cost table is kept as given.
+    (``observe_time``); an injected cost table is kept as given. ``discount`` multiplies
+    the global counts at each finished request (1.0: never forget).
+
+    Requests are named by hashable keys (``observe(..., key=)``, ``finish(key)``, the
+    ``keys`` of a pick). The key None is the one unnamed stream of a caller that names
+    none; reading statistics with key None (a pick without keys) pools every open
+    request's counts, which is that stream when it is the only one.
     """
 
     def __init__(self, members: list[Member], costs: dict[str, float], explore: bool = True,
-                 adapt_costs: bool = True, seed: int = 0) -> None:
+                 adapt_costs: bool = True, seed: int = 0, discount: float = DISCOUNT) -> None:
         if "none" not in {m.name for m in members}:
             raise ValueError("the family must include 'none' (no speculation)")
         missing = [m.name for m in members if m.name not in costs]
         if missing:
             raise ValueError(f"no measured cost for {', '.join(missing)}")
+        if not 0.0 < discount <= 1.0:
+            raise ValueError(f"discount must lie in (0, 1], not {discount}")
         self.members = {m.name: m for m in members}
         self.costs = dict(costs)  # calibrated seconds per iteration, unless a pick brings its bucket's own
         self.explore = explore
         self.adapt_costs = adapt_costs
+        self.discount = discount
         self.rng = np.random.default_rng(seed)
         self.timings = {m.name: collections.deque(maxlen=TIMING_WINDOW) for m in members}
         self.max_depth = max([d for m in members for d in m.depth.values()] + [1])
-        self.global_stats = {k: DepthStats(self.max_depth) for k in KINDS}
-        self.request = {k: DepthStats(self.max_depth) for k in KINDS}
+        self.global_stats = {k: DepthStats(self.max_depth) for k in KINDS}  # finished requests, discounted
+        self.open: dict[Hashable, dict[str, DepthStats]] = {}  # request key -> its counts, until it finishes
+        self.request = {k: DepthStats(self.max_depth) for k in KINDS}  # the sum of every open request's counts
+        self._empty = DepthStats(self.max_depth)  # the counts of a request not observed yet (never written)
 
-    def new_request(self) -> None:
-        """Folds the finished request's counts into the global ones and starts afresh."""
+    def finish(self, key: Hashable = None) -> None:
+        """Folds a finished request's counts into the discounted global ones; a request never observed changes
+        nothing (so warm-up, which is not observed, leaves the statistics as they were)."""
+        counts = self.open.pop(key, None)
+        if counts is None:
+            return
         for k in KINDS:
-            self.global_stats[k].add(self.request[k])
-            self.request[k] = DepthStats(self.max_depth)
+            g = self.global_stats[k]
+            g.trials *= self.discount
+            g.hits *= self.discount
+            g.add(counts[k])
+            self.request[k].add(counts[k], -1.0)
 
-    def rates(self, kind: str) -> np.ndarray:
-        """Estimated acceptance at depth i given depth i - 1 was accepted, [max_depth + 1] (index 0 unused)."""
-        g, r = self.global_stats[kind], self.request[kind]
+    def _counts(self, kind: str, key: Hashable) -> DepthStats:
+        """The running counts that a row of request ``key`` reads (None: every open request pooled)."""
+        if key is None:
+            return self.request[kind]
+        counts = self.open.get(key)
+        return self._empty if counts is None else counts[kind]
+
+    def rates(self, kind: str, key: Hashable = None) -> np.ndarray:
+        """Estimated acceptance at depth i given depth i - 1 was accepted, [max_depth + 1] (index 0 unused),
+        for a row of request ``key``."""
+        g, r = self.global_stats[kind], self._counts(kind, key)
         scale = np.minimum(1.0, GLOBAL_WEIGHT / np.maximum(g.trials, 1.0))
         hits = r.hits + scale * g.hits + PRIOR_RATE * PRIOR_WEIGHT
         trials = r.trials + scale * g.trials + PRIOR_WEIGHT
         return hits / trials
 
-    def posterior(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    def posterior(self, kind: str, key: Hashable = None) -> tuple[np.ndarray, np.ndarray]:
         """Beta parameters (a, b) per depth, [max_depth + 1] each, that Thompson sampling draws from.
 
         Their mean is ``rates``; their weight counts up to ``GLOBAL_CONFIDENCE`` earlier
         iterations (more than the mean does), so a speculator judged on many iterations is
-        rarely re-tried while one judged on a few still is.
+        rarely re-tried while one judged on a few (or long ago: the counts are discounted) still is.
         """
-        g, r = self.global_stats[kind], self.request[kind]
+        g, r = self.global_stats[kind], self._counts(kind, key)
         weight = r.trials + np.minimum(g.trials, GLOBAL_CONFIDENCE) + PRIOR_WEIGHT
-        mean = self.rates(kind)
+        mean = self.rates(kind, key)
         return mean * weight, (1.0 - mean) * weight
 
-    def _draw(self) -> dict[str, np.ndarray]:
-        """Per-depth rates of every kind for one pick: posterior draws when exploring, else the means."""
+    def _draw(self, wanted: Sequence[tuple[str, Hashable]]) -> dict[tuple[str, Hashable], np.ndarray]:
+        """Per-depth rates, [max_depth + 1] each, of the (stats kind, request key) pairs one pick needs: posterior
+        draws when exploring, else the means. Draws run kind by kind in ``KINDS`` order, one call per kind."""
         if not self.explore:
-            return {k: self.rates(k) for k in KINDS}
-        return {k: self.rng.beta(*self.posterior(k)) for k in KINDS}
+            return {w: self.rates(*w) for w in wanted}
+        drawn = {}
+        for kind in KINDS:  # a fixed order: the same calls draw the same numbers from the seeded generator
+            keys = [key for k, key in wanted if k == kind]
+            if not keys:
+                continue
+            a, b = zip(*(self.posterior(kind, key) for key in keys))
+            draws = self.rng.beta(np.stack(a), np.stack(b))  # [len(keys), max_depth + 1]
+            drawn.update(((kind, key), d) for key, d in zip(keys, draws))
+        return drawn
+
+    def _row_rates(self, names: Sequence[str], rows: Sequence[tuple[int, int]],
+                   keys: Sequence[Hashable]) -> list[dict[str, np.ndarray]]:
+        """Per row, the rates (stats kind -> per-depth rates) that members ``names`` read for it, drawn once per
+        (kind, request) in row order; a row's n-gram without a proposal needs none."""
+        kinds = {kind for n in names for kind in self.members[n].depth}
+        need = [[self._stats_kind(kind, match) for kind in sorted(kinds) if kind != "ngram" or length > 0]
+                for length, match in rows]
+        drawn = self._draw(list(dict.fromkeys((k, key) for row, key in zip(need, keys) for k in row)))
+        return [{k: drawn[k, key] for k in row} for row, key in zip(need, keys)]
 
     @staticmethod
     def _stats_kind(kind: str, ngram_match: int) -> str:
         return f"ngram:{min(max(ngram_match, 1), NGRAM_BUCKETS)}" if kind == "ngram" else kind
 
     def expected_tokens(self, name: str, ngram_len: int = 0, ngram_match: int = 1,
-                        rates: dict[str, np.ndarray] | None = None, certain: int = 0) -> float:
+                        rates: dict[str, np.ndarray] | None = None, certain: int = 0, key: Hashable = None) -> float:
         """1 + Σ_i P(the merged tree agrees down to depth i): expected tokens of one iteration.
 
         ``ngram_len`` is how many tokens the n-gram proposes now, ``ngram_match`` how long a
-        suffix it matched; ``rates`` (kind -> per-depth rates) defaults to the posterior means;
-        ``certain``: the first levels a grammar forces (the SSMs' masked drafts there are the
-        forced tokens, accepted for sure).
+        suffix it matched; ``rates`` (kind -> per-depth rates) defaults to the posterior means
+        of a row of request ``key``; ``certain``: the first levels a grammar forces (the SSMs'
+        masked drafts there are the forced tokens, accepted for sure).
         """
         m = self.members[name]
         miss = np.ones(self.max_depth + 1)  # P(no kind reaches depth i)
         for kind, depth in m.depth.items():
             d = min(depth, ngram_len) if kind == "ngram" else depth
+            if d <= 0:
+                continue  # nothing proposed: this kind reaches no depth
             stats_kind = self._stats_kind(kind, ngram_match)
-            r = rates[stats_kind] if rates is not None else self.rates(stats_kind)
+            r = rates[stats_kind] if rates is not None else self.rates(stats_kind, key)
             if kind == "ssm" and certain:
                 r = r.copy()
                 r[1 : certain + 1] = 1.0
@@ -197,51 +260,68 @@ class TreeChooser:
                 seconds / base)
 
     def pick_constrained(self, rows: list[tuple[int, int, int]], costs: dict[str, float] | None = None,
-                         chains: tuple[int, ...] = (0,)) -> tuple[str, int]:
+                         chains: tuple[int, ...] = (0,), keys: Sequence[Hashable] | None = None) -> tuple[str, int]:
         """(member, forced-chain depth) with the most expected tokens per second over a batch under grammars.
 
         ``rows`` holds each active row's (n-gram proposal length, matched suffix length, tokens its
         grammar forces after the root); ``chains`` the chain depths to choose from; members the
         bucket has not compiled (absent from ``costs``) are left out. A row
         whose grammar forces L tokens gets max(the tree's tokens with L certain levels,
-        min(L, chain) + 1).
+        min(L, chain) + 1). ``keys`` name each row's request (default: none, every open request pooled).
         """
-        rates = self._draw()
+        names = [m for m in self.members if m in (costs or self.costs)]  # lazy auto: the bucket's compiled ones
+        rates = self._row_rates(names, [(length, match) for length, match, _ in rows], keys or [None] * len(rows))
         scores = {}
-        for n in (m for m in self.members if m in (costs or self.costs)):  # lazy auto: the bucket's compiled ones
-            tree = [self.expected_tokens(n, length, match, rates, certain=forced) for length, match, forced in rows]
+        for n in names:
+            tree = [self.expected_tokens(n, length, match, r, certain=forced)
+                    for (length, match, forced), r in zip(rows, rates)]
             for b in chains:
                 tokens = sum(max(t, min(forced, b) + 1.0) for t, (_, _, forced) in zip(tree, rows))
                 scores[n, b] = tokens / self.constrained_cost(n, b, costs)
         return max(scores, key=lambda nb: (scores[nb], nb[0] == "none", -nb[1]))
 
-    def pick(self, ngram_len: int = 0, ngram_match: int = 1) -> str:
-        """The member with the most expected tokens per second ("none" wins ties)."""
-        return self.pick_batch([(ngram_len, ngram_match)])
+    def pick(self, ngram_len: int = 0, ngram_match: int = 1, key: Hashable = None) -> str:
+        """The member with the most expected tokens per second for one row of request ``key`` ("none" wins ties)."""
+        return self.pick_batch([(ngram_len, ngram_match)], keys=[key])
 
-    def pick_batch(self, rows: list[tuple[int, int]], costs: dict[str, float] | None = None) -> str:
+    def pick_batch(self, rows: list[tuple[int, int]], costs: dict[str, float] | None = None,
+                   keys: Sequence[Hashable] | None = None) -> str:
         """The member with the most expected tokens per second summed over a batch's rows.
 
         ``rows`` holds each active row's (n-gram proposal length, matched suffix length);
         ``costs`` are those of the bucket the batch runs in (default ``self.costs``), so a
-        large batch (where a tree costs more than it saves) falls back to no speculation.
-        One draw of the rates serves every row and member of the pick.
+        large batch (where a tree costs more than it saves) falls back to no speculation;
+        members without a cost there are not candidates. ``keys`` name each row's request,
+        whose own counts its rates read (default: none, every open request pooled). One draw
+        per (kind, request) serves every member of the pick.
         """
-        rates = self._draw()
-        scores = {n: sum(self.expected_tokens(n, length, match, rates) for length, match in rows) / self.cost(n, costs)
-                  for n in self.members}
+        names = [n for n in self.members if n in (costs or self.costs)]
+        if len(names) == 1:
+            return names[0]  # e.g. only the plain step is ready: nothing to draw
+        rates = self._row_rates(names, rows, keys or [None] * len(rows))
+        scores = {n: sum(self.expected_tokens(n, length, match, r) for (length, match), r in zip(rows, rates))
+                  / self.cost(n, costs) for n in names}
         return max(scores, key=lambda n: (scores[n], n == "none"))
 
-    def observe(self, name: str, source_depth: np.ndarray, ngram_len: int = 0, ngram_match: int = 1) -> None:
-        """Records one iteration of ``name``: source_depth [P] as returned by the step."""
+    def observe(self, name: str, source_depth: np.ndarray, ngram_len: int = 0, ngram_match: int = 1,
+                key: Hashable = None) -> None:
+        """Records one iteration of ``name`` for a row of request ``key``: source_depth [P] as returned by the step.
+
+        Every iteration is recorded, "none"'s too: a request seen running counts as traffic when it finishes
+        (the global counts forget a little), even if it never speculated.
+        """
+        counts = self.open.get(key)
+        if counts is None:
+            counts = self.open[key] = {k: DepthStats(self.max_depth) for k in KINDS}
         m = self.members[name]
         for kind, depth in m.depth.items():
             d = min(depth, ngram_len) if kind == "ngram" else depth
             agreed = max((int(source_depth[p]) for p in m.positions[kind]), default=0)
             tried = min(agreed + 1, d)  # depths 1..tried were reached with their parent agreeing
-            stats = self.request[self._stats_kind(kind, ngram_match)]
-            stats.trials[1 : tried + 1] += 1
-            stats.hits[1 : agreed + 1] += 1
+            stats_kind = self._stats_kind(kind, ngram_match)
+            for stats in (counts[stats_kind], self.request[stats_kind]):
+                stats.trials[1 : tried + 1] += 1
+                stats.hits[1 : agreed + 1] += 1
 
 
 def _grammar_key(name: str, forced: int) -> str:

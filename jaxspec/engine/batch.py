@@ -130,6 +130,7 @@ class Request:
     id: str = ""
     stop_strings: tuple[str, ...] = ()  # what ``stop`` matches (a multi-host server sends them to its peers)
     grammar: Grammar | None = None  # structured output: the text must match it (``jaxspec.structured``)
+    learn: bool = True  # False: auto's acceptance statistics ignore it (synthetic warm-up traffic)
 
 
 @dataclasses.dataclass
@@ -690,6 +691,7 @@ class BatchEngine:
             slots, self.slots = self.slots, []
             for slot in slots:
                 slot.row = -1
+                self._finish_learning(slot)
                 _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error", f"{type(exc).__name__}: {exc}"))
 
     def _drop_cancelled_waiting(self) -> None:
@@ -846,9 +848,13 @@ class BatchEngine:
         req = slot.ticket.request
         _deliver(slot.on_event, Event(req.id, list(new), reason, error, prompt_tokens=len(req.prompt_ids),
                                       completion_tokens=len(slot.gen.token_ids), generation=slot.gen, tree=tree))
+        self._finish_learning(slot)
+
+    def _finish_learning(self, slot: "_Slot") -> None:
+        """Folds a request that left its row into auto's statistics (a request never observed changes nothing)."""
         if self.engine.auto:
             for chooser in self.engine._choosers.values():
-                chooser.new_request()
+                chooser.finish(slot.ticket)
 
     def _decode(self) -> None:
         """Dispatches the next iteration, then reads and emits the previous one's tokens while it runs.
@@ -987,8 +993,9 @@ class BatchEngine:
         ssm_nodes = cfg.num_nodes - 1 - cfg.ngram_depth - cfg.forced_depth
         for i, slot in live:
             n = int(num[i])
-            if it.chooser is not None and not it.forced[i]:  # forced levels would pass as the drafters' hits
-                it.chooser.observe(it.name, depths[i], len(it.proposals[i]), it.matched[i])
+            learn = it.chooser is not None and slot.ticket.request.learn  # warm-up teaches nothing
+            if learn and not it.forced[i]:  # forced levels would pass as the drafters' hits
+                it.chooser.observe(it.name, depths[i], len(it.proposals[i]), it.matched[i], key=slot.ticket)
             slot.committed += n
             slot.gen.llm_steps += 1
             slot.gen.ssm_steps += cfg.draft_levels

@@ -371,7 +371,8 @@ class Service:
     def warm_up(self, grammar: bool = False) -> None:
         """Compiles before serving: the decoding family (``BatchEngine.warm``; with ``grammar`` its
         structured-output steps too), then greedy and sampled requests whose prompts reach every prefill
-        chunk shape (``BatchEngine.buckets``), through the loop."""
+        chunk shape (``BatchEngine.buckets``), through the loop; their synthetic tokens teach auto's chooser
+        nothing (``learn=False``)."""
         from jaxspec.engine.batch import Request  # noqa: PLC0415
         from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
 
@@ -389,7 +390,7 @@ class Service:
         for i, n in enumerate(lengths):  # distinct first tokens: no prompt reuses another's prefill
             ids = [(100 + i + 7 * k) % self.vocab_size for k in range(n)]
             params = SamplingParams(temperature=1.0, seed=i) if i % 2 else SamplingParams()
-            self.batch.submit(Request(ids, WARMUP_TOKENS, params, id=f"warmup-{i}"), on_event)
+            self.batch.submit(Request(ids, WARMUP_TOKENS, params, id=f"warmup-{i}", learn=False), on_event)
         for _ in lengths:
             while not done.acquire(timeout=1.0):
                 if self.dead:

@@ -1,0 +1,122 @@
+"""Auto's chooser learns per request, forgets earlier traffic, ignores warm-up and draws only what a pick needs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import random_prompts
+from jaxspec.decoding import sampling
+from jaxspec.engine import Engine, early_exit
+from jaxspec.engine.auto import DISCOUNT, HALF_LIFE, Member, TreeChooser
+from jaxspec.engine.batch import BatchEngine, Request
+
+SSM = [Member("none", {}, {}), Member("ssm", {"ssm": 3}, {"ssm": (0,)})]
+NGRAM = [Member("none", {}, {}), Member("ngram", {"ngram": 4}, {"ngram": (0,)})]
+
+
+def _run_requests(chooser: TreeChooser, agreed: int, requests: int, length: int) -> list[str]:
+    """Serves ``requests`` requests of ``length`` iterations each, one at a time, against an SSM that agrees down
+    to depth ``agreed`` every time; every iteration is observed, as the engine does. Returns the picks."""
+    picks = []
+    for _ in range(requests):
+        for _ in range(length):
+            name = chooser.pick()
+            chooser.observe(name, np.asarray([agreed if name == "ssm" else 0]))
+            picks.append(name)
+        chooser.finish()
+    return picks
+
+
+@pytest.mark.parametrize("explore", [False, True])
+def test_a_speculator_that_failed_for_long_is_retried_once_traffic_changes(explore):
+    """40 requests in which a one-level SSM always failed, then traffic where it always agrees: the chooser must
+    pick it again within a bounded number of iterations and keep it (one that never forgets never retries it:
+    by the means, its rate stays 0.6 / 9; its posterior, Beta(4.3, 60.7), almost never draws the 0.3 it needs)."""
+    members = [Member("none", {}, {}), Member("ssm", {"ssm": 1}, {"ssm": (0,)})]
+    chooser = TreeChooser(members, {"none": 1.0, "ssm": 1.3}, explore=explore, seed=3)
+    for _ in range(40):  # e.g. one user's text the drafter cannot predict
+        for _ in range(10):
+            chooser.observe("ssm", np.asarray([0]))
+        chooser.finish()
+    if not explore:
+        assert chooser.pick() == "none"  # by the means alone it is judged a loss now
+    picks = _run_requests(chooser, agreed=1, requests=80, length=10)
+    # bound: the means pick it once its ~117 discounted tries fall below 1 (rate 0.6 / (1 + tries) > 0.3),
+    # log2(117) ~ 6.9 half-lives; requests are 10 iterations each
+    bound = int(8 * HALF_LIFE) * 10
+    assert "ssm" in picks[:bound]
+    assert picks[-100:].count("ssm") >= 95  # once retried, it is learned to pay and kept
+
+
+def test_rows_keep_their_own_request_counts():
+    """Two rows of different requests: each pick reads its own request's counts, and one finishing leaves the
+    other's counts as they were (they used to be reset at every retirement)."""
+    chooser = TreeChooser(NGRAM, {"none": 1.0, "ngram": 1.5}, explore=False)
+    for _ in range(10):
+        chooser.observe("ngram", np.asarray([4]), ngram_len=4, key="copy")  # copies its prompt: always agrees
+        chooser.observe("ngram", np.asarray([0]), ngram_len=4, key="free")  # free text: rejected at depth 1
+    assert chooser.pick(4, key="copy") == "ngram"
+    assert chooser.pick(4, key="free") == "none"
+    assert chooser.expected_tokens("ngram", 4, key="copy") > 4.0 > 1.2 > chooser.expected_tokens("ngram", 4, key="free")
+    assert chooser.pick_batch([(4, 1), (4, 1)], keys=["copy", "free"]) == "ngram"  # ~5.1 tokens for 1.5x beats 2
+    assert chooser.pick_batch([(4, 1), (4, 1)], keys=["free", "free"]) == "none"
+    chooser.finish("copy")
+    assert chooser.open["free"]["ngram:1"].trials[1] == 10  # untouched by the other's retirement
+    assert chooser.expected_tokens("ngram", 4, key="free") < chooser.expected_tokens("ngram", 4, key="new") - 1.0
+    assert chooser.request["ngram:1"].trials[1] == 10  # the pool of open requests lost the finished one's counts
+    assert chooser.global_stats["ngram:1"].hits[4] == 10
+
+
+def test_finishing_discounts_earlier_requests_and_an_unobserved_request_changes_nothing():
+    chooser = TreeChooser(SSM, {"none": 1.0, "ssm": 1.3})
+    for _ in range(4):
+        chooser.observe("ssm", np.asarray([1]), key=1)
+    chooser.finish(1)
+    assert list(chooser.global_stats["ssm"].trials[1:]) == [4, 4, 0] and list(chooser.global_stats["ssm"].hits[1:]) \
+        == [4, 0, 0]
+    before = chooser.global_stats["ssm"].trials.copy()
+    chooser.finish("warm-up")  # never observed
+    assert (chooser.global_stats["ssm"].trials == before).all()
+    chooser.observe("none", np.asarray([0]), key=2)  # ran the plain step only: still traffic
+    chooser.finish(2)
+    np.testing.assert_allclose(chooser.global_stats["ssm"].trials, before * DISCOUNT)
+    assert DISCOUNT ** HALF_LIFE == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="discount"):
+        TreeChooser(SSM, {"none": 1.0, "ssm": 1.3}, discount=0.0)
+
+
+def test_picks_draw_only_what_their_candidates_need():
+    members = [Member("none", {}, {}), Member("ssm", {"ssm": 2}, {"ssm": (0,)}),
+               Member("ngram", {"ngram": 4}, {"ngram": (1,)})]
+    chooser = TreeChooser(members, {"none": 1.0, "ssm": 1.2, "ngram": 1.2}, seed=7)
+    state = chooser.rng.bit_generator.state
+    assert chooser.pick_batch([(4, 2)] * 3, {"none": 1.0}) == "none"  # only the plain step is ready
+    assert chooser.pick_constrained([(4, 2, 0)], {"none": 1.0}) == ("none", 0)
+    assert chooser.rng.bit_generator.state == state  # no draw at all
+    asked = []
+    posterior = chooser.posterior
+    chooser.posterior = lambda kind, key=None: asked.append(kind) or posterior(kind, key)
+    chooser.pick_batch([(0, 0), (0, 0)])  # no row has an n-gram proposal
+    assert asked == ["ssm"]
+    asked.clear()
+    chooser.pick_batch([(4, 2), (4, 3)], {"none": 1.0, "ngram": 1.2}, keys=["a", "a"])  # ssm not ready
+    assert asked == ["ngram:2", "ngram:3"]
+    twins = [TreeChooser(members, {"none": 1.0, "ssm": 1.2, "ngram": 1.2}, seed=5) for _ in range(2)]
+    picks = [[c.pick_batch([(k % 5, 1 + k % 3)] * 2, keys=[k % 2, "b"]) for k in range(50)] for c in twins]
+    assert picks[0] == picks[1]  # seeded: the same picks
+
+
+def test_a_warm_up_request_leaves_the_statistics_unchanged(tiny_llm):
+    """A ``learn=False`` request runs trees (and is timed) but teaches the chooser nothing; a normal one does."""
+    engine = Engine(tiny_llm, ssms=[early_exit(tiny_llm, 1)], expansion=[(1, 1, 1)], auto=True,
+                    costs={"none": 1.0, "ssm": 1.0})
+    batch = BatchEngine(engine, max_batch=2, max_model_len=64)
+    prompts = random_prompts(2, 64, seed=4)
+    batch.generate([Request(prompts[0], 8, id="warmup-0", learn=False)])
+    chooser = engine.chooser(sampling.WarpSpec.of(sampling.SamplingParams()))
+    assert sum(len(t) for t in chooser.timings.values()) > 0  # its iterations were timed: machine costs
+    assert not any(s.trials.any() or s.hits.any() for s in chooser.global_stats.values())
+    assert not chooser.open and not chooser.request["ssm"].trials.any()
+    batch.generate([Request(prompts[1], 8)])
+    assert chooser.global_stats["ssm"].trials[1] > 0 and not chooser.open
