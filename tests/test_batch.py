@@ -200,7 +200,7 @@ def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm)
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     batch = BatchEngine(engine, max_batch=2, max_model_len=64, background=False)  # the loop waits for each build
     batch._anchors[greedy] = {"none": 1.0, "ssm": 1.0}  # the tree as cheap as a plain step where not measured
-    batch._compile_seconds = 1e9  # compiling never pays
+    batch._compile_seconds = batch._load_seconds = 1e9  # compiling (or loading from an earlier run) never pays
     assert [g.token_ids for g in batch.generate([Request(p, 12) for p in PROMPTS])] == want
     assert engine.is_warm(greedy, batch.capacity_buckets[0], 2, "none")
     assert not engine.is_warm(greedy, batch.capacity_buckets[0], 2, "ssm")
@@ -208,12 +208,12 @@ def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm)
     regret = batch._regret[(greedy, 2, batch.capacity_buckets[0], "ssm")]
     assert regret > 0  # the time lost without the tree is counted
     # rent or buy: once the time lost exceeds the compile cost, a request too short to pay for it alone compiles it
-    batch._compile_seconds = regret / 2
+    batch._compile_seconds = batch._load_seconds = regret / 2
     batch.generate([Request(PROMPTS[0], 4), Request(PROMPTS[1], 4)])  # a few picks (each a posterior draw)
     assert engine.is_warm(greedy, batch.capacity_buckets[0], 2, "ssm")
     batch = BatchEngine(engine, max_batch=2, max_model_len=64, background=False)  # fresh: nothing readied or lost
     batch._anchors[greedy] = {"none": 1.0, "ssm": 1.0}
-    batch._compile_seconds = 0.0  # compiling always pays: the tree is readied at the first pick
+    batch._compile_seconds = batch._load_seconds = 0.0  # compiling always pays: the tree is readied at the first pick
     gens = batch.generate([Request(p, 12) for p in PROMPTS])
     assert [g.token_ids for g in gens] == want
     assert "ssm" in batch._bucket_costs[(greedy, 2, batch.capacity_buckets[0])]  # readied and measured here

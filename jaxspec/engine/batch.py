@@ -925,16 +925,17 @@ class BatchEngine:
         longest = e.forced_bucket(max(map(len, chains), default=0))
         costs = self._costs(warp, self.rows, self.capacity)
         chooser = e.chooser(warp) if e.auto else None
+        keys = [s.ticket for _, s in live]  # each row's pick reads its own request's counts
         if chooser is not None and constrained:
             rows3 = [(len(proposals[i]), matched[i], len(chains[i])) for i, _ in live]
-            name, longest = chooser.pick_constrained(rows3, costs, tuple(sorted({0, longest})))
+            name, longest = chooser.pick_constrained(rows3, costs, tuple(sorted({0, longest})), keys=keys)
         elif chooser is not None:
             rows = [(len(proposals[i]), matched[i]) for i, _ in live]
             if self._lazy:
                 if self._building:
                     self._harvest()
                 every = self._estimated(warp, self.rows, self.capacity, costs)
-                name = chooser.pick_batch(rows, every)
+                name = chooser.pick_batch(rows, every, keys=keys)
                 bucket = (warp, self.rows, self.capacity)
                 if name not in costs:
                     if (*bucket, name) in self._building:  # plain steps until its build is in
@@ -945,7 +946,7 @@ class BatchEngine:
                         self._build_in_background(*bucket, name)
                         name = "none"
             else:
-                name = chooser.pick_batch(rows, costs)
+                name = chooser.pick_batch(rows, costs, keys=keys)
             name = self.sync.agree_pick(name, list(family))
             if name not in costs:  # agreed to compile it: every process readies it in the same order
                 self._ready(warp, self.rows, self.capacity, [name])
