@@ -73,6 +73,9 @@ def add_parser(sub) -> None:
     costs.add_argument("--repeats", type=int, default=5, help="timed runs per point (median; warm-up excluded)")
     costs.add_argument("--ssm", action="append", default=[], metavar="PATH_OR_SPEC",
                        help="speculators whose draft level to time (as jaxspec generate --ssm)")
+    costs.add_argument("--lowering", metavar="SPEC",
+                       help="graph forms to time, e.g. dense=plain,kv_write=scatter,layers=scan or a platform name "
+                            "(default: this platform's, then $JAXSPEC_LOWERING; models/lowering.py)")
     costs.add_argument("--output", default="out/step_costs.csv", help="CSV path (PNG written beside it)")
     add_compile_cache_args(costs)
     costs.set_defaults(func=cmd_step_costs)
@@ -477,19 +480,27 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def step_costs(llm, ssms, tokens: list[int], widths: list[int], capacity: int, batch: int,
-               repeats: int) -> list[dict]:
-    """One CSV row per (model, T): ms of one forward over T tokens, its ratio to T=1 and to the LLM's T=1."""
+               repeats: int, lowering=None) -> list[dict]:
+    """One CSV row per (model, T): ms of one forward over T tokens, its ratio to T=1 and to the LLM's T=1, the
+    first call's seconds (compile included) and the lowering (``models.lowering.Lowering``; None: this platform's)."""
     from jaxspec.engine.costs import measure_draft_costs, measure_llm_costs
+    from models.lowering import default_lowering
 
-    llm_ms = {t: 1000 * s for t, s in measure_llm_costs(llm, tokens, capacity, batch, repeats).items()}
+    lowering = lowering or default_lowering()
+    first: dict[int, float] = {}
+    llm_ms = {t: 1000 * s for t, s in measure_llm_costs(llm, tokens, capacity, batch, repeats, lowering=lowering,
+                                                        compiles=first).items()}
     base = llm_ms.get(1, llm_ms[min(llm_ms)])
-    rows = [{"role": "llm", "model": llm.name, "tokens": t, "ms": round(ms, 4),
-             "ratio": round(ms / llm_ms[min(llm_ms)], 4), "ratio_to_llm": round(ms / base, 4)}
+    rows = [{"role": "llm", "model": llm.name, "tokens": t, "batch": batch, "ms": round(ms, 4),
+             "ratio": round(ms / llm_ms[min(llm_ms)], 4), "ratio_to_llm": round(ms / base, 4),
+             "first_call_s": round(first[t], 3), "lowering": lowering.label}
             for t, ms in llm_ms.items()]
     for ssm in ssms:
-        ms_w = {w: 1000 * s for w, s in measure_draft_costs(ssm, widths, capacity, batch, repeats).items()}
-        rows += [{"role": "draft", "model": ssm.name, "tokens": w, "ms": round(ms, 4),
-                  "ratio": round(ms / ms_w[min(ms_w)], 4), "ratio_to_llm": round(ms / base, 4)}
+        first = {}
+        ms_w = {w: 1000 * s for w, s in measure_draft_costs(ssm, widths, capacity, batch, repeats, lowering).items()}
+        rows += [{"role": "draft", "model": ssm.name, "tokens": w, "batch": batch, "ms": round(ms, 4),
+                  "ratio": round(ms / ms_w[min(ms_w)], 4), "ratio_to_llm": round(ms / base, 4),
+                  "first_call_s": "", "lowering": lowering.label}
                  for w, ms in ms_w.items()]
     return rows
 
@@ -499,6 +510,7 @@ def cmd_step_costs(args) -> int:
 
     from jaxspec.engine.costs import SHAPES, random_model, weight_bytes
     from jaxspec.speculators.resolve import load_llm, load_ssms
+    from models.lowering import LoweringError, default_lowering
 
     tokens = _int_list(args.tokens, "--tokens")
     widths = _int_list(args.draft_tokens, "--draft-tokens")
@@ -506,6 +518,10 @@ def cmd_step_costs(args) -> int:
         raise CliError(f"--tokens and --draft-tokens must not exceed --capacity {args.capacity}")
     if args.batch < 1 or args.repeats < 1:
         raise CliError("--batch and --repeats must be >= 1")
+    try:
+        lowering = default_lowering(args.lowering)
+    except LoweringError as e:
+        raise CliError(f"--lowering: {e}") from None
     if args.shape:
         if args.shape not in SHAPES:
             raise CliError(f"unknown --shape {args.shape!r}; known: {', '.join(SHAPES)}")
@@ -517,14 +533,18 @@ def cmd_step_costs(args) -> int:
     ssms = load_ssms(args.ssm, llm, args.dtype)
     device = jax.devices()[0]
     print(f"{llm.name}, {args.dtype}, weights {weight_bytes(llm) / 1e9:.3f} GB, KV cache {args.capacity} slots, "
-          f"batch {args.batch}, on {device.platform} ({device.device_kind})")
-    rows = step_costs(llm, ssms, tokens, widths, args.capacity, args.batch, args.repeats)
+          f"batch {args.batch}, on {device.platform} ({device.device_kind}), lowering {lowering.label}")
+    rows = step_costs(llm, ssms, tokens, widths, args.capacity, args.batch, args.repeats, lowering)
     out = _write_csv(args.output, rows)
     print(f"{'model':<44}{'T':>6}{'ms':>11}{'x T=1':>9}{'x LLM T=1':>11}")
     for r in rows:
         print(f"{r['role'] + ' ' + r['model'][-38:]:<44}{r['tokens']:>6}{r['ms']:>11.3f}{r['ratio']:>9.2f}"
               f"{r['ratio_to_llm']:>11.3f}")
-    png = _plot_step_costs(rows, out)
+    try:
+        png = _plot_step_costs(rows, out)
+    except ImportError:  # matplotlib missing (e.g. a GPU image with JAX only): the CSV is the result
+        print(f"CSV: {out} (no PNG: matplotlib is not installed)")
+        return 0
     print(f"CSV: {out}; PNG: {png}")
     return 0
 
