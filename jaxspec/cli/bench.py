@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts, sampling_params
 from jaxspec.repro.measures import coverage_rates, features_of, teacher_forced
@@ -481,32 +482,38 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def step_costs(llm, ssms, tokens: list[int], widths: list[int], capacity: int, batch: int,
-               repeats: int, lowering=None) -> list[dict]:
-    """One CSV row per (model, T): ms of one forward over T tokens, its ratio to T=1 and to the LLM's T=1, the
-    first call's seconds (compile included) and the lowering (``models.lowering.Lowering``; None: this platform's)."""
+               repeats: int, lowering=None, on_row: Callable[[dict], None] | None = None) -> list[dict]:
+    """One CSV row per (model, T): ms of one forward over T tokens, its ratio to the smallest T and to the LLM's,
+    the first call's seconds (compile included) and the lowering (``models.lowering.Lowering``; None: this
+    platform's). Points are measured smallest T first, each handed to ``on_row`` as soon as it is measured."""
     import jax.numpy as jnp
 
     from jaxspec.engine.costs import measure_draft_costs, measure_llm_costs, weight_bytes
     from models.lowering import default_lowering
 
     lowering = lowering or default_lowering()
-    first: dict[int, float] = {}
-    llm_ms = {t: 1000 * s for t, s in measure_llm_costs(llm, tokens, capacity, batch, repeats, lowering=lowering,
-                                                        compiles=first).items()}
-    base = llm_ms.get(1, llm_ms[min(llm_ms)])
-    rows = [{"role": "llm", "model": llm.name, "tokens": t, "batch": batch, "ms": round(ms, 4),
-             "dtype": jnp.dtype(llm.dtype).name, "weight_bytes": weight_bytes(llm),
-             "ratio": round(ms / llm_ms[min(llm_ms)], 4), "ratio_to_llm": round(ms / base, 4),
-             "first_call_s": round(first[t], 3), "lowering": lowering.label}
-            for t, ms in llm_ms.items()]
+    rows: list[dict] = []
+
+    def add(role: str, model, t: int, seconds: float, first: float | None, base: float) -> float:
+        ms = 1000 * seconds
+        own = next((r["ms"] for r in rows if r["role"] == role and r["model"] == model.name), ms)
+        rows.append({"role": role, "model": model.name, "tokens": t, "batch": batch, "ms": round(ms, 4),
+                     "dtype": jnp.dtype(model.dtype).name, "weight_bytes": weight_bytes(model),
+                     "ratio": round(ms / own, 4), "ratio_to_llm": round(ms / (base or ms), 4),
+                     "first_call_s": "" if first is None else round(first, 3), "lowering": lowering.label})
+        if on_row:
+            on_row(rows[-1])
+        return ms
+
+    base = 0.0
+    for t in sorted(tokens):
+        first: dict[int, float] = {}
+        seconds = measure_llm_costs(llm, [t], capacity, batch, repeats, lowering=lowering, compiles=first)[t]
+        ms = add("llm", llm, t, seconds, first[t], base)
+        base = base or ms
     for ssm in ssms:
-        first = {}
-        ms_w = {w: 1000 * s for w, s in measure_draft_costs(ssm, widths, capacity, batch, repeats, lowering).items()}
-        rows += [{"role": "draft", "model": ssm.name, "tokens": w, "batch": batch, "ms": round(ms, 4),
-                  "dtype": jnp.dtype(ssm.dtype).name, "weight_bytes": weight_bytes(ssm),
-                  "ratio": round(ms / ms_w[min(ms_w)], 4), "ratio_to_llm": round(ms / base, 4),
-                  "first_call_s": "", "lowering": lowering.label}
-                 for w, ms in ms_w.items()]
+        for w in sorted(widths):
+            add("draft", ssm, w, measure_draft_costs(ssm, [w], capacity, batch, repeats, lowering)[w], None, base)
     return rows
 
 
@@ -541,15 +548,18 @@ def cmd_step_costs(args) -> int:
     print(f"{llm.name}, {args.dtype}, weights {weight_bytes(llm) / 1e9:.3f} GB, KV cache {args.capacity} slots, "
           f"on {device.platform} ({device.device_kind})", flush=True)
     print(f"{'model':<36}{'lowering':<40}{'B':>4}{'T':>6}{'ms':>11}{'x T=1':>9}{'x LLM T=1':>11}")
-    rows = []
+    rows: list[dict] = []
+
+    def keep(r: dict) -> None:  # each point printed and written as soon as measured: a run cut short keeps them
+        print(f"{r['role'] + ' ' + r['model'][-30:]:<36}{r['lowering']:<40}{r['batch']:>4}{r['tokens']:>6}"
+              f"{r['ms']:>11.3f}{r['ratio']:>9.2f}{r['ratio_to_llm']:>11.3f}", flush=True)
+        rows.append(r)
+        _write_csv(args.output, rows)
+
     for lowering in lowerings:
-        for batch in batches:  # one point printed as soon as measured: a run cut short keeps what it printed
-            part = step_costs(llm, ssms, tokens, widths, args.capacity, batch, args.repeats, lowering)
-            for r in part:
-                print(f"{r['role'] + ' ' + r['model'][-30:]:<36}{r['lowering']:<40}{r['batch']:>4}{r['tokens']:>6}"
-                      f"{r['ms']:>11.3f}{r['ratio']:>9.2f}{r['ratio_to_llm']:>11.3f}", flush=True)
-            rows += part
-            out = _write_csv(args.output, rows)
+        for batch in batches:
+            step_costs(llm, ssms, tokens, widths, args.capacity, batch, args.repeats, lowering, keep)
+    out = Path(args.output)
     try:
         png = _plot_step_costs(rows, out)
     except ImportError:  # matplotlib missing (e.g. a GPU image with JAX only): the CSV is the result
