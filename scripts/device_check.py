@@ -131,13 +131,18 @@ def _read_jsonl(path: Path) -> list[dict]:
 def cmd_e2e(args: argparse.Namespace) -> int:
     """One row per ``<mode>_b<batch>`` run: measured prompts' ms/token and tokens/step, the trees, identity."""
     d = Path(args.dir)
-    runs = sorted(p.stem for p in d.glob("*.meta.json"))
-    metas = {r: json.loads((d / f"{r}.meta.json").read_text()) for r in runs}
+    metas = {p.name.removesuffix(".meta.json"): json.loads(p.read_text()) for p in d.glob("*.meta.json")}
+    order = ("incremental", "auto", "tree", "dynamic")
+    runs = sorted(metas, key=lambda r: (metas[r]["batch"], order.index(metas[r]["mode"]) if metas[r]["mode"] in order
+                                        else len(order), r))
     outs = {r: [x for x in _read_jsonl(d / f"{metas[r]['run']}.jsonl") if not str(x["id"]).startswith(WARMUP)]
             for r in runs}
     table = []
     for r in runs:
         meta, rows = metas[r], outs[r]
+        log = d / f"{meta['run']}.log"
+        device = [x for x in (log.read_text(errors="replace").splitlines() if log.is_file() else [])
+                  if x.startswith("[jaxspec] device ")]  # -v's line: device, precision, lowering
         tokens = sum(len(x["token_ids"]) for x in rows)
         steps = sum(x["llm_steps"] for x in rows)
         ref = next((outs[q] for q in runs if metas[q]["mode"] == "incremental" and metas[q]["batch"] == meta["batch"]),
@@ -146,6 +151,7 @@ def cmd_e2e(args: argparse.Namespace) -> int:
         if ref is not None and meta["mode"] != "incremental" and rows:
             want = {x["id"]: x["token_ids"] for x in ref}
             same = f"{sum(want.get(x['id']) == x['token_ids'] for x in rows)}/{len(rows)}"
+        base = next((t for t in table if t["mode"] == "incremental" and t["batch"] == meta["batch"]), None)
         trees: dict[str, int] = {}
         for x in rows:
             for name, k in (x.get("tree") or {}).items():
@@ -153,15 +159,22 @@ def cmd_e2e(args: argparse.Namespace) -> int:
         table.append({
             "mode": meta["mode"], "batch": meta["batch"], "flags": meta["flags"], "exit": meta["rc"],
             "prompts": len(rows), "tokens": tokens, "llm_steps": steps,
-            "tokens_per_step": round(tokens / steps, 3) if steps else "",
+            # as jaxspec generate reports it: tokens of all LLM steps over those steps (the prefill's token excluded)
+            "tokens_per_step": round(sum(x["tokens_per_step"] * x["llm_steps"] for x in rows) / steps, 3) if steps else "",
             "median_ms_per_token": round(statistics.median(1000 * x["seconds"] / max(len(x["token_ids"]), 1)
                                                            for x in rows), 3) if rows else "",
             # batch 1: tokens over the requests' seconds; a full batch: its rows' own rates add up
             "tokens_per_s": (round(tokens / sum(x["seconds"] for x in rows), 1) if meta["batch"] == 1 else
                              round(sum(len(x["token_ids"]) / x["seconds"] for x in rows), 1)) if rows else "",
+            "speedup": "",
             "wall_s": meta["wall_s"], "identical_to_incremental": same,
             "trees": " ".join(f"{k}:{v}" for k, v in trees.items()),
+            "device": device[0].removeprefix("[jaxspec] device ") if device else "",
         })
+        if meta["mode"] == "incremental" and rows:
+            table[-1]["speedup"] = 1.0
+        elif base and rows and base["median_ms_per_token"] and table[-1]["median_ms_per_token"]:  # over incremental
+            table[-1]["speedup"] = round(base["median_ms_per_token"] / table[-1]["median_ms_per_token"], 3)
     out = d / "e2e.csv"
     if table:
         with out.open("w", newline="") as f:
@@ -194,7 +207,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     head = "| part | what | dtype | lowering | rows | T | ms | x T=1 | x HBM limit | tokens/s | note |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     summary: dict = {"env": env, "costs": [], "e2e": []}
-    for path in sorted(out.glob("costs_*.csv")):
+    parts = dict(line.split(None, 1) for line in (out / "parts.txt").read_text().splitlines() if line.strip()) \
+        if (out / "parts.txt").is_file() else {}
+    ran = [out / f"{name}.csv" for name in parts if (out / f"{name}.csv").is_file()]  # in the order they ran
+    for path in ran + sorted(set(out.glob("costs_*.csv")) - set(ran)):
         part = path.stem.removeprefix("costs_")
         for r in _csv(path):
             if r["role"] != "llm":
@@ -209,16 +225,18 @@ def cmd_report(args: argparse.Namespace) -> int:
                          f"| {_fmt(r['ratio'], 2)} | {_fmt(vs, 2)} | {_fmt(tok_s, 0)} | {note} |")
             summary["costs"].append({**r, "part": part, "hbm_limit_ms": limit_ms, "x_hbm_limit": vs})
     e2e = out / "e2e" / "e2e.csv"
-    for r in _csv(e2e) if e2e.is_file() else []:
-        note = (f"exit {r['exit']}; {r['prompts']} prompts, {r['tokens']} tokens, {r['tokens_per_step']} tokens/step; "
+    e2e_rows = _csv(e2e) if e2e.is_file() else []
+    seen = next((r["device"] for r in e2e_rows if r.get("device")), "")  # "<kind> (<platform>); precision …; lowering …"
+    e2e_lowering = seen.rsplit("lowering ", 1)[-1] if "lowering " in seen else "platform default"
+    for r in e2e_rows:
+        note = (f"{r['speedup'] or '-'}x incremental's ms/token; {r['tokens_per_step']} tokens/step; exit {r['exit']}; "
+                f"{r['prompts']} prompts, {r['tokens']} tokens; "
                 f"wall {r['wall_s']} s; same as incremental {r['identical_to_incremental'] or '-'}; "
                 f"trees {r['trees'] or '-'}")
-        lines.append(f"| e2e generate | {r['mode']} {r['flags']} | {env.get('e2e_dtype', 'float32')} | default | "
+        lines.append(f"| e2e generate | {r['mode']} {r['flags']} | float32 | {e2e_lowering} | "
                      f"{r['batch']} | | {_fmt(r['median_ms_per_token'])} ms/token | | | {_fmt(r['tokens_per_s'], 0)} "
                      f"| {note} |")
         summary["e2e"].append(r)
-    parts = dict(line.split(None, 1) for line in (out / "parts.txt").read_text().splitlines() if line.strip()) \
-        if (out / "parts.txt").is_file() else {}
     for name, status in parts.items():
         if status != "ok":  # cut short (its measured points are above) or never started
             lines.append(f"| {name} | not finished: {status} | | | | | | | | | |")

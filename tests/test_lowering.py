@@ -153,3 +153,18 @@ def test_the_lowering_keys_forwards_and_calibrations():
     model = random_model("tiny")
     assert calibration_key(model)["lowering"] == DEFAULT.label
     assert calibration_key(model, other) != calibration_key(model)
+
+
+def test_verbose_names_the_device_precision_and_lowering(llm):
+    from jaxspec.cli.common import device_line  # noqa: PLC0415
+
+    line = device_line(Engine(llm, lowering=Lowering("plain", "scatter", "unroll")))
+    assert "(cpu, jax " in line and "precision float32" in line
+    assert line.endswith("lowering dense=plain,kv_write=scatter,layers=unroll")
+
+
+def test_a_bad_lowering_is_one_error_line(capsys):
+    from jaxspec import cli  # noqa: PLC0415
+
+    assert cli.main(["bench", "step-costs", "--shape", "tiny", "--lowering", "dense=fast"]) == 2
+    assert "--lowering: lowering dense must be one of barrier, plain" in capsys.readouterr().err
