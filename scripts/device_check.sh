@@ -7,7 +7,7 @@
 #   2. a batch curve at 7B shape (1, 4, 16, 64 rows: ms per step and tokens/s; K/V writes by row and by scatter);
 #   3. end-to-end `jaxspec generate` incremental vs auto (default flags) vs a fixed and a dynamic tree, at batch 1
 #      and 8, on a random-weight checkpoint of the default model's shape written here with the real tokenizer
-#      (.device/tokenizer, made on a host with the GGUF by `python scripts/device_check.py tokenizer .device/tokenizer`).
+#      (.device/tokenizer.tar.gz, made where the GGUF is: `python scripts/device_check.py tokenizer .device/tokenizer.tar.gz`).
 # Parts run in order of importance, each bounded by `timeout` and the budget left; one cut short keeps the points it
 # measured and is named in the table. Everything lands under $OUT (CSV, JSONL, logs, report.md, summary.json).
 #
@@ -43,13 +43,14 @@ fi
 
 # 3. end to end: a random checkpoint of the default model's shape with the real tokenizer
 e2e() {
-  local ckpt=/tmp/device_check_ckpt
-  if [ ! -f .device/tokenizer/tokenizer.json ]; then
-    echo "no .device/tokenizer (make it where the GGUF is: python scripts/device_check.py tokenizer .device/tokenizer)"
+  local ckpt=/tmp/device_check_ckpt tok=/tmp/device_check_tokenizer
+  if [ ! -f .device/tokenizer.tar.gz ]; then
+    echo "no .device/tokenizer.tar.gz (make it where the GGUF is: python scripts/device_check.py tokenizer" \
+      ".device/tokenizer.tar.gz, and carry .device)"
     return 3
   fi
-  "$PY" scripts/device_check.py checkpoint "$ckpt" --tokenizer .device/tokenizer --shape smollm2-135m "${LAYERS[@]}" \
-    || return 4
+  rm -rf "$tok" && mkdir -p "$tok" && tar -xzf .device/tokenizer.tar.gz -C "$tok" || return 4
+  "$PY" scripts/device_check.py checkpoint "$ckpt" --tokenizer "$tok" --shape smollm2-135m "${LAYERS[@]}" || return 4
   local b mode
   for b in "${BATCHES[@]}"; do
     "$PY" scripts/device_check.py prompts "$OUT/e2e/prompts_b$b.jsonl" --count "$COUNT" --warmup "$b" > /dev/null
