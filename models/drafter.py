@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from models import axes
 from models.config import ModelConfig, ModelConfigError
 from models.layers import Dense, RMSNorm
+from models.lowering import Lowering, default_lowering
 from models.transformer import Block, KVCache, output_head, write_kv
 
 OWN = ("fc", "layer_0")  # the drafter's trained parameters; the rest are the LLM's
@@ -69,6 +70,7 @@ class FeatureDrafter(nn.Module):
     dtype: jnp.dtype = jnp.float32
     draft_vocab: int = 0
     feature_layers: tuple[int, ...] = ()  # the fused form's LLM blocks (empty: the final-norm form)
+    kv_write: str = "rows"  # Lowering.kv_write of its one cache write
 
     @nn.compact
     def __call__(self, tokens, features, positions, cache: KVCache, mask, select=None):
@@ -92,7 +94,7 @@ class FeatureDrafter(nn.Module):
                   name="fc")(x)
         x, (k_new, v_new) = Block(cfg, self.dtype, name="layer_0")(x, cache.k[0], cache.v[0], positions, mask,
                                                                    cache.length)
-        cache = write_kv(cache, k_new[None], v_new[None])
+        cache = write_kv(cache, k_new[None], v_new[None], scatter=self.kv_write == "scatter")
         if select is not None:
             x = jnp.take_along_axis(x, select[:, :, None], axis=1)  # [B, T', D]
         h = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x) if k else x
@@ -104,9 +106,11 @@ DraftForward = Callable[..., tuple[jax.Array, KVCache, jax.Array]]
 
 
 def make_drafter_forward(cfg: ModelConfig, dtype=jnp.float32, draft_vocab: int = 0,
-                         feature_layers: tuple[int, ...] = ()) -> DraftForward:
-    """``forward(params, tokens, features, positions, cache, mask, select=None) -> (logits, cache, states)``."""
-    model = FeatureDrafter(cfg, dtype, draft_vocab, tuple(feature_layers))
+                         feature_layers: tuple[int, ...] = (), lowering: Lowering | None = None) -> DraftForward:
+    """``forward(params, tokens, features, positions, cache, mask, select=None) -> (logits, cache, states)``;
+    ``lowering``'s kv_write (default: this platform's)."""
+    lowering = lowering or default_lowering()
+    model = FeatureDrafter(cfg, dtype, draft_vocab, tuple(feature_layers), lowering.kv_write)
 
     def forward(params, tokens, features, positions, cache, mask, select=None):
         return model.apply({"params": params}, tokens, features, positions, cache, mask, select)

@@ -49,21 +49,22 @@ class LayerNorm(nn.Module):
         return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def tall_dot(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
+def tall_dot(x: jax.Array, w: jax.Array, n_in: int, barrier: bool = True) -> jax.Array:
     """x [..., *in] times a kernel stored output-major, w [*out, *in]: returns [..., *out].
 
     XLA's CPU backend runs one row as a bandwidth-bound GEMV but a few rows (a token tree,
-    a batch) as a GEMM that costs ~3x as much. Computing W @ x^T with x^T laid out
-    physically (the barriers stop XLA folding the transposes back into the dot) keeps a
-    pass over 8 rows within ~1.5x of one row, because W is streamed once in its own layout.
+    a batch) as a GEMM that costs ~3x as much. With ``barrier`` (``Lowering.dense``), W @ x^T
+    is computed with x^T laid out physically (the barriers stop XLA folding the transposes
+    back into the dot), which keeps a pass over 8 rows within ~1.5x of one row, because W is
+    streamed once in its own layout; without it one ``dot_general`` (a GPU's GEMM).
     """
     n_out = w.ndim - n_in
     k = math.prod(w.shape[n_out:])
     lead, out = x.shape[: x.ndim - n_in], w.shape[:n_out]
     x2 = x.reshape(-1, k)  # [R, K]
     w2 = w.reshape(-1, k).astype(x.dtype)  # [N, K]
-    if x2.shape[0] == 1:
-        y = jax.lax.dot_general(x2, w2, (((1,), (1,)), ((), ())))  # [1, N]
+    if x2.shape[0] == 1 or not barrier:
+        y = jax.lax.dot_general(x2, w2, (((1,), (1,)), ((), ())))  # [R, N]
     else:
         y = jax.lax.optimization_barrier(w2 @ jax.lax.optimization_barrier(x2.T)).T  # [R, N]
     return y.reshape(lead + out)
@@ -78,7 +79,8 @@ class Dense(nn.Module):
     """x @ W (+ b) with an explicit, named kernel shape (in_shape + out_shape).
 
     ``transposed`` reads the kernel stored output-major (out_shape + in_shape, see
-    ``transpose_kernel``) and multiplies with ``tall_dot``: the decoding layout of the LLM.
+    ``transpose_kernel``) and multiplies with ``tall_dot``: the decoding layout of the LLM;
+    ``dense`` is its ``Lowering.dense`` ("barrier" or "plain").
     """
 
     in_shape: tuple[int, ...]
@@ -88,6 +90,7 @@ class Dense(nn.Module):
     use_bias: bool = False
     dtype: jnp.dtype = jnp.float32
     transposed: bool = False
+    dense: str = "barrier"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -97,7 +100,7 @@ class Dense(nn.Module):
             kernel = _param(
                 self, "kernel", self.out_shape + self.in_shape, self.out_names + self.in_names, init, self.dtype
             )
-            y = tall_dot(x, kernel, n_in)
+            y = tall_dot(x, kernel, n_in, self.dense == "barrier")
         else:
             kernel = _param(
                 self, "kernel", self.in_shape + self.out_shape, self.in_names + self.out_names, init, self.dtype
@@ -185,6 +188,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     transposed: bool = False  # kernels stored output-major (Dense.transposed)
+    dense: str = "barrier"  # how those are multiplied (Lowering.dense)
 
     @nn.compact
     def __call__(self, x, positions, mask, k_cache, v_cache, write_at, store=None):
@@ -196,7 +200,7 @@ class Attention(nn.Module):
         d, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         proj = lambda name, heads, hname: Dense(  # noqa: E731
             (d,), (heads, h), (axes.EMBED,), (hname, axes.HEAD_DIM), cfg.attention_bias, self.dtype, self.transposed,
-            name=name,
+            self.dense, name=name,
         )
         q = proj("q", n, axes.HEADS)(x)  # [B, T, N, H]
         k = proj("k", kv, axes.KV_HEADS)(x)  # [B, T, K, H]
@@ -215,7 +219,7 @@ class Attention(nn.Module):
             out = masked_attention(q, k_cache, v_cache, k, val, mask_old, mask_new)
         o = Dense(
             (n, h), (d,), (axes.HEADS, axes.HEAD_DIM), (axes.EMBED,), cfg.arch == "opt", self.dtype, self.transposed,
-            name="o",
+            self.dense, name="o",
         )
         return o(out), k, val
 
@@ -226,13 +230,16 @@ class MLP(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     transposed: bool = False  # kernels stored output-major (Dense.transposed)
+    dense: str = "barrier"  # how those are multiplied (Lowering.dense)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         d, f = self.cfg.hidden_size, self.cfg.intermediate_size
-        t = self.transposed
-        up = lambda name, bias: Dense((d,), (f,), (axes.EMBED,), (axes.MLP,), bias, self.dtype, t, name=name)  # noqa: E731
-        down = lambda name, bias: Dense((f,), (d,), (axes.MLP,), (axes.EMBED,), bias, self.dtype, t, name=name)  # noqa: E731
+        t, dense = self.transposed, self.dense
+        up = lambda name, bias: Dense((d,), (f,), (axes.EMBED,), (axes.MLP,), bias, self.dtype, t, dense,  # noqa: E731
+                                      name=name)
+        down = lambda name, bias: Dense((f,), (d,), (axes.MLP,), (axes.EMBED,), bias, self.dtype, t, dense,  # noqa: E731
+                                        name=name)
         if self.cfg.arch == "opt":
             act = {"relu": jax.nn.relu, "gelu": jax.nn.gelu}[self.cfg.activation]
             return down("fc2", True)(act(up("fc1", True)(x)))

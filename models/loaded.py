@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.drafter import make_drafter_forward
+from models.lowering import Lowering, default_lowering
 from models.transformer import Forward, make_forward
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # --dtype names
@@ -28,8 +29,13 @@ class LoadedModel:
 
     @property
     def forward(self) -> Forward:
+        """The forward of its stored (scanned) layout under this platform's lowering."""
+        return self.forward_with(None)
+
+    def forward_with(self, lowering: Lowering | None) -> Forward:
+        """The forward of its stored (scanned) layout under ``lowering`` (None: this platform's)."""
         return forward_for(self.cfg, jnp.dtype(self.dtype), draft_vocab=self.draft_vocab, drafter=self.features,
-                           feature_layers=self.feature_layers)
+                           feature_layers=self.feature_layers, lowering=lowering)
 
 
 _FORWARDS: dict = {}
@@ -37,11 +43,12 @@ _FORWARDS: dict = {}
 
 def forward_for(cfg: ModelConfig, dtype, unrolled: bool = False, draft_vocab: int = 0,
                  hidden: bool | tuple[int, ...] = False, drafter: bool = False,
-                 feature_layers: tuple[int, ...] = ()) -> Forward:
+                 feature_layers: tuple[int, ...] = (), lowering: Lowering | None = None) -> Forward:
     """One forward per configuration: a Transformer's (``hidden``: the states a feature drafter reads), or a
-    feature drafter's (``drafter``; ``feature_layers``: its fused form)."""
-    key = (cfg, dtype, unrolled, draft_vocab, hidden, drafter, tuple(feature_layers))
+    feature drafter's (``drafter``; ``feature_layers``: its fused form); ``lowering`` default: this platform's."""
+    lowering = lowering or default_lowering()
+    key = (cfg, dtype, unrolled, draft_vocab, hidden, drafter, tuple(feature_layers), lowering)
     if key not in _FORWARDS:
-        _FORWARDS[key] = (make_drafter_forward(cfg, dtype, draft_vocab, tuple(feature_layers)) if drafter
-                          else make_forward(cfg, dtype, unrolled, draft_vocab, hidden))
+        _FORWARDS[key] = (make_drafter_forward(cfg, dtype, draft_vocab, tuple(feature_layers), lowering) if drafter
+                          else make_forward(cfg, dtype, unrolled, draft_vocab, hidden, lowering))
     return _FORWARDS[key]

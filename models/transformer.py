@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from models import axes
 from models.config import ModelConfig, ModelConfigError
 from models.layers import MLP, Attention, Dense, LayerNorm, RMSNorm, tall_dot, transpose_kernel
+from models.lowering import Lowering, default_lowering
 
 OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 
@@ -43,14 +44,24 @@ class KVCache:
         return self.k.shape[-2]
 
 
-def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array, layer: int = 0) -> KVCache:
+def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array, layer: int = 0, scatter: bool = False) -> KVCache:
     """The cache with new K/V (k_new, v_new [L', B, T, K, H], layers ``layer`` …) at slots ``[length, length + T)``.
 
-    A loop over rows of one dynamic-update-slice each: XLA updates a donated cache in place
-    (a scatter is lowered to a select over the whole cache), and the graph stays one loop
-    whatever B is (unrolled rows made compile time and memory grow with the batch). The
-    caller keeps length + T <= capacity (a slice start past it would be clamped, not dropped).
+    By default (``Lowering.kv_write`` "rows") a loop over rows of one dynamic-update-slice each:
+    XLA's CPU backend updates a donated cache in place (a scatter is lowered to a select over the
+    whole cache), and the graph stays one loop whatever B is (unrolled rows made compile time and
+    memory grow with the batch). ``scatter`` ("scatter") writes every row in one scatter, which a
+    GPU runs in place as one kernel. The caller keeps length + T <= capacity (past it, a row's
+    slice start would be clamped; a scatter drops the slots past the end).
     """
+    if scatter:
+        lay = layer + jnp.arange(k_new.shape[0])[:, None, None]  # [L', 1, 1]
+        rows = jnp.arange(k_new.shape[1])[None, :, None]  # [1, B, 1]
+        slots = cache.length[None, :, None] + jnp.arange(k_new.shape[2])[None, None, :]  # [1, B, T]
+        # indices on axes 0, 1, 3 of [L, B, K, S, H], split by the K slice: the update is [L', B, T, K, H], as given
+        put = lambda kv, new: kv.at[lay, rows, :, slots].set(new.astype(kv.dtype), mode="drop",  # noqa: E731
+                                                              unique_indices=True)
+        return cache.replace(k=put(cache.k, k_new), v=put(cache.v, v_new))
     k_new = k_new.transpose(0, 1, 3, 2, 4).astype(cache.k.dtype)  # [L', B, K, T, H], the cache's layout
     v_new = v_new.transpose(0, 1, 3, 2, 4).astype(cache.v.dtype)
     dt = cache.length.dtype
@@ -72,6 +83,7 @@ class Block(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     transposed: bool = False  # kernels stored output-major (Dense.transposed)
+    dense: str = "barrier"  # how those are multiplied (Lowering.dense)
 
     @nn.compact
     def __call__(self, x, k_cache, v_cache, positions, mask, write_at, store=None):
@@ -82,8 +94,8 @@ class Block(nn.Module):
             norm = lambda name: LayerNorm(1e-5, self.dtype, name=name)  # noqa: E731
         else:
             norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, name=name)  # noqa: E731
-        attn = Attention(cfg, self.dtype, self.transposed, name="attn")
-        mlp = MLP(cfg, self.dtype, self.transposed, name="mlp")
+        attn = Attention(cfg, self.dtype, self.transposed, self.dense, name="attn")
+        mlp = MLP(cfg, self.dtype, self.transposed, self.dense, name="mlp")
         pre = cfg.arch != "opt" or cfg.do_layer_norm_before
         attn_norm, mlp_norm = norm("attn_norm"), norm("mlp_norm")
         h = attn_norm(x) if pre else x
@@ -104,7 +116,8 @@ class Transformer(nn.Module):
     layer_{L-1}`` instead of the stacked ``layers`` (on CPUs a scan slices, i.e. copies, every
     layer's weights per call, doubling a decoding step's memory traffic) and every kernel
     stored output-major, multiplied by ``tall_dot`` (a tree of T tokens then costs a
-    fraction more than one token instead of a GEMM's ~3x).
+    fraction more than one token instead of a GEMM's ~3x). ``lowering`` picks the graph forms of
+    the products and the cache writes (``models.lowering``); every form computes the same model.
     """
 
     cfg: ModelConfig
@@ -115,6 +128,7 @@ class Transformer(nn.Module):
     # also return every token's states for a feature drafter: True = the final-norm state [B, T, D]; a tuple of
     # layer indices = those blocks' outputs concatenated [B, T, k·D] (EAGLE-3's low/middle/high fusion; unrolled only)
     hidden: bool | tuple[int, ...] = False
+    lowering: Lowering = Lowering()  # dense and kv_write apply here; layers is the caller's ``unrolled``
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache, mask, select=None):
@@ -132,7 +146,7 @@ class Transformer(nn.Module):
         if cfg.arch == "opt":
             if cfg.proj_dim != cfg.hidden_size:
                 x = Dense((cfg.proj_dim,), (cfg.hidden_size,), (axes.EMBED,), (axes.EMBED,), False, self.dtype,
-                          self.unrolled, name="project_in")(x)
+                          self.unrolled, self.lowering.dense, name="project_in")(x)
             pos_table = nn.Embed(
                 cfg.max_position_embeddings + OPT_POSITION_OFFSET,
                 cfg.hidden_size,
@@ -149,17 +163,18 @@ class Transformer(nn.Module):
             # layer_stack(layers [L, ...], x, cache, positions, mask) -> (x, cache with the new K/V written)
             x, cache = self.layer_stack(self.variables["params"]["layers"], x, cache, positions, mask)
         elif self.unrolled:
+            scatter = self.lowering.kv_write == "scatter"
             # Each layer writes its new K/V into the cache first, then attends over its slice:
             # a write precedes the reads of its layer, so XLA updates the donated cache in place.
             taps = {}  # layer index -> its output [B, T, D] (fused features)
             for i in range(cfg.num_layers):
                 def store(k, v, i=i):  # k, v [B, T, K, H] -> this layer's [B, K, S, H], new tokens included
                     nonlocal cache
-                    cache = write_kv(cache, k[None], v[None], layer=i)
+                    cache = write_kv(cache, k[None], v[None], layer=i, scatter=scatter)
                     return cache.k[i], cache.v[i]
 
-                x, _ = Block(cfg, self.dtype, True, name=f"layer_{i}")(x, None, None, positions, mask, cache.length,
-                                                                      store)
+                x, _ = Block(cfg, self.dtype, True, self.lowering.dense, name=f"layer_{i}")(
+                    x, None, None, positions, mask, cache.length, store)
                 taps[i] = x
         else:
             blocks = nn.scan(
@@ -172,7 +187,7 @@ class Transformer(nn.Module):
             )(cfg, self.dtype, name="layers")
             x, (k_new, v_new) = blocks(x, cache.k, cache.v, positions, mask, cache.length)  # [L, B, T, K, H]
         if self.layer_stack is None and not self.unrolled:
-            cache = write_kv(cache, k_new, v_new)
+            cache = write_kv(cache, k_new, v_new, scatter=self.lowering.kv_write == "scatter")
 
         def final(x):  # the final norm (OPT: and its output projection)
             if cfg.arch != "opt":
@@ -181,7 +196,7 @@ class Transformer(nn.Module):
                 x = LayerNorm(1e-5, self.dtype, name="final_norm")(x)
             if cfg.proj_dim != cfg.hidden_size:
                 x = Dense((cfg.hidden_size,), (cfg.proj_dim,), (axes.EMBED,), (axes.EMBED,), False, self.dtype,
-                          self.unrolled, name="project_out")(x)
+                          self.unrolled, self.lowering.dense, name="project_out")(x)
             return x
 
         features = None
@@ -197,18 +212,18 @@ class Transformer(nn.Module):
             x = jnp.take_along_axis(x, select[:, :, None], axis=1)  # [B, T', D]
         if features is None or isinstance(self.hidden, tuple):
             x = final(x)
-        logits = output_head(self, cfg, x, embed.embedding, self.draft_vocab, self.unrolled)
+        logits = output_head(self, cfg, x, embed.embedding, self.draft_vocab, self.unrolled, self.lowering.dense)
         if self.hidden:
             return logits, cache, features
         return logits, cache
 
 
 def output_head(module: nn.Module, cfg: ModelConfig, x: jax.Array, embedding: jax.Array, draft_vocab: int,
-                unrolled: bool) -> jax.Array:
+                unrolled: bool, dense: str = "barrier") -> jax.Array:
     """The LM head of ``module`` on final states x [B, T, D]: tied, untied, or a draft vocabulary's. [B, T, V] f32
 
     Call it inside ``module``'s compact method: its parameters (``lm_head``, ``draft_head``)
-    belong to ``module``.
+    belong to ``module``; ``dense`` is the unrolled layout's ``Lowering.dense``.
     """
     dtype = x.dtype
     if draft_vocab:
@@ -220,14 +235,14 @@ def output_head(module: nn.Module, cfg: ModelConfig, x: jax.Array, embedding: ja
         logits = jnp.full(small.shape[:2] + (cfg.vocab_size,), -jnp.inf, small.dtype)
         logits = logits.at[:, :, ids].set(small, mode="promise_in_bounds", unique_indices=True)  # [B, T, V]
     elif cfg.tie_word_embeddings and unrolled:
-        logits = tall_dot(x, embedding, 1)  # [B, T, V]: the [V, D] table is output-major already
+        logits = tall_dot(x, embedding, 1, dense == "barrier")  # [B, T, V]: the [V, D] table is output-major already
     elif cfg.tie_word_embeddings:
         # [B, T, V]: contract D against the [V, D] table as stored (``attend`` transposes it,
         # which XLA's CPU backend materialises: a full copy of the table per call).
         logits = jax.lax.dot_general(x, embedding.astype(dtype), (((2,), (1,)), ((), ())))
     else:
         logits = Dense((x.shape[-1],), (cfg.vocab_size,), (axes.EMBED,), (axes.VOCAB,), False, dtype,
-                       unrolled, name="lm_head", parent=module)(x)
+                       unrolled, dense, name="lm_head", parent=module)(x)
     return logits.astype(jnp.float32)
 
 
@@ -235,15 +250,17 @@ Forward = Callable[..., tuple[jax.Array, KVCache]]
 
 
 def make_forward(cfg: ModelConfig, dtype=jnp.float32, unrolled: bool = False, draft_vocab: int = 0,
-                 hidden: bool | tuple[int, ...] = False) -> Forward:
+                 hidden: bool | tuple[int, ...] = False, lowering: Lowering | None = None) -> Forward:
     """Returns ``forward(params, tokens, positions, cache, mask, select=None) -> (logits, cache)``.
 
     ``unrolled`` takes ``decoding_layout(params)`` and loops over the layers in the graph;
     ``draft_vocab`` takes ``with_draft_head(params, ...)`` and scores only those tokens;
     ``hidden`` returns ``(logits, cache, features)``: every token's final-norm state [B, T, D] (True), or
-    the outputs of the given blocks side by side [B, T, k·D] (a tuple of layer indices, ``unrolled`` only).
+    the outputs of the given blocks side by side [B, T, k·D] (a tuple of layer indices, ``unrolled`` only);
+    ``lowering``'s dense and kv_write forms (default: this platform's, ``models.lowering.default_lowering``).
     """
-    model = Transformer(cfg, dtype, unrolled, draft_vocab=draft_vocab, hidden=hidden)
+    lowering = lowering or default_lowering()
+    model = Transformer(cfg, dtype, unrolled, draft_vocab=draft_vocab, hidden=hidden, lowering=lowering)
 
     def forward(params, tokens, positions, cache, mask, select=None):
         return model.apply({"params": params}, tokens, positions, cache, mask, select)

@@ -70,9 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.add_parser(sub)
     repro.add_parser(sub)
-    from jaxspec.serving import server
-
-    distributed.add_args(server.add_parser(sub))
+    try:
+        from jaxspec.serving import server
+    except ImportError as e:  # the serving extras missing (e.g. a GPU image with JAX only): the rest still works
+        unavailable(sub, "serve", e)
+    else:
+        distributed.add_args(server.add_parser(sub))
     for kind in distributed.IN_PROCESS_BENCHES:
         distributed.add_args(distributed.subcommand(sub.choices["bench"], kind))
     try:
@@ -82,6 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     if train_cli is not None and hasattr(train_cli, "add_parser"):
         train_cli.add_parser(sub)
     return parser
+
+
+def unavailable(sub, name: str, error: ImportError) -> None:
+    """Registers command ``name`` as one that says which missing package it needs (one ``jaxspec: error:`` line)."""
+
+    def refuse(_args) -> int:
+        raise CliError(f"jaxspec {name} needs {error.name or error} installed (pip install jaxspec)")
+
+    p = sub.add_parser(name, help=f"(unavailable: {error.name or error} is not installed)", prefix_chars="\x00")
+    p.add_argument("rest", nargs="*")  # whatever was given (no flags parsed): the refusal names the missing package
+    p.set_defaults(func=refuse)
 
 
 def report_calibration(engine, batch, args, prompt_ids: list[int]) -> None:

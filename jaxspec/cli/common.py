@@ -180,6 +180,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload", action="store_true",
                    help="keep the LLM's layers in pinned host memory and stream them to the device layer by layer "
                         "inside each step (a model larger than the device; speculation saves whole weight sweeps)")
+    p.add_argument("--lowering", metavar="SPEC",
+                   help="graph forms of the forwards over this platform's default and $JAXSPEC_LOWERING, e.g. "
+                        "dense=plain,kv_write=scatter,layers=scan or a platform name (cpu, gpu, tpu); same tokens, "
+                        "different speed (models/lowering.py)")
 
 
 def speculator_specs(args) -> list[str]:
@@ -224,7 +228,13 @@ def build_engine(args, log=None):
     from jaxspec.engine import Engine
     from jaxspec.speculators.resolve import load_llm, load_ssms
 
+    from models.lowering import LoweringError, default_lowering  # noqa: PLC0415
+
     expansion_for(args)  # validates the mode's flags before loading anything
+    try:
+        lowering = default_lowering(getattr(args, "lowering", None))
+    except LoweringError as e:
+        raise CliError(f"--lowering: {e}") from None
     mesh = None
     if getattr(args, "mesh", None):
         from jaxspec.parallel.sharding import parse_mesh  # noqa: PLC0415
@@ -251,5 +261,17 @@ def build_engine(args, log=None):
         forced = 0 if args.mode == "incremental" else DEFAULT_FORCED_TOKENS
     engine = Engine(llm, ssms, expansion, args.tree_budget, args.verify,
                     auto=args.mode == "auto", mesh=mesh, offload=getattr(args, "offload", False),
-                    forced_tokens=forced)
+                    forced_tokens=forced, lowering=lowering)
+    if getattr(args, "verbose", False):
+        print(f"[jaxspec] {device_line(engine)}", file=log or sys.stderr)
     return engine, engine.llm  # the engine's weightless view: the loaded tree is not kept twice
+
+
+def device_line(engine) -> str:
+    """Where and how the engine runs: device kind and count, platform, the LLM's dtype, the lowering (``-v``)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    device = jax.devices()[0]
+    return (f"device {device.device_kind} x{jax.device_count()} ({jax.default_backend()}, jax {jax.__version__}); "
+            f"precision {jnp.dtype(engine.llm.dtype).name}; lowering {engine.lowering.label}")

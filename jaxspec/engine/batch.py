@@ -365,7 +365,7 @@ class BatchEngine:
     def _fn(self, name: str) -> Callable:
         if name not in self._compiled:
             e, cfg = self.engine, self._prefill_cfg()
-            ssm_fwds = tuple(e.ssms[g.members[0]].forward for g in cfg.ssm_groups)
+            ssm_fwds = tuple(e.ssm_forwards[g.members[0]] for g in cfg.ssm_groups)
             if name == "prefill":
                 def fn(llm_params, ssm_params, staged, tokens, start, count, last, seed, values, first_mask=None):
                     e.compilations += 1

@@ -4,7 +4,7 @@ Measured, never modelled: the engine's tree choice needs the hardware's real cos
 (on a 2-core CPU 64 tokens cost 3x one token; on a GPU nearly 1x). ``measure_llm_costs``
 times one jitted forward (compiled first, then the median of several runs);
 ``load_or_measure`` keeps such calibrations as JSON under ``<cache root>/costs/``, keyed by
-device kind, model and dtype (``calibration_key``), so a process measures once per key.
+device kind, model, dtype and lowering (``calibration_key``), so a process measures once per key.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from jaxspec.decoding.kv_cache import causal_mask
 from jaxspec.decoding.speculate import call
 from models.config import ModelConfig
 from models.loaded import DTYPES, LoadedModel
+from models.lowering import Lowering, default_lowering
 from models.transformer import KVCache, init_params, make_forward, decoding_layout
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -62,11 +63,15 @@ def measure_llm_costs(
     capacity: int = 512,
     batch: int = 1,
     repeats: int = 5,
-    unrolled: bool = True,
+    unrolled: bool | None = None,
+    lowering: Lowering | None = None,
+    compiles: dict[int, float] | None = None,
 ) -> dict[int, float]:
     """Seconds of one jitted forward over T new tokens per row, for each T in ``tokens``.
 
-    ``unrolled`` times the layer layout the engine runs its LLM with (SSMs run scanned).
+    ``lowering`` (default: this platform's) gives the graph forms and, unless ``unrolled`` says
+    otherwise, the layer layout (the engine's LLM follows ``lowering.layers``; SSMs run scanned).
+    ``compiles``, when given, receives each T's first call in seconds (compile plus one run).
 
     The forward runs against a KV cache of ``capacity`` slots (donated, as in the engine)
     holding ``capacity - T`` committed tokens, for ``batch`` rows. Each T is compiled and
@@ -78,7 +83,9 @@ def measure_llm_costs(
         raise ValueError(f"token counts must lie in [1, capacity={capacity}], got {list(tokens)}")
     if repeats < 1 or batch < 1:
         raise ValueError("repeats and batch must be >= 1")
-    forward = make_forward(model.cfg, model.dtype, unrolled) if unrolled else model.forward
+    lowering = lowering or default_lowering()
+    unrolled = lowering.unrolled if unrolled is None else unrolled
+    forward = make_forward(model.cfg, model.dtype, True, lowering=lowering) if unrolled else model.forward_with(lowering)
     params = decoding_layout(model.params) if unrolled else model.params
     def run(params, toks, pos, cache, mask):  # a feature drafter also reads a state per token (zeros cost the same)
         feats = jnp.zeros(toks.shape + (model.cfg.hidden_size,), model.dtype) if model.features else None
@@ -93,8 +100,11 @@ def measure_llm_costs(
         toks = jnp.zeros((batch, t), jnp.int32)  # [B, T]
         pos = length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
         mask = causal_mask(length, t, capacity)  # [B, T, S]
+        start = time.perf_counter()
         logits, cache = step(params, toks, pos, cache, mask)  # compiles
         jax.block_until_ready(logits)
+        if compiles is not None:
+            compiles[int(t)] = time.perf_counter() - start
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -111,13 +121,15 @@ def measure_draft_costs(
     capacity: int = 512,
     batch: int = 1,
     repeats: int = 5,
+    lowering: Lowering | None = None,
 ) -> dict[int, float]:
     """Seconds of one draft level of ``ssm`` feeding w frontier nodes, for each w in ``widths``."""
-    return measure_llm_costs(ssm, widths, capacity, batch, repeats, unrolled=False)
+    return measure_llm_costs(ssm, widths, capacity, batch, repeats, unrolled=False, lowering=lowering)
 
 
-def calibration_key(model: LoadedModel, **extra: object) -> dict:
-    """What a measured cost depends on: device kind and count, jax version, model config, dtype, plus ``extra``."""
+def calibration_key(model: LoadedModel, lowering: Lowering | None = None, **extra: object) -> dict:
+    """What a measured cost depends on: device kind and count, jax version, model config, dtype, the lowering
+    (default: this platform's), plus ``extra``."""
     device = jax.devices()[0]
     config = json.dumps(dataclasses.asdict(model.cfg), sort_keys=True, default=str)
     return {
@@ -128,6 +140,7 @@ def calibration_key(model: LoadedModel, **extra: object) -> dict:
         "model": model.name,
         "config": hashlib.sha256(config.encode()).hexdigest()[:16],
         "dtype": jnp.dtype(model.dtype).name,
+        "lowering": (lowering or default_lowering()).label,
         **extra,
     }
 

@@ -30,6 +30,7 @@ from jaxspec.decoding.tree import DynamicTree, expansion_topology
 from models.config import ModelConfig
 from models.pipeline import make_pipeline_forward, pipe_size, stacked_layout, stacked_names
 from models.loaded import LoadedModel, forward_for
+from models.lowering import Lowering, default_lowering
 from models.transformer import Forward, KVCache, decoding_layout
 
 MIN_PROMPT_BUCKET = 16
@@ -92,14 +93,15 @@ class Runner:
         batch_ssms: bool = True,
         auto: bool = False,
         costs: dict[str, float] | None = None,
-        unroll: bool = True,
+        lowering: Lowering | None = None,
         mesh: Mesh | None = None,
         offload: bool = False,
         forced_tokens: int = 0,
     ) -> None:
         """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward;
-        ``unroll`` runs the LLM's layers unrolled over per-layer weights (no per-call weight
-        slicing; slower to compile, faster to run); ``mesh`` shards parameters, caches and state by
+        ``lowering`` picks the graph forms of every forward (``models.lowering``; default: this platform's,
+        ``$JAXSPEC_LOWERING``): its ``layers`` "unroll" runs the LLM's layers unrolled over per-layer weights
+        (no per-call weight slicing; slower to compile, faster to run on a CPU), "scan" under ``lax.scan``; ``mesh`` shards parameters, caches and state by
         ``jaxspec.parallel.sharding.RULES`` (None: one device, as before); a mesh with ``pipe`` > 1 runs the LLM's
         layers as pipeline stages (``models.pipeline``); ``offload`` keeps them in host memory and streams
         them in layer by layer (``jaxspec.parallel.offload``); ``forced_tokens``: how many tokens a grammar
@@ -115,7 +117,8 @@ class Runner:
                 raise VocabularyMismatch(f"feature drafter {ssm.name!r} reads states of width {ssm.cfg.hidden_size} "
                                          f"but the LLM {llm.name!r} has {llm.cfg.hidden_size}")
         self.llm = llm
-        self.unroll = unroll
+        self.lowering = lowering or default_lowering()
+        self.unroll = unroll = self.lowering.unrolled
         self.stacked = offload or pipe_size(mesh) > 1  # the LLM runs models.pipeline.stacked_layout
         # one layout of the weights, built straight from the loaded tree (no intermediate copy)
         self._llm_params = None if self.stacked else decoding_layout(llm.params) if unroll else llm.params
@@ -130,9 +133,10 @@ class Runner:
         if self.features and (mesh is not None or offload):
             raise RequestError("feature drafters run on one device for now: drop --mesh/--offload or the drafter")
         if self.feature_layers and not unroll:
-            raise RequestError("a fused feature drafter reads the LLM's blocks in the unrolled layout: keep unroll")
+            raise RequestError("a fused feature drafter reads the LLM's blocks in the unrolled layout: "
+                               "use the lowering layers=unroll")
         self._llm_forward = forward_for(llm.cfg, jnp.dtype(llm.dtype), unroll,
-                                        hidden=self.feature_layers or self.features)
+                                        hidden=self.feature_layers or self.features, lowering=self.lowering)
         self.ngram = ngrams[0] if ngrams else None
         ngram_expansion = next((e for s, e in zip(ssms, expansions) if s is self.ngram), ())
         if isinstance(ngram_expansion, DynamicTree):
@@ -140,6 +144,7 @@ class Runner:
                                "(a dynamic tree needs an SSM's probabilities)")
         self.ngram_depth = len(ngram_expansion)
         self.ssms = tuple(s for s, _ in models)
+        self.ssm_forwards = tuple(s.forward_with(self.lowering) for s in self.ssms)  # one per SSM, as ``ssms``
         self.topologies = tuple(e if isinstance(e, DynamicTree) else expansion_topology(e) for _, e in models)
         self.tree_budget = tree_budget
         if forced_tokens < 0:
@@ -264,7 +269,7 @@ class Runner:
     def _step_fn(self, cfg: DecodeConfig) -> Callable:
         if cfg not in self._compiled:
             llm_fwd = self._llm_forward
-            ssm_fwds = tuple(self.ssms[g.members[0]].forward for g in cfg.ssm_groups)
+            ssm_fwds = tuple(self.ssm_forwards[g.members[0]] for g in cfg.ssm_groups)
 
             masker = self._masker if cfg.grammar else None
 
@@ -316,7 +321,7 @@ class Runner:
             "warp": repr(_warp(params)),
             "capacity": capacity,
             "batch": batch,
-            "unroll": self.unroll,
+            "lowering": self.lowering.label,
             **({"mesh": describe_mesh(self.mesh)} if self.mesh is not None else {}),
             **({"offload": True} if self.offload else {}),
         }

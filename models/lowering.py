@@ -1,0 +1,97 @@
+"""How the decoding forward is lowered on each platform: one frozen switch per trick that only pays on some devices.
+
+Every variant computes the same model (the tests force each one and compare tokens); what
+differs is what XLA is given to compile:
+
+- ``dense``: ``barrier`` multiplies a multi-row input by an output-major kernel as ``W @ x^T`` with
+  optimisation barriers around the transposes (XLA's CPU backend runs it as a streamed GEMV, ~1.5x
+  one row for 8 rows instead of a GEMM's ~3x); ``plain`` gives XLA one ``dot_general`` (a GPU's GEMM
+  reads the kernel in either layout, and the barriers only force materialised transposes there).
+- ``kv_write``: ``rows`` writes the new keys/values with one dynamic-update-slice per row in a loop
+  (XLA's CPU backend lowers a scatter to a select over the whole cache); ``scatter`` writes every
+  row in one scatter (a GPU updates the donated cache in place, one kernel instead of B).
+- ``layers``: ``unroll`` runs the LLM's layers unrolled over per-layer weights (on a CPU a scan
+  copies each layer's weights per call; on an H100 32 stacked GEMVs took 2.6 ms unrolled vs 6.4 ms
+  scanned, ``/work/shared/DESIGN.md``); ``scan`` runs them under ``lax.scan`` (one layer compiled:
+  faster compiles, smaller executables).
+
+``default_lowering()`` is the platform's choice (``jax.default_backend()``), overridden field by
+field by ``$JAXSPEC_LOWERING`` (e.g. ``dense=plain,kv_write=scatter,layers=scan``, or a platform
+name such as ``gpu``) and by the command line's ``--lowering`` of the same syntax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+ENV = "JAXSPEC_LOWERING"
+CHOICES = {"dense": ("barrier", "plain"), "kv_write": ("rows", "scatter"), "layers": ("unroll", "scan")}
+
+
+class LoweringError(ValueError):
+    """A lowering spec that names an unknown field, value or platform."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """The lowering of the decoding forward (hashable: a static jit argument and part of every cache key)."""
+
+    dense: str = "barrier"  # multi-row products with output-major kernels: "barrier" (CPU GEMV trick) | "plain"
+    kv_write: str = "rows"  # new K/V into the cache: "rows" (a loop of slice updates) | "scatter" (one scatter)
+    layers: str = "unroll"  # the LLM's layers: "unroll" (per-layer weights) | "scan" (stacked weights, lax.scan)
+
+    def __post_init__(self) -> None:
+        for field, allowed in CHOICES.items():
+            if getattr(self, field) not in allowed:
+                raise LoweringError(f"lowering {field} must be one of {', '.join(allowed)}, got {getattr(self, field)!r}")
+
+    @property
+    def label(self) -> str:
+        """``dense=…,kv_write=…,layers=…``: the spec that rebuilds this lowering (logs, CSVs, cache keys)."""
+        return ",".join(f"{f}={getattr(self, f)}" for f in CHOICES)
+
+    @property
+    def unrolled(self) -> bool:
+        """Whether the LLM runs the unrolled decoding layout (``models.transformer.decoding_layout``)."""
+        return self.layers == "unroll"
+
+    def override(self, spec: str | None) -> "Lowering":
+        """This lowering with the fields a spec names replaced (``field=value`` or a platform name, comma-separated)."""
+        out = self
+        for part in (p.strip() for p in (spec or "").split(",")):
+            if not part:
+                continue
+            if "=" not in part:
+                if part not in PLATFORM_DEFAULTS:
+                    raise LoweringError(f"unknown lowering {part!r}: give field=value ({', '.join(CHOICES)}) "
+                                        f"or a platform ({', '.join(PLATFORM_DEFAULTS)})")
+                out = PLATFORM_DEFAULTS[part]
+                continue
+            field, value = (s.strip() for s in part.split("=", 1))
+            if field not in CHOICES:
+                raise LoweringError(f"unknown lowering field {field!r} (fields: {', '.join(CHOICES)})")
+            out = dataclasses.replace(out, **{field: value})
+        return out
+
+
+# CPU: today's forms, measured on the 2-core CPU (DESIGN.md "Measured facts"). GPU/TPU: one GEMM, one scatter,
+# and unrolled layers (the H100 measurement: scanned GEMVs 2.5x slower than unrolled ones).
+PLATFORM_DEFAULTS: dict[str, Lowering] = {
+    "cpu": Lowering("barrier", "rows", "unroll"),
+    "gpu": Lowering("plain", "scatter", "unroll"),
+    "tpu": Lowering("plain", "scatter", "unroll"),
+}
+
+
+def platform_lowering(platform: str) -> Lowering:
+    """The default of a platform (``cuda``/``rocm`` count as ``gpu``; an unknown one gets the GPU forms)."""
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    return PLATFORM_DEFAULTS.get(platform, PLATFORM_DEFAULTS["gpu"])
+
+
+def default_lowering(spec: str | None = None) -> Lowering:
+    """This process's lowering: the default backend's, then ``$JAXSPEC_LOWERING``, then ``spec`` (e.g. ``--lowering``)."""
+    import jax  # noqa: PLC0415 (initialises the backend: call after jax.distributed.initialize)
+
+    return platform_lowering(jax.default_backend()).override(os.environ.get(ENV)).override(spec)

@@ -1,0 +1,170 @@
+"""Every lowering (``models.lowering``) computes the same model: forced on this CPU, each variant gives the
+default's logits (up to the float sums it reorders), the same cache writes bit for bit, and the same greedy
+tokens through the engine; the lowering is part of every forward and calibration cache key."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config, tiny_model
+from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.engine import Engine
+from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.engine.costs import calibration_key, random_model
+from models.drafter import drafter_config, init_drafter
+from models.loaded import LoadedModel, forward_for
+from models.lowering import ENV, Lowering, LoweringError, default_lowering, platform_lowering
+from models.transformer import KVCache, decoding_layout, init_params, make_forward, write_kv
+
+DEFAULT = Lowering()  # the CPU's forms: what every other test of the suite runs
+# every distinct graph: ``dense`` only changes the unrolled layout (a scanned stack multiplies input-major kernels)
+VARIANTS = [Lowering(d, k, layer) for d, k, layer in itertools.product(("barrier", "plain"), ("rows", "scatter"),
+                                                                         ("unroll", "scan"))
+            if layer == "unroll" or d == "barrier"]
+
+
+def name(low: Lowering) -> str:
+    """A test id: the three values, e.g. plain-scatter-unroll."""
+    return f"{low.dense}-{low.kv_write}-{low.layers}"
+FAMILIES = {
+    "llama-tied": dict(tie_word_embeddings=True),
+    "qwen2-untied": dict(arch="qwen2", attention_bias=True, tie_word_embeddings=False),
+    "opt-projected": dict(arch="opt", num_kv_heads=4, activation="relu", attention_bias=True,
+                          word_embed_proj_dim=16, tie_word_embeddings=False),
+}
+PROMPTS = [[1, 2, 3], [5, 9, 2, 7, 7, 1], [3] * 11]
+
+
+def test_the_cpu_keeps_todays_forms_and_a_gpu_gets_one_gemm_and_one_scatter():
+    assert default_lowering() == platform_lowering("cpu") == DEFAULT  # this suite runs on the CPU
+    assert platform_lowering("cuda") == platform_lowering("gpu") == Lowering("plain", "scatter", "unroll")
+    assert platform_lowering("tpu").dense == "plain"
+
+
+def test_specs_override_field_by_field_and_refuse_unknown_names(monkeypatch):
+    assert DEFAULT.override("dense=plain, layers=scan") == Lowering("plain", "rows", "scan")
+    assert DEFAULT.override("gpu") == platform_lowering("gpu")
+    assert DEFAULT.override("gpu,layers=scan").label == "dense=plain,kv_write=scatter,layers=scan"
+    assert Lowering().override(Lowering("plain", "scatter", "scan").label) == Lowering("plain", "scatter", "scan")
+    monkeypatch.setenv(ENV, "kv_write=scatter")
+    assert default_lowering() == Lowering("barrier", "scatter", "unroll")
+    assert default_lowering("dense=plain") == Lowering("plain", "scatter", "unroll")  # the flag over the variable
+    for bad in ("dense=fast", "layer=scan", "h100"):
+        with pytest.raises(LoweringError):
+            DEFAULT.override(bad)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_one_scatter_writes_exactly_what_the_row_loop_writes(layer):
+    cfg = tiny_config(num_layers=3)
+    length = jnp.array([0, 5, 13], jnp.int32)  # [B]; 13 + 3 = capacity: the last row fills the cache
+    cache = KVCache.create(cfg, 3, 16).replace(length=length)
+    cache = cache.replace(k=jax.random.normal(jax.random.PRNGKey(1), cache.k.shape),
+                          v=jax.random.normal(jax.random.PRNGKey(2), cache.v.shape))
+    new = jax.random.normal(jax.random.PRNGKey(0), (cfg.num_layers - layer, 3, 3, cfg.num_kv_heads, cfg.head_dim))
+    rows = write_kv(cache, new, -new, layer)
+    scattered = jax.jit(lambda c, k, v: write_kv(c, k, v, layer, scatter=True))(cache, new, -new)
+    np.testing.assert_array_equal(np.asarray(scattered.k), np.asarray(rows.k))
+    np.testing.assert_array_equal(np.asarray(scattered.v), np.asarray(rows.v))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("lowering", VARIANTS, ids=name)
+def test_every_lowering_computes_the_default_forward(family, lowering):
+    """A ragged batch of 5-token trees: logits within float noise of the default, argmax equal, cache equal."""
+    cfg = tiny_config(num_layers=2, **FAMILIES[family])
+    params = jax.tree_util.tree_map(lambda x: x * 3.0, init_params(cfg, 3))
+    capacity, batch, tokens = 16, 3, 5
+    length = jnp.array([2, 4, 3], jnp.int32)  # [B] committed tokens
+    cache = KVCache.create(cfg, batch, capacity)
+    cache = cache.replace(k=jax.random.normal(jax.random.PRNGKey(1), cache.k.shape),
+                          v=jax.random.normal(jax.random.PRNGKey(2), cache.v.shape), length=length)
+    toks = jax.random.randint(jax.random.PRNGKey(4), (batch, tokens), 0, cfg.vocab_size)  # [B, T]
+    pos = length[:, None] + jnp.arange(tokens)  # [B, T]
+    slot = jnp.arange(capacity)[None, None, :]
+    mask = slot < (length[:, None, None] + jnp.arange(tokens)[None, :, None] + 1)  # [B, T, S] causal
+
+    def run(low: Lowering):
+        layout = decoding_layout(params) if low.unrolled else params
+        return jax.jit(make_forward(cfg, unrolled=low.unrolled, lowering=low))(layout, toks, pos, cache, mask)
+
+    ref, ref_cache = run(DEFAULT)
+    out, out_cache = run(lowering)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out).argmax(-1), np.asarray(ref).argmax(-1))
+    np.testing.assert_allclose(np.asarray(out_cache.k), np.asarray(ref_cache.k), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out_cache.v), np.asarray(ref_cache.v), rtol=1e-5, atol=1e-5)
+
+
+def drafter(llm: LoadedModel) -> LoadedModel:
+    """A random feature drafter (the pass-through init plus noise), so it proposes varied tokens."""
+    cfg = drafter_config(llm.cfg)
+    params = init_drafter(cfg, llm.params, 3)
+    keys = iter(jax.random.split(jax.random.PRNGKey(3), 64))
+    params = jax.tree_util.tree_map(lambda x: x + 0.5 * jax.random.normal(next(keys), x.shape) * jnp.std(x), params)
+    return LoadedModel("drafter", cfg, params, features=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LoadedModel:
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def reference(llm) -> list[list[int]]:
+    """Greedy incremental tokens of every prompt under the default lowering."""
+    engine = Engine(llm, lowering=DEFAULT)
+    return [engine.generate(p, 24).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("lowering", [platform_lowering("gpu"), Lowering("barrier", "scatter", "scan")], ids=name)
+def test_greedy_tokens_are_the_defaults_under_the_gpu_lowering_and_scanned_layers(llm, reference, lowering):
+    """A batch of three rows through the merged tree of a feature drafter and the n-gram, prefill and tree steps
+    alike (each field's every value is covered by the forward test above; here the engine runs them together)."""
+    engine = Engine(llm, [drafter(llm), NGramSpeculator(3)], [(1, 2), (1, 1, 1)], lowering=lowering)
+    assert engine.lowering == lowering
+    batch = BatchEngine(engine, max_batch=3, max_model_len=64)
+    assert [g.token_ids for g in batch.generate([Request(p, 24) for p in PROMPTS])] == reference
+
+
+def test_a_fused_drafter_refuses_scanned_layers_clearly(llm):
+    from models.drafter import default_feature_layers  # noqa: PLC0415
+
+    layers = default_feature_layers(llm.cfg.num_layers)
+    dcfg = drafter_config(llm.cfg)
+    fused = LoadedModel("fused", dcfg, init_drafter(dcfg, llm.params, 0, layers), features=True,
+                        feature_layers=layers)
+    with pytest.raises(ValueError, match="layers=unroll"):
+        Engine(llm, [fused], (1, 1), lowering=Lowering(layers="scan"))
+
+
+def test_the_lowering_keys_forwards_and_calibrations():
+    cfg = tiny_config()
+    other = Lowering("plain", "scatter", "unroll")
+    assert forward_for(cfg, jnp.dtype(jnp.float32), True, lowering=other) is not forward_for(
+        cfg, jnp.dtype(jnp.float32), True, lowering=DEFAULT)
+    assert forward_for(cfg, jnp.dtype(jnp.float32), True) is forward_for(cfg, jnp.dtype(jnp.float32), True,
+                                                                          lowering=DEFAULT)
+    model = random_model("tiny")
+    assert calibration_key(model)["lowering"] == DEFAULT.label
+    assert calibration_key(model, other) != calibration_key(model)
+
+
+def test_verbose_names_the_device_precision_and_lowering(llm):
+    from jaxspec.cli.common import device_line  # noqa: PLC0415
+
+    line = device_line(Engine(llm, lowering=Lowering("plain", "scatter", "unroll")))
+    assert "(cpu, jax " in line and "precision float32" in line
+    assert line.endswith("lowering dense=plain,kv_write=scatter,layers=unroll")
+
+
+def test_a_bad_lowering_is_one_error_line(capsys):
+    from jaxspec import cli  # noqa: PLC0415
+
+    assert cli.main(["bench", "step-costs", "--shape", "tiny", "--lowering", "dense=fast"]) == 2
+    assert "--lowering: lowering dense must be one of barrier, plain" in capsys.readouterr().err
