@@ -99,7 +99,8 @@ def unavailable(sub, name: str, error: ImportError) -> None:
 
 
 def report_calibration(engine, batch, args, prompt_ids: list[int]) -> None:
-    """``-v`` with ``--mode auto``: the family and its measured cost per iteration, once (one row, the first prompt's cache)."""
+    """``--recalibrate`` with ``--mode auto``: the family and its measured cost per iteration (one row, the first
+    prompt's cache)."""
     from jaxspec.engine.batch import _bucket  # noqa: PLC0415
 
     warp = sampling.WarpSpec.of(sampling_params(args))
@@ -213,7 +214,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     batch = BatchEngine(engine, max_batch=min(args.max_batch, len(jobs)),
                         max_model_len=min(longest + args.max_new_tokens, llm.cfg.max_position_embeddings),
                         sync=distributed.loop_sync(), verbose=say, eager=args.compile == "all")
-    if engine.auto and (args.verbose or args.recalibrate):
+    if engine.auto and args.recalibrate:  # -v alone leaves the lazy path as it is (its builds are reported)
         report_calibration(engine, batch, args, jobs[0][2].prompt_ids)
     streaming = len(jobs) == 1
     shown = StopText(llm.tokenizer, args.stop)  # the streamed text, held back where a stop string may begin

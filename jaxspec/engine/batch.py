@@ -429,7 +429,22 @@ class BatchEngine:
         key = (warp, rows, capacity)
         if key not in self._bucket_costs:
             self._ready(warp, rows, capacity, ["none"] if self._lazy else list(self.engine.family(warp)))
+            if self._lazy and self.background:
+                self._prebuild(warp, rows, capacity)
         return self._bucket_costs[key]
+
+    def _prebuild(self, warp: sampling.WarpSpec, rows: int, capacity: int) -> None:
+        """Where a background build costs the loop nothing (an accelerator with spare host cores), queues every
+        tree of a new bucket at once, the most promising first (expected tokens per second, posterior means), so
+        they are ready by the time the statistics want them instead of a compile's length after."""
+        if any(self._build_price(warp, rows, capacity, n) > 0 for n in self.engine.family(warp)):
+            return
+        chooser = self.engine.chooser(warp)
+        known = self._bucket_costs[(warp, rows, capacity)]
+        every = self._estimated(warp, rows, capacity, known)
+        rate = {n: chooser.expected_tokens(n) / every[n] for n in self.engine.family(warp) if n not in known}
+        for name in sorted(rate, key=rate.get, reverse=True):
+            self._build_in_background(warp, rows, capacity, name)
 
     def _ready(self, warp: sampling.WarpSpec, rows: int, capacity: int, names: list[str]) -> None:
         """Compiles ``names`` for a bucket and, under auto, measures them there (cached on disk per member)."""
@@ -510,6 +525,8 @@ class BatchEngine:
                 seconds = future.result()
             except Exception as exc:  # noqa: BLE001 — a build that failed leaves the member unready
                 self.sync.failed(f"building {name} in the background", exc)
+                if self.verbose is not None:
+                    self.verbose(f"building {name} for {rows} row(s) x {capacity} slots failed: {exc}")
                 continue
             if self._built_before(warp, rows, capacity, name):
                 self._load_seconds = seconds
@@ -968,8 +985,10 @@ class BatchEngine:
             extra["chain_masks"] = jax.device_put(masks.chain_masks(chains, proposals, cfg.forced_depth,
                                                                     cfg.ngram_depth))
         start = time.perf_counter()
+        compiled = e.compilations
         self.state, out = e._step_fn(cfg)(e._llm_params, e._group_params, self.state, *arrays, **extra)
-        self.host_seconds += time.perf_counter() - began  # the launch returns before the device is done
+        if e.compilations == compiled and not self._building:  # compiles (here or in a build) are not host work
+            self.host_seconds += time.perf_counter() - began  # the launch returns before the device is done
         self.iterations += 1
         forced = [len(c) for c in chains] or [0] * self.rows
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start)
