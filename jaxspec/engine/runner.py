@@ -100,9 +100,9 @@ class Runner:
         """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward;
         ``lowering`` picks the graph forms of every forward (``models.lowering``; default: this platform's,
         ``$JAXSPEC_LOWERING``): its ``layers`` "unroll" runs the LLM's layers unrolled over per-layer weights
-        (no per-call weight slicing; slower to compile, faster to run on a CPU), "scan" under ``lax.scan``; ``mesh`` shards parameters, caches and state by
-        ``jaxspec.parallel.sharding.RULES`` (None: one device, as before); a mesh with ``pipe`` > 1 runs the LLM's
-        layers as pipeline stages (``models.pipeline``); ``offload`` keeps them in host memory and streams
+        (no per-call weight slicing; slower to compile, faster to run on a CPU), "scan" under ``lax.scan``;
+        ``mesh`` shards parameters, caches and state by ``jaxspec.parallel.sharding.RULES`` (None: one device, as
+        before); a mesh with ``pipe`` > 1 runs the LLM's layers as pipeline stages (``models.pipeline``); ``offload`` keeps them in host memory and streams
         them in layer by layer (``jaxspec.parallel.offload``); ``forced_tokens``: how many tokens a grammar
         forces ahead of a constrained request's root ride in its tree as a draft chain (0: none)."""
         expansions = _per_ssm(expansion, len(ssms))
