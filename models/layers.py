@@ -236,10 +236,10 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         d, f = self.cfg.hidden_size, self.cfg.intermediate_size
         t, dense = self.transposed, self.dense
-        up = lambda name, bias: Dense((d,), (f,), (axes.EMBED,), (axes.MLP,), bias, self.dtype, t, dense,  # noqa: E731
-                                      name=name)
-        down = lambda name, bias: Dense((f,), (d,), (axes.MLP,), (axes.EMBED,), bias, self.dtype, t, dense,  # noqa: E731
-                                        name=name)
+        up = lambda name, bias: Dense((d,), (f,), (axes.EMBED,), (axes.MLP,), bias,  # noqa: E731
+                                      self.dtype, t, dense, name=name)
+        down = lambda name, bias: Dense((f,), (d,), (axes.MLP,), (axes.EMBED,), bias,  # noqa: E731
+                                        self.dtype, t, dense, name=name)
         if self.cfg.arch == "opt":
             act = {"relu": jax.nn.relu, "gelu": jax.nn.gelu}[self.cfg.activation]
             return down("fc2", True)(act(up("fc1", True)(x)))

@@ -44,7 +44,8 @@ class Lowering:
     def __post_init__(self) -> None:
         for field, allowed in CHOICES.items():
             if getattr(self, field) not in allowed:
-                raise LoweringError(f"lowering {field} must be one of {', '.join(allowed)}, got {getattr(self, field)!r}")
+                raise LoweringError(f"lowering {field} must be one of {', '.join(allowed)}, "
+                                    f"got {getattr(self, field)!r}")
 
     @property
     def label(self) -> str:
@@ -91,7 +92,7 @@ def platform_lowering(platform: str) -> Lowering:
 
 
 def default_lowering(spec: str | None = None) -> Lowering:
-    """This process's lowering: the default backend's, then ``$JAXSPEC_LOWERING``, then ``spec`` (e.g. ``--lowering``)."""
+    """This process's lowering: the default backend's, then ``$JAXSPEC_LOWERING``, then ``spec`` (``--lowering``)."""
     import jax  # noqa: PLC0415 (initialises the backend: call after jax.distributed.initialize)
 
     return platform_lowering(jax.default_backend()).override(os.environ.get(ENV)).override(spec)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from models.config import ModelConfig
+from models.lowering import Lowering, default_lowering
 from models.transformer import KERNEL_IN_DIMS, Block, Forward, KVCache, Transformer, write_kv
 
 PIPE = "pipe"  # the mesh axis the stages run along
@@ -102,9 +103,9 @@ def microbatches_for(batch: int, stages: int, requested: int | None = None) -> i
     return max(m for m in divisors(batch) if m <= stages)
 
 
-def block_fn(cfg: ModelConfig, dtype) -> Callable:
+def block_fn(cfg: ModelConfig, dtype, lowering: Lowering = Lowering()) -> Callable:
     """``block(layer_params, x, k, v, positions, mask, write_at) -> (x, (k_new, v_new))`` for one layer."""
-    block = Block(cfg, dtype, True)
+    block = Block(cfg, dtype, True, lowering.dense)
 
     def run(p, x, k, v, positions, mask, write_at):
         return block.apply({"params": p}, x, k, v, positions, mask, write_at)
@@ -113,13 +114,14 @@ def block_fn(cfg: ModelConfig, dtype) -> Callable:
 
 
 def scan_layers(cfg: ModelConfig, dtype, layers: dict, x, cache: KVCache, positions, mask,
-                fetch: Callable | None = None) -> tuple[jax.Array, KVCache]:
+                fetch: Callable | None = None, lowering: Lowering = Lowering()) -> tuple[jax.Array, KVCache]:
     """Runs the stacked layers [L', ...] over x [B, T, D] with ``lax.scan``; returns x and the cache with new K/V.
 
     ``fetch`` maps one layer's parameters before use (``jaxspec.parallel.offload`` copies them from
-    host memory there, so only the current layer's weights are on the device).
+    host memory there, so only the current layer's weights are on the device); ``lowering``'s dense and
+    kv_write forms apply.
     """
-    run = block_fn(cfg, dtype)
+    run = block_fn(cfg, dtype, lowering)
 
     def body(h, xs):
         p, k, v = xs
@@ -129,7 +131,7 @@ def scan_layers(cfg: ModelConfig, dtype, layers: dict, x, cache: KVCache, positi
         return h, kv
 
     x, (k_new, v_new) = jax.lax.scan(body, x, (layers, cache.k, cache.v))  # k_new [L', B, T, K, H]
-    return x, write_kv(cache, k_new, v_new)
+    return x, write_kv(cache, k_new, v_new, scatter=lowering.kv_write == "scatter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +142,7 @@ class PipelineStack:
     dtype: jnp.dtype
     mesh: Mesh
     microbatches: int | None = None  # None: as many as stages, as far as the batch divides
+    lowering: Lowering = Lowering()  # its dense and kv_write forms
 
     def __call__(self, layers: dict, x: jax.Array, cache: KVCache, positions, mask) -> tuple[jax.Array, KVCache]:
         # x [B, T, D]; layers [L, ...] and cache.k/v [L, B, K, S, H] sharded over pipe on L
@@ -164,7 +167,7 @@ class PipelineStack:
         rows = x.shape[0] // m  # R: rows per microbatch
         t_len = x.shape[1]
         lp, kv, hd = k_cache.shape[0], k_cache.shape[2], k_cache.shape[4]
-        run = block_fn(self.cfg, self.dtype)
+        run = block_fn(self.cfg, self.dtype, self.lowering)
         forward_perm = [(i, i + 1) for i in range(stages - 1)]
 
         def part(a, mb, axis=0):
@@ -197,14 +200,18 @@ class PipelineStack:
                  jnp.zeros(new_shape, k_cache.dtype), jnp.zeros(new_shape, v_cache.dtype))
         _, out, k_new, v_new = jax.lax.fori_loop(0, m + stages - 1, tick, carry)
         out = jax.lax.psum(out, PIPE)  # only the last stage's rows are non-zero
-        local = write_kv(KVCache(k_cache, v_cache, length), k_new, v_new)
+        local = write_kv(KVCache(k_cache, v_cache, length), k_new, v_new, scatter=self.lowering.kv_write == "scatter")
         return out, local.k, local.v
 
 
-def make_pipeline_forward(cfg: ModelConfig, mesh: Mesh, dtype=jnp.float32, microbatches: int | None = None) -> Forward:
-    """``forward(params, tokens, positions, cache, mask, select=None)`` over ``stacked_layout`` params, P stages."""
+def make_pipeline_forward(cfg: ModelConfig, mesh: Mesh, dtype=jnp.float32, microbatches: int | None = None,
+                          lowering: Lowering | None = None) -> Forward:
+    """``forward(params, tokens, positions, cache, mask, select=None)`` over ``stacked_layout`` params, P stages;
+    ``lowering`` default: this platform's."""
     check_stages(cfg, mesh)
-    model = Transformer(cfg, dtype, True, layer_stack=PipelineStack(cfg, jnp.dtype(dtype), mesh, microbatches))
+    lowering = lowering or default_lowering()
+    model = Transformer(cfg, dtype, True, lowering=lowering,
+                        layer_stack=PipelineStack(cfg, jnp.dtype(dtype), mesh, microbatches, lowering))
 
     def forward(params, tokens, positions, cache, mask, select=None):
         return model.apply({"params": params}, tokens, positions, cache, mask, select)

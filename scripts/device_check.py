@@ -169,7 +169,8 @@ def cmd_e2e(args: argparse.Namespace) -> int:
             "mode": meta["mode"], "batch": meta["batch"], "flags": meta["flags"], "exit": meta["rc"],
             "prompts": len(rows), "tokens": tokens, "llm_steps": steps,
             # as jaxspec generate reports it: tokens of all LLM steps over those steps (the prefill's token excluded)
-            "tokens_per_step": round(sum(x["tokens_per_step"] * x["llm_steps"] for x in rows) / steps, 3) if steps else "",
+            "tokens_per_step": round(sum(x["tokens_per_step"] * x["llm_steps"] for x in rows) / steps, 3)
+            if steps else "",
             "median_ms_per_token": round(statistics.median(1000 * x["seconds"] / max(len(x["token_ids"]), 1)
                                                            for x in rows), 3) if rows else "",
             # batch 1: tokens over the requests' seconds; a full batch: its rows' own rates add up
@@ -235,7 +236,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             summary["costs"].append({**r, "part": part, "hbm_limit_ms": limit_ms, "x_hbm_limit": vs})
     e2e = out / "e2e" / "e2e.csv"
     e2e_rows = _csv(e2e) if e2e.is_file() else []
-    seen = next((r["device"] for r in e2e_rows if r.get("device")), "")  # "<kind> (<platform>); precision …; lowering …"
+    seen = next((r["device"] for r in e2e_rows if r.get("device")), "")  # "<kind> (…); precision …; lowering …"
     e2e_lowering = seen.rsplit("lowering ", 1)[-1] if "lowering " in seen else "platform default"
     for r in e2e_rows:
         note = (f"{r['speedup'] or '-'}x incremental's ms/token; {r['tokens_per_step']} tokens/step; exit {r['exit']}; "

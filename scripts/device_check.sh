@@ -50,7 +50,7 @@ e2e() {
     return 3
   fi
   rm -rf "$tok" && mkdir -p "$tok" && tar -xzf .device/tokenizer.tar.gz -C "$tok" || return 4
-  "$PY" scripts/device_check.py checkpoint "$ckpt" --tokenizer "$tok" --shape smollm2-135m "${LAYERS[@]}" || return 4
+  "$PY" scripts/device_check.py checkpoint "$ckpt" --tokenizer "$tok" --shape smollm2-135m ${LAYERS[@]+"${LAYERS[@]}"} || return 4
   local b mode
   for b in "${BATCHES[@]}"; do
     "$PY" scripts/device_check.py prompts "$OUT/e2e/prompts_b$b.jsonl" --count "$COUNT" --warmup "$b" > /dev/null
@@ -59,7 +59,7 @@ e2e() {
       # -v on incremental only: it names the device, precision and lowering; under auto it would also calibrate
       # every tree up front, which is not the default lazy path being measured
       case $mode in
-        auto) flags=(--mode auto "${AUTO_SSM[@]}") ;;
+        auto) flags=(--mode auto ${AUTO_SSM[@]+"${AUTO_SSM[@]}"}) ;;
         tree) flags=(--mode tree "${TREE_SSM[@]}" --expansion "1,1,1;1,1,1,1,1,1") ;;
         dynamic) flags=(--mode tree "${DYN_SSM[@]}" --expansion dynamic:32) ;;
         *) flags=(--mode incremental -v) ;;

@@ -168,3 +168,9 @@ def test_a_bad_lowering_is_one_error_line(capsys):
 
     assert cli.main(["bench", "step-costs", "--shape", "tiny", "--lowering", "dense=fast"]) == 2
     assert "--lowering: lowering dense must be one of barrier, plain" in capsys.readouterr().err
+
+
+def test_offloaded_layers_follow_the_lowering_and_keep_the_tokens(llm, reference):
+    """The stacked paths (offload here; pipeline stages share ``scan_layers``' block and write) take the lowering."""
+    engine = Engine(llm, offload=True, lowering=platform_lowering("gpu"))
+    assert [engine.generate(p, 24).token_ids for p in PROMPTS] == reference

@@ -71,7 +71,8 @@ def add_parser(sub) -> None:
     costs.add_argument("--draft-tokens", default=",".join(map(str, DEFAULT_DRAFT_WIDTHS)),
                        help="frontier widths w of one draft level")
     costs.add_argument("--capacity", type=int, default=512, help="KV cache slots")
-    costs.add_argument("--batch", default="1", help="rows per forward; comma-separated for a batch curve, e.g. 1,4,16,64")
+    costs.add_argument("--batch", default="1",
+                       help="rows per forward; comma-separated for a batch curve, e.g. 1,4,16,64")
     costs.add_argument("--repeats", type=int, default=5, help="timed runs per point (median; warm-up excluded)")
     costs.add_argument("--ssm", action="append", default=[], metavar="PATH_OR_SPEC",
                        help="speculators whose draft level to time (as jaxspec generate --ssm)")

@@ -85,7 +85,8 @@ def measure_llm_costs(
         raise ValueError("repeats and batch must be >= 1")
     lowering = lowering or default_lowering()
     unrolled = lowering.unrolled if unrolled is None else unrolled
-    forward = make_forward(model.cfg, model.dtype, True, lowering=lowering) if unrolled else model.forward_with(lowering)
+    forward = (make_forward(model.cfg, model.dtype, True, lowering=lowering) if unrolled
+               else model.forward_with(lowering))
     params = decoding_layout(model.params) if unrolled else model.params
     def run(params, toks, pos, cache, mask):  # a feature drafter also reads a state per token (zeros cost the same)
         feats = jnp.zeros(toks.shape + (model.cfg.hidden_size,), model.dtype) if model.features else None

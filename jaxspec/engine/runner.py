@@ -101,11 +101,12 @@ class Runner:
         """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward;
         ``lowering`` picks the graph forms of every forward (``models.lowering``; default: this platform's,
         ``$JAXSPEC_LOWERING``): its ``layers`` "unroll" runs the LLM's layers unrolled over per-layer weights
-        (no per-call weight slicing; slower to compile, faster to run on a CPU), "scan" under ``lax.scan``; ``mesh`` shards parameters, caches and state by
-        ``jaxspec.parallel.sharding.RULES`` (None: one device, as before); a mesh with ``pipe`` > 1 runs the LLM's
-        layers as pipeline stages (``models.pipeline``); ``offload`` keeps them in host memory and streams
-        them in layer by layer (``jaxspec.parallel.offload``); ``forced_tokens``: how many tokens a grammar
-        forces ahead of a constrained request's root ride in its tree as a draft chain (0: none)."""
+        (no per-call weight slicing; slower to compile, faster to run on a CPU), "scan" under ``lax.scan``;
+        ``mesh`` shards parameters, caches and state by ``jaxspec.parallel.sharding.RULES`` (None: one device, as
+        before); a mesh with ``pipe`` > 1 runs the LLM's layers as pipeline stages (``models.pipeline``);
+        ``offload`` keeps them in host memory and streams them in layer by layer (``jaxspec.parallel.offload``);
+        ``forced_tokens``: how many tokens a grammar forces ahead of a constrained request's root ride in its tree
+        as a draft chain (0: none)."""
         expansions = _per_ssm(expansion, len(ssms))
         ngrams = [s for s in ssms if isinstance(s, NGramSpeculator)]
         if len(ngrams) > 1:
@@ -168,7 +169,7 @@ class Runner:
         self.mesh = mesh
         self.offload = offload
         if self.stacked:
-            self._llm_params, self._llm_forward = _stacked_llm(llm, mesh, offload)
+            self._llm_params, self._llm_forward = _stacked_llm(llm, mesh, offload, self.lowering)
         if mesh is not None:
             self._place_on_mesh()
         if offload and mesh is not None:  # a one-device offload was laid out in host memory already
@@ -481,12 +482,14 @@ class Runner:
             return cache
         return jax.tree_util.tree_map(lambda x: jnp.stack([x] * len(group.members)), cache)
 
-def _stacked_llm(llm: LoadedModel, mesh: Mesh | None, offload: bool) -> tuple[dict, Forward]:
-    """The LLM's stacked parameters and forward: pipeline stages over ``mesh``'s pipe axis, or offloaded layers."""
+def _stacked_llm(llm: LoadedModel, mesh: Mesh | None, offload: bool, lowering: Lowering) -> tuple[dict, Forward]:
+    """The LLM's stacked parameters and forward: pipeline stages over ``mesh``'s pipe axis, or offloaded layers
+    (``lowering``'s dense and kv_write forms; their layers always run scanned)."""
     dtype = jnp.dtype(llm.dtype)
     if offload and pipe_size(mesh) > 1:
         raise RequestError("--offload runs on one pipeline stage: use a mesh with pipe=1")
-    forward = make_offload_forward(llm.cfg, dtype) if offload else make_pipeline_forward(llm.cfg, mesh, dtype)
+    forward = (make_offload_forward(llm.cfg, dtype, lowering) if offload
+               else make_pipeline_forward(llm.cfg, mesh, dtype, lowering=lowering))
     # one device: layer tensors relaid out in host memory (they never touch the device when the loader put
     # them there, jaxspec.parallel.offload.host_placer); a mesh: laid out in place, then moved to the host
     return (offload_layout(llm.params) if offload and mesh is None else stacked_layout(llm.params)), forward

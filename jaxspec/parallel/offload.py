@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models.lowering import Lowering, default_lowering
 from models.pipeline import scan_layers, stacked_layout
 from models.transformer import Forward, KVCache, Transformer
 
@@ -100,15 +101,19 @@ class OffloadStack:
 
     cfg: ModelConfig
     dtype: jnp.dtype
+    lowering: Lowering = Lowering()  # its dense and kv_write forms
 
     def __call__(self, layers: dict, x: jax.Array, cache: KVCache, positions, mask) -> tuple[jax.Array, KVCache]:
         # layers [L, ...] in host memory; x [B, T, D]; cache.k/v [L, B, K, S, H] on the device
-        return scan_layers(self.cfg, self.dtype, layers, x, cache, positions, mask, fetch=fetch)
+        return scan_layers(self.cfg, self.dtype, layers, x, cache, positions, mask, fetch=fetch, lowering=self.lowering)
 
 
-def make_offload_forward(cfg: ModelConfig, dtype=jnp.float32) -> Forward:
-    """``forward(params, tokens, positions, cache, mask, select=None)`` over ``offload_params`` output."""
-    model = Transformer(cfg, dtype, True, layer_stack=OffloadStack(cfg, jnp.dtype(dtype)))
+def make_offload_forward(cfg: ModelConfig, dtype=jnp.float32, lowering: Lowering | None = None) -> Forward:
+    """``forward(params, tokens, positions, cache, mask, select=None)`` over ``offload_params`` output;
+    ``lowering`` default: this platform's."""
+    lowering = lowering or default_lowering()
+    model = Transformer(cfg, dtype, True, lowering=lowering,
+                        layer_stack=OffloadStack(cfg, jnp.dtype(dtype), lowering))
 
     def forward(params, tokens, positions, cache, mask, select=None):
         return model.apply({"params": params}, tokens, positions, cache, mask, select)
