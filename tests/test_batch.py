@@ -304,10 +304,12 @@ def test_lazy_auto_builds_trees_in_the_background_while_plain_steps_go_on(llm):
 
 
 def test_replayed_gpu_measurements_make_lazy_auto_speculate_from_the_first_request(llm):
-    """The planner fed the first GPU run's records (H200, default model's shape: a plain step 2.5 ms, a 4-node
-    tree 1.20x and an 8-node one 1.57x of it, compiles of 5 s, the shipped drafter's held-out top-1 acceptance
-    0.49 / 0.44 / 0.41 by depth) decides at its first pick to build the drafter's tree (a background build on a
-    spare host core costs the loop nothing), where the old rule (seconds saved vs seconds of compile) never did."""
+    """The planner fed the GPU runs' records (H200, default model's shape: a plain step 2.5 ms, a 4-node tree
+    1.20x of it, compiles of 5 s, the shipped drafter's held-out top-1 acceptance 0.49 / 0.44 / 0.41 by depth)
+    decides at its first pick to build the drafter's tree (before a build was watched, one in the background on
+    an accelerator's spare host core is taken as free), where the old rule (seconds saved vs seconds of compile)
+    never did; once the H100 run's plain steps beside a build (2.50 ms alone, 6.56 ms beside) are seen, builds
+    are charged the share of their time the loop lost."""
     from jaxspec.engine.auto import KINDS
 
     engine = Engine(llm, ssms=[llm], expansion=[(1, 1, 1)], auto=True)
@@ -332,3 +334,13 @@ def test_replayed_gpu_measurements_make_lazy_auto_speculate_from_the_first_reque
     batch.settle()
     gens = batch.generate([Request(PROMPTS[0], 12)])
     assert "ssm" in gens[0].trees
+    # the same run's plain steps: 2.50 ms alone, 6.56 ms beside its first background builds; from then on a build
+    # is charged the 62% of its seconds the loop lost
+    batch._plain_alone.clear(), batch._plain_beside.clear()
+    batch._plain_alone.extend([2.50e-3] * 8)
+    batch._plain_beside.extend([6.56e-3] * 8)
+    assert batch._build_share() == pytest.approx(1 - 2.50 / 6.56)
+    batch._compile_seconds = batch._load_seconds = 5.0
+    assert batch._build_price(greedy, 2, batch.capacity_buckets[0], "ssm") == pytest.approx(5.0 * (1 - 2.50 / 6.56))
+    assert not batch._worth_compiling("ssm", chooser, [(0, 0)], {"none": 2.5e-3, "ssm": 2.5e-3 * 1.56},
+                                      (greedy, 2, batch.capacity_buckets[0]))  # 1 request's saving: too little

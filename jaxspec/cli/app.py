@@ -181,12 +181,13 @@ def report_learned(engine) -> None:
 
 
 def report_host(batch: "BatchEngine", args) -> None:
-    """``-v``: host milliseconds per iteration (choosing, launching, reading) beside the whole iteration's."""
-    if args.verbose and batch.iterations:
-        busy = batch.busy_seconds
-        print(f"[jaxspec] host {batch.host_seconds / batch.iterations * 1e3:.2f} ms per iteration of "
-              f"{busy / batch.iterations * 1e3:.2f} ms ({batch.iterations} iterations, {batch.overlapped} overlapped)",
-              file=sys.stderr)
+    """``-v``: host milliseconds per iteration (choosing, launching, reading) beside the whole iteration's, as
+    medians (an iteration that compiled or resized is an outlier, not the loop's cost) and 90th percentiles."""
+    if args.verbose and batch.host_times:
+        host, wall = np.asarray(batch.host_times) * 1e3, np.asarray(batch.iteration_times) * 1e3
+        print(f"[jaxspec] host {np.median(host):.2f} ms per iteration (p90 {np.percentile(host, 90):.2f}) of "
+              f"{np.median(wall):.2f} ms (p90 {np.percentile(wall, 90):.2f}); {batch.iterations} iterations, "
+              f"{batch.overlapped} overlapped", file=sys.stderr)
 
 
 def generate_requests(engine, llm, rows: list[dict], args, out) -> int:

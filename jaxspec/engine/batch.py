@@ -34,6 +34,7 @@ import concurrent.futures
 import dataclasses
 import math
 import os
+import sys
 import threading
 import time
 from typing import Callable, Sequence
@@ -51,6 +52,8 @@ from jaxspec.parallel.sharding import fetch, pinned
 from jaxspec.decoding.step import DecodeConfig, StepOutput, insert_row, move_row, prefill_row, resize, set_inactive
 from jaxspec.structured import Grammar, GrammarError
 
+MIN_WATCHED = 8  # plain steps timed alone and beside a build before their ratio prices builds
+BUILD_SWITCH_INTERVAL = 2e-4  # seconds a thread holds the GIL while a build runs (the loop must not wait 5 ms)
 PREFILL_BUCKETS = (16, 64, 256)  # chunk shapes a prompt is fed in (one executable each)
 DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
 MIN_CAPACITY = 256  # the smallest cache bucket: below it a step's cost hardly depends on the cache
@@ -290,7 +293,11 @@ class BatchEngine:
         self._load_seconds: float | None = None
         self._built: dict = {}  # (warp, rows, capacity, member) -> built on this machine before (``_built_before``)
         self.background = background and self.sync.local
-        self.platform = jax.default_backend()  # where the steps run: decides what a background build costs the loop
+        self.platform = jax.default_backend()  # where the steps run: what a build costs the loop before it is watched
+        # plain steps' seconds with no build in flight and beside one: what a build costs the loop, measured
+        self._plain_alone: collections.deque[float] = collections.deque(maxlen=64)
+        self._plain_beside: collections.deque[float] = collections.deque(maxlen=64)
+        self._switch_interval: float | None = None  # the interpreter's, while builds lower it
         self.builds: list[tuple[int, tuple]] = []  # (iteration, (warp, rows, capacity, member)) of background builds
         self._builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: builds run one at a time
         self._building: dict[tuple, concurrent.futures.Future] = {}  # (warp, rows, capacity, member) -> its build
@@ -299,8 +306,10 @@ class BatchEngine:
         self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
         self._last_done = 0.0
         self.overlapped = 0  # iterations dispatched before the previous one's tokens were read
-        self.host_seconds = 0.0  # host time spent choosing, launching and reading iterations (not waiting on them)
-        self.busy_seconds = 0.0  # wall time of the iterations read (each from its launch or the previous read)
+        # per iteration read, newest last: host seconds choosing, launching and reading it (not waiting on the
+        # device), and wall seconds from its launch (or the previous read) to its tokens on the host
+        self.host_times: collections.deque[float] = collections.deque(maxlen=4096)
+        self.iteration_times: collections.deque[float] = collections.deque(maxlen=4096)
 
     # -- requests ---------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -429,22 +438,7 @@ class BatchEngine:
         key = (warp, rows, capacity)
         if key not in self._bucket_costs:
             self._ready(warp, rows, capacity, ["none"] if self._lazy else list(self.engine.family(warp)))
-            if self._lazy and self.background:
-                self._prebuild(warp, rows, capacity)
         return self._bucket_costs[key]
-
-    def _prebuild(self, warp: sampling.WarpSpec, rows: int, capacity: int) -> None:
-        """Where a background build costs the loop nothing (an accelerator with spare host cores), queues every
-        tree of a new bucket at once, the most promising first (expected tokens per second, posterior means), so
-        they are ready by the time the statistics want them instead of a compile's length after."""
-        if any(self._build_price(warp, rows, capacity, n) > 0 for n in self.engine.family(warp)):
-            return
-        chooser = self.engine.chooser(warp)
-        known = self._bucket_costs[(warp, rows, capacity)]
-        every = self._estimated(warp, rows, capacity, known)
-        rate = {n: chooser.expected_tokens(n) / every[n] for n in self.engine.family(warp) if n not in known}
-        for name in sorted(rate, key=rate.get, reverse=True):
-            self._build_in_background(warp, rows, capacity, name)
 
     def _ready(self, warp: sampling.WarpSpec, rows: int, capacity: int, names: list[str]) -> None:
         """Compiles ``names`` for a bucket and, under auto, measures them there (cached on disk per member)."""
@@ -489,13 +483,20 @@ class BatchEngine:
         return compile_seconds
 
     def _build_price(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> float:
-        """Loop seconds that readying ``name`` for the bucket costs: all of it when the loop waits or when the
-        step itself runs on the host's cores (a CPU platform); none when it builds in the background on a spare
-        core of an accelerator's host (the loop and the device go on as before)."""
+        """Loop seconds that readying ``name`` for the bucket costs: all of it when the loop waits; in the
+        background, the share of it the loop loses (``_build_share``)."""
         seconds = self._ready_seconds(warp, rows, capacity, name)
-        if self.background and self.platform != "cpu" and host_cores() > 1:
-            return 0.0
-        return seconds
+        return seconds * self._build_share() if self.background else seconds
+
+    def _build_share(self) -> float:
+        """The share of a background build's seconds the loop loses, as measured here: 1 - (plain step alone) /
+        (plain step beside a build), medians. Before a build has been watched: all of it on a CPU platform (the
+        build takes the cores the steps run on), none on an accelerator whose host has a spare core; the first
+        build there is the measurement."""
+        alone, beside = self._plain_alone, self._plain_beside
+        if len(alone) >= MIN_WATCHED and len(beside) >= MIN_WATCHED:
+            return float(np.clip(1.0 - np.median(alone) / np.median(beside), 0.0, 1.0))
+        return 1.0 if self.platform == "cpu" or host_cores() < 2 else 0.0
 
     def _build_in_background(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> None:
         """Starts compiling ``name`` for the bucket in the worker thread (once); ``_harvest`` adopts it."""
@@ -510,6 +511,9 @@ class BatchEngine:
             self.engine.warm(warp, capacity, rows, names=[name])
             return time.perf_counter() - began
 
+        if self._switch_interval is None:  # a tracing build holds the GIL; the loop gets it back within this
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch_interval, BUILD_SWITCH_INTERVAL))
         self._building[key] = self._builder.submit(build)
         self.builds.append((self.iterations, key))
         if self.verbose is not None:
@@ -536,7 +540,10 @@ class BatchEngine:
             known[name] = self._estimated(warp, rows, capacity, known)[name]
             if self.verbose is not None:
                 self.verbose(f"built {name} for {rows} row(s) x {capacity} slots, {warp.label}: {seconds:.1f} s "
-                             f"(background)")
+                             f"(background; the loop loses {self._build_share():.0%} of a build's time)")
+        if not self._building and self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     def settle(self) -> None:
         """Waits for the background builds in flight and adopts them (tests, and a clean shutdown)."""
@@ -985,13 +992,12 @@ class BatchEngine:
             extra["chain_masks"] = jax.device_put(masks.chain_masks(chains, proposals, cfg.forced_depth,
                                                                     cfg.ngram_depth))
         start = time.perf_counter()
-        compiled = e.compilations
         self.state, out = e._step_fn(cfg)(e._llm_params, e._group_params, self.state, *arrays, **extra)
-        if e.compilations == compiled and not self._building:  # compiles (here or in a build) are not host work
-            self.host_seconds += time.perf_counter() - began  # the launch returns before the device is done
+        host = time.perf_counter() - began  # the launch returns before the device is done
         self.iterations += 1
         forced = [len(c) for c in chains] or [0] * self.rows
-        return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start)
+        return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
+                         bool(self._building))
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
@@ -1001,13 +1007,15 @@ class BatchEngine:
         try:
             self._account(it, emitted, num, depths, now)
         finally:
-            self.host_seconds += time.perf_counter() - now
+            self.host_times.append(it.host + time.perf_counter() - now)
 
     def _account(self, it: "_InFlight", emitted: np.ndarray, num: np.ndarray, depths: np.ndarray, now: float) -> None:
         """Counts an iteration's read tokens [B, P] / [B] / [B, sources] into rows, the chooser and the stream."""
         cfg = it.cfg
         seconds, self._last_done = now - max(it.start, self._last_done), now
-        self.busy_seconds += seconds
+        self.iteration_times.append(seconds)
+        if it.name == "none" and not cfg.grammar:
+            (self._plain_beside if it.building else self._plain_alone).append(seconds)
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
         stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
         ssm_nodes = cfg.num_nodes - 1 - cfg.ngram_depth - cfg.forced_depth
@@ -1056,6 +1064,8 @@ class _InFlight:
     costs: dict[str, float] | None  # auto's calibrated costs at the bucket it ran in
     out: StepOutput  # device arrays, not read yet
     start: float  # perf_counter at dispatch
+    host: float = 0.0  # host seconds from choosing it to its launch returning
+    building: bool = False  # a background build was in flight when it launched
 
 
 def _deliver(on_event: Callable[[Event], None], event: Event) -> None:
