@@ -63,56 +63,19 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     """A random-weight LLaMA-family HF directory (safetensors, config.json, the tokenizer) of a named shape."""
-    import numpy as np
-    from safetensors.numpy import save_file
-
     from jaxspec.engine.costs import SHAPES
+    from models.random_checkpoint import write_random_checkpoint
     from models.tokenizer import load_tokenizer
 
     cfg = SHAPES[args.shape]
     if args.layers:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
-    if cfg.arch not in ("llama", "qwen2"):
-        raise SystemExit(f"checkpoint: {args.shape} is {cfg.arch}; only LLaMA/Qwen2 shapes are written")
-    tok = load_tokenizer(args.tokenizer)
-    if len(tok) > cfg.vocab_size:
-        raise SystemExit(f"checkpoint: the tokenizer has {len(tok)} tokens, the shape's vocabulary {cfg.vocab_size}")
-    rng = np.random.default_rng(args.seed)
-    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    n, kv = cfg.num_heads, cfg.num_kv_heads
-
-    def w(rows: int, cols: int) -> np.ndarray:  # [out, in], O(1) outputs: peaked, prompt-dependent logits
-        return (rng.standard_normal((rows, cols), np.float32) / np.sqrt(cols)).astype(np.float32)
-
-    tensors = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab_size, d), np.float32),
-               "model.norm.weight": np.ones(d, np.float32)}
-    if not cfg.tie_word_embeddings:
-        tensors["lm_head.weight"] = w(cfg.vocab_size, d)
-    for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        tensors |= {pre + "self_attn.q_proj.weight": w(n * h, d), pre + "self_attn.k_proj.weight": w(kv * h, d),
-                    pre + "self_attn.v_proj.weight": w(kv * h, d), pre + "self_attn.o_proj.weight": w(d, n * h),
-                    pre + "mlp.gate_proj.weight": w(f, d), pre + "mlp.up_proj.weight": w(f, d),
-                    pre + "mlp.down_proj.weight": w(d, f), pre + "input_layernorm.weight": np.ones(d, np.float32),
-                    pre + "post_attention_layernorm.weight": np.ones(d, np.float32)}
-        if cfg.attention_bias:
-            tensors |= {pre + "self_attn.q_proj.bias": np.zeros(n * h, np.float32),
-                        pre + "self_attn.k_proj.bias": np.zeros(kv * h, np.float32),
-                        pre + "self_attn.v_proj.bias": np.zeros(kv * h, np.float32)}
-    out = Path(args.dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    arch = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}[cfg.arch]
-    (out / "config.json").write_text(json.dumps({
-        "model_type": arch[0], "architectures": [arch[1]], "vocab_size": cfg.vocab_size, "hidden_size": d,
-        "intermediate_size": f, "num_hidden_layers": cfg.num_layers, "num_attention_heads": n,
-        "num_key_value_heads": kv, "head_dim": h, "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "attention_bias": cfg.attention_bias,
-        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": "float32"}, indent=1))
-    tok.save_pretrained(out)
-    size = sum(x.nbytes for x in tensors.values())
-    print(f"random {args.shape} ({cfg.num_layers} layers, {size / 1e6:.0f} MB float32) with {args.tokenizer} -> {out}")
+    try:
+        size = write_random_checkpoint(args.dir, cfg, load_tokenizer(args.tokenizer), args.seed)
+    except ValueError as e:
+        raise SystemExit(f"checkpoint: {args.shape}: {e}") from None
+    print(f"random {args.shape} ({cfg.num_layers} layers, {size / 1e6:.0f} MB float32) with {args.tokenizer} -> "
+          f"{args.dir}")
     return 0
 
 

@@ -45,6 +45,25 @@ def tiny_model(seed: int = 1, scale: float = 3.0, **overrides) -> LoadedModel:
     return LoadedModel(f"tiny-{seed}", cfg, params)
 
 
+def ragged_forward_case(cfg: ModelConfig, batch: int, tokens: int, capacity: int = 16):
+    """Inputs of one forward over a ragged batch of trees: (params x3, tokens [B, T], positions [B, T], a cache of
+    random K/V with committed lengths 2, 4, 3 [B], the causal mask [B, T, S]); shared by the layout tests."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from models.transformer import KVCache  # noqa: PLC0415
+
+    params = jax.tree_util.tree_map(lambda x: x * 3.0, init_params(cfg, 3))
+    length = jnp.array([2, 4, 3][:batch], jnp.int32)  # [B] committed tokens, ragged
+    cache = KVCache.create(cfg, batch, capacity)
+    cache = cache.replace(k=jax.random.normal(jax.random.PRNGKey(1), cache.k.shape),
+                          v=jax.random.normal(jax.random.PRNGKey(2), cache.v.shape), length=length)
+    toks = jax.random.randint(jax.random.PRNGKey(4), (batch, tokens), 0, cfg.vocab_size)  # [B, T]
+    pos = length[:, None] + jnp.arange(tokens)  # [B, T]
+    slot = jnp.arange(capacity)[None, None, :]
+    mask = slot < (length[:, None, None] + jnp.arange(tokens)[None, :, None] + 1)  # [B, T, S] causal
+    return params, toks, pos, cache, mask
+
+
 @pytest.fixture(scope="session")
 def tiny_llm() -> LoadedModel:
     return tiny_model()

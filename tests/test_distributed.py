@@ -27,38 +27,15 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A random 2-layer LLaMA HF directory (8 heads, 4 KV heads: tensor=2 and 4 divide) with the default LLM's tokenizer."""
-    import json
-
-    import numpy as np
-    from safetensors.numpy import save_file
-
+    from models.config import ModelConfig
     from models.loading import default_model_path
+    from models.random_checkpoint import write_random_checkpoint
     from models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_path())
-    vocab, d, f, layers, heads, kv, h = len(tok), 64, 128, 2, 8, 4, 8
-    rng = np.random.default_rng(0)
-
-    def w(rows: int, cols: int) -> np.ndarray:  # [out, in], O(1) outputs: peaked, prompt-dependent logits
-        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-
-    tensors = {"model.embed_tokens.weight": rng.standard_normal((vocab, d)).astype(np.float32),
-               "model.norm.weight": np.ones(d, np.float32), "lm_head.weight": w(vocab, d)}
-    for i in range(layers):
-        pre = f"model.layers.{i}."
-        tensors |= {pre + "self_attn.q_proj.weight": w(heads * h, d), pre + "self_attn.k_proj.weight": w(kv * h, d),
-                    pre + "self_attn.v_proj.weight": w(kv * h, d), pre + "self_attn.o_proj.weight": w(d, heads * h),
-                    pre + "mlp.gate_proj.weight": w(f, d), pre + "mlp.up_proj.weight": w(f, d),
-                    pre + "mlp.down_proj.weight": w(d, f), pre + "input_layernorm.weight": np.ones(d, np.float32),
-                    pre + "post_attention_layernorm.weight": np.ones(d, np.float32)}
+    cfg = ModelConfig("llama", len(tok), 64, 128, 2, 8, 4, 8, max_position_embeddings=512, rms_norm_eps=1e-5)
     directory = tmp_path_factory.mktemp("tiny-llama")
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": d,
-        "intermediate_size": f, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv, "head_dim": h, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
-        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "tie_word_embeddings": False}))
-    tok.save_pretrained(directory)
+    write_random_checkpoint(directory, cfg, tok)
     return directory
 
 

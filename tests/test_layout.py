@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import ragged_forward_case, tiny_config
 from models.layers import tall_dot, transpose_kernel
 from models.transformer import KVCache, decoding_layout, init_params, make_forward, write_kv
 
@@ -25,16 +25,7 @@ FAMILIES = {
 @pytest.mark.parametrize("batch,tokens", [(1, 1), (2, 5)])
 def test_decoding_layout_matches_scanned_forward(family, batch, tokens):
     cfg = tiny_config(num_layers=2, **FAMILIES[family])
-    params = jax.tree_util.tree_map(lambda x: x * 3.0, init_params(cfg, 3))
-    capacity = 16
-    length = jnp.array([2, 4, 3][:batch], jnp.int32)  # [B] committed tokens, ragged
-    cache = KVCache.create(cfg, batch, capacity)
-    cache = cache.replace(k=jax.random.normal(jax.random.PRNGKey(1), cache.k.shape),
-                          v=jax.random.normal(jax.random.PRNGKey(2), cache.v.shape), length=length)
-    toks = jax.random.randint(jax.random.PRNGKey(4), (batch, tokens), 0, cfg.vocab_size)  # [B, T]
-    pos = length[:, None] + jnp.arange(tokens)  # [B, T]
-    slot = jnp.arange(capacity)[None, None, :]
-    mask = slot < (length[:, None, None] + jnp.arange(tokens)[None, :, None] + 1)  # [B, T, S] causal
+    params, toks, pos, cache, mask = ragged_forward_case(cfg, batch, tokens)
     ref, ref_cache = make_forward(cfg)(params, toks, pos, cache, mask)
     out, out_cache = make_forward(cfg, unrolled=True)(decoding_layout(params), toks, pos, cache, mask)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config, tiny_model
+from conftest import ragged_forward_case, tiny_config, tiny_model
 from jaxspec.decoding.ngram import NGramSpeculator
 from jaxspec.engine import Engine
 from jaxspec.engine.batch import BatchEngine, Request
@@ -78,16 +78,7 @@ def test_one_scatter_writes_exactly_what_the_row_loop_writes(layer):
 def test_every_lowering_computes_the_default_forward(family, lowering):
     """A ragged batch of 5-token trees: logits within float noise of the default, argmax equal, cache equal."""
     cfg = tiny_config(num_layers=2, **FAMILIES[family])
-    params = jax.tree_util.tree_map(lambda x: x * 3.0, init_params(cfg, 3))
-    capacity, batch, tokens = 16, 3, 5
-    length = jnp.array([2, 4, 3], jnp.int32)  # [B] committed tokens
-    cache = KVCache.create(cfg, batch, capacity)
-    cache = cache.replace(k=jax.random.normal(jax.random.PRNGKey(1), cache.k.shape),
-                          v=jax.random.normal(jax.random.PRNGKey(2), cache.v.shape), length=length)
-    toks = jax.random.randint(jax.random.PRNGKey(4), (batch, tokens), 0, cfg.vocab_size)  # [B, T]
-    pos = length[:, None] + jnp.arange(tokens)  # [B, T]
-    slot = jnp.arange(capacity)[None, None, :]
-    mask = slot < (length[:, None, None] + jnp.arange(tokens)[None, :, None] + 1)  # [B, T, S] causal
+    params, toks, pos, cache, mask = ragged_forward_case(cfg, batch=3, tokens=5)
 
     def run(low: Lowering):
         layout = decoding_layout(params) if low.unrolled else params
