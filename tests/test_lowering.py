@@ -19,7 +19,7 @@ from jaxspec.engine.costs import calibration_key, random_model
 from models.drafter import drafter_config, init_drafter
 from models.loaded import LoadedModel, forward_for
 from models.lowering import ENV, Lowering, LoweringError, default_lowering, platform_lowering
-from models.transformer import KVCache, decoding_layout, init_params, make_forward, write_kv
+from models.transformer import KVCache, decoding_layout, make_forward, write_kv
 
 DEFAULT = Lowering()  # the CPU's forms: what every other test of the suite runs
 # every distinct graph: ``dense`` only changes the unrolled layout (a scanned stack multiplies input-major kernels)
