@@ -344,3 +344,39 @@ def test_replayed_gpu_measurements_make_lazy_auto_speculate_from_the_first_reque
     assert batch._build_price(greedy, 2, batch.capacity_buckets[0], "ssm") == pytest.approx(5.0 * (1 - 2.50 / 6.56))
     assert not batch._worth_compiling("ssm", chooser, [(0, 0)], {"none": 2.5e-3, "ssm": 2.5e-3 * 1.56},
                                       (greedy, 2, batch.capacity_buckets[0]))  # 1 request's saving: too little
+
+
+def test_a_failed_background_build_stays_out_and_multi_process_loops_build_in_the_loop(llm, monkeypatch):
+    """A build that raises is not retried at every pick (its member stays out of that bucket) and the outputs are
+    unchanged; a loop whose sync is not local (a multi-process run) never builds in the background."""
+    from jaxspec.engine.batch import LoopSync
+
+    engine = Engine(llm, ssms=[llm], expansion=[(1, 1, 1)], auto=True)
+    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
+    batch = BatchEngine(engine, max_batch=1, max_model_len=64)
+    batch._anchors[greedy] = {"none": 1.0, "ssm": 1.0}
+    batch._costs(greedy, 1, batch.capacity_buckets[0])
+    batch._compile_seconds = 0.0
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("out of memory (injected)")
+
+    monkeypatch.setattr(engine, "warm", broken)
+    want = Engine(llm).generate(PROMPTS[2], 12).token_ids
+    (gen,) = batch.generate([Request(PROMPTS[2], 12)])
+    batch.settle()
+    (again,) = batch.generate([Request(PROMPTS[2], 12)])
+    assert gen.token_ids == again.token_ids == want and set(again.trees) == {"none"}
+    assert len(calls) == 1 and (greedy, 1, batch.capacity_buckets[0], "ssm") in batch._failed
+    batch.close()
+    assert batch._switch_interval is None
+
+    class Remote(LoopSync):
+        local = False
+
+    assert not BatchEngine(engine, max_batch=1, max_model_len=64, sync=Remote()).background
+    late = BatchEngine(engine, max_batch=1, max_model_len=64)
+    late.sync = Remote()  # as jaxspec.parallel.distributed joins a built loop to its peers
+    assert not late.background

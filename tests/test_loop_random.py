@@ -44,8 +44,11 @@ def engines(llm) -> dict[str, Engine]:
     }
 
 
-def run_schedule(batch: BatchEngine, prompts: list[list[int]], seed: int, sampled: bool) -> list[tuple]:
-    """Submits requests at random iterations, cancels some at random; returns (request, tokens, reason) each."""
+def run_schedule(batch: BatchEngine, prompts: list[list[int]], seed: int, sampled: bool,
+                 grammars: tuple = (None,), tokens: tuple[int, int] = (3, 10)) -> list[tuple]:
+    """Submits requests at random iterations, cancels some at random; returns (request, tokens, reason) each.
+
+    Each request draws its grammar from ``grammars`` (None: unconstrained) and its token limit from ``tokens``."""
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(prompts)).tolist() + rng.integers(0, len(prompts), 3).tolist()
     results: dict[int, tuple[Request, list[int], list[str]]] = {}
@@ -53,7 +56,8 @@ def run_schedule(batch: BatchEngine, prompts: list[list[int]], seed: int, sample
     for k, p in enumerate(order):
         params = (sampling.SamplingParams(0.9, top_p=0.95, seed=int(rng.integers(1 << 20))) if sampled and k % 2
                   else sampling.SamplingParams())
-        req = Request(prompts[p], int(rng.integers(3, 10)), params, id=str(k))
+        req = Request(prompts[p], int(rng.integers(*tokens)), params, id=str(k),
+                      grammar=grammars[int(rng.integers(len(grammars)))])
         got: list[int] = []
         reason: list[str] = []
 
@@ -76,37 +80,64 @@ def run_schedule(batch: BatchEngine, prompts: list[list[int]], seed: int, sample
     return [results[k] for k in sorted(results)]
 
 
-@pytest.mark.parametrize("mode", ["incremental", "tree", "dynamic", "auto"])
-def test_random_schedules_give_every_request_its_solo_output(mode):
-    llm = tiny_model()
-    engine = engines(llm)[mode]
-    prompts = prompt_set(llm.cfg.vocab_size)
-    solo = BatchEngine(engine, max_batch=1, max_model_len=MAX_MODEL_LEN, reuse_prefix=False)
+def check_schedules(engine: Engine, prompts: list[list[int]], label: str, max_model_len: int, **schedule) -> None:
+    """Greedy alone at one row, then greedy and seeded sampled rows mixed at four: every output is its solo one."""
+    solo = BatchEngine(engine, max_batch=1, max_model_len=max_model_len, reuse_prefix=False)
     alone: dict = {}
 
     def reference(req: Request) -> list[int]:
-        key = (tuple(req.prompt_ids), req.max_new_tokens, req.params)
+        key = (tuple(req.prompt_ids), req.max_new_tokens, req.params, req.grammar)
         if key not in alone:
             (gen,) = solo.generate([dataclasses.replace(req, id="ref")])
             alone[key] = gen.token_ids
         return alone[key]
 
     schedules = resizes = reuses = cancelled = finished = 0
-    for max_batch, sampled in ((1, False), (4, True)):  # greedy alone; greedy and seeded sampled rows mixed
-        batch = BatchEngine(engine, max_batch=max_batch, max_model_len=MAX_MODEL_LEN, prefill_chunk=64)
-        for seed in range(1):
-            for req, got, (reason,) in run_schedule(batch, prompts, 10 * max_batch + seed, sampled):
-                want = reference(req)
-                if reason == "cancelled":
-                    cancelled += 1
-                    assert got == want[: len(got)], (mode, max_batch, seed, req.id)
-                else:
-                    finished += 1
-                    assert got == want, (mode, max_batch, seed, req.id)
-            schedules += 1
+    for max_batch, sampled in ((1, False), (4, True)):
+        batch = BatchEngine(engine, max_batch=max_batch, max_model_len=max_model_len, prefill_chunk=64)
+        for req, got, (reason,) in run_schedule(batch, prompts, 10 * max_batch, sampled, **schedule):
+            want = reference(req)
+            if reason == "cancelled":
+                cancelled += 1
+                assert got == want[: len(got)], (label, max_batch, req.id)
+            else:
+                finished += 1
+                assert got == want, (label, max_batch, req.id)
+        schedules += 1
         resizes += batch.resizes
         reuses += batch.prefix_reuses
-    print(f"{mode}: {schedules} schedules, {finished} finished + {cancelled} cancelled requests, "
+    print(f"{label}: {schedules} schedules, {finished} finished + {cancelled} cancelled requests, "
           f"{resizes} resizes, {reuses} prefix reuses")
     assert min(schedules, resizes, reuses, cancelled, finished) > 0
     assert solo.prefix_reuses == 0
+
+
+@pytest.mark.parametrize("mode", ["incremental", "tree", "dynamic", "auto"])
+def test_random_schedules_give_every_request_its_solo_output(mode):
+    llm = tiny_model()
+    check_schedules(engines(llm)[mode], prompt_set(llm.cfg.vocab_size), mode, MAX_MODEL_LEN)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["incremental", "auto"])
+def test_random_schedules_on_the_default_model_with_grammars(default_llm, mode):
+    """The same on the real default model and its drafter (auto) with grammars on some requests: prompts sharing a
+    document longer than the first capacity bucket, an exact duplicate, a JSON schema and a regex."""
+    from jaxspec.speculators.resolve import load_ssms
+    from jaxspec.structured import Grammar
+    from models.tokenizer import encode_prompt
+
+    tok = default_llm.tokenizer
+    doc = ("The old lighthouse stood on the northern cliff for two hundred years. " * 30).strip()
+    questions = ["Who built it?", "Summarise the text in one sentence.", "Who built it?", "", "Name a colour."]
+    prompts = [encode_prompt(tok, f"{doc}\n\n{q}".strip(), chat=True) for q in questions]
+    prompts.append(encode_prompt(tok, "Say hello.", chat=True))
+    assert min(len(p) for p in prompts[:-1]) > 256  # past the first capacity bucket
+    grammars = (None, None, Grammar.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
+                                                 "required": ["a"]}), Grammar("regex", "(yes|no), [a-z ]{1,20}"))
+    if mode == "auto":
+        engine = Engine(default_llm, load_ssms(["drafter", "ngram:3"], default_llm), [(1, 1, 1), (1,) * 6],
+                        verify="coupled", auto=True)
+    else:
+        engine = Engine(default_llm, verify="coupled")
+    check_schedules(engine, prompts, f"default model, {mode}", 512, grammars=grammars, tokens=(4, 16))

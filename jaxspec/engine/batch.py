@@ -292,7 +292,7 @@ class BatchEngine:
         self._compile_seconds: float | None = None
         self._load_seconds: float | None = None
         self._built: dict = {}  # (warp, rows, capacity, member) -> built on this machine before (``_built_before``)
-        self.background = background and self.sync.local
+        self._background = background
         self.platform = jax.default_backend()  # where the steps run: what a build costs the loop before it is watched
         # plain steps' seconds with no build in flight and beside one: what a build costs the loop, measured
         self._plain_alone: collections.deque[float] = collections.deque(maxlen=64)
@@ -301,6 +301,7 @@ class BatchEngine:
         self.builds: list[tuple[int, tuple]] = []  # (iteration, (warp, rows, capacity, member)) of background builds
         self._builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: builds run one at a time
         self._building: dict[tuple, concurrent.futures.Future] = {}  # (warp, rows, capacity, member) -> its build
+        self._failed: set[tuple] = set()  # builds that raised: their members stay out of that bucket
         self._regret: dict = {}  # (warp, rows, capacity, tree) -> seconds lost running without that tree
         self._no_proposal: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
@@ -429,6 +430,12 @@ class BatchEngine:
                                          f"{warp.label}: {time.perf_counter() - began:.1f} s")
 
     @property
+    def background(self) -> bool:
+        """Whether trees build in a worker thread: one process only (a multi-process run's sync, set after
+        construction, makes every process ready a tree at the same iteration, in the loop)."""
+        return self._background and self.sync.local
+
+    @property
     def _lazy(self) -> bool:
         """Auto with measured costs: a bucket compiles its trees only once they are expected to pay."""
         return self.engine.auto and self.engine.measures_costs and not self.eager
@@ -448,6 +455,8 @@ class BatchEngine:
         todo = [n for n in names if known is None or n not in known]
         cold = [n for n in todo if not e.is_warm(warp, capacity, rows, n)]
         built = [n for n in cold if self._built_before(warp, rows, capacity, n)]
+        if todo and self._building:  # a build beside the measurement would slow it (and the calibration persists)
+            self.settle()
         began = time.perf_counter()
         if e.auto:
             known.update(e.calibrate(warp, capacity, refresh=self.sync.fresh_costs, batch=rows, names=todo))
@@ -458,6 +467,7 @@ class BatchEngine:
                 self._load_seconds = seconds / len(cold)
             else:
                 self._compile_seconds = seconds / len(cold)
+                e.build_seconds(self._compile_seconds)
             if self.verbose is not None:
                 measured = ("; " + ", ".join(f"{n} {known[n] * 1e3:.1f} ms/step" for n in cold)) if e.auto else ""
                 self.verbose(f"compiled {', '.join(cold)} for {rows} row(s) x {capacity} slots, {warp.label}: "
@@ -477,7 +487,11 @@ class BatchEngine:
     def _ready_seconds(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> float:
         """What readying ``name`` for the bucket is expected to cost here: a load if built before, else a compile
         (each as last measured on this machine; a load not measured yet is taken as a compile)."""
-        compile_seconds = self._compile_seconds if self._compile_seconds is not None else self._load_seconds or 0.0
+        compile_seconds = self._compile_seconds
+        if compile_seconds is None:  # nothing compiled in this process yet: what this machine measured last
+            compile_seconds = self.engine.build_seconds()
+        if compile_seconds is None:  # never measured here: a load at least
+            compile_seconds = self._load_seconds or 0.0
         if self._built_before(warp, rows, capacity, name) and self._load_seconds is not None:
             return min(self._load_seconds, compile_seconds)
         return compile_seconds
@@ -527,7 +541,8 @@ class BatchEngine:
             future = self._building.pop(key)
             try:
                 seconds = future.result()
-            except Exception as exc:  # noqa: BLE001 — a build that failed leaves the member unready
+            except Exception as exc:  # noqa: BLE001 — a build that failed leaves the member unready, for good
+                self._failed.add(key)
                 self.sync.failed(f"building {name} in the background", exc)
                 if self.verbose is not None:
                     self.verbose(f"building {name} for {rows} row(s) x {capacity} slots failed: {exc}")
@@ -536,6 +551,7 @@ class BatchEngine:
                 self._load_seconds = seconds
             else:
                 self._compile_seconds = seconds
+                self.engine.build_seconds(seconds)
             known = self._bucket_costs.setdefault((warp, rows, capacity), {})
             known[name] = self._estimated(warp, rows, capacity, known)[name]
             if self.verbose is not None:
@@ -623,7 +639,20 @@ class BatchEngine:
         except Exception as exc:
             self.sync.failed("the scheduling loop", exc)
             raise
+        finally:
+            self.close()
         self.cancel_all("cancelled")
+
+    def close(self) -> None:
+        """Drops the builds not started, lets a running one finish unused, restores the interpreter's switch
+        interval (a loop that stops must leave the process as it found it)."""
+        if self._builder is not None:
+            self._builder.shutdown(wait=False, cancel_futures=True)
+            self._builder = None
+        self._building.clear()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     def cancel_all(self, reason: str) -> None:
         """Ends every waiting, staged and running request with ``reason``."""
@@ -687,6 +716,8 @@ class BatchEngine:
                 self.waiting.extend(self.incoming)
                 self.incoming.clear()
         self._drop_cancelled_waiting()
+        if self._building:
+            self._harvest()
         for slot in [s for s in self.slots if self._cancelled(s.ticket)]:
             self._retire(slot, "cancelled")
         budget = self.buckets[-1]
@@ -962,7 +993,7 @@ class BatchEngine:
                 name = chooser.pick_batch(rows, every, keys=keys)
                 bucket = (warp, self.rows, self.capacity)
                 if name not in costs:
-                    if (*bucket, name) in self._building:  # plain steps until its build is in
+                    if (*bucket, name) in self._building or (*bucket, name) in self._failed:  # not (yet) built
                         name = "none"
                     elif not self._worth_compiling(name, chooser, rows, every, bucket):
                         name = "none"
@@ -1014,8 +1045,8 @@ class BatchEngine:
         cfg = it.cfg
         seconds, self._last_done = now - max(it.start, self._last_done), now
         self.iteration_times.append(seconds)
-        if it.name == "none" and not cfg.grammar:
-            (self._plain_beside if it.building else self._plain_alone).append(seconds)
+        if it.name == "none" and not cfg.grammar and it.costs:  # relative to the bucket's own plain step
+            (self._plain_beside if it.building else self._plain_alone).append(seconds / it.costs["none"])
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
         stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
         ssm_nodes = cfg.num_nodes - 1 - cfg.ngram_depth - cfg.forced_depth
@@ -1035,7 +1066,7 @@ class BatchEngine:
         if it.chooser is not None and live:  # a grammar step also waits on host masks: timed apart
             if cfg.grammar:
                 it.chooser.observe_constrained_time(it.name, cfg.forced_depth, seconds, it.costs)
-            else:
+            elif not it.building:  # a step slowed by a build beside it says nothing of the member's cost
                 it.chooser.observe_time(it.name, seconds, it.costs)
         for i, slot in live:
             if slot.row < 0:

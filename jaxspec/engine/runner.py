@@ -332,6 +332,19 @@ class Runner:
             ident, lambda: self._measure(params, capacity, batch=batch, names=[name])[name], refresh)
         return self._costs[key]
 
+    def build_seconds(self, seconds: float | None = None) -> float | None:
+        """What compiling one step executable took on this device, as last measured (cached per device and LLM
+        beside the calibrations); given ``seconds``, records them. What auto's first build is priced at before
+        this process has compiled anything itself."""
+        from jaxspec.engine import costs  # noqa: PLC0415
+
+        ident = {"what": "build-seconds", "revision": STEP_REVISION, "jax": jax.__version__,
+                 "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+                 "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))]}
+        if seconds is None:
+            return costs.load(ident)
+        return costs.load_or_measure(ident, lambda: float(seconds), refresh=True)
+
     def _measure(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, reps: int = 5,
                  batch: int = 1, names: Sequence[str] | None = None) -> dict[str, float]:
         """Seconds per iteration of members (default all) on ``batch`` rows of ``capacity`` slots (reps 0: compile only)."""
