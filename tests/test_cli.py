@@ -107,7 +107,8 @@ def test_auto_is_the_default_mode_and_keeps_the_output(tmp_path):
     out = tmp_path / "auto.jsonl"
     prompt = "Repeat exactly: red green blue, red green blue, red green blue."
     args = ("generate", "--prompt", prompt, "--max-new-tokens", "24")
-    auto = run_cli(*args, "-v", "--output", str(out), env={**os.environ, "JAXSPEC_CACHE": str(tmp_path / "c")})
+    auto = run_cli(*args, "-v", "--recalibrate", "--output", str(out),
+                   env={**os.environ, "JAXSPEC_CACHE": str(tmp_path / "c")})
     assert auto.returncode == 0, auto.stderr[-3000:]
     assert "ngram:3" in auto.stderr and "mode auto" in auto.stderr
     assert re.search(r"tree none +no speculation .* ms/step", auto.stderr)
@@ -118,6 +119,32 @@ def test_auto_is_the_default_mode_and_keeps_the_output(tmp_path):
     incremental = run_cli(*args, "--mode", "incremental")
     assert incremental.returncode == 0, incremental.stderr[-3000:]
     assert auto.stdout.replace("\n", "") == incremental.stdout.replace("\n", "") and incremental.stdout.strip()
+
+
+def test_the_default_lazy_auto_path_speculates_where_it_pays(tmp_path):
+    """`jaxspec generate` as users run it (default auto, lazy compiles, nothing calibrated on this machine, no
+    injected costs) on prompts that ask the model to repeat passages: trees are built while plain steps go on,
+    then run and accept, and the text is incremental decoding's."""
+    passages = ["the river bends twice before it reaches the old mill, where the water slows",
+                "seven small boats left the harbour at dawn and came back before the storm",
+                "a quiet library keeps its oldest maps in a drawer that nobody opens"]
+    prompts = tmp_path / "repeat.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"Repeat this sentence three times: {p}."}) + "\n"
+                               for i, p in enumerate(passages)))
+    out = tmp_path / "auto.jsonl"
+    args = ("generate", "--prompt-file", str(prompts), "--max-new-tokens", "96", "--max-batch", "1")
+    env = {**os.environ, "JAXSPEC_CACHE": str(tmp_path / "fresh")}  # no calibration, no build measured here
+    auto = run_cli(*args, "-v", "--output", str(out), "--compile-cache", str(compile_cache_dir()), env=env,
+                   timeout=900)
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    trees = {k: sum(r["tree"].get(k, 0) for r in rows) for k in ("none", "ngram", "ssm", "ssm+ngram")}
+    assert "in the background" in auto.stderr and sum(trees.values()) - trees["none"] > 0, (trees, auto.stderr[-2000:])
+    assert sum(len(r["token_ids"]) for r in rows) > sum(r["llm_steps"] for r in rows) + len(rows)  # accepted drafts
+    plain = run_cli(*args, "--mode", "incremental", "--output", str(tmp_path / "inc.jsonl"), timeout=900)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    want = [json.loads(line)["token_ids"] for line in (tmp_path / "inc.jsonl").read_text().splitlines()]
+    assert [r["token_ids"] for r in rows] == want
 
 
 def test_ngram_speculator_spec(capsys):

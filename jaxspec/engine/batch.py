@@ -33,7 +33,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import math
-import os
 import sys
 import threading
 import time
@@ -77,11 +76,6 @@ def capacity_buckets(top: int) -> tuple[int, ...]:
         out.append(c)
         c *= 2
     return tuple(out) + (top,)
-
-
-def host_cores() -> int:
-    """CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -298,6 +292,7 @@ class BatchEngine:
         self._plain_alone: collections.deque[float] = collections.deque(maxlen=64)
         self._plain_beside: collections.deque[float] = collections.deque(maxlen=64)
         self._switch_interval: float | None = None  # the interpreter's, while builds lower it
+        self._stored_share: float | None = None  # ``_build_share`` as an earlier run on this device measured it
         self.builds: list[tuple[int, tuple]] = []  # (iteration, (warp, rows, capacity, member)) of background builds
         self._builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: builds run one at a time
         self._building: dict[tuple, concurrent.futures.Future] = {}  # (warp, rows, capacity, member) -> its build
@@ -503,14 +498,16 @@ class BatchEngine:
         return seconds * self._build_share() if self.background else seconds
 
     def _build_share(self) -> float:
-        """The share of a background build's seconds the loop loses, as measured here: 1 - (plain step alone) /
-        (plain step beside a build), medians. Before a build has been watched: all of it on a CPU platform (the
-        build takes the cores the steps run on), none on an accelerator whose host has a spare core; the first
-        build there is the measurement."""
+        """The share of a background build's seconds the loop loses: 1 - (plain step alone) / (plain step beside
+        a build), medians, as measured in this process, else as this machine measured it last (kept per device
+        beside the calibrations). Never measured here: none, so the first build is the measurement (explore once
+        per machine; its executable stays in the compile cache)."""
         alone, beside = self._plain_alone, self._plain_beside
         if len(alone) >= MIN_WATCHED and len(beside) >= MIN_WATCHED:
             return float(np.clip(1.0 - np.median(alone) / np.median(beside), 0.0, 1.0))
-        return 1.0 if self.platform == "cpu" or host_cores() < 2 else 0.0
+        if self._stored_share is None:
+            self._stored_share = self.engine.build_share()
+        return self._stored_share if self._stored_share is not None else 0.0
 
     def _build_in_background(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> None:
         """Starts compiling ``name`` for the bucket in the worker thread (once); ``_harvest`` adopts it."""
@@ -554,9 +551,12 @@ class BatchEngine:
                 self.engine.build_seconds(seconds)
             known = self._bucket_costs.setdefault((warp, rows, capacity), {})
             known[name] = self._estimated(warp, rows, capacity, known)[name]
+            share = self._build_share()
+            if len(self._plain_beside) >= MIN_WATCHED:
+                self.engine.build_share(share)
             if self.verbose is not None:
                 self.verbose(f"built {name} for {rows} row(s) x {capacity} slots, {warp.label}: {seconds:.1f} s "
-                             f"(background; the loop loses {self._build_share():.0%} of a build's time)")
+                             f"(background; the loop loses {share:.0%} of a build's time)")
         if not self._building and self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import threading
 import time
 from typing import Callable, Sequence
@@ -333,17 +334,25 @@ class Runner:
         return self._costs[key]
 
     def build_seconds(self, seconds: float | None = None) -> float | None:
-        """What compiling one step executable took on this device, as last measured (cached per device and LLM
-        beside the calibrations); given ``seconds``, records them. What auto's first build is priced at before
-        this process has compiled anything itself."""
+        """What compiling one step executable took on this device, as last measured; given ``seconds``, records
+        them. What auto's first build is priced at before this process has compiled anything itself."""
+        return self._build_record("build-seconds", seconds)
+
+    def build_share(self, share: float | None = None) -> float | None:
+        """The share of a background build's seconds the scheduling loop lost on this device, as last measured;
+        given ``share``, records it."""
+        return self._build_record("build-share", share)
+
+    def _build_record(self, what: str, value: float | None) -> float | None:
+        """A measurement about building executables, cached per device and LLM beside the calibrations."""
         from jaxspec.engine import costs  # noqa: PLC0415
 
-        ident = {"what": "build-seconds", "revision": STEP_REVISION, "jax": jax.__version__,
+        ident = {"what": what, "revision": STEP_REVISION, "jax": jax.__version__, "host_cores": host_cores(),
                  "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
                  "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))]}
-        if seconds is None:
+        if value is None:
             return costs.load(ident)
-        return costs.load_or_measure(ident, lambda: float(seconds), refresh=True)
+        return costs.load_or_measure(ident, lambda: float(value), refresh=True)
 
     def _measure(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, reps: int = 5,
                  batch: int = 1, names: Sequence[str] | None = None) -> dict[str, float]:
@@ -506,6 +515,11 @@ def _stacked_llm(llm: LoadedModel, mesh: Mesh | None, offload: bool, lowering: L
     # one device: layer tensors relaid out in host memory (they never touch the device when the loader put
     # them there, jaxspec.parallel.offload.host_placer); a mesh: laid out in place, then moved to the host
     return (offload_layout(llm.params) if offload and mesh is None else stacked_layout(llm.params)), forward
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _warp(params: sampling.SamplingParams | sampling.WarpSpec) -> sampling.WarpSpec:
