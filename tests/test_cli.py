@@ -122,17 +122,28 @@ def test_auto_is_the_default_mode_and_keeps_the_output(tmp_path):
 
 
 def test_the_default_lazy_auto_path_speculates_where_it_pays(tmp_path):
-    """`jaxspec generate` as users run it (default auto, lazy compiles, nothing calibrated on this machine, no
-    injected costs) on prompts that ask the model to repeat passages: trees are built while plain steps go on,
-    then run and accept, and the text is incremental decoding's."""
-    passages = ["the river bends twice before it reaches the old mill, where the water slows",
-                "seven small boats left the harbour at dawn and came back before the storm",
-                "a quiet library keeps its oldest maps in a drawer that nobody opens"]
+    """`jaxspec generate` as users run it (default auto, lazy compiles, nothing calibrated or measured on this
+    machine, no injected costs) on prompts that ask the model to copy passages: trees are built while plain steps
+    go on, then run and accept, and the text is incremental decoding's."""
+    passages = [
+        "The river bends twice before it reaches the old mill, where the water slows and the stones are smooth from "
+        "a hundred years of current. Children come in summer to watch the wheel turn, and the miller tells them the "
+        "same story every year about the flood of the great winter, when the ice broke the sluice gate.",
+        "Seven small boats left the harbour at dawn and came back before the storm. The fishermen tied them to the "
+        "north pier, carried their nets up the hill, and sat in the warm kitchen of the inn until the wind dropped "
+        "and the rain turned into a thin grey mist over the bay.",
+        "A quiet library keeps its oldest maps in a drawer that nobody opens. The librarian says the maps show "
+        "islands that were never found, roads that were never built, and a city drawn by a traveller who swore he "
+        "had walked its streets for three days in the year of the comet.",
+        "The garden behind the school has four beds of vegetables and one of flowers. Every class looks after a bed "
+        "for a month, waters it in the morning, pulls the weeds on Fridays, and writes down in a notebook how tall "
+        "the beans have grown and which tomatoes are ready to pick.",
+    ]
     prompts = tmp_path / "repeat.jsonl"
-    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"Repeat this sentence three times: {p}."}) + "\n"
-                               for i, p in enumerate(passages)))
+    ask = "Copy the following text exactly, word for word:\n\n"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": ask + p}) + "\n" for i, p in enumerate(passages)))
     out = tmp_path / "auto.jsonl"
-    args = ("generate", "--prompt-file", str(prompts), "--max-new-tokens", "96", "--max-batch", "1")
+    args = ("generate", "--prompt-file", str(prompts), "--max-new-tokens", "128", "--max-batch", "1")
     env = {**os.environ, "JAXSPEC_CACHE": str(tmp_path / "fresh")}  # no calibration, no build measured here
     auto = run_cli(*args, "-v", "--output", str(out), "--compile-cache", str(compile_cache_dir()), env=env,
                    timeout=900)
