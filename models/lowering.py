@@ -76,8 +76,10 @@ class Lowering:
         return out
 
 
-# CPU: today's forms, measured on the 2-core CPU (DESIGN.md "Measured facts"). GPU/TPU: one GEMM, one scatter,
-# and unrolled layers (the H100 measurement: scanned GEMVs 2.5x slower than unrolled ones).
+# Each platform's forms with the measurement on that platform beside them: CPU (DESIGN.md "Measured facts");
+# GPU from the H100 device check (docs/gpu/: one scatter per layer 1.78x faster at 64 rows, scanned layers 2x
+# slower than unrolled, plain dense faster for 64-node trees); TPU takes the GPU's until measured there.
+# $JAXSPEC_LOWERING / --lowering override, and `bench step-costs --lowering` measures any of them.
 PLATFORM_DEFAULTS: dict[str, Lowering] = {
     "cpu": Lowering("barrier", "rows", "unroll"),
     "gpu": Lowering("plain", "scatter", "unroll"),

@@ -1,7 +1,7 @@
 """What one LLM pass over T tree tokens and one draft level cost on the device at hand.
 
-Measured, never modelled: the engine's tree choice needs the hardware's real cost curve
-(on a 2-core CPU 64 tokens cost 3x one token; on a GPU nearly 1x). ``measure_llm_costs``
+Measured, never modelled: the engine's tree choice needs the cost curve of the device that runs
+it (the curves differ by device: docs/gpu/ and DESIGN.md record two). ``measure_llm_costs``
 times one jitted forward (compiled first, then the median of several runs);
 ``load_or_measure`` keeps such calibrations as JSON under ``<cache root>/costs/``, keyed by
 device kind, model, dtype and lowering (``calibration_key``), so a process measures once per key.
