@@ -53,6 +53,11 @@ class CompileCacheStats:
 STATS = CompileCacheStats()
 
 
+def host_cores() -> int:
+    """CPU cores this process may run on (a machine fact that keys measurements and sizes thread pools)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def compile_cache_on() -> bool:
     """Whether this process keeps compiled executables on disk (a second build of one is a load)."""
     import jax  # noqa: PLC0415

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from jaxspec.cache import host_cores
 from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts, sampling_params
 from jaxspec.cli.extras import BASELINE, require
 from jaxspec.repro.measures import coverage_rates, features_of, teacher_forced
@@ -39,7 +40,7 @@ def add_parser(sub) -> None:
     inc = kinds.add_parser("incremental", help="ms/token of jaxspec vs transformers generate()")
     _common(inc)
     inc.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    inc.add_argument("--hf-threads", type=int, default=_cores(),
+    inc.add_argument("--hf-threads", type=int, default=host_cores(),
                      help="torch threads of the transformers baseline (default: this machine's cores)")
     inc.set_defaults(func=cmd_incremental)
 
@@ -110,10 +111,6 @@ def add_parser(sub) -> None:
     from jaxspec.serving import bench as bench_serve  # noqa: PLC0415 (bench serve: latency and throughput of jaxspec serve)
 
     bench_serve.add_parser(kinds)
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -273,7 +270,7 @@ def run_jaxspec_job(job: dict) -> dict:
         warmup, seconds = times
         rows.append({"id": prompt["id"], "prompt_tokens": len(prompt["ids"]), "new_tokens": len(gen.token_ids),
                      "warmup_seconds": warmup, "seconds": seconds, "token_ids": gen.token_ids})
-    return {"system": "jaxspec", "threads": _cores(), "load_seconds": load_seconds, "rows": rows}
+    return {"system": "jaxspec", "threads": host_cores(), "load_seconds": load_seconds, "rows": rows}
 
 
 def _tree_configs(widths, depth: int, num_ssms: int, verifiers, single_baseline: bool):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import threading
 import time
 from typing import Callable, Sequence
@@ -21,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxspec.cache import host_cores
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.decoding.ngram import NGramSpeculator
@@ -515,11 +515,6 @@ def _stacked_llm(llm: LoadedModel, mesh: Mesh | None, offload: bool, lowering: L
     # one device: layer tensors relaid out in host memory (they never touch the device when the loader put
     # them there, jaxspec.parallel.offload.host_placer); a mesh: laid out in place, then moved to the host
     return (offload_layout(llm.params) if offload and mesh is None else stacked_layout(llm.params)), forward
-
-
-def host_cores() -> int:
-    """CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _warp(params: sampling.SamplingParams | sampling.WarpSpec) -> sampling.WarpSpec:
