@@ -220,10 +220,11 @@ def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm)
     assert any("ssm" in g.trees for g in gens)
 
 
-def test_an_uncalibrated_machine_guesses_tree_costs_without_compiling_them(llm, tmp_path, monkeypatch):
-    """Auto's one-row ratios come from the calibration cache; on a machine that never measured them, from the
-    tree's shape: a short request compiles no tree just to estimate what trees cost."""
-    from jaxspec.engine.batch import prior_ratio
+def test_an_uncalibrated_machine_explores_trees_without_compiling_to_guess(llm, tmp_path, monkeypatch):
+    """Auto's one-row ratios come from this machine's calibration cache; where it never measured them, a tree
+    costs a plain step until it has run (no ratio from another device, and nothing compiles to guess), and the
+    iterations' timings then rescale it."""
+    from jaxspec.engine.auto import MIN_TIMINGS
 
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
     engine = Engine(llm, ssms=[early_exit(llm, 1)], expansion=[(1, 1, 1)], auto=True)
@@ -231,11 +232,30 @@ def test_an_uncalibrated_machine_guesses_tree_costs_without_compiling_them(llm, 
     batch = BatchEngine(engine, max_batch=2, max_model_len=64)
     compiled = engine.compilations
     anchor = batch._anchor(greedy)
-    family = engine.family(greedy)
-    assert anchor == {name: prior_ratio(cfg) for name, cfg in family.items()} and anchor["ssm"] > 1.0
+    assert anchor == {name: 1.0 for name in engine.family(greedy)}
     assert engine.compilations == compiled  # guessing compiled nothing
+    chooser = engine.chooser(greedy)
+    chooser.timings["ssm"].extend([1.5] * MIN_TIMINGS)  # the tree ran: 1.5x what it was estimated at
+    assert chooser.cost("ssm", {"none": 0.02, "ssm": 0.02}) == pytest.approx(0.03)
     costs = engine.calibrate(greedy, batch.capacity_buckets[0], batch=1)  # measured and stored
     assert BatchEngine(engine, max_batch=2, max_model_len=64)._anchor(greedy)["ssm"] == costs["ssm"] / costs["none"]
+
+
+def test_a_ratio_carries_across_row_buckets_by_the_plain_steps_own_growth():
+    """Between row buckets a tree's cost follows the line through the plain step's two measurements: unchanged
+    where the plain step is flat (a launch-bound device), its extra tokens weighing more where the plain step
+    grows with the rows (a device being filled), never below the plain step."""
+    from jaxspec.engine.batch import scaled_cost
+
+    assert scaled_cost(1.4, 1, 8, 0.0025, 0.0025) == pytest.approx(0.0025 * 1.4)  # flat: the ratio carries over
+    assert scaled_cost(1.4, 1, 1, 0.024, 0.030) == pytest.approx(0.030 * 1.4)  # same rows (another cache)
+    assert scaled_cost(1.4, 1, 8, None, 0.040) == pytest.approx(0.040 * 1.4)  # the one-row step not measured
+    # c(t) = a + b t through (1, 24 ms) and (8, 40 ms): the tree fed 5.2 tokens' worth per row at one row
+    slope, fixed = 0.016 / 7, 0.024 - 0.016 / 7
+    tokens = (1.4 * 0.024 - fixed) / slope
+    grown = scaled_cost(1.4, 1, 8, 0.024, 0.040)
+    assert grown == pytest.approx(fixed + slope * tokens * 8) and grown / 0.040 > 1.4
+    assert scaled_cost(1.0, 8, 1, 0.040, 0.024) == pytest.approx(0.024)  # narrower: never under the plain step
 
 
 def test_sampled_requests_on_a_dynamic_tree_fit_the_cache():

@@ -33,6 +33,9 @@ MAX_BATCH = 4  # slots: four clients at once fill the server
 MAX_QUEUE = 64
 MAX_BODY = 1 << 20  # --max-body-bytes of the test server
 STARTUP_S = 300
+# A reply's bound: a speculating server compiles the trees a new batch shape needs while its clients wait (a minute
+# or more on a 2-core CPU shared with another test worker); a hung server still fails the test.
+REQUEST_S = 300
 SHUTDOWN_S = 3  # --shutdown-timeout: drain time on SIGTERM (a 6-token stream fits, a 240-token one does not)
 LONG = "1, 2, 3, 4, 5,"  # a completion prompt that runs to max_tokens (greedy: ", 6, 7, 8, ...")
 SERVE_CMD = [sys.executable, "-m", "jaxspec.cli", "serve"]
@@ -81,7 +84,7 @@ class Server:
         self.log.flush()
         return open(self.log_path).read()[-chars:]
 
-    def client(self, key: str = KEY, timeout: float = 60) -> "openai.OpenAI":
+    def client(self, key: str = KEY, timeout: float = REQUEST_S) -> "openai.OpenAI":
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=timeout)
 
     def post(self, path: str, body, **kw) -> "httpx.Response":

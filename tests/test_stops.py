@@ -150,3 +150,16 @@ def test_the_text_is_the_tokenizers_without_special_tokens(tok):
     assert "<|im_start|>" not in want and StopText.text_of(tok, ids) == (want, False)
     stream = StopText(tok, ["@@"])
     assert "".join(stream.add([t]) for t in ids) + stream.finish()[0] == want
+
+
+def test_a_token_completing_a_stop_and_beginning_a_character_stops_there(tok):
+    """' \\xf0\\x9f\\x98' ends "Done. " and begins an emoji: the completion stops at that token, in a step of any
+    size, and a generation ending on it (its character never completed) is still cut by the stop."""
+    ids = tok.encode("Done. 😀 ok")
+    assert tok.decode(ids[2:3]).endswith("\ufffd")  # the tokenizer still splits the emoji this way
+    for size in (1, 2, len(ids)):
+        assert run_engine(tok, ids, ["Done. "], size) == (ids[:3], "stop"), size
+        pieces, rest, cut = streamed(tok, ids, ["Done. "], size)
+        assert "".join(pieces) + rest == "" and cut
+    assert run_engine(tok, ids[:3], ["Done. "], 3) == (ids[:3], "stop")
+    assert StopText.text_of(tok, ids[:3], [". "]) == ("Done", True)

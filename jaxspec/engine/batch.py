@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import math
 import sys
 import threading
 import time
@@ -104,11 +103,19 @@ def cut_tokens(done: list[int], new: list[int], limit: int, stop_ids: set[int],
     return new, reason
 
 
-def prior_ratio(cfg: DecodeConfig) -> float:
-    """A tree's cost over a plain step before any measurement: each extra node verified and each draft level
-    adds a share (fit on this project's measurements at one row on a 2-core CPU: 1.4x for <1,1,1>, 1.7x for
-    the n-gram's <1x6>); the measurement replaces it as soon as the tree runs."""
-    return 1.0 + 0.12 * (cfg.num_nodes - 1) + 0.05 * cfg.draft_levels
+def scaled_cost(ratio: float, rows0: int, rows: int, plain0: float | None, plain: float) -> float:
+    """A member's seconds at ``rows`` from its ``ratio`` to the plain step at ``rows0``: on the line c(t) = a + b t
+    in tokens fed through the plain step's seconds at both (``plain0``, ``plain``), the member feeds as many
+    tokens per row at ``rows`` as it did at ``rows0``. The ratio carries over unchanged where the rows match, the
+    plain step at ``rows0`` is unknown, or the line is not increasing with a non-negative intercept."""
+    if rows == rows0 or plain0 is None:
+        return plain * ratio
+    slope = (plain - plain0) / (rows - rows0)
+    fixed = plain0 - slope * rows0
+    if slope <= 0 or fixed < 0:
+        return plain * ratio
+    tokens = (ratio * plain0 - fixed) / slope  # what the member fed at rows0, in the plain step's token units
+    return max(fixed + slope * tokens * rows / rows0, plain)
 
 
 class QueueFull(RuntimeError):
@@ -568,25 +575,31 @@ class BatchEngine:
 
     def _anchor(self, warp: sampling.WarpSpec) -> dict[str, float]:
         """Every member's cost relative to the plain step at one row and the smallest cache: where a bucket's
-        untried trees take their ratios from until measured there. Read from the calibration cache; where a
-        machine never measured them, a prior from the tree's shape (nothing compiles to guess)."""
+        untried trees take their ratios from until measured there. Read from this machine's calibration cache;
+        a tree it never measured costs a plain step until it has run (``TreeChooser.cost`` rescales it by the
+        iterations' own timings after ``MIN_TIMINGS``): exploring costs a few iterations, while a ratio guessed
+        from the tree's shape would be one device's numbers applied to all (a 4-node tree verifies for 1.57 plain
+        steps on a 2-core CPU, 1.2 on an H100)."""
         if warp not in self._anchors:
             e, cap = self.engine, self.capacity_buckets[0]
-            family = e.family(warp)
             base = e.member_cost(warp, "none", cap, 1, cached_only=True)
             out = {"none": 1.0}
-            for name, cfg in family.items():
+            for name in e.family(warp):
                 seen = e.member_cost(warp, name, cap, 1, cached_only=True) if base else None
-                out[name] = seen / base if seen else prior_ratio(cfg)
+                out[name] = seen / base if seen else 1.0
             self._anchors[warp] = out
         return self._anchors[warp]
 
     def _estimated(self, warp: sampling.WarpSpec, rows: int, capacity: int, known: dict[str, float]) -> dict[str, float]:
-        """Costs of every member at a bucket: measured where known, else the plain step's cost there times the
-        member's ratio to it in the nearest bucket that measured both, its extra part grown with the square root
-        of the rows (a tree's extra LLM tokens weigh more as the batch fills the device: on a 2-core CPU the
-        drafter's <1,1,1> costs 1.4x a plain step at 1 row, 1.5x at 4, 2.4x at 8), so a wide bucket does not
-        compile trees an optimistic one-row ratio would promise."""
+        """Costs of every member at a bucket: measured where known, else from the nearest bucket that measured
+        both it and the plain step.
+
+        Between row counts the costs follow a line in tokens fed, c(t) = a + b t, drawn through the plain
+        step's two measurements (the near bucket's and this one's): a tree of N nodes on R rows feeds R N
+        tokens. Where the plain step grows with the rows (a device being filled, as a CPU is) a tree's extra
+        tokens weigh more at a wider bucket; where it stays flat (launch-bound, as a GPU at small batches) its
+        ratio carries over unchanged. Nothing here is one machine's constant.
+        """
         out = dict(known)
         # measured buckets first: at equal distance ``min`` keeps the first, so a measurement beats the anchor
         seen = [(k, c) for k, c in self._bucket_costs.items() if k[0] == warp and c and "none" in c]
@@ -596,10 +609,14 @@ class BatchEngine:
                 continue
             near = min(((k, c) for k, c in seen if name in c),
                        key=lambda kc: (abs(np.log2(kc[0][1] / rows)) + abs(np.log2(kc[0][2] / capacity)), -kc[0][1]))
-            (_, near_rows, _), measured = near
-            extra = measured[name] / measured["none"] - 1.0
-            out[name] = known["none"] * (1.0 + extra * math.sqrt(rows / near_rows))
+            (_, near_rows, near_cap), measured = near
+            out[name] = scaled_cost(measured[name] / measured["none"], near_rows, rows, self._plain_seconds(
+                warp, near_rows, near_cap), known["none"])
         return out
+
+    def _plain_seconds(self, warp: sampling.WarpSpec, rows: int, capacity: int) -> float | None:
+        """The plain step's measured seconds at a bucket (None where this process has not measured it)."""
+        return (self._bucket_costs.get((warp, rows, capacity)) or {}).get("none")
 
     def _worth_compiling(self, name: str, chooser: TreeChooser, rows: list[tuple[int, int]],
                          costs: dict[str, float], bucket: tuple) -> bool:

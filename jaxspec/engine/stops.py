@@ -64,6 +64,7 @@ class StopText:
         self.sent = 0  # characters of ``text`` handed out by ``add`` / ``finish``
         self._prefix = self._read = 0  # the decoding window: ids[_prefix:_read] is text already taken
         self._searched = 0  # characters of ``text`` searched for stop strings
+        self._pending = ""  # complete text before an incomplete character at the end (searched, not taken)
 
     @classmethod
     def text_of(cls, tokenizer, ids: Sequence[int], stops: Sequence[str] = ()) -> tuple[str, bool]:
@@ -97,13 +98,14 @@ class StopText:
                 return None
             n, chars, self._prefix, self._read = mark
             del self.ids[n:]
-            self.text = self.text[:chars]
+            self.text, self._pending = self.text[:chars], ""
         for t in ids:
             self.ids.append(int(t))
             if self._catch_up(final=False):
                 cut = self._search()
                 self._searched = len(self.text)
                 if cut is not None:
+                    self.text += self._pending  # the complete text the stop string may end in
                     self.end, self.tokens = cut, len(self.ids)
                     break
         return self.tokens
@@ -128,12 +130,21 @@ class StopText:
         return self._decoder(ids)
 
     def _catch_up(self, final: bool) -> bool:
-        """Moves the newly complete text of the window into ``text``; True when some arrived."""
+        """Moves the newly complete text of the window into ``text``; True when some arrived.
+
+        While the newest bytes are an incomplete character, the complete text before them waits in
+        ``_pending`` (searched, not yet taken): a token that completes a stop string and begins a
+        character stops the completion at that token, not one later (or never, at the end)."""
         before = self._decode(self.ids[self._prefix:self._read])
         after = self._decode(self.ids[self._prefix:])
-        if len(after) <= len(before) or (not final and after.endswith("\ufffd")):
+        self._pending = ""
+        if len(after) <= len(before):
             return False
-        self.text += after[len(before):]
+        new = after[len(before):]
+        if not final and new.endswith("\ufffd"):
+            self._pending = new.rstrip("\ufffd")
+            return bool(self._pending)
+        self.text += new
         self._prefix, self._read = self._read, len(self.ids)
         return True
 
@@ -142,7 +153,8 @@ class StopText:
         if not self.stops:
             return None
         start = max(0, self._searched - self.longest + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        text = self.text + self._pending
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
         return min(hits, default=None)
 
     def _held(self) -> int:
