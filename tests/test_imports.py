@@ -114,9 +114,9 @@ def test_imports_run_one_way():
 
 
 def test_every_module_lives_in_its_layer():
-    """Flat modules under jaxspec/ are the package's front door and its cache paths only."""
+    """Flat modules under jaxspec/ are the package's front door, its cache paths, and the configuration and errors below every layer."""
     flat = {m for m in modules() if within(m, "jaxspec") and not any(within(m, p) for p in LAYERS)}
-    assert flat == {"jaxspec", "jaxspec.__main__", "jaxspec.cache"}
+    assert flat == {"jaxspec", "jaxspec.__main__", "jaxspec.cache", "jaxspec.config", "jaxspec.errors"}
 
 
 def test_import_jaxspec_stays_light():

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from jaxspec.cache import host_cores
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import Member, TreeChooser
+from jaxspec.errors import RequestError, VocabularyMismatch  # noqa: F401 (importable from here as before)
 from jaxspec.decoding.ngram import NGramSpeculator
 from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
 from jaxspec.parallel.sharding import describe as describe_mesh, pinned
@@ -35,10 +36,6 @@ from models.lowering import Lowering, default_lowering
 from models.transformer import Forward, KVCache, decoding_layout
 
 MIN_PROMPT_BUCKET = 16
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve (prompt too long, bad parameters)."""
 
 
 @dataclasses.dataclass
@@ -521,7 +518,7 @@ def _warp(params: sampling.SamplingParams | sampling.WarpSpec) -> sampling.WarpS
     return params if isinstance(params, sampling.WarpSpec) else sampling.WarpSpec.of(params)
 
 
-def _check_fits(slots: int, capacity: int, what: str) -> None:
+def check_fits(slots: int, capacity: int, what: str) -> None:
     """Refuses a write past the cache (``capacity_for`` makes this unreachable; writes are unchecked on device)."""
     if slots > capacity:
         raise RuntimeError(f"{what} would write {slots} cache slots of a capacity of {capacity}: "
@@ -570,10 +567,6 @@ def _per_ssm(expansion, num_ssms: int) -> tuple[tuple[int, ...] | DynamicTree, .
     if len(expansion) != num_ssms:
         raise RequestError(f"{len(expansion)} expansion configs for {num_ssms} SSMs")
     return tuple(e if isinstance(e, DynamicTree) else tuple(e) for e in expansion)
-
-
-class VocabularyMismatch(ValueError):
-    """The SSM's tokenizer or vocabulary differs from the LLM's."""
 
 
 def check_vocab(llm: LoadedModel, ssm: LoadedModel) -> None:
