@@ -18,7 +18,7 @@ _EXPORTS = {
     "Generation": "jaxspec.engine.runner",
     "RequestError": "jaxspec.errors",
     "VocabularyMismatch": "jaxspec.errors",
-    "early_exit": "jaxspec.engine.runner",
+    "early_exit": "jaxspec.speculators.early_exit",
     "LoadedModel": "models.loaded",
     "SamplingParams": "jaxspec.decoding.sampling",
     "TokenTree": "jaxspec.decoding.tree",

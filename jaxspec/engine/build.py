@@ -22,9 +22,12 @@ from jaxspec.config import (
 from jaxspec.errors import CliError
 
 if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
     from jaxspec.engine import Engine
     from jaxspec.engine.batch import BatchEngine
     from models.loaded import LoadedModel
+    from models.lowering import Lowering
 
 
 def speculator_specs(config: EngineConfig) -> list[str]:
@@ -67,43 +70,67 @@ def peak_host_gb() -> float:
 def build_engine(config: EngineConfig, log: TextIO | None = None) -> tuple[Engine, LoadedModel]:
     """Loads the LLM and speculators ``config`` names and returns (engine, the engine's weightless view of the LLM);
     ``log`` (default stderr) hears the speculators and trees chosen, and with ``verbose`` memory and device."""
-    from jaxspec.engine import Engine  # noqa: PLC0415
     from jaxspec.speculators.resolve import load_llm, load_ssms  # noqa: PLC0415
-    from models.lowering import LoweringError, default_lowering  # noqa: PLC0415
 
     log = log or sys.stderr
     expansion_for(config)  # validates the mode's choices before loading anything
-    try:
-        lowering = default_lowering(config.lowering)
-    except LoweringError as e:
-        raise CliError(f"--lowering: {e}") from None
-    mesh = None
-    if config.mesh:
-        from jaxspec.parallel.sharding import parse_mesh  # noqa: PLC0415
-
-        mesh = parse_mesh(config.mesh)
+    lowering_of(config)
+    mesh = mesh_of(config)
     llm = load_llm(config.model, config.dtype, mesh=mesh, offload=config.offload)
     if config.verbose:
         print(f"[jaxspec] loaded {llm.name}: peak host memory of this process {peak_host_gb():.2f} GB", file=log)
-    ssms = load_ssms(speculator_specs(config), llm, config.dtype, config.draft_vocab)
-    expansion = expansion_for(config, ssms)
-    if ssms:
-        if len(expansion) not in (1, len(ssms)):
-            raise CliError(f"--expansion gives {len(expansion)} ';'-separated configs for {len(ssms)} speculators "
-                           f"({', '.join(s.name for s in ssms)}): give one shared config or one per speculator")
-        shown = "; ".join(getattr(e, "label", None) or "<" + ",".join(map(str, e)) + ">" for e in expansion)
-        names = ", ".join(s.name + (f" (draft vocabulary {s.draft_vocab})" if getattr(s, "draft_vocab", 0) else "")
-                          for s in ssms)
-        print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {config.mode}", file=log)
+    speculators = load_ssms(speculator_specs(config), llm, config.dtype, config.draft_vocab)
+    engine = engine_from(config, llm, speculators, mesh=mesh, announce=log)
+    if config.verbose:
+        print(f"[jaxspec] {device_line(engine)}", file=log)
+    return engine, engine.llm  # the engine's weightless view: the loaded tree is not kept twice
+
+
+def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = (), mesh: Mesh | None = None,
+                announce: TextIO | None = None) -> Engine:
+    """The engine ``config`` describes over models already loaded (benches share one LLM among many engines);
+    ``config.model``, ``dtype``, ``speculators`` and ``draft_vocab`` were the loader's. ``mesh``: the one the LLM
+    was placed on (default: ``config.mesh``'s); ``announce`` hears the speculators and trees chosen."""
+    from jaxspec.engine import Engine  # noqa: PLC0415
+
+    expansion = expansion_for(config, speculators)
+    if speculators:
+        if len(expansion) not in (1, len(speculators)):
+            raise CliError(f"--expansion gives {len(expansion)} ';'-separated configs for {len(speculators)} "
+                           f"speculators ({', '.join(s.name for s in speculators)}): give one shared config or one "
+                           "per speculator")
+        if announce is not None:
+            shown = "; ".join(getattr(e, "label", None) or "<" + ",".join(map(str, e)) + ">" for e in expansion)
+            names = ", ".join(s.name + (f" (draft vocabulary {s.draft_vocab})" if getattr(s, "draft_vocab", 0)
+                                        else "") for s in speculators)
+            print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {config.mode}",
+                  file=announce)
         expansion = expansion[0] if len(expansion) == 1 else expansion
     forced = config.forced_tokens
     if forced is None:
         forced = 0 if config.mode == "incremental" else DEFAULT_FORCED_TOKENS
-    engine = Engine(llm, ssms, expansion, config.tree_budget, config.verify, auto=config.mode == "auto", mesh=mesh,
-                    offload=config.offload, forced_tokens=forced, lowering=lowering)
-    if config.verbose:
-        print(f"[jaxspec] {device_line(engine)}", file=log)
-    return engine, engine.llm  # the engine's weightless view: the loaded tree is not kept twice
+    return Engine(llm, list(speculators), expansion, config.tree_budget, config.verify,
+                  auto=config.mode == "auto", mesh=mesh if mesh is not None else mesh_of(config),
+                  offload=config.offload, forced_tokens=forced, lowering=lowering_of(config))
+
+
+def lowering_of(config: EngineConfig) -> Lowering:
+    """The graph forms ``config.lowering`` names over the platform's defaults; a bad spec is a ``CliError``."""
+    from models.lowering import LoweringError, default_lowering  # noqa: PLC0415
+
+    try:
+        return default_lowering(config.lowering)
+    except LoweringError as e:
+        raise CliError(f"--lowering: {e}") from None
+
+
+def mesh_of(config: EngineConfig) -> Mesh | None:
+    """The device mesh ``config.mesh`` names (None: one device)."""
+    if not config.mesh:
+        return None
+    from jaxspec.parallel.sharding import parse_mesh  # noqa: PLC0415
+
+    return parse_mesh(config.mesh)
 
 
 def build_scheduler(engine: Engine, config: SchedulerConfig, **hooks: Any) -> BatchEngine:

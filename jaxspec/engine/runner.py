@@ -584,13 +584,3 @@ def check_vocab(llm: LoadedModel, ssm: LoadedModel) -> None:
                 f"SSM {ssm.name!r} uses a different tokenizer from the LLM {llm.name!r}: an SSM must share "
                 "the LLM's tokenizer"
             )
-
-
-def early_exit(llm: LoadedModel, num_layers: int) -> LoadedModel:
-    """An SSM made of the LLM's first layers plus its final norm and head (``layers:N``)."""
-    if not 1 <= num_layers < llm.cfg.num_layers:
-        raise RequestError(f"layers:{num_layers} must be between 1 and {llm.cfg.num_layers - 1} for this LLM")
-    params = dict(llm.params)
-    params["layers"] = jax.tree_util.tree_map(lambda x: x[:num_layers], llm.params["layers"])
-    return LoadedModel(f"{llm.name}[layers:{num_layers}]", llm.cfg.replace(num_layers=num_layers), params,
-                       llm.dtype, llm.tokenizer)

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts
+from jaxspec.config import MODES
 
-SERVE_MODES = ("incremental", "sequence", "tree", "auto")  # jaxspec serve --mode, without importing the CLI
 CONNECT_TIMEOUT_S = 10.0  # /health, /v1/models, /metrics
 STOP_TIMEOUT_S = 30.0  # SIGTERM to exit, then SIGKILL
 SETTLE_S = 3.0  # waiting for /metrics to count a point's last iteration
@@ -568,8 +568,8 @@ def _targets(args) -> list[tuple[str, str | None]]:
             targets.append((label, rest))
     else:
         modes = [m.strip() for m in (args.modes or "incremental,auto").split(",") if m.strip()]
-        if not modes or any(m not in SERVE_MODES for m in modes):
-            raise CliError(f"--modes takes jaxspec serve modes among {', '.join(SERVE_MODES)}, got {args.modes!r}")
+        if not modes or any(m not in MODES for m in modes):
+            raise CliError(f"--modes takes jaxspec serve modes among {', '.join(MODES)}, got {args.modes!r}")
         targets = [(m, None) for m in modes]
     if len({label for label, _ in targets}) != len(targets):
         raise CliError("each server needs its own label (--modes or --url LABEL=URL)")
