@@ -16,7 +16,7 @@ import dataclasses
 from jaxspec.errors import CliError
 
 MODES = ("auto", "incremental", "sequence", "tree")
-DTYPE_NAMES = ("float32", "bfloat16")  # models.loaded.DTYPES' keys (that module imports JAX)
+DTYPE_NAMES = ("float32", "bfloat16")  # --dtype: models.loaded.DTYPES' keys, named here without importing JAX
 VERIFIERS = ("mss", "naive", "coupled")
 DEFAULT_TREE = "1,1,3,1,1,1,1,1"  # the paper's default expansion config
 DEFAULT_SEQUENCE = "1,1,1,1,1,1,1,1"

@@ -24,7 +24,7 @@ from typing import Callable
 from jaxspec.cache import host_cores
 from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts, sampling_params
 from jaxspec.cli.extras import BASELINE, require
-from jaxspec.config import MODES
+from jaxspec.config import DTYPE_NAMES, MODES
 from jaxspec.repro.measures import coverage_rates, features_of, teacher_forced
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # jaxspec.engine.costs.DEFAULT_TOKENS, without importing jax here
@@ -67,7 +67,7 @@ def add_parser(sub) -> None:
                      "qwen2.5-0.5b, qwen2.5-1.5b, llama-7b")
     costs.add_argument("--random-weights", action="store_true",
                        help="random weights (implied by --shape; with --model: the checkpoint's shape)")
-    costs.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    costs.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     costs.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="LLM tree sizes T")
     costs.add_argument("--draft-tokens", default=",".join(map(str, DEFAULT_DRAFT_WIDTHS)),
                        help="frontier widths w of one draft level")
@@ -117,7 +117,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-file", required=True)
     p.add_argument("--limit", type=int, default=10, help="first N prompts")
     p.add_argument("--model")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--no-chat", action="store_true")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts
-from jaxspec.config import MODES
+from jaxspec.config import DTYPE_NAMES, MODES
 
 CONNECT_TIMEOUT_S = 10.0  # /health, /v1/models, /metrics
 STOP_TIMEOUT_S = 30.0  # SIGTERM to exit, then SIGKILL
@@ -49,7 +49,7 @@ def add_parser(kinds) -> None:
     p.add_argument("--modes", help="jaxspec serve --mode of each server started, in order (default "
                    "incremental,auto); speedups are over incremental, else the first")
     p.add_argument("--model", help="LLM checkpoint of the started servers (default: the embedded SmolLM2-135M)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--ssm", action="append", default=None, metavar="PATH_OR_SPEC",
                    help="passed to every started server but incremental (as jaxspec serve --ssm)")
     p.add_argument("--expansion", help="passed to every started server but incremental")

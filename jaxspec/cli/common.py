@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from jaxspec.config import (
+    DTYPE_NAMES,
     AUTO_NGRAM_CHAIN,
     AUTO_SPECULATORS,
     AUTO_SSM_TREE,
@@ -136,7 +137,7 @@ def _read_text(path: str, flag: str) -> str:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="LLM checkpoint: HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--mode", choices=MODES, default="auto",
                    help="auto (default): before every step pick the tree (or none) with the most expected tokens "
