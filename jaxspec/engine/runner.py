@@ -174,7 +174,7 @@ class Runner:
             self._llm_params = offload_params(self._llm_params)
         self.family(sampling.SamplingParams())  # validates every configuration
         # The engine runs its own layout: it keeps no reference to the loaded tree, which is freed as soon
-        # as the caller drops its LoadedModel (jaxspec.cli.common.build_engine hands back this one).
+        # as the caller drops its LoadedModel (jaxspec.engine.build.build_engine hands back this one).
         self.llm = dataclasses.replace(llm, params=None)
 
     # -- the family of trees ------------------------------------------------------------
