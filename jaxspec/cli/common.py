@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 from jaxspec.config import (
-    DTYPE_NAMES,
     AUTO_NGRAM_CHAIN,
     AUTO_SPECULATORS,
     AUTO_SSM_TREE,
     DEFAULT_FORCED_TOKENS,
     DEFAULT_TREE,
+    DTYPE_NAMES,
     MODES,
     EngineConfig,
 )

@@ -74,7 +74,7 @@ def build_engine(config: EngineConfig, log: TextIO | None = None) -> tuple[Engin
 
     log = log or sys.stderr
     expansion_for(config)  # validates the mode's choices before loading anything
-    lowering_of(config)
+    lowering_of(config)  # and the lowering's
     mesh = mesh_of(config)
     llm = load_llm(config.model, config.dtype, mesh=mesh, offload=config.offload)
     if config.verbose:
