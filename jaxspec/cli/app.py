@@ -168,7 +168,7 @@ def cmd_generate(args) -> int:
 
 def report_learned(engine) -> None:
     """``-v`` with ``--mode auto``: what the chooser learned (acceptance per depth, costs as observed)."""
-    for warp, chooser in engine._choosers.items():
+    for warp, chooser in engine.choosers.items():
         for name in chooser.members:
             seen = chooser.timings[name]
             scale = f"{np.median(seen):.2f}x calibrated" if seen else "calibrated"

@@ -434,6 +434,11 @@ class Runner:
         return self._choosers[warp]
 
     @property
+    def choosers(self) -> dict[sampling.WarpSpec, TreeChooser]:
+        """Auto's choosers made so far, by warp (what ``generate -v`` reports as learned)."""
+        return dict(self._choosers)
+
+    @property
     def measures_costs(self) -> bool:
         """Whether auto's costs are measured on this device (not a table given at construction)."""
         return self._injected_costs is None
