@@ -1,4 +1,5 @@
-"""The commands of the ``jaxspec`` command line: generate, bench (registered by ``jaxspec.cli.bench``), serve, train-ssm.
+"""The commands of the ``jaxspec`` command line: generate, bench (registered by ``jaxspec.cli.bench``), serve
+(``jaxspec.cli.serve``), train-ssm.
 
 Every expected failure (bad checkpoint, bad prompt file, prompt too long, bad sampling
 parameters, mismatched tokenizer) ends with one line ``jaxspec: error: ...`` and exit 2.
