@@ -251,7 +251,7 @@ def run_jaxspec_job(job: dict) -> dict:
     s = job["sampling"]
     params = SamplingParams(s["temperature"], s["top_k"], s["top_p"], s["seed"])
     start = time.perf_counter()
-    config = EngineConfig(job["model"], job["dtype"], mode="incremental", mesh=job.get("mesh"),
+    config = EngineConfig(model=job["model"], dtype=job["dtype"], mode="incremental", mesh=job.get("mesh"),
                           offload=job.get("offload", False))
     engine = engine_from(config, load_llm(config.model, config.dtype))
     load_seconds = time.perf_counter() - start
@@ -322,9 +322,10 @@ def cmd_speculative(args) -> int:
     results = []
     for mode, w, verify, exp, tree, m, budget in tqdm(configs, desc="bench speculative", unit="config",
                                                        file=sys.stderr):
-        config = EngineConfig(args.model, args.dtype, mode=mode, expansion=",".join(map(str, exp)) or None,
-                              tree_budget=budget if m else None, verify="mss" if verify == "greedy" else verify,
-                              mesh=args.mesh, offload=args.offload, forced_tokens=0)  # greedy: argmax, any verifier
+        config = EngineConfig(model=args.model, dtype=args.dtype, mode=mode,
+                              expansion=",".join(map(str, exp)) or None, tree_budget=budget if m else None,
+                              verify="mss" if verify == "greedy" else verify,  # greedy: argmax, any verifier
+                              mesh=args.mesh, offload=args.offload, forced_tokens=0)
         engine = engine_from(config, llm, ssms[:m])
         for row, ids in zip(rows, prompts):
             gen, secs = _timed_generate(engine, ids, args.max_new_tokens, params)
@@ -435,7 +436,7 @@ def cmd_coverage(args) -> int:
     rows = read_prompts(args.prompt_file, args.limit)
     llm = load_llm(args.model, args.dtype)
     ssms = load_ssms(args.ssm or [default_ssm_spec()], llm, args.dtype)
-    engine = engine_from(EngineConfig(args.model, args.dtype, mode="incremental", mesh=args.mesh,
+    engine = engine_from(EngineConfig(model=args.model, dtype=args.dtype, mode="incremental", mesh=args.mesh,
                                       offload=args.offload), llm)
     temperature = args.temperature or 1.0
     results = []

@@ -212,7 +212,8 @@ class Lab:
 
         name = "incremental" if width is None else f"w={width} {verify}"
         self.setup.progress(f"decoding: {name}, T={temperature:g}")
-        config = EngineConfig(self.setup.pair.llm, self.setup.dtype, mode="tree" if width else "incremental",
+        config = EngineConfig(model=self.setup.pair.llm, dtype=self.setup.dtype,
+                              mode="tree" if width else "incremental",
                               speculators=(self.setup.pair.ssm,) if width else None,
                               expansion=",".join(map(str, expansion(width))) if width else None,
                               verify="mss" if verify == "greedy" else verify,  # greedy: argmax, any verifier

@@ -32,7 +32,7 @@ def run(job: dict) -> dict:
 
     start = time.perf_counter()
     expansion = ",".join(map(str, job["expansion"]))
-    config = EngineConfig(job["model"], job["dtype"], mode="tree" if expansion else "incremental",
+    config = EngineConfig(model=job["model"], dtype=job["dtype"], mode="tree" if expansion else "incremental",
                           speculators=(job["ssm"],) if expansion else None, expansion=expansion or None,
                           verify="mss" if job["verify"] == "greedy" else job["verify"],  # greedy: argmax, any verifier
                           offload=job.get("offload", False), forced_tokens=0)
