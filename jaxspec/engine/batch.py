@@ -48,7 +48,8 @@ from jaxspec.engine.auto import TreeChooser
 from jaxspec.engine.runner import Generation, RequestError, Runner, check_fits
 from jaxspec.engine.stops import check_stops
 from jaxspec.parallel.sharding import fetch, pinned
-from jaxspec.decoding.step import DecodeConfig, StepOutput, insert_row, move_row, prefill_row, resize, set_inactive
+from jaxspec.decoding.step import (DecodeConfig, StepOutput, bucket, insert_row, move_row, prefill_row, resize,
+                                   set_inactive)
 from jaxspec.structured import Grammar, GrammarError
 
 MIN_WATCHED = 8  # plain steps timed alone and beside a build before their ratio prices builds
@@ -76,11 +77,6 @@ def capacity_buckets(top: int) -> tuple[int, ...]:
         out.append(c)
         c *= 2
     return tuple(out) + (top,)
-
-
-def bucket(n: int, buckets: Sequence[int]) -> int:
-    """The smallest of the ascending ``buckets`` holding ``n`` (rows or cache slots)."""
-    return next(b for b in buckets if b >= n)
 
 
 def cut_tokens(done: list[int], new: list[int], limit: int, stop_ids: set[int],
