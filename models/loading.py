@@ -24,9 +24,9 @@ import ml_dtypes
 import numpy as np
 
 from models.config import ModelConfig, ModelConfigError
+from models.loaded import DTYPES
 from models.transformer import param_shapes
 
-DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 QWEN_PAIR = {  # written by scripts/fetch_qwen_pair.py
     "llm": "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
     "ssm": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
@@ -382,7 +382,7 @@ def _assemble(cfg: ModelConfig, table, source: _Source, dtype: str, ignore: set[
 
     Each tensor leaves host memory before the next is read (``place``, else the default device).
     """
-    np_dtype = DTYPES[dtype]
+    np_dtype = np.dtype(DTYPES[dtype])  # the host-side dtype (ml_dtypes' for bfloat16)
     names = set(source.readers)
     wanted = {src.format(i=i) for src, _ in table.values() for i in range(cfg.num_layers if "{i}" in src else 1)}
     missing = sorted(wanted - names)

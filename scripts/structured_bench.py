@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import subprocess
 import sys
@@ -28,6 +29,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from jaxspec.config import EngineConfig
 
 SCHEMA = {
     "type": "object",
@@ -44,43 +47,43 @@ SCHEMA = {
 }
 TASK = ("Describe the request below as a JSON object with the fields task, topic, keywords, needs_code and "
         "answer_length.\n\nRequest: {prompt}")
-AUTO = ("--mode", "auto")
-DYNAMIC = ("--mode", "tree", "--ssm", "drafter", "--ssm", "ngram:3", "--expansion", "dynamic:32:6:4;1,1,1,1,1,1")
-CONFIGS = {  # name -> (generate flags, constrained)
-    "incremental free": (("--mode", "incremental"), False),
-    "incremental json": (("--mode", "incremental"), True),
+INCREMENTAL = EngineConfig(mode="incremental")
+AUTO = EngineConfig(mode="auto")
+DYNAMIC = EngineConfig(mode="tree", speculators=("drafter", "ngram:3"), expansion="dynamic:32:6:4;1,1,1,1,1,1")
+CONFIGS = {  # name -> (engine, constrained): the engines of jaxspec generate --mode incremental / auto / tree ...
+    "incremental free": (INCREMENTAL, False),
+    "incremental json": (INCREMENTAL, True),
     "auto free": (AUTO, False),
     "auto json": (AUTO, True),
-    "auto json no-forced": (AUTO + ("--forced-tokens", "0"), True),
+    "auto json no-forced": (dataclasses.replace(AUTO, forced_tokens=0), True),
     "dynamic free": (DYNAMIC, False),
     "dynamic json": (DYNAMIC, True),
-    "dynamic json no-forced": (DYNAMIC + ("--forced-tokens", "0"), True),
+    "dynamic json no-forced": (dataclasses.replace(DYNAMIC, forced_tokens=0), True),
 }
 
 
 def worker(args) -> None:
-    """Configurations sharing one engine in this process (``--worker A[,B...]``, the same generate flags): untimed
+    """Configurations sharing one engine in this process (``--worker A[,B...]``, the same EngineConfig): untimed
     passes of each, then ``--rounds`` timed passes of each in turn (A, B, A, B, ...); prints a JSON line each."""
     import jsonschema
 
-    from jaxspec.cli.app import build_parser
-    from jaxspec.cli.common import build_engine
-    from jaxspec.engine.batch import BatchEngine, Request
+    from jaxspec.config import SchedulerConfig
+    from jaxspec.engine.batch import Request
+    from jaxspec.engine.build import build_engine, build_scheduler
     from jaxspec.structured import Grammar
     from models.tokenizer import encode_prompt
 
     names = args.worker.split(",")
-    flags = CONFIGS[names[0]][0]
-    if any(CONFIGS[n][0] != flags for n in names):
-        raise SystemExit(f"configs sharing a process must share their generate flags: {names}")
-    gen_args = build_parser().parse_args(["generate", "--prompt", "x", *flags])
-    engine, llm = build_engine(gen_args)
+    config = CONFIGS[names[0]][0]
+    if any(CONFIGS[n][0] != config for n in names):
+        raise SystemExit(f"configs sharing a process must share their engine: {names}")
+    engine, llm = build_engine(config)
     rows = [json.loads(line) for line in Path(args.prompt_file).read_text().splitlines() if line.strip()]
     rows = rows[: args.limit]
     prompts = [encode_prompt(llm.tokenizer, TASK.format(prompt=r["prompt"]), True) for r in rows]
     iterations: list[tuple[int, float]] = []  # (active rows, seconds) of each decoding iteration of a timed pass
-    batch = BatchEngine(engine, max_batch=args.batch, max_model_len=max(map(len, prompts)) + args.max_new_tokens,
-                        on_iteration=lambda st: iterations.append((st.active, st.seconds)))
+    limits = SchedulerConfig(max_batch=args.batch, max_model_len=max(map(len, prompts)) + args.max_new_tokens)
+    batch = build_scheduler(engine, limits, on_iteration=lambda st: iterations.append((st.active, st.seconds)))
     masks = engine.row_masks()
 
     def run(name: str) -> tuple[list, float]:
@@ -175,7 +178,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=1, help="timed passes of each configuration")
     p.add_argument("--same-process", action="store_true",
-                   help="configurations with the same generate flags (e.g. incremental free and json) share one "
+                   help="configurations with the same engine (e.g. incremental free and json) share one "
                         "process and engine and are timed in alternation: their ratio without the between-process "
                         "spread of this machine")
     p.add_argument("--warm-passes", type=int, default=1, help="untimed passes before the timed one, at least (more until one compiles nothing)")
@@ -192,8 +195,8 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
     groups = [[c] for c in names]
-    if args.same_process:  # configs with the same generate flags share a process, timed in alternation
-        shared: dict[tuple, list[str]] = {}
+    if args.same_process:  # configs with the same engine share a process, timed in alternation
+        shared: dict[EngineConfig, list[str]] = {}
         for c in names:
             shared.setdefault(CONFIGS[c][0], []).append(c)
         groups = list(shared.values())

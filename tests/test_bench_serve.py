@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from jaxspec import cli
-from jaxspec.serving.bench import (
+from jaxspec.cli.bench_serve import (
     _targets,
     add_speedups,
     metrics_delta,

@@ -19,6 +19,10 @@ LAYERS = {  # subpackage -> what it is; see docs/architecture.md
     "jaxspec.repro": "the paper's reproduction suite",
     "jaxspec.cli": "the command line",
 }
+BELOW_ALL = ("jaxspec.errors", "jaxspec.config")  # modules every layer may import; they import no layer
+# where loaded tensors go (a mesh's shards, pinned host memory); the LLM loader in jaxspec.speculators.resolve places
+# each tensor as it reads it. Neither imports anything of jaxspec.
+PLACEMENT = ("jaxspec.parallel.sharding", "jaxspec.parallel.offload")
 
 
 def within(mod: str, pkg: str) -> bool:
@@ -96,27 +100,58 @@ def test_imports_run_one_way():
         for t in targets:
             if within(mod, "models") and not within(t, "models"):
                 wrong.append(f"{mod} -> {t} (models/ imports nothing of jaxspec or training)")
+            if mod in BELOW_ALL + PLACEMENT and within(t, "jaxspec") and t not in BELOW_ALL:
+                wrong.append(f"{mod} -> {t} (the configuration, errors and placement sit below the layers)")
             if within(mod, "jaxspec.decoding") and within(t, "jaxspec") and not within(t, "jaxspec.decoding"):
                 wrong.append(f"{mod} -> {t} (the decoding core imports only the core)")
             if within(mod, "jaxspec.structured") and within(t, "jaxspec"):
                 wrong.append(f"{mod} -> {t} (the grammar host side stands alone: the engine calls it)")
+            if within(mod, "jaxspec.speculators") and within(t, "jaxspec") and not (
+                    t in BELOW_ALL or t in PLACEMENT or any(within(t, p) for p in ("jaxspec.speculators",
+                                                                                   "jaxspec.decoding"))):
+                wrong.append(f"{mod} -> {t} (speculators import only models, the decoding core, the errors and "
+                             "tensor placement)")
             if within(mod, "jaxspec.engine") and any(within(t, p) for p in (
-                    "jaxspec.serving", "jaxspec.cli", "jaxspec.repro", "jaxspec.speculators",
-                    "jaxspec.parallel.distributed")):
+                    "jaxspec.serving", "jaxspec.cli", "jaxspec.repro", "jaxspec.parallel.distributed")):
                 wrong.append(f"{mod} -> {t} (the engine knows nothing of who drives it)")
+            if within(mod, "jaxspec.serving") and within(t, "jaxspec.cli"):
+                wrong.append(f"{mod} -> {t} (the command line starts the server, never the other way)")
+            if within(mod, "jaxspec.parallel") and within(t, "jaxspec.cli"):
+                wrong.append(f"{mod} -> {t} (meshes and multi-process runs know nothing of the command line)")
             if within(t, "jaxspec.serving") and not (within(mod, "jaxspec.serving") or within(mod, "jaxspec.cli")):
                 wrong.append(f"{mod} -> {t} (only the command line starts the server)")
             if within(mod, "jaxspec") and within(t, "training") and not within(mod, "jaxspec.cli"):
                 wrong.append(f"{mod} -> {t} (training is reached from the command line only)")
-            if t == "jaxspec.cli" and mod not in ("jaxspec.__main__", "jaxspec.cli.__main__"):
+            if within(t, "jaxspec.cli") and not (within(mod, "jaxspec.cli") or mod == "jaxspec.__main__"):
                 wrong.append(f"{mod} -> {t} (nothing drives the command line but python -m)")
     assert wrong == []
 
 
+def test_no_private_name_crosses_a_module():
+    """``from m import _x`` of another module's private name: make it public or keep it where it is used."""
+    mods = modules()
+    wrong = []
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in mods and node.level == 0:
+                wrong += [f"{name}: from {node.module} import {a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert wrong == []
+
+
+def test_speculators_and_training_load_no_engine():
+    """The trainer and the speculators' loaders import without the engine, the server or the command line."""
+    code = ("import sys, training, jaxspec.speculators.resolve; "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in "
+            "(['jaxspec', 'engine'], ['jaxspec', 'serving'], ['jaxspec', 'cli'])))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
 def test_every_module_lives_in_its_layer():
-    """Flat modules under jaxspec/ are the package's front door and its cache paths only."""
+    """Flat modules under jaxspec/ are the package's front door, its cache paths, and the configuration and errors below every layer."""
     flat = {m for m in modules() if within(m, "jaxspec") and not any(within(m, p) for p in LAYERS)}
-    assert flat == {"jaxspec", "jaxspec.__main__", "jaxspec.cache"}
+    assert flat == {"jaxspec", "jaxspec.__main__", "jaxspec.cache", "jaxspec.config", "jaxspec.errors"}
 
 
 def test_import_jaxspec_stays_light():

@@ -147,7 +147,7 @@ def test_the_lowering_keys_forwards_and_calibrations():
 
 
 def test_verbose_names_the_device_precision_and_lowering(llm):
-    from jaxspec.cli.common import device_line  # noqa: PLC0415
+    from jaxspec.engine.build import device_line  # noqa: PLC0415
 
     line = device_line(Engine(llm, lowering=Lowering("plain", "scatter", "unroll")))
     assert "(cpu, jax " in line and "precision float32" in line

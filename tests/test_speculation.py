@@ -113,7 +113,7 @@ def test_capacity_edge_writes_stay_in_bounds(tiny_llm, monkeypatch):
     assert batch.resizes >= 2  # grown past 256 slots, and shrunk back once the request left
     assert batch.capacity == 256
     fixed = BatchEngine(Engine(tiny_llm, [early_exit(tiny_llm, 1)], (1, 2)), max_batch=1, max_model_len=300)
-    monkeypatch.setattr(fixed, "_need", lambda committed: committed)  # forgets the step's own writes
+    monkeypatch.setattr(fixed, "cache_need", lambda committed: committed)  # forgets the step's own writes
     with pytest.raises(RuntimeError, match="a decoding step would write"):
         fixed.generate([Request(list(range(16)), 280)])
 

@@ -22,7 +22,7 @@ from jaxspec.decoding.kv_cache import KVCache
 from jaxspec.decoding.step import DecodeConfig, DecodeState, SSMGroup, decode_step, prefill, prefill_model
 from jaxspec.decoding.tree import DynamicTree, expansion_topology
 from jaxspec.engine import Engine, RequestError
-from jaxspec.engine.runner import early_exit
+from jaxspec.speculators.early_exit import early_exit
 from jaxspec.structured import Grammar, GrammarError, RowMasks, Vocabulary, allowed
 from models.config import ModelConfig
 from models.loaded import LoadedModel

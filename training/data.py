@@ -22,8 +22,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxspec.decoding.step import bucket
 from training.config import DataConfig
-from training.generate import PAD_ID, generate_batch, make_generator, prompt_bucket
+from training.generate import PAD_ID, generate_batch, make_generator
 
 MANIFEST = "manifest.json"
 PROMPTS = "prompts.npz"
@@ -317,7 +318,7 @@ def _generate_shard(cfg: DataConfig, llm, prompts: Sequence[Sequence[int]], gens
     cont = np.full((n, cfg.continuation_tokens), PAD_ID, np.int32)
     top_ids = np.zeros((n, cfg.continuation_tokens, k), np.int32)
     top_lp = np.zeros((n, cfg.continuation_tokens, k), np.float16)
-    buckets = np.array([prompt_bucket(len(p), cfg.prompt_buckets) for p in prompts])
+    buckets = np.array([bucket(len(p), cfg.prompt_buckets) for p in prompts])
     for b in cfg.prompt_buckets:
         rows = np.flatnonzero(buckets == b)
         for start in range(0, len(rows), cfg.batch_size):

@@ -87,14 +87,6 @@ def make_generator(
     return jax.jit(gen)
 
 
-def prompt_bucket(n: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket holding n prompt tokens."""
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"a prompt of {n} tokens exceeds the largest bucket {buckets[-1]}")
-
-
 def pad_batch(prompts: Sequence[Sequence[int]], batch: int, length: int) -> tuple[np.ndarray, np.ndarray]:
     """Right-pads up to ``batch`` prompts to ``length`` (missing rows repeat the first prompt)."""
     tokens = np.zeros((batch, length), np.int32)

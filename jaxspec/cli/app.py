@@ -1,4 +1,5 @@
-"""The commands of the ``jaxspec`` command line: generate, bench (registered by ``jaxspec.cli.bench``), serve, train-ssm.
+"""The commands of the ``jaxspec`` command line: generate, bench (registered by ``jaxspec.cli.bench``), serve
+(``jaxspec.cli.serve``), train-ssm.
 
 Every expected failure (bad checkpoint, bad prompt file, prompt too long, bad sampling
 parameters, mismatched tokenizer) ends with one line ``jaxspec: error: ...`` and exit 2.
@@ -20,10 +21,11 @@ from jaxspec.decoding import sampling
 from jaxspec.parallel import distributed
 from jaxspec.cli.common import (
     CliError,
+    RequestError,
     add_compile_cache_args,
     add_model_args,
     add_structured_args,
-    build_engine,
+    config_from_args,
     grammar_for,
     read_prompts,
     report_compile_cache,
@@ -71,11 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     repro.add_parser(sub)
     try:
-        from jaxspec.serving import server
+        from jaxspec.cli import serve
     except ImportError as e:  # the serving extras missing (e.g. a GPU image with JAX only): the rest still works
         unavailable(sub, "serve", e)
     else:
-        distributed.add_args(server.add_parser(sub))
+        distributed.add_args(serve.add_parser(sub))
     for kind in distributed.IN_PROCESS_BENCHES:
         distributed.add_args(distributed.subcommand(sub.choices["bench"], kind))
     try:
@@ -101,10 +103,10 @@ def unavailable(sub, name: str, error: ImportError) -> None:
 def report_calibration(engine, batch, args, prompt_ids: list[int]) -> None:
     """``--recalibrate`` with ``--mode auto``: the family and its measured cost per iteration (one row, the first
     prompt's cache)."""
-    from jaxspec.engine.batch import _bucket  # noqa: PLC0415
+    from jaxspec.decoding.step import bucket  # noqa: PLC0415
 
     warp = sampling.WarpSpec.of(sampling_params(args))
-    capacity = _bucket(batch._need(len(prompt_ids)), batch.capacity_buckets)
+    capacity = bucket(batch.cache_need(len(prompt_ids)), batch.capacity_buckets)
     costs = engine.calibrate(warp, capacity, refresh=args.recalibrate, batch=1)
     base = costs["none"]
     for name, seconds in costs.items():
@@ -146,14 +148,15 @@ def cmd_generate(args) -> int:
             print(f"[jaxspec] seed {args.seed} (pass --seed {args.seed} to repeat this run)", file=sys.stderr)
     sampling_params(args)  # validate before loading anything
     from jaxspec.engine.stops import check_stops  # noqa: PLC0415
-    from jaxspec.engine.runner import RequestError  # noqa: PLC0415
 
     try:
         check_stops(args.stop)  # before loading anything
     except RequestError as e:
         raise CliError(f"--{e}") from None
     rows = read_prompts(args.prompt_file, args.limit) if args.prompt_file else [{"id": "prompt", "prompt": args.prompt}]
-    engine, llm = build_engine(args)
+    from jaxspec.engine.build import build_engine  # noqa: PLC0415
+
+    engine, llm = build_engine(config_from_args(args))
     out = open(args.output, "w", encoding="utf-8") if args.output else None
     try:
         return generate_requests(engine, llm, rows, args, out)
@@ -166,7 +169,7 @@ def cmd_generate(args) -> int:
 
 def report_learned(engine) -> None:
     """``-v`` with ``--mode auto``: what the chooser learned (acceptance per depth, costs as observed)."""
-    for warp, chooser in engine._choosers.items():
+    for warp, chooser in engine.choosers.items():
         for name in chooser.members:
             seen = chooser.timings[name]
             scale = f"{np.median(seen):.2f}x calibrated" if seen else "calibrated"
@@ -197,7 +200,9 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     """
     from tqdm import tqdm
 
-    from jaxspec.engine.batch import BatchEngine, Request
+    from jaxspec.config import SchedulerConfig
+    from jaxspec.engine.batch import Request
+    from jaxspec.engine.build import build_scheduler
     from jaxspec.engine.stops import StopText
     from models.tokenizer import encode_prompt
 
@@ -212,9 +217,10 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
                                               grammar=grammar)))
     longest = max(len(r.prompt_ids) for _, _, r in jobs)
     say = (lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr)) if args.verbose else None  # noqa: E731
-    batch = BatchEngine(engine, max_batch=min(args.max_batch, len(jobs)),
-                        max_model_len=min(longest + args.max_new_tokens, llm.cfg.max_position_embeddings),
-                        sync=distributed.loop_sync(), verbose=say, eager=args.compile == "all")
+    limits = SchedulerConfig(max_batch=min(args.max_batch, len(jobs)),
+                             max_model_len=min(longest + args.max_new_tokens, llm.cfg.max_position_embeddings),
+                             eager=args.compile == "all")
+    batch = build_scheduler(engine, limits, sync=distributed.loop_sync(), verbose=say)
     if engine.auto and args.recalibrate:  # -v alone leaves the lazy path as it is (its builds are reported)
         report_calibration(engine, batch, args, jobs[0][2].prompt_ids)
     streaming = len(jobs) == 1

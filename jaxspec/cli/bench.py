@@ -24,11 +24,11 @@ from typing import Callable
 from jaxspec.cache import host_cores
 from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts, sampling_params
 from jaxspec.cli.extras import BASELINE, require
+from jaxspec.config import DTYPE_NAMES, MODES
 from jaxspec.repro.measures import coverage_rates, features_of, teacher_forced
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # jaxspec.engine.costs.DEFAULT_TOKENS, without importing jax here
 DEFAULT_DRAFT_WIDTHS = (1, 2, 4, 8, 16)
-GENERATE_MODES = ("incremental", "sequence", "tree", "auto")  # jaxspec generate --mode, without importing the CLI
 WARMUP_PREFIX = "warmup-"  # ids of bench modes' warm-up prompts, excluded from its averages
 
 
@@ -67,7 +67,7 @@ def add_parser(sub) -> None:
                      "qwen2.5-0.5b, qwen2.5-1.5b, llama-7b")
     costs.add_argument("--random-weights", action="store_true",
                        help="random weights (implied by --shape; with --model: the checkpoint's shape)")
-    costs.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    costs.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     costs.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="LLM tree sizes T")
     costs.add_argument("--draft-tokens", default=",".join(map(str, DEFAULT_DRAFT_WIDTHS)),
                        help="frontier widths w of one draft level")
@@ -108,7 +108,7 @@ def add_parser(sub) -> None:
                        help="warm-up rounds before the measured prompts, excluded from ms/token: each runs the "
                             "shortest and longest prompt of every prompt-length bucket, so nothing measured compiles")
     modes.set_defaults(func=cmd_modes)
-    from jaxspec.serving import bench as bench_serve  # noqa: PLC0415 (bench serve: latency and throughput of jaxspec serve)
+    from jaxspec.cli import bench_serve  # noqa: PLC0415 (bench serve: latency and throughput of jaxspec serve)
 
     bench_serve.add_parser(kinds)
 
@@ -117,7 +117,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-file", required=True)
     p.add_argument("--limit", type=int, default=10, help="first N prompts")
     p.add_argument("--model")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--no-chat", action="store_true")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -130,13 +130,6 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload", action="store_true", help="the jaxspec LLM's layers in pinned host memory, streamed "
                    "to the device per layer (as jaxspec generate --offload)")
     add_compile_cache_args(p)
-
-
-def _mesh(spec: str | None):
-    """The ``--mesh`` as a Mesh, or None (one device)."""
-    from jaxspec.parallel.sharding import parse_mesh  # noqa: PLC0415
-
-    return parse_mesh(spec) if spec else None
 
 
 def _encode_all(llm, rows, no_chat: bool) -> list[list[int]]:
@@ -246,7 +239,8 @@ def _print_incremental(results: dict[str, dict], table: list[dict]) -> None:
 
 def run_jaxspec_job(job: dict) -> dict:
     """The jaxspec side of ``bench incremental``: incremental decoding of the job's prompt ids."""
-    from jaxspec.engine import Engine
+    from jaxspec.config import EngineConfig
+    from jaxspec.engine.build import engine_from
     from jaxspec.speculators.resolve import load_llm
     from jaxspec.decoding.sampling import SamplingParams
 
@@ -257,8 +251,9 @@ def run_jaxspec_job(job: dict) -> dict:
     s = job["sampling"]
     params = SamplingParams(s["temperature"], s["top_k"], s["top_p"], s["seed"])
     start = time.perf_counter()
-    engine = Engine(load_llm(job["model"], job["dtype"]), mesh=_mesh(job.get("mesh")),
-                    offload=job.get("offload", False))
+    config = EngineConfig(model=job["model"], dtype=job["dtype"], mode="incremental", mesh=job.get("mesh"),
+                          offload=job.get("offload", False))
+    engine = engine_from(config, load_llm(config.model, config.dtype))
     load_seconds = time.perf_counter() - start
     rows = []
     for prompt in job["prompts"]:
@@ -309,7 +304,8 @@ def _tree_configs(widths, depth: int, num_ssms: int, verifiers, single_baseline:
 def cmd_speculative(args) -> int:
     from tqdm import tqdm
 
-    from jaxspec.engine import Engine
+    from jaxspec.config import EngineConfig
+    from jaxspec.engine.build import engine_from
     from jaxspec.speculators.resolve import default_ssm_spec, load_llm, load_ssms
 
     params = sampling_params(args)
@@ -326,8 +322,11 @@ def cmd_speculative(args) -> int:
     results = []
     for mode, w, verify, exp, tree, m, budget in tqdm(configs, desc="bench speculative", unit="config",
                                                        file=sys.stderr):
-        engine = Engine(llm, ssms[:m], exp, tree_budget=budget if m else None, verify=verify, mesh=_mesh(args.mesh),
-                        offload=args.offload)
+        config = EngineConfig(model=args.model, dtype=args.dtype, mode=mode,
+                              expansion=",".join(map(str, exp)) or None, tree_budget=budget if m else None,
+                              verify="mss" if verify == "greedy" else verify,  # greedy: argmax, any verifier
+                              mesh=args.mesh, offload=args.offload, forced_tokens=0)
+        engine = engine_from(config, llm, ssms[:m])
         for row, ids in zip(rows, prompts):
             gen, secs = _timed_generate(engine, ids, args.max_new_tokens, params)
             results.append({
@@ -430,13 +429,15 @@ def cmd_coverage(args) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from jaxspec.engine import Engine
+    from jaxspec.config import EngineConfig
+    from jaxspec.engine.build import engine_from
     from jaxspec.speculators.resolve import default_ssm_spec, load_llm, load_ssms
 
     rows = read_prompts(args.prompt_file, args.limit)
     llm = load_llm(args.model, args.dtype)
     ssms = load_ssms(args.ssm or [default_ssm_spec()], llm, args.dtype)
-    engine = Engine(llm, mesh=_mesh(args.mesh), offload=args.offload)
+    engine = engine_from(EngineConfig(model=args.model, dtype=args.dtype, mode="incremental", mesh=args.mesh,
+                                      offload=args.offload), llm)
     temperature = args.temperature or 1.0
     results = []
     for row, ids in tqdm(list(zip(rows, _encode_all(llm, rows, args.no_chat))), desc="bench coverage",
@@ -610,9 +611,9 @@ def cmd_modes(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in GENERATE_MODES]
+    unknown = [m for m in modes if m not in MODES]
     if not modes or unknown or len(set(modes)) != len(modes):
-        raise CliError(f"--modes takes distinct modes among {', '.join(GENERATE_MODES)}, got {args.modes!r}")
+        raise CliError(f"--modes takes distinct modes among {', '.join(MODES)}, got {args.modes!r}")
     levels = (args.expansion or "").replace(";", ",").split(",")
     if "sequence" in modes and any(k.strip() not in ("1", "") for k in levels):
         raise CliError(f"--modes sequence needs an --expansion of 1s, got {args.expansion!r}")

@@ -1,4 +1,5 @@
-"""What every ``jaxspec`` subcommand shares: user errors, prompt files, sampling, compile-cache and model/mode flags.
+"""What every ``jaxspec`` subcommand shares: user errors, prompt files, sampling, compile-cache and model/mode flags,
+and ``config_from_args``, the one place those flags become an ``EngineConfig``.
 
 ``jaxspec.cli`` (generate, the top-level parser) and ``jaxspec.cli.bench`` both import this
 module and never each other's internals in the other direction: the CLI registers the
@@ -12,16 +13,22 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
 
-
-class CliError(ValueError):
-    """A user error reported as one line and exit code 2."""
+from jaxspec.config import (
+    AUTO_NGRAM_CHAIN,
+    AUTO_SPECULATORS,
+    AUTO_SSM_TREE,
+    DEFAULT_FORCED_TOKENS,
+    DEFAULT_TREE,
+    DTYPE_NAMES,
+    MODES,
+    EngineConfig,
+)
+from jaxspec.errors import CliError, RequestError, VocabularyMismatch
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input (one ``jaxspec: error:`` line), not a bug."""
-    from jaxspec.engine import RequestError, VocabularyMismatch  # noqa: PLC0415
     from jaxspec.decoding.sampling import SamplingError  # noqa: PLC0415
     from models.config import ModelConfigError  # noqa: PLC0415
     from models.loading import CheckpointError  # noqa: PLC0415
@@ -92,21 +99,6 @@ def report_compile_cache(directory: Path | None) -> None:
         print(f"[jaxspec] compilation cache {directory}: {STATS.hits} hits, {STATS.misses} misses", file=sys.stderr)
 
 
-MODES = ("auto", "incremental", "sequence", "tree")
-DEFAULT_TREE = "1,1,3,1,1,1,1,1"  # the paper's default expansion config
-DEFAULT_SEQUENCE = "1,1,1,1,1,1,1,1"
-AUTO_SPECULATORS = ("drafter", "ngram")  # --mode auto without --ssm: the shipped feature drafter and prompt lookup
-# The learned speculators' tree in the auto family: a 3-deep chain. On the 2-core CPU the LLM verifies 4 tokens
-# for 1.13x one token but 6 for 1.49x (jaxspec bench step-costs), so <1,2,1> costs more than it adds. Measured with
-# the shipped drafter (2026-11-26, 20 dev prompts, 128 tokens, --max-batch 1, speedup over incremental in ms/token):
-# <1,1,1> 1.46x (2.42 tokens/step), <1,1,1,1> 1.18x (2.48), <2,1,1> 1.19x (2.58).
-AUTO_SSM_TREE = "1,1,1"
-AUTO_NGRAM_CHAIN = "1,1,1,1,1,1"  # the n-gram speculator's chain in the auto family
-
-
-DEFAULT_FORCED_TOKENS = 8  # tokens a grammar forces ahead that ride in a constrained request's tree
-
-
 def add_structured_args(p: argparse.ArgumentParser) -> None:
     """Structured output: the text must match a JSON schema, a regex or a Lark grammar (llguidance)."""
     g = p.add_mutually_exclusive_group()
@@ -145,7 +137,7 @@ def _read_text(path: str, flag: str) -> str:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="LLM checkpoint: HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--mode", choices=MODES, default="auto",
                    help="auto (default): before every step pick the tree (or none) with the most expected tokens "
@@ -186,92 +178,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "different speed (models/lowering.py)")
 
 
-def speculator_specs(args) -> list[str]:
-    """The ``--ssm`` specs to load: as given, else the mode's default."""
-    if args.mode == "incremental":
-        return []
-    if args.ssm:
-        return list(args.ssm)
-    return list(AUTO_SPECULATORS) if args.mode == "auto" else ["default"]
-
-
-def expansion_for(args, speculators: Sequence = ()) -> tuple[tuple[int, ...], ...]:
-    """The expansion configs: one shared by every speculator, or ";"-separated, one per speculator."""
-    from jaxspec.decoding.ngram import NGramSpeculator
-    from jaxspec.decoding.tree import DynamicTree, parse_expansion
-
-    if args.mode == "incremental":
-        if args.expansion or args.ssm:
-            raise CliError("--mode incremental takes no --ssm or --expansion (use --mode auto, sequence or tree)")
-        return ()
-    if args.mode == "auto" and not args.expansion:
-        return tuple(parse_expansion(AUTO_NGRAM_CHAIN if isinstance(s, NGramSpeculator) else AUTO_SSM_TREE)
-                     for s in speculators)
-    text = args.expansion or (DEFAULT_TREE if args.mode == "tree" else DEFAULT_SEQUENCE)
-    expansions = tuple(parse_expansion(part) for part in text.split(";"))
-    if not all(expansions):
-        raise CliError(f"--mode {args.mode} needs a non-empty --expansion")
-    if args.mode == "sequence" and any(isinstance(e, DynamicTree) or any(k != 1 for k in e) for e in expansions):
-        raise CliError(f"--mode sequence needs an expansion of 1s, got {args.expansion}")
-    return expansions
-
-
-def peak_host_gb() -> float:
-    """This process's peak resident memory so far (GB; Linux reports ru_maxrss in KiB)."""
-    import resource  # noqa: PLC0415
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def build_engine(args, log=None):
-    """Loads the LLM and speculators named by the arguments and returns (engine, llm)."""
-    from jaxspec.engine import Engine
-    from jaxspec.speculators.resolve import load_llm, load_ssms
-
-    from models.lowering import LoweringError, default_lowering  # noqa: PLC0415
-
-    expansion_for(args)  # validates the mode's flags before loading anything
-    try:
-        lowering = default_lowering(getattr(args, "lowering", None))
-    except LoweringError as e:
-        raise CliError(f"--lowering: {e}") from None
-    mesh = None
-    if getattr(args, "mesh", None):
-        from jaxspec.parallel.sharding import parse_mesh  # noqa: PLC0415
-
-        mesh = parse_mesh(args.mesh)
-    llm = load_llm(args.model, args.dtype, mesh=mesh, offload=getattr(args, "offload", False))
-    if getattr(args, "verbose", False):
-        print(f"[jaxspec] loaded {llm.name}: peak host memory of this process {peak_host_gb():.2f} GB",
-              file=log or sys.stderr)
-    ssms = load_ssms(speculator_specs(args), llm, args.dtype, getattr(args, "draft_vocab", None))
-    expansion = expansion_for(args, ssms)
-    if ssms:
-        if len(expansion) not in (1, len(ssms)):
-            raise CliError(f"--expansion gives {len(expansion)} ';'-separated configs for {len(ssms)} speculators "
-                           f"({', '.join(s.name for s in ssms)}): give one shared config or one per speculator")
-        shown = "; ".join(getattr(e, "label", None) or "<" + ",".join(map(str, e)) + ">" for e in expansion)
-        names = ", ".join(s.name + (f" (draft vocabulary {s.draft_vocab})" if getattr(s, "draft_vocab", 0) else "")
-                          for s in ssms)
-        print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {args.mode}",
-              file=log or sys.stderr)
-        expansion = expansion[0] if len(expansion) == 1 else expansion
-    forced = getattr(args, "forced_tokens", None)
-    if forced is None:
-        forced = 0 if args.mode == "incremental" else DEFAULT_FORCED_TOKENS
-    engine = Engine(llm, ssms, expansion, args.tree_budget, args.verify,
-                    auto=args.mode == "auto", mesh=mesh, offload=getattr(args, "offload", False),
-                    forced_tokens=forced, lowering=lowering)
-    if getattr(args, "verbose", False):
-        print(f"[jaxspec] {device_line(engine)}", file=log or sys.stderr)
-    return engine, engine.llm  # the engine's weightless view: the loaded tree is not kept twice
-
-
-def device_line(engine) -> str:
-    """Where and how the engine runs: device kind and count, platform, the LLM's dtype, the lowering (``-v``)."""
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    device = jax.devices()[0]
-    return (f"device {device.device_kind} x{jax.device_count()} ({jax.default_backend()}, jax {jax.__version__}); "
-            f"precision {jnp.dtype(engine.llm.dtype).name}; lowering {engine.lowering.label}")
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The one place a command's flags become an ``EngineConfig`` (``jaxspec.engine.build.build_engine``'s input)."""
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, mode=args.mode,
+        speculators=tuple(args.ssm) if args.ssm else None, expansion=args.expansion,
+        tree_budget=args.tree_budget, verify=args.verify, draft_vocab=args.draft_vocab, mesh=args.mesh,
+        offload=args.offload, forced_tokens=args.forced_tokens, lowering=args.lowering, verbose=args.verbose)

@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m jaxspec.cli.hf_baseline JOB.json OUT.json", file=sys.stderr)
         return 2
-    from jaxspec.cli.common import CliError  # noqa: PLC0415
+    from jaxspec.errors import CliError  # noqa: PLC0415
     from jaxspec.cli.extras import BASELINE, require  # noqa: PLC0415
 
     try:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts
 from jaxspec.cli.extras import NEEDS, SHAREGPT, require
+from jaxspec.config import DTYPE_NAMES
 
 if TYPE_CHECKING:
     from jaxspec.repro.experiments import Pair
@@ -45,7 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, help="tokens per request (default: the scale's: 32 quick, 128 full)")
     p.add_argument("--temperature", type=float, default=1.0, help="stochastic decoding's temperature (Tables 1-3, "
                    "Figure 9)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--no-chat", action="store_true", help="prompts as plain text (default: the chat template)")
     p.add_argument("--host-bandwidth", type=float, default=25.0, metavar="GB/S",
                    help="Figure 8 on a device sharing the host's memory: the host-to-device link the weight "

@@ -9,6 +9,7 @@ host but the few emitted tokens.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import flax
 import jax
@@ -585,6 +586,15 @@ def _fit_cache(cache: KVCache, rows: int, capacity: int) -> KVCache:
     g = cache.k.ndim - 5  # 1 for a stacked group
     fit = lambda x: _fit(_fit(x, 1 + g, rows), 3 + g, capacity)  # noqa: E731
     return KVCache(fit(cache.k), fit(cache.v), _fit(cache.length, g, rows))
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+    """The smallest of the ascending ``buckets`` holding ``n`` (rows, cache slots, prompt tokens): one static shape,
+    one executable, per bucket."""
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 def resize(state: DecodeState, rows: int, capacity: int) -> DecodeState:

@@ -15,8 +15,8 @@ from jaxspec.engine.runner import (  # noqa: F401 (the engine's public names)
     Runner,
     VocabularyMismatch,
     check_vocab,
-    early_exit,
 )
+from jaxspec.speculators.early_exit import early_exit  # noqa: F401 (layers:N, importable here as before)
 from jaxspec.structured import Grammar
 from models.loaded import LoadedModel  # noqa: F401
 

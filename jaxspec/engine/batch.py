@@ -44,10 +44,11 @@ import numpy as np
 from jaxspec.cache import compile_cache_on
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import TreeChooser
-from jaxspec.engine.runner import Generation, RequestError, Runner, _check_fits
+from jaxspec.engine.runner import Generation, RequestError, Runner, check_fits
 from jaxspec.engine.stops import check_stops
 from jaxspec.parallel.sharding import fetch, pinned
-from jaxspec.decoding.step import DecodeConfig, StepOutput, insert_row, move_row, prefill_row, resize, set_inactive
+from jaxspec.decoding.step import (DecodeConfig, StepOutput, bucket, insert_row, move_row, prefill_row, resize,
+                                   set_inactive)
 from jaxspec.structured import Grammar, GrammarError
 
 MIN_WATCHED = 8  # plain steps timed alone and beside a build before their ratio prices builds
@@ -75,10 +76,6 @@ def capacity_buckets(top: int) -> tuple[int, ...]:
         out.append(c)
         c *= 2
     return tuple(out) + (top,)
-
-
-def _bucket(n: int, buckets: Sequence[int]) -> int:
-    return next(b for b in buckets if b >= n)
 
 
 def cut_tokens(done: list[int], new: list[int], limit: int, stop_ids: set[int],
@@ -781,7 +778,7 @@ class BatchEngine:
         return ticket.cancelled.is_set() if self.sync.local else ticket.agreed_cancel
 
     # -- the state's shape follows the work ---------------------------------------------
-    def _need(self, committed: int) -> int:
+    def cache_need(self, committed: int) -> int:
         """Cache slots a row of ``committed`` tokens may touch before the host reads its next tokens."""
         return committed + self._max_emit + self._max_nodes
 
@@ -791,10 +788,10 @@ class BatchEngine:
         Grows at once; shrinks only to a smaller bucket (rows only grow while they live, so
         a bucket changes a few times per request at most).
         """
-        rows = _bucket(max(len(self.slots) + extra_rows, 1), self.row_buckets)
-        want = max([need] + [self._need(s.committed) for s in self.slots]
-                   + ([self._need(len(self.staging.ticket.request.prompt_ids))] if self.staging else []))
-        capacity = _bucket(min(want, self.max_capacity), self.capacity_buckets)
+        rows = bucket(max(len(self.slots) + extra_rows, 1), self.row_buckets)
+        want = max([need] + [self.cache_need(s.committed) for s in self.slots]
+                   + ([self.cache_need(len(self.staging.ticket.request.prompt_ids))] if self.staging else []))
+        capacity = bucket(min(want, self.max_capacity), self.capacity_buckets)
         if (rows, capacity) == (self.rows, self.capacity):
             return
         self.state = self._resize(self.state, rows, capacity)
@@ -848,7 +845,7 @@ class BatchEngine:
         self._fit(need=st.fed + size)
         tokens = np.zeros((1, size), np.int32)
         tokens[0, :count] = prompt[st.fed: st.fed + count]
-        _check_fits(st.fed + size, self.capacity, "a prefill chunk")
+        check_fits(st.fed + size, self.capacity, "a prefill chunk")
         values = sampling.row_values([req.params], self.vocab)
         # a grammar's first mask (all ones without one: one prefill executable serves both), applied with the last
         # chunk, whose logits give the first token
@@ -1031,7 +1028,7 @@ class BatchEngine:
             cfg = e.constrained(cfg, longest)
         ahead = self._max_emit if stale else 0  # tokens the iteration in flight may still commit
         for _, s in live:
-            _check_fits(s.committed + ahead + cfg.num_nodes, self.capacity, "a decoding step")
+            check_fits(s.committed + ahead + cfg.num_nodes, self.capacity, "a decoding step")
         arrays = self._proposal_arrays(proposals if cfg.ngram_depth else [[]] * self.rows)  # no chain: sent once
         if cfg.forced_depth:
             arrays = (*arrays, *jax.device_put(ngram.proposal_arrays(chains, cfg.forced_depth)))

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from jaxspec.cache import host_cores
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import Member, TreeChooser
+from jaxspec.errors import RequestError, VocabularyMismatch  # noqa: F401 (importable from here as before)
 from jaxspec.decoding.ngram import NGramSpeculator
 from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
 from jaxspec.parallel.sharding import describe as describe_mesh, pinned
@@ -35,10 +36,6 @@ from models.lowering import Lowering, default_lowering
 from models.transformer import Forward, KVCache, decoding_layout
 
 MIN_PROMPT_BUCKET = 16
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve (prompt too long, bad parameters)."""
 
 
 @dataclasses.dataclass
@@ -177,7 +174,7 @@ class Runner:
             self._llm_params = offload_params(self._llm_params)
         self.family(sampling.SamplingParams())  # validates every configuration
         # The engine runs its own layout: it keeps no reference to the loaded tree, which is freed as soon
-        # as the caller drops its LoadedModel (jaxspec.cli.common.build_engine hands back this one).
+        # as the caller drops its LoadedModel (jaxspec.engine.build.build_engine hands back this one).
         self.llm = dataclasses.replace(llm, params=None)
 
     # -- the family of trees ------------------------------------------------------------
@@ -437,6 +434,11 @@ class Runner:
         return self._choosers[warp]
 
     @property
+    def choosers(self) -> dict[sampling.WarpSpec, TreeChooser]:
+        """Auto's choosers made so far, by warp (what ``generate -v`` reports as learned)."""
+        return dict(self._choosers)
+
+    @property
     def measures_costs(self) -> bool:
         """Whether auto's costs are measured on this device (not a table given at construction)."""
         return self._injected_costs is None
@@ -521,7 +523,7 @@ def _warp(params: sampling.SamplingParams | sampling.WarpSpec) -> sampling.WarpS
     return params if isinstance(params, sampling.WarpSpec) else sampling.WarpSpec.of(params)
 
 
-def _check_fits(slots: int, capacity: int, what: str) -> None:
+def check_fits(slots: int, capacity: int, what: str) -> None:
     """Refuses a write past the cache (``capacity_for`` makes this unreachable; writes are unchecked on device)."""
     if slots > capacity:
         raise RuntimeError(f"{what} would write {slots} cache slots of a capacity of {capacity}: "
@@ -572,10 +574,6 @@ def _per_ssm(expansion, num_ssms: int) -> tuple[tuple[int, ...] | DynamicTree, .
     return tuple(e if isinstance(e, DynamicTree) else tuple(e) for e in expansion)
 
 
-class VocabularyMismatch(ValueError):
-    """The SSM's tokenizer or vocabulary differs from the LLM's."""
-
-
 def check_vocab(llm: LoadedModel, ssm: LoadedModel) -> None:
     """Refuses an SSM whose vocabulary (size or tokenizer) differs from the LLM's."""
     if llm.cfg.vocab_size != ssm.cfg.vocab_size:
@@ -591,13 +589,3 @@ def check_vocab(llm: LoadedModel, ssm: LoadedModel) -> None:
                 f"SSM {ssm.name!r} uses a different tokenizer from the LLM {llm.name!r}: an SSM must share "
                 "the LLM's tokenizer"
             )
-
-
-def early_exit(llm: LoadedModel, num_layers: int) -> LoadedModel:
-    """An SSM made of the LLM's first layers plus its final norm and head (``layers:N``)."""
-    if not 1 <= num_layers < llm.cfg.num_layers:
-        raise RequestError(f"layers:{num_layers} must be between 1 and {llm.cfg.num_layers - 1} for this LLM")
-    params = dict(llm.params)
-    params["layers"] = jax.tree_util.tree_map(lambda x: x[:num_layers], llm.params["layers"])
-    return LoadedModel(f"{llm.name}[layers:{num_layers}]", llm.cfg.replace(num_layers=num_layers), params,
-                       llm.dtype, llm.tokenizer)

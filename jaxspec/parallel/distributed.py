@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from jaxspec.cli.common import CliError
+from jaxspec.errors import CliError
 from jaxspec.engine.stops import MAX_STOP_CHARS, MAX_STOPS
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"

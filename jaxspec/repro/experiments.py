@@ -207,11 +207,18 @@ class Lab:
 
     def _decode(self, width: int | None, verify: str, temperature: float) -> list[dict]:
         from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
-        from jaxspec.engine import Engine  # noqa: PLC0415
+        from jaxspec.config import EngineConfig  # noqa: PLC0415
+        from jaxspec.engine.build import engine_from  # noqa: PLC0415
 
         name = "incremental" if width is None else f"w={width} {verify}"
         self.setup.progress(f"decoding: {name}, T={temperature:g}")
-        engine = Engine(self.llm, [self.ssm] if width else [], expansion(width) if width else (), verify=verify)
+        config = EngineConfig(model=self.setup.pair.llm, dtype=self.setup.dtype,
+                              mode="tree" if width else "incremental",
+                              speculators=(self.setup.pair.ssm,) if width else None,
+                              expansion=",".join(map(str, expansion(width))) if width else None,
+                              verify="mss" if verify == "greedy" else verify,  # greedy: argmax, any verifier
+                              forced_tokens=0)
+        engine = engine_from(config, self.llm, [self.ssm] if width else [])
         ids = self.prompt_ids
         n = self.setup.scale.tokens
         for k in {min(range(len(ids)), key=lambda i: len(ids[i])), max(range(len(ids)), key=lambda i: len(ids[i]))}:

@@ -24,22 +24,27 @@ def groups_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
 
 def run(job: dict) -> dict:
     """Loads the job's system, then per batch size: warm-up groups, timed groups; a row per timed group."""
+    from jaxspec.config import EngineConfig, SchedulerConfig  # noqa: PLC0415
     from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
-    from jaxspec.engine import Engine  # noqa: PLC0415
-    from jaxspec.engine.batch import BatchEngine, Request  # noqa: PLC0415
+    from jaxspec.engine.batch import Request  # noqa: PLC0415
+    from jaxspec.engine.build import build_scheduler, engine_from  # noqa: PLC0415
     from jaxspec.speculators.resolve import load_llm, load_ssms  # noqa: PLC0415
 
     start = time.perf_counter()
-    llm = load_llm(job["model"], job["dtype"], offload=job.get("offload", False))
-    expansion = tuple(job["expansion"])
-    ssms = load_ssms([job["ssm"]], llm, job["dtype"])[:1] if expansion else []
-    engine = Engine(llm, ssms, expansion, verify=job["verify"], offload=job.get("offload", False))
+    expansion = ",".join(map(str, job["expansion"]))
+    config = EngineConfig(model=job["model"], dtype=job["dtype"], mode="tree" if expansion else "incremental",
+                          speculators=(job["ssm"],) if expansion else None, expansion=expansion or None,
+                          verify="mss" if job["verify"] == "greedy" else job["verify"],  # greedy: argmax, any verifier
+                          offload=job.get("offload", False), forced_tokens=0)
+    llm = load_llm(config.model, config.dtype, offload=config.offload)
+    ssms = load_ssms(list(config.speculators), llm, config.dtype)[:1] if expansion else []  # a pool's first SSM
+    engine = engine_from(config, llm, ssms)
     load_seconds = time.perf_counter() - start
     params = SamplingParams(**job["sampling"])
     n = job["max_new_tokens"]
     rows = []
     for batch in job["batches"]:
-        loop = BatchEngine(engine, max_batch=batch, max_model_len=llm.cfg.max_position_embeddings)
+        loop = build_scheduler(engine, SchedulerConfig(max_batch=batch, max_model_len=llm.cfg.max_position_embeddings))
 
         def timed(group):
             began = time.perf_counter()

@@ -20,7 +20,6 @@ to finish, cancels the rest and exits 0.
 
 # No ``from __future__ import annotations``: FastAPI reads the handlers' annotations when they are
 # defined, and ``fastapi.Request`` is imported inside ``create_app`` (fastapi is slow to import).
-import argparse
 import asyncio
 import dataclasses
 import hmac
@@ -38,7 +37,9 @@ from typing import IO, Annotated, Any, AsyncIterator, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxspec.config import EngineConfig, SchedulerConfig
 from jaxspec.engine.stops import MAX_STOPS, StopText, check_stops
+from jaxspec.errors import CliError
 
 log = logging.getLogger("jaxspec.serving.server")
 
@@ -899,100 +900,71 @@ async def report_throughput(service: Service, every: float = 10.0) -> None:
         last = now
 
 
-# ---------------------------------------------------------------------------------------- command line
+# ---------------------------------------------------------------------------------------- the serve command
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Registers ``jaxspec serve`` (model and mode flags shared with ``jaxspec generate``)."""
-    from jaxspec.cli.common import add_model_args  # noqa: PLC0415
-    from jaxspec.cli.common import add_compile_cache_args  # noqa: PLC0415
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """How the HTTP side listens and answers (``jaxspec serve``'s own flags; the engine's are an ``EngineConfig``)."""
 
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
-    add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="default 8000")
-    p.add_argument("--max-batch", type=int, default=16, metavar="N", help="batch slots decoded together (16)")
-    p.add_argument("--max-model-len", type=int, metavar="N",
-                   help="prompt + completion tokens per request; every slot's cache holds this many (default: "
-                        "the batched engine's)")
-    p.add_argument("--max-queue", type=int, default=256, metavar="N",
-                   help="requests that may wait for a slot (256); more get 429")
-    p.add_argument("--served-model-name", metavar="NAME",
-                   help="the model name clients send (default: the checkpoint's file name)")
-    p.add_argument("--api-key", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health; prefer $JAXSPEC_API_KEY "
-                        "(a flag shows in ps). An empty key is an error")
-    p.add_argument("--allow-unauthenticated", action="store_true",
-                   help="serve a non-loopback --host without an API key (anyone who reaches the port may use it)")
-    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, metavar="N",
-                   help=f"larger request bodies get 413 ({MAX_BODY_BYTES})")
-    p.add_argument("--request-log", metavar="FILE",
-                   help="append one JSON line per finished completion: its sampling parameters and seed (a request "
-                        "without one gets a random seed, logged here and not in the response), tokens, finish reason")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
-                   help="on SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are cancelled (10)")
-    p.add_argument("--warm-structured", action="store_true",
-                   help="also compile the structured-output (grammar) steps at start-up, so the first requests with "
-                        "a response_format do not wait for compiles (start-up takes longer)")
-    add_compile_cache_args(p)
-    p.set_defaults(func=main)
-    return p
+    host: str = "127.0.0.1"
+    """Address to bind (the default: this machine only)."""
+    port: int = 8000
+    """Port to listen on."""
+    served_model_name: str | None = None
+    """The model name clients send; None: the checkpoint's file name."""
+    api_key: str | None = None
+    """The key every endpoint but /health requires (``api_key`` resolves flag and environment); None: no key."""
+    max_body_bytes: int = MAX_BODY_BYTES
+    """Larger request bodies get 413."""
+    request_log: str | None = None
+    """File to append one JSON line per finished completion to; None: no log."""
+    shutdown_timeout: float = 10.0
+    """On SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are cancelled."""
+    warm_structured: bool = False
+    """Also compile the structured-output (grammar) steps at start-up."""
 
 
-def main(args: argparse.Namespace) -> int:
-    """``jaxspec serve``: load, compile (warm-up), serve until SIGTERM / Ctrl-C, exit 0."""
+def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: ServeConfig) -> int:
+    """Loads and compiles (warm-up) the engine, serves until SIGTERM / Ctrl-C, returns 0.
+
+    The command line (``jaxspec.cli.serve``) has checked the flags and the address before calling this.
+    """
     import uvicorn  # noqa: PLC0415
 
-    from jaxspec.cli.common import build_engine  # noqa: PLC0415
-    from jaxspec.cli.common import CliError  # noqa: PLC0415
+    from jaxspec.engine.build import build_engine, build_scheduler  # noqa: PLC0415
 
-    if args.no_chat:
-        raise CliError("--no-chat has no meaning for serve: /v1/completions takes raw text, "
-                       "/v1/chat/completions applies the chat template")
-    if args.verify == "naive":
-        raise CliError("jaxspec serve verifies sampled requests with mss or coupled; --verify naive is not supported")
-    if args.recalibrate:
-        raise CliError("--recalibrate is not supported by serve: remove the cost cache ($JAXSPEC_CACHE/costs, "
-                       "default ~/.cache/jaxspec/costs) to measure again")
-    args.api_key = api_key(args.api_key, os.environ.get(API_KEY_ENV), args.host, args.allow_unauthenticated)
-    for flag in ("max_batch", "max_queue", "max_body_bytes"):
-        if getattr(args, flag) < 1:
-            raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    check_address(args.host, args.port)  # before minutes of loading and compiling
     try:
-        request_log = open(args.request_log, "a", encoding="utf-8") if args.request_log else None
+        request_log = open(config.request_log, "a", encoding="utf-8") if config.request_log else None
     except OSError as e:
-        raise CliError(f"--request-log {args.request_log}: cannot open for appending ({e.strerror})") from None
+        raise CliError(f"--request-log {config.request_log}: cannot open for appending ({e.strerror})") from None
     setup_logging()
-    from jaxspec.engine.batch import BatchEngine  # noqa: PLC0415
-
-    log.info("loading %s (mode %s)", args.model or "the default model", args.mode)
-    engine, llm = build_engine(argparse.Namespace(**vars(args), temperature=0.0), log=sys.stderr)
-    name = args.served_model_name or llm.name
+    log.info("loading %s (mode %s)", engine_config.model or "the default model", engine_config.mode)
+    engine, llm = build_engine(engine_config, log=sys.stderr)
+    name = config.served_model_name or llm.name
     service: Service | None = None
-    batch = BatchEngine(engine, max_batch=args.max_batch, max_model_len=args.max_model_len,
-                        max_queue=args.max_queue, on_iteration=lambda stats: service.on_iteration(stats))
+    batch = build_scheduler(engine, scheduler, on_iteration=lambda stats: service.on_iteration(stats))
     from jaxspec.parallel import distributed  # noqa: PLC0415
 
     import jax  # noqa: PLC0415
 
-    if args.warm_structured and jax.process_count() > 1:
+    if config.warm_structured and jax.process_count() > 1:
         raise CliError("--warm-structured: structured output runs in one process for now "
                        "(drop the multi-process flags, or the structured warm-up)")
     if not distributed.serve_role(batch, lambda stops: stop_matcher(llm.tokenizer, stops)):
         return 0  # another process of a multi-host server: it followed process 0 until its stop
-    service = Service(batch, llm.tokenizer, llm.cfg.vocab_size, name, args.max_queue, verbose=args.verbose,
-                      request_log=request_log)
+    service = Service(batch, llm.tokenizer, llm.cfg.vocab_size, name, scheduler.max_queue,
+                      verbose=engine_config.verbose, request_log=request_log)
     service.start()
     try:
         log.info("compiling (warm-up requests; %d slots, max model length %d)", batch.max_batch,
                  batch.max_model_len)
         t0 = time.perf_counter()
-        service.warm_up(grammar=args.warm_structured)
+        service.warm_up(grammar=config.warm_structured)
         log.info("ready in %.1f s: model '%s'", time.perf_counter() - t0, name)
-        app = create_app(service, args.api_key, args.shutdown_timeout, args.max_body_bytes)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, lifespan="on")
-        server = uvicorn_server(uvicorn, config, service, args.shutdown_timeout)
+        app = create_app(service, config.api_key, config.shutdown_timeout, config.max_body_bytes)
+        listen = uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                timeout_graceful_shutdown=config.shutdown_timeout + SHUTDOWN_GRACE_S, lifespan="on")
+        server = uvicorn_server(uvicorn, listen, service, config.shutdown_timeout)
         quiet = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
         try:  # uvicorn re-raises the signal that stopped it once it is done: these no-op handlers catch it
             server.run()
@@ -1000,9 +972,9 @@ def main(args: argparse.Namespace) -> int:
             for s, handler in quiet.items():
                 signal.signal(s, handler)
         if not server.started:
-            raise CliError(f"could not serve on {args.host}:{args.port} (see the log above)")
+            raise CliError(f"could not serve on {config.host}:{config.port} (see the log above)")
     finally:
-        if not service.stop(timeout=args.shutdown_timeout):
+        if not service.stop(timeout=config.shutdown_timeout):
             log.warning("the engine loop is still busy; exiting without it")
             sys.stdout.flush()
             sys.stderr.flush()
@@ -1020,8 +992,6 @@ def api_key(flag: str | None, env: str | None, host: str, allow_unauthenticated:
     """The key the server requires (the flag, else ``$JAXSPEC_API_KEY``); raises CliError where none would be by
     accident: an empty key, or a non-loopback address without one and without ``--allow-unauthenticated``."""
     import ipaddress  # noqa: PLC0415
-
-    from jaxspec.cli.common import CliError  # noqa: PLC0415
 
     if flag is not None and not flag.strip():
         raise CliError("--api-key is empty: give a key, or leave the flag out to serve without one")
@@ -1042,8 +1012,6 @@ def api_key(flag: str | None, env: str | None, host: str, allow_unauthenticated:
 def check_address(host: str, port: int) -> None:
     """Refuses an address this process cannot listen on (in use, not local, bad port) with one line."""
     import socket  # noqa: PLC0415
-
-    from jaxspec.cli.common import CliError  # noqa: PLC0415
 
     if not 0 <= port <= 65535:
         raise CliError(f"--port must lie in [0, 65535], got {port}")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from jaxspec.engine.runner import VocabularyMismatch
+from jaxspec.errors import VocabularyMismatch
 from models.config import ModelConfig
 from models.loaded import DTYPES, LoadedModel
 from models.loading import flatten, unflatten

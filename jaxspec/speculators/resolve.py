@@ -14,9 +14,10 @@ from typing import Sequence
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxspec.errors import RequestError
 from jaxspec.speculators.draft_vocab import read_counts, restrict
 from jaxspec.speculators.drafter_io import is_drafter, load_drafter
-from jaxspec.engine.runner import RequestError, early_exit
+from jaxspec.speculators.early_exit import early_exit
 from jaxspec.decoding.ngram import NGramSpeculator
 from jaxspec.speculators.pool import load_pool, read_manifest
 from models.loaded import DTYPES, LoadedModel

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts
+from jaxspec.config import DTYPE_NAMES, MODES
 
-SERVE_MODES = ("incremental", "sequence", "tree", "auto")  # jaxspec serve --mode, without importing the CLI
 CONNECT_TIMEOUT_S = 10.0  # /health, /v1/models, /metrics
 STOP_TIMEOUT_S = 30.0  # SIGTERM to exit, then SIGKILL
 SETTLE_S = 3.0  # waiting for /metrics to count a point's last iteration
@@ -49,7 +49,7 @@ def add_parser(kinds) -> None:
     p.add_argument("--modes", help="jaxspec serve --mode of each server started, in order (default "
                    "incremental,auto); speedups are over incremental, else the first")
     p.add_argument("--model", help="LLM checkpoint of the started servers (default: the embedded SmolLM2-135M)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--ssm", action="append", default=None, metavar="PATH_OR_SPEC",
                    help="passed to every started server but incremental (as jaxspec serve --ssm)")
     p.add_argument("--expansion", help="passed to every started server but incremental")
@@ -568,8 +568,8 @@ def _targets(args) -> list[tuple[str, str | None]]:
             targets.append((label, rest))
     else:
         modes = [m.strip() for m in (args.modes or "incremental,auto").split(",") if m.strip()]
-        if not modes or any(m not in SERVE_MODES for m in modes):
-            raise CliError(f"--modes takes jaxspec serve modes among {', '.join(SERVE_MODES)}, got {args.modes!r}")
+        if not modes or any(m not in MODES for m in modes):
+            raise CliError(f"--modes takes jaxspec serve modes among {', '.join(MODES)}, got {args.modes!r}")
         targets = [(m, None) for m in modes]
     if len({label for label, _ in targets}) != len(targets):
         raise CliError("each server needs its own label (--modes or --url LABEL=URL)")

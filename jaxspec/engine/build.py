@@ -1,0 +1,152 @@
+"""One way to build an engine: an ``EngineConfig`` in, the loaded LLM and speculators in an ``Engine`` out.
+
+Every entry point (``generate``, ``serve``, the benches, ``repro``, scripts) builds through
+``build_engine`` and ``build_scheduler``, so a mode means the same speculators and trees everywhere.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any, Sequence, TextIO
+
+from jaxspec.config import (
+    AUTO_NGRAM_CHAIN,
+    AUTO_SPECULATORS,
+    AUTO_SSM_TREE,
+    DEFAULT_FORCED_TOKENS,
+    DEFAULT_SEQUENCE,
+    DEFAULT_TREE,
+    EngineConfig,
+    SchedulerConfig,
+)
+from jaxspec.errors import CliError
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from jaxspec.engine import Engine
+    from jaxspec.engine.batch import BatchEngine
+    from models.loaded import LoadedModel
+    from models.lowering import Lowering
+
+
+def speculator_specs(config: EngineConfig) -> list[str]:
+    """The speculator specs to load: as given, else the mode's default."""
+    if config.mode == "incremental":
+        return []
+    if config.speculators:
+        return list(config.speculators)
+    return list(AUTO_SPECULATORS) if config.mode == "auto" else ["default"]
+
+
+def expansion_for(config: EngineConfig, speculators: Sequence = ()) -> tuple[tuple[int, ...], ...]:
+    """The expansion configs: one shared by every speculator, or ";"-separated, one per speculator."""
+    from jaxspec.decoding.ngram import NGramSpeculator  # noqa: PLC0415
+    from jaxspec.decoding.tree import DynamicTree, parse_expansion  # noqa: PLC0415
+
+    if config.mode == "incremental":
+        if config.expansion or config.speculators:
+            raise CliError("--mode incremental takes no --ssm or --expansion (use --mode auto, sequence or tree)")
+        return ()
+    if config.mode == "auto" and not config.expansion:
+        return tuple(parse_expansion(AUTO_NGRAM_CHAIN if isinstance(s, NGramSpeculator) else AUTO_SSM_TREE)
+                     for s in speculators)
+    text = config.expansion or (DEFAULT_TREE if config.mode == "tree" else DEFAULT_SEQUENCE)
+    expansions = tuple(parse_expansion(part) for part in text.split(";"))
+    if not all(expansions):
+        raise CliError(f"--mode {config.mode} needs a non-empty --expansion")
+    if config.mode == "sequence" and any(isinstance(e, DynamicTree) or any(k != 1 for k in e) for e in expansions):
+        raise CliError(f"--mode sequence needs an expansion of 1s, got {config.expansion}")
+    return expansions
+
+
+def peak_host_gb() -> float:
+    """This process's peak resident memory so far (GB; Linux reports ru_maxrss in KiB)."""
+    import resource  # noqa: PLC0415
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def build_engine(config: EngineConfig, log: TextIO | None = None) -> tuple[Engine, LoadedModel]:
+    """Loads the LLM and speculators ``config`` names and returns (engine, the engine's weightless view of the LLM);
+    ``log`` (default stderr) hears the speculators and trees chosen, and with ``verbose`` memory and device."""
+    from jaxspec.speculators.resolve import load_llm, load_ssms  # noqa: PLC0415
+
+    log = log or sys.stderr
+    expansion_for(config)  # validates the mode's choices before loading anything
+    lowering_of(config)  # and the lowering's
+    mesh = mesh_of(config)
+    llm = load_llm(config.model, config.dtype, mesh=mesh, offload=config.offload)
+    if config.verbose:
+        print(f"[jaxspec] loaded {llm.name}: peak host memory of this process {peak_host_gb():.2f} GB", file=log)
+    speculators = load_ssms(speculator_specs(config), llm, config.dtype, config.draft_vocab)
+    engine = engine_from(config, llm, speculators, mesh=mesh, announce=log)
+    if config.verbose:
+        print(f"[jaxspec] {device_line(engine)}", file=log)
+    return engine, engine.llm  # the engine's weightless view: the loaded tree is not kept twice
+
+
+def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = (), mesh: Mesh | None = None,
+                announce: TextIO | None = None) -> Engine:
+    """The engine ``config`` describes over models already loaded (benches share one LLM among many engines);
+    ``config.model``, ``dtype``, ``speculators`` and ``draft_vocab`` were the loader's. ``mesh``: the one the LLM
+    was placed on (default: ``config.mesh``'s); ``announce`` hears the speculators and trees chosen."""
+    from jaxspec.engine import Engine  # noqa: PLC0415
+
+    expansion = expansion_for(config, speculators)
+    if speculators:
+        if len(expansion) not in (1, len(speculators)):
+            raise CliError(f"--expansion gives {len(expansion)} ';'-separated configs for {len(speculators)} "
+                           f"speculators ({', '.join(s.name for s in speculators)}): give one shared config or one "
+                           "per speculator")
+        if announce is not None:
+            shown = "; ".join(getattr(e, "label", None) or "<" + ",".join(map(str, e)) + ">" for e in expansion)
+            names = ", ".join(s.name + (f" (draft vocabulary {s.draft_vocab})" if getattr(s, "draft_vocab", 0)
+                                        else "") for s in speculators)
+            print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {config.mode}",
+                  file=announce)
+        expansion = expansion[0] if len(expansion) == 1 else expansion
+    forced = config.forced_tokens
+    if forced is None:
+        forced = 0 if config.mode == "incremental" else DEFAULT_FORCED_TOKENS
+    return Engine(llm, list(speculators), expansion, config.tree_budget, config.verify,
+                  auto=config.mode == "auto", mesh=mesh if mesh is not None else mesh_of(config),
+                  offload=config.offload, forced_tokens=forced, lowering=lowering_of(config))
+
+
+def lowering_of(config: EngineConfig) -> Lowering:
+    """The graph forms ``config.lowering`` names over the platform's defaults; a bad spec is a ``CliError``."""
+    from models.lowering import LoweringError, default_lowering  # noqa: PLC0415
+
+    try:
+        return default_lowering(config.lowering)
+    except LoweringError as e:
+        raise CliError(f"--lowering: {e}") from None
+
+
+def mesh_of(config: EngineConfig) -> Mesh | None:
+    """The device mesh ``config.mesh`` names (None: one device)."""
+    if not config.mesh:
+        return None
+    from jaxspec.parallel.sharding import parse_mesh  # noqa: PLC0415
+
+    return parse_mesh(config.mesh)
+
+
+def build_scheduler(engine: Engine, config: SchedulerConfig, **hooks: Any) -> BatchEngine:
+    """The scheduling loop over ``engine`` with ``config``'s limits; ``hooks`` are ``BatchEngine``'s callbacks and
+    run-time companions (``on_iteration``, ``sync``, ``verbose``)."""
+    from jaxspec.engine.batch import BatchEngine  # noqa: PLC0415
+
+    return BatchEngine(engine, max_batch=config.max_batch, max_model_len=config.max_model_len,
+                       max_queue=config.max_queue, eager=config.eager, **hooks)
+
+
+def device_line(engine: Engine) -> str:
+    """Where and how the engine runs: device kind and count, platform, the LLM's dtype, the lowering (``-v``)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    device = jax.devices()[0]
+    return (f"device {device.device_kind} x{jax.device_count()} ({jax.default_backend()}, jax {jax.__version__}); "
+            f"precision {jnp.dtype(engine.llm.dtype).name}; lowering {engine.lowering.label}")
