@@ -34,6 +34,7 @@ def test_coverage_rates_exact_small_cases():
     assert (np.diff(stochastic, axis=1) >= -1e-12).all() and (stochastic <= 1 + 1e-12).all()
 
 
+@pytest.mark.slow  # ~3 min; bench modes and incremental keep the bench path in the default run
 def test_bench_speculative_and_coverage_write_csv_and_png(tmp_path, capsys):
     prompts = _prompts(tmp_path)
     out = tmp_path / "spec.csv"

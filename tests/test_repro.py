@@ -51,6 +51,7 @@ def tiny_pair(tmp_path_factory):
     return dirs[0], dirs[1], prompts
 
 
+@pytest.mark.slow  # ~10 min: every table and figure in its own processes (`make test-slow`; the parsing and claim tests stay)
 def test_repro_all_quick_on_a_tiny_pair(tiny_pair, tmp_path):
     llm, ssm, prompts = tiny_pair
     out = tmp_path / "repro"

@@ -38,6 +38,7 @@ def server(tmp_path_factory):
     s.stop()
 
 
+@pytest.mark.slow  # ~4 min; a grammar beside unconstrained requests stays in the default run
 def test_json_schema_answers_validate_under_concurrency_8(server):
     def ask(prompt):
         r = chat(server, prompt + " Reply in JSON.", 128, temperature=0, response_format=FORMAT, timeout=SLOW_FIRST)
