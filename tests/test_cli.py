@@ -152,6 +152,12 @@ def test_the_default_lazy_auto_path_speculates_where_it_pays(tmp_path):
     trees = {k: sum(r["tree"].get(k, 0) for r in rows) for k in ("none", "ngram", "ssm", "ssm+ngram")}
     assert "in the background" in auto.stderr and sum(trees.values()) - trees["none"] > 0, (trees, auto.stderr[-2000:])
     assert sum(len(r["token_ids"]) for r in rows) > sum(r["llm_steps"] for r in rows) + len(rows)  # accepted drafts
+    # -v: host ms per iteration, then per member (auto's plain iterations beside its trees), counting every iteration
+    iterations = int(re.search(r"host [\d.]+ ms per iteration \(p90 [\d.]+\) of [\d.]+ ms .*?; (\d+) iterations",
+                               auto.stderr).group(1))
+    members = dict(re.findall(r"([\w+]+) [\d.]+ ms \(host [\d.]+, (\d+)\)",
+                              re.search(r"per member, median: (.*)", auto.stderr).group(1)))
+    assert "none" in members and len(members) >= 2 and sum(map(int, members.values())) == iterations, members
     plain = run_cli(*args, "--mode", "incremental", "--output", str(tmp_path / "inc.jsonl"), timeout=900)
     assert plain.returncode == 0, plain.stderr[-3000:]
     want = [json.loads(line)["token_ids"] for line in (tmp_path / "inc.jsonl").read_text().splitlines()]

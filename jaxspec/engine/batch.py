@@ -310,6 +310,7 @@ class BatchEngine:
         # device), and wall seconds from its launch (or the previous read) to its tokens on the host
         self.host_times: collections.deque[float] = collections.deque(maxlen=4096)
         self.iteration_times: collections.deque[float] = collections.deque(maxlen=4096)
+        self.iteration_trees: collections.deque[str] = collections.deque(maxlen=4096)  # the member each one ran
 
     # -- requests ---------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -1059,6 +1060,7 @@ class BatchEngine:
         cfg = it.cfg
         seconds, self._last_done = now - max(it.start, self._last_done), now
         self.iteration_times.append(seconds)
+        self.iteration_trees.append(it.name)
         if it.name == "none" and not cfg.grammar and it.costs:  # relative to the bucket's own plain step
             (self._plain_beside if it.building else self._plain_alone).append(seconds / it.costs["none"])
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
