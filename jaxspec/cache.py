@@ -2,7 +2,8 @@
 
 The root is ``$JAXSPEC_CACHE`` when set, else ``~/.cache/jaxspec``. The persistent XLA
 compilation cache under ``<root>/xla`` lets a second run of the same command skip
-compilation; ``jaxspec.engine.costs`` keeps measured step costs under ``<root>/costs``.
+compilation; ``jaxspec.engine.costs`` keeps measured step costs under ``<root>/costs``; converted
+checkpoints (``models.weight_cache``) live under ``<root>/weights``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 from pathlib import Path
 
 COMPILE_CACHE_ENV = "JAXSPEC_COMPILE_CACHE"  # a directory, or off / 0 / false / none
+WEIGHT_CACHE_ENV = "JAXSPEC_WEIGHT_CACHE"  # a directory, or off / 0 / false / none
 OFF = ("off", "0", "false", "no", "none")
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
 MISS_EVENT = "/jax/compilation_cache/cache_misses"  # jax records it when it writes a freshly compiled entry
@@ -33,6 +35,15 @@ def compile_cache_dir(directory: str | None = None, disabled: bool = False) -> P
     if setting.lower() in OFF:
         return None
     return Path(setting).expanduser() if setting else cache_root() / "xla"
+
+
+def weight_cache_dir() -> Path | None:
+    """Where converted checkpoints (a GGUF dequantised) are kept: ``$JAXSPEC_WEIGHT_CACHE``, else ``<root>/weights``;
+    None when that variable says off."""
+    setting = os.environ.get(WEIGHT_CACHE_ENV, "").strip()
+    if setting.lower() in OFF:
+        return None
+    return Path(setting).expanduser() if setting else cache_root() / "weights"
 
 
 class CompileCacheStats:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from models import weight_cache
 from models.config import ModelConfig, ModelConfigError
 from models.loaded import DTYPES
 from models.transformer import param_shapes
@@ -485,27 +486,58 @@ def _gguf_reader(path: Path):
     return Reader(path)
 
 
-def _load_gguf(path: Path, dtype: str, place: Placer | None = None):
+def _load_gguf(path: Path, dtype: str, place: Placer | None = None, cache: Path | None = None):
+    """A GGUF's config and parameters: dequantised and laid out here, or read from ``cache``
+    (``models.weight_cache``: written by the first load, memory-mapped by the next ones)."""
     from gguf.quants import dequantize
 
+    def placer(cfg: ModelConfig) -> Callable[[str, np.ndarray], jax.Array]:
+        return place(cfg) if place is not None else (lambda _, host: jnp.asarray(host))
+
+    entry = weight_cache.Entry(cache, path, dtype) if cache is not None else None
+    hit = entry.read() if entry is not None else None
+    if hit is not None:
+        cfg, arrays = hit
+        put = placer(cfg)
+        return cfg, _check_tree(cfg, {name: put(name, host) for name, host in arrays.items()}, path)
     try:
         reader = _gguf_reader(path)
     except Exception as e:
         raise CheckpointError(f"cannot read GGUF file, truncated or corrupt? ({_short(e)}): {path}") from e
     cfg = _gguf_config(reader, path)
     readers = {t.name: (lambda t=t: dequantize(t.data, t.tensor_type)) for t in reader.tensors}
-    return cfg, _assemble(cfg, _gguf_table(cfg), _Source(path, readers), dtype, set(), place)
+    source = _Source(path, readers)
+    if entry is None:
+        return cfg, _assemble(cfg, _gguf_table(cfg), source, dtype, set(), place)
+    writer = entry.write(lambda: cfg)
+
+    def keeping(cfg: ModelConfig) -> Callable[[str, np.ndarray], jax.Array]:
+        put = placer(cfg)
+
+        def both(name: str, host: np.ndarray) -> jax.Array:
+            writer.add(name, host)
+            return put(name, host)
+        return both
+
+    try:
+        params = _assemble(cfg, _gguf_table(cfg), source, dtype, set(), keeping)
+    except BaseException:
+        writer.abandon()
+        raise
+    writer.commit()
+    return cfg, params
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: str = "float32",
-                    place: Placer | None = None) -> tuple[ModelConfig, dict]:
+def load_checkpoint(path: str | os.PathLike, dtype: str = "float32", place: Placer | None = None,
+                    cache: str | os.PathLike | None = None) -> tuple[ModelConfig, dict]:
     """Loads a HF directory (llama, qwen2, mistral, opt) or a .gguf file (llama, qwen2).
 
     Returns ``(cfg, params)`` with params in the tree of ``param_shapes(cfg)``, as jax arrays
     of ``dtype`` ("float32" or "bfloat16"). Raises ``CheckpointError`` on any bad input.
     Tensors are read one at a time; ``place`` puts each straight where it belongs (e.g. its
     shards on a mesh: ``jaxspec.parallel.sharding.placer``), so neither the host nor any one device
-    holds the whole model on the way.
+    holds the whole model on the way. ``cache``: a directory where a GGUF's converted arrays are kept
+    (``models.weight_cache``), so later loads map them instead of dequantising again.
     """
     if dtype not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)}): {path}")
@@ -520,7 +552,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: str = "float32",
         if p.suffix == ".gguf" or magic == b"GGUF":
             if magic != b"GGUF":
                 raise CheckpointError(f"not a GGUF file (bad magic {magic!r}): {p}")
-            return _load_gguf(p, dtype, place)
+            return _load_gguf(p, dtype, place, Path(cache).expanduser() if cache is not None else None)
     except OSError as e:  # unreadable file or directory
         raise CheckpointError(f"cannot read checkpoint ({_short(e)}): {p}") from e
     raise CheckpointError(f"not a checkpoint (expected a Hugging Face directory or a .gguf file): {p}")

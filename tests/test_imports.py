@@ -19,7 +19,7 @@ LAYERS = {  # subpackage -> what it is; see docs/architecture.md
     "jaxspec.repro": "the paper's reproduction suite",
     "jaxspec.cli": "the command line",
 }
-BELOW_ALL = ("jaxspec.errors", "jaxspec.config")  # modules every layer may import; they import no layer
+BELOW_ALL = ("jaxspec.errors", "jaxspec.config", "jaxspec.cache")  # modules every layer may import; they import no layer
 # where loaded tensors go (a mesh's shards, pinned host memory); the LLM loader in jaxspec.speculators.resolve places
 # each tensor as it reads it. Neither imports anything of jaxspec.
 PLACEMENT = ("jaxspec.parallel.sharding", "jaxspec.parallel.offload")

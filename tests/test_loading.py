@@ -405,3 +405,57 @@ def test_qwen_pair_matches_transformers(which):
     assert diff < QWEN_TOL
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
+
+
+def test_a_gguf_is_converted_once_then_mapped(tmp_path, monkeypatch):
+    """With a cache directory a GGUF is dequantised once: later loads map the stored arrays (no dequantisation),
+    bit-identical per dtype; a damaged entry is rebuilt, and a changed file gets its own entry, never the old one."""
+    import gguf.quants
+
+    from models import weight_cache
+
+    path, cache = tmp_path / "tiny-llama.gguf", tmp_path / "weights"
+    _write_tiny_gguf(path, _tiny_gguf_model("llama", False), "llama", False)
+    cfg, want = load_checkpoint(path)  # no cache: the reference
+    flat = lambda params: {k: np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}  # noqa: E731
+
+    def same(params) -> bool:
+        got = flat(params)
+        return got.keys() == flat(want).keys() and all(np.array_equal(got[k], flat(want)[k]) for k in got)
+
+    assert same(load_checkpoint(path, cache=cache)[1])  # converted and stored
+    entries = [p for p in cache.iterdir() if (p / weight_cache.META).is_file()]
+    assert len(entries) == 1 and not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temporary left
+    real = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: pytest.fail("dequantised although cached"))
+    mapped_cfg, mapped = load_checkpoint(path, cache=cache)
+    assert mapped_cfg == cfg and same(mapped)
+    monkeypatch.setattr(gguf.quants, "dequantize", real)
+    b16 = load_checkpoint(path, "bfloat16", cache=cache)[1]
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: pytest.fail("dequantised although cached"))
+    again = load_checkpoint(path, "bfloat16", cache=cache)[1]
+    assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) and a.dtype == jnp.bfloat16
+               for a, b in zip(flat(b16).values(), flat(again).values()))
+    monkeypatch.setattr(gguf.quants, "dequantize", real)
+
+    victim = sorted(entries[0].glob("*.npy"))[-1]  # damaged: truncated
+    victim.write_bytes(victim.read_bytes()[:100])
+    assert same(load_checkpoint(path, cache=cache)[1])  # rebuilt, not trusted
+    assert np.load(victim, mmap_mode="r").size > 0
+
+    _write_tiny_gguf(path, _tiny_gguf_model("qwen2", True), "qwen2", True)  # the same path, another model
+    other_cfg, _ = load_checkpoint(path, cache=cache)
+    assert other_cfg.arch == "qwen2" and other_cfg != cfg
+
+
+def test_the_cache_command_shows_and_clears_the_converted_weights(tmp_path, monkeypatch, capsys):
+    from jaxspec import cli
+
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    (tmp_path / "weights" / "entry").mkdir(parents=True)
+    (tmp_path / "weights" / "entry" / "0000.npy").write_bytes(b"x" * 2_000_000)
+    assert cli.main(["cache"]) == 0
+    shown = capsys.readouterr().out
+    assert "weights" in shown and "2.0 MB in 1 files" in shown
+    assert cli.main(["cache", "--clear", "weights"]) == 0
+    assert not (tmp_path / "weights").exists() and "cleared weights" in capsys.readouterr().out

@@ -24,10 +24,11 @@ def load_llm(spec: str):
 
     if spec.startswith("random:"):
         return random_llm(int(spec.split(":", 1)[1])), ""
+    from jaxspec.cache import weight_cache_dir
     from models.loading import default_model_path, load_checkpoint
     from models.tokenizer import load_tokenizer
 
     path = default_model_path() if spec == "default" else spec
-    cfg, params = load_checkpoint(path, "float32")
+    cfg, params = load_checkpoint(path, "float32", cache=weight_cache_dir())
     name = "SmolLM2-135M-Instruct" if spec == "default" else Path(path).name
     return LoadedModel(name, cfg, params, jnp.float32, load_tokenizer(path)), path

@@ -16,7 +16,7 @@ from typing import Iterable
 
 import numpy as np
 
-from jaxspec.cli import bench, repro
+from jaxspec.cli import bench, cache_cmd, repro
 from jaxspec.decoding import sampling
 from jaxspec.parallel import distributed
 from jaxspec.cli.common import (
@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.add_parser(sub)
     repro.add_parser(sub)
+    cache_cmd.add_parser(sub)
     try:
         from jaxspec.cli import serve
     except ImportError as e:  # the serving extras missing (e.g. a GPU image with JAX only): the rest still works

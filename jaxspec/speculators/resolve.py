@@ -14,6 +14,7 @@ from typing import Sequence
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxspec.cache import weight_cache_dir
 from jaxspec.errors import RequestError
 from jaxspec.speculators.draft_vocab import read_counts, restrict
 from jaxspec.speculators.drafter_io import is_drafter, load_drafter
@@ -48,7 +49,7 @@ def load_llm(path: str | None, dtype: str = "float32", with_tokenizer: bool = Tr
         from jaxspec.parallel.offload import host_placer  # noqa: PLC0415
 
         place = host_placer
-    cfg, params = load_checkpoint(path, dtype, place)
+    cfg, params = load_checkpoint(path, dtype, place, weight_cache_dir())
     tok = load_tokenizer(path) if with_tokenizer else None
     if tok is not None and not cfg.eos_token_ids and tok.eos_token_id is not None:
         cfg = cfg.replace(eos_token_ids=(int(tok.eos_token_id),))
@@ -116,7 +117,7 @@ def load_ssms(specs: Sequence[str], llm: LoadedModel, dtype: str = "float32",
             from models.loading import load_checkpoint  # noqa: PLC0415
             from models.tokenizer import load_tokenizer  # noqa: PLC0415
 
-            cfg, params = load_checkpoint(spec, dtype)
+            cfg, params = load_checkpoint(spec, dtype, cache=weight_cache_dir())
             ssm = LoadedModel(Path(spec).name, cfg, params, DTYPES[dtype], load_tokenizer(spec))
             out.extend(restrict([ssm], draft_vocab or 0))
     return out
