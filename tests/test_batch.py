@@ -222,8 +222,9 @@ def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm)
 
 def test_an_uncalibrated_machine_explores_trees_without_compiling_to_guess(llm, tmp_path, monkeypatch):
     """Auto's one-row ratios come from this machine's calibration cache; where it never measured them, a tree
-    costs a plain step until it has run (no ratio from another device, and nothing compiles to guess), and the
-    iterations' timings then rescale it."""
+    feeds its nodes as tokens, priced on the line through the plain step's own measurements at two row counts
+    (a plain step where there is one, or the line is flat): no ratio from another device, nothing compiled to
+    guess, and the iterations' timings then rescale it."""
     from jaxspec.engine.auto import MIN_TIMINGS
 
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
@@ -231,8 +232,17 @@ def test_an_uncalibrated_machine_explores_trees_without_compiling_to_guess(llm, 
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     batch = BatchEngine(engine, max_batch=2, max_model_len=64)
     compiled = engine.compilations
-    anchor = batch._anchor(greedy)
-    assert anchor == {name: 1.0 for name in engine.family(greedy)}
+    assert batch._anchor(greedy) == {"none": 1.0}  # no tree measured on this machine
+    cap, nodes = batch.capacity_buckets[0], engine.family(greedy)["ssm"].num_nodes
+    assert batch._estimated(greedy, 2, cap, {"none": 0.05})["ssm"] == 0.05  # one row count measured: a plain step
+    # two row counts measured: the tree feeds `nodes` tokens a row, priced on the plain step's line through them
+    batch._bucket_costs[(greedy, 1, cap)] = {"none": 0.042}
+    batch._bucket_costs[(greedy, 2, cap)] = {"none": 0.0463}
+    slope, fixed = 0.0043, 0.0377
+    assert batch._estimated(greedy, 2, cap, {"none": 0.0463})["ssm"] == pytest.approx(
+        0.0463 * (fixed + slope * 2 * nodes) / (fixed + slope * 2))
+    batch._bucket_costs[(greedy, 2, cap)] = {"none": 0.042}  # flat (launch-bound): a tree costs a plain step
+    assert batch._estimated(greedy, 2, cap, {"none": 0.042})["ssm"] == pytest.approx(0.042)
     assert engine.compilations == compiled  # guessing compiled nothing
     chooser = engine.chooser(greedy)
     chooser.timings["ssm"].extend([1.5] * MIN_TIMINGS)  # the tree ran: 1.5x what it was estimated at

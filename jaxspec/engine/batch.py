@@ -572,25 +572,23 @@ class BatchEngine:
         self._harvest()
 
     def _anchor(self, warp: sampling.WarpSpec) -> dict[str, float]:
-        """Every member's cost relative to the plain step at one row and the smallest cache: where a bucket's
-        untried trees take their ratios from until measured there. Read from this machine's calibration cache;
-        a tree it never measured costs a plain step until it has run (``TreeChooser.cost`` rescales it by the
-        iterations' own timings after ``MIN_TIMINGS``): exploring costs a few iterations, while a ratio guessed
-        from the tree's shape would be one device's numbers applied to all (a 4-node tree verifies for 1.57 plain
-        steps on a 2-core CPU, 1.2 on an H100)."""
+        """Members' costs relative to the plain step at one row and the smallest cache, as this machine's
+        calibration cache holds them (a member it never measured is absent: ``_prior`` estimates it). Where a
+        bucket's untried trees take their ratios from until measured there."""
         if warp not in self._anchors:
             e, cap = self.engine, self.capacity_buckets[0]
             base = e.member_cost(warp, "none", cap, 1, cached_only=True)
             out = {"none": 1.0}
             for name in e.family(warp):
                 seen = e.member_cost(warp, name, cap, 1, cached_only=True) if base else None
-                out[name] = seen / base if seen else 1.0
+                if seen:
+                    out[name] = seen / base
             self._anchors[warp] = out
         return self._anchors[warp]
 
     def _estimated(self, warp: sampling.WarpSpec, rows: int, capacity: int, known: dict[str, float]) -> dict[str, float]:
         """Costs of every member at a bucket: measured where known, else from the nearest bucket that measured
-        both it and the plain step.
+        both it and the plain step, else a prior from the plain step's own measurements (``_prior``).
 
         Between row counts the costs follow a line in tokens fed, c(t) = a + b t, drawn through the plain
         step's two measurements (the near bucket's and this one's): a tree of N nodes on R rows feeds R N
@@ -602,15 +600,39 @@ class BatchEngine:
         # measured buckets first: at equal distance ``min`` keeps the first, so a measurement beats the anchor
         seen = [(k, c) for k, c in self._bucket_costs.items() if k[0] == warp and c and "none" in c]
         seen += [((warp, 1, self.capacity_buckets[0]), self._anchor(warp))]
-        for name in self.engine.family(warp):
+        for name, cfg in self.engine.family(warp).items():
             if name in out:
                 continue
-            near = min(((k, c) for k, c in seen if name in c),
-                       key=lambda kc: (abs(np.log2(kc[0][1] / rows)) + abs(np.log2(kc[0][2] / capacity)), -kc[0][1]))
+            candidates = [(k, c) for k, c in seen if name in c]
+            if not candidates:
+                out[name] = self._prior(warp, rows, capacity, cfg.num_nodes, known["none"])
+                continue
+            near = min(candidates, key=lambda kc: (abs(np.log2(kc[0][1] / rows)) + abs(np.log2(kc[0][2] / capacity)),
+                                                   -kc[0][1]))
             (_, near_rows, near_cap), measured = near
             out[name] = scaled_cost(measured[name] / measured["none"], near_rows, rows, self._plain_seconds(
                 warp, near_rows, near_cap), known["none"])
         return out
+
+    def _prior(self, warp: sampling.WarpSpec, rows: int, capacity: int, nodes: int, plain: float) -> float:
+        """A member never measured on this machine: its LLM pass feeds ``nodes`` tokens per row, priced on the line
+        c(t) = a + b t through the plain step's measured seconds at two or more row counts (t = rows fed), i.e.
+        what this device charges for ``rows * nodes`` tokens against ``rows``. With one row count measured (or a
+        flat line) the tree costs a plain step: the first runs then measure it (``TreeChooser.cost`` rescales by
+        observed timings), as nothing else on this machine says what it costs."""
+        points = {k[1]: c["none"] for k, c in self._bucket_costs.items()
+                  if k[0] == warp and k[2] == capacity and c and "none" in c}
+        if len(points) < 2:
+            points = {k[1]: c["none"] for k, c in self._bucket_costs.items() if k[0] == warp and c and "none" in c}
+        if len(points) < 2:
+            return plain
+        mean_x, mean_y = sum(points) / len(points), sum(points.values()) / len(points)  # least squares, by hand:
+        slope = (sum((x - mean_x) * (y - mean_y) for x, y in points.items())  # this runs every iteration
+                 / sum((x - mean_x) ** 2 for x in points))
+        fixed = mean_y - slope * mean_x
+        if slope <= 0 or fixed < 0:
+            return plain
+        return plain * (fixed + slope * rows * nodes) / (fixed + slope * rows)
 
     def _plain_seconds(self, warp: sampling.WarpSpec, rows: int, capacity: int) -> float | None:
         """The plain step's measured seconds at a bucket (None where this process has not measured it)."""
