@@ -48,8 +48,9 @@ class EngineConfig:
     None: the mode's default."""
     tree_budget: int | None = None
     """Pad or limit the verified tree to this many nodes (root included); None: the trees' own size."""
-    verify: str = "mss"
-    """Stochastic verifier (temperature > 0): mss, naive or coupled."""
+    verify: str = "coupled"
+    """Stochastic verifier (temperature > 0): coupled (the default: one seed, one text in every mode and batch),
+    mss (multi-step speculative sampling, the paper's) or naive."""
     draft_vocab: int | None = None
     """Learned SSMs score only the N most frequent tokens; 0: the full vocabulary; None: the pool's setting."""
     mesh: str | None = None

@@ -546,7 +546,7 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
 
 
 @pytest.mark.parametrize("flags", [("--mode", "auto", "--verify", "coupled"),  # the default speculators, lazy trees
-                                   pytest.param(("--mode", "tree", "--expansion", "1,2,1"),  # default pool, mss
+                                   pytest.param(("--mode", "tree", "--expansion", "1,2,1", "--verify", "mss"),  # default pool
                                                 marks=pytest.mark.slow)],  # ~4 min; auto keeps this in the default run
                          ids=["auto-coupled", "tree-mss"])
 def test_auto_and_tree_servers_keep_greedy_output_through_streams_stops_and_disconnects(server, tmp_path, flags):

@@ -99,7 +99,7 @@ def add_parser(sub) -> None:
                        "each mode's own")
     modes.add_argument("--draft-vocab", type=int, metavar="N",
                        help="passed to every mode but incremental (as jaxspec generate --draft-vocab)")
-    modes.add_argument("--verify", default="mss", choices=("mss", "naive", "coupled"),
+    modes.add_argument("--verify", default="coupled", choices=("mss", "naive", "coupled"),
                        help="stochastic verifier of every mode (as jaxspec generate --verify)")
     modes.add_argument("--compile", choices=("lazy", "all"), default="lazy",
                        help="as jaxspec generate --compile: lazy (the default users run: auto compiles a tree where "

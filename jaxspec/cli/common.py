@@ -159,10 +159,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="learned SSMs score only the N most frequent tokens (a pool's counts, else the first N ids); "
                         "0: the full vocabulary (default: the pool's own setting, else full)")
     p.add_argument("--tree-budget", type=int, help="pad/limit the verified tree to N nodes (root included)")
-    p.add_argument("--verify", default="mss", choices=("mss", "naive", "coupled"),
-                   help="stochastic verifier (temperature > 0): multi-step speculative sampling, naive sampling, or "
-                        "coupled (Gumbel-max keyed by seed and position: the same seed gives the same text in every "
-                        "mode, tree, batch and load)")
+    p.add_argument("--verify", default="coupled", choices=("mss", "naive", "coupled"),
+                   help="stochastic verifier (temperature > 0): coupled (default; Gumbel-max keyed by seed and "
+                        "position: the same seed gives the same text in every mode, tree, batch and load), mss "
+                        "(multi-step speculative sampling, the paper's) or naive sampling")
     p.add_argument("--mesh", metavar="data=D,tensor=T,pipe=P",
                    help="shard over a device mesh (product = devices across processes; omitted axes are 1): "
                         "tensor splits heads/MLP/vocabulary, data the slots and SSM groups (default: one device)")
