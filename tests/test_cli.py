@@ -227,9 +227,9 @@ def test_compile_cache_location_flags_and_environment(tmp_path, monkeypatch):
 
 
 def test_an_unseeded_sampled_run_reports_its_seed_which_repeats_it_in_any_mode(tmp_path):
-    """Without --seed a sampled run draws one, prints it and writes it to the JSONL; with default flags (the
-    coupled verifier) that seed gives the same text again under the default auto mode, speculating, as it did
-    decoded incrementally (issue 34: seeds that reproduce by default)."""
+    """Without --seed a sampled run draws one, prints it and writes it to the JSONL; with the default verifier
+    (coupled) that seed gives the same text again through n-gram speculation as decoded incrementally (issue 34:
+    seeds that reproduce by default; under MSS the speculating run draws other text)."""
     out = tmp_path / "first.jsonl"
     args = ("generate", "--prompt", "Write a short poem about the sea.", "--max-new-tokens", "16",
             "--temperature", "0.9", "--top-p", "0.95")
@@ -238,6 +238,6 @@ def test_an_unseeded_sampled_run_reports_its_seed_which_repeats_it_in_any_mode(t
     row = json.loads(out.read_text())
     seed = row["seed"]
     assert f"seed {seed} (pass --seed {seed}" in first.stderr
-    again = run_cli(*args, "--seed", str(seed))
+    again = run_cli(*args, "--mode", "sequence", "--ssm", "ngram:3", "--expansion", "1,1,1", "--seed", str(seed))
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout == first.stdout and first.stdout.strip()
