@@ -77,8 +77,9 @@ class Server:
             except httpx.TransportError:
                 pass
             time.sleep(1)
+        log = self.tail()  # before stop() closes the log
         self.stop()
-        pytest.fail(f"jaxspec serve not ready within {STARTUP_S} s:\n{self.tail()}")
+        pytest.fail(f"jaxspec serve not ready within {STARTUP_S} s:\n{log}")
 
     def tail(self, chars: int = 4000) -> str:
         self.log.flush()
