@@ -161,11 +161,11 @@ def test_bench_modes_passes_the_verifier_and_sampling_to_every_mode(tmp_path):
     from jaxspec.cli.bench import _generate_command
 
     args = build_parser().parse_args(["bench", "modes", "--prompt-file", "p.jsonl", "--temperature", "0.8",
-                                      "--verify", "coupled", "--ssm", "ngram:3"])
+                                      "--verify", "mss", "--ssm", "ngram:3"])
     for mode in ("incremental", "tree"):
         cmd = _generate_command(mode, args, Path("p.jsonl"), 3, tmp_path / "o.jsonl")
-        assert cmd[cmd.index("--verify") + 1] == "coupled" and cmd[cmd.index("--temperature") + 1] == "0.8"
-    assert build_parser().parse_args(["bench", "modes", "--prompt-file", "p.jsonl"]).verify == "mss"
+        assert cmd[cmd.index("--verify") + 1] == "mss" and cmd[cmd.index("--temperature") + 1] == "0.8"
+    assert build_parser().parse_args(["bench", "modes", "--prompt-file", "p.jsonl"]).verify == "coupled"  # generate's
 
 
 def test_warmup_prompts_cover_the_shortest_and_longest_prompt_of_each_bucket():

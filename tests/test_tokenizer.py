@@ -321,6 +321,7 @@ def test_gguf_without_tokenizer_or_corrupt(tmp_path, small_vocab):
 # --------------------------------------------------------------------------- without torch
 
 
+@pytest.mark.slow  # ~1.5 min; CI's first step (.ci/run: `make run` on the runtime install, empty cache) checks it
 def test_cli_generates_without_torch(tmp_path):
     """`jaxspec generate` on the default GGUF in a process where torch cannot be imported (as on a
     runtime-only install) and with an empty jaxspec cache."""
