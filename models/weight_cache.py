@@ -82,14 +82,9 @@ class Entry:
                     raise ValueError(f"{file} holds {array.dtype}{list(array.shape)}, its record {dtype}{shape}")
                 arrays[name] = array
             return _config(record["config"]), arrays
-        except (OSError, ValueError, KeyError, TypeError) as e:  # damaged or stale: rebuilt by the caller
-            self.discard(f"{type(e).__name__}: {e}")
+        except (OSError, ValueError, KeyError, TypeError):  # damaged or stale: removed, rebuilt by the caller
+            shutil.rmtree(self.path, ignore_errors=True)
             return None
-
-    def discard(self, why: str) -> None:
-        """Removes the entry (``why`` is kept for the error a caller may raise)."""
-        self.why = why
-        shutil.rmtree(self.path, ignore_errors=True)
 
     def write(self, cfg_of: Callable[[], ModelConfig]) -> "Writer":
         """A writer that stores each array given to it; ``Writer.commit`` publishes the entry."""
@@ -126,10 +121,3 @@ class Writer:
         """Drops what was written (a failed load leaves nothing behind)."""
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-
-def size_of(root: Path) -> tuple[int, int]:
-    """(entries, bytes) under a cache directory."""
-    if not root.is_dir():
-        return 0, 0
-    entries = [p for p in root.iterdir() if (p / META).is_file()]
-    return len(entries), sum(f.stat().st_size for p in entries for f in p.iterdir())

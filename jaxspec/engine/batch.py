@@ -100,17 +100,26 @@ def cut_tokens(done: list[int], new: list[int], limit: int, stop_ids: set[int],
     return new, reason
 
 
+def plain_line(points: dict[int, float]) -> tuple[float, float] | None:
+    """(a, b) of the least-squares line c(t) = a + b t through the plain step's seconds by rows fed, or None where
+    fewer than two row counts are known or the line is not increasing with a non-negative intercept (flat:
+    a launch-bound device, where extra tokens cost nothing measurable)."""
+    if len(points) < 2:
+        return None
+    mean_x, mean_y = sum(points) / len(points), sum(points.values()) / len(points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points.items()) / sum((x - mean_x) ** 2 for x in points)
+    fixed = mean_y - slope * mean_x
+    return (fixed, slope) if slope > 0 and fixed >= 0 else None
+
+
 def scaled_cost(ratio: float, rows0: int, rows: int, plain0: float | None, plain: float) -> float:
-    """A member's seconds at ``rows`` from its ``ratio`` to the plain step at ``rows0``: on the line c(t) = a + b t
-    in tokens fed through the plain step's seconds at both (``plain0``, ``plain``), the member feeds as many
-    tokens per row at ``rows`` as it did at ``rows0``. The ratio carries over unchanged where the rows match, the
-    plain step at ``rows0`` is unknown, or the line is not increasing with a non-negative intercept."""
-    if rows == rows0 or plain0 is None:
+    """A member's seconds at ``rows`` from its ``ratio`` to the plain step at ``rows0``: on the plain step's line
+    through both buckets (``plain0``, ``plain``; ``plain_line``), the member feeds as many tokens per row at
+    ``rows`` as it did at ``rows0``. The ratio carries over unchanged where there is no such line."""
+    line = plain_line({rows0: plain0, rows: plain}) if plain0 is not None and rows != rows0 else None
+    if line is None:
         return plain * ratio
-    slope = (plain - plain0) / (rows - rows0)
-    fixed = plain0 - slope * rows0
-    if slope <= 0 or fixed < 0:
-        return plain * ratio
+    fixed, slope = line
     tokens = (ratio * plain0 - fixed) / slope  # what the member fed at rows0, in the plain step's token units
     return max(fixed + slope * tokens * rows / rows0, plain)
 
@@ -624,14 +633,10 @@ class BatchEngine:
                   if k[0] == warp and k[2] == capacity and c and "none" in c}
         if len(points) < 2:
             points = {k[1]: c["none"] for k, c in self._bucket_costs.items() if k[0] == warp and c and "none" in c}
-        if len(points) < 2:
+        line = plain_line(points)
+        if line is None:
             return plain
-        mean_x, mean_y = sum(points) / len(points), sum(points.values()) / len(points)  # least squares, by hand:
-        slope = (sum((x - mean_x) * (y - mean_y) for x, y in points.items())  # this runs every iteration
-                 / sum((x - mean_x) ** 2 for x in points))
-        fixed = mean_y - slope * mean_x
-        if slope <= 0 or fixed < 0:
-            return plain
+        fixed, slope = line
         return plain * (fixed + slope * rows * nodes) / (fixed + slope * rows)
 
     def _plain_seconds(self, warp: sampling.WarpSpec, rows: int, capacity: int) -> float | None:
