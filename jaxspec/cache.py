@@ -24,6 +24,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("JAXSPEC_CACHE") or Path.home() / ".cache" / "jaxspec")
 
 
+def _configured(setting: str, default: Path) -> Path | None:
+    """A cache directory from a flag or environment value: a path, off / 0 / false / none (None), or empty (``default``)."""
+    setting = setting.strip()
+    if setting.lower() in OFF:
+        return None
+    return Path(setting).expanduser() if setting else default
+
+
 def compile_cache_dir(directory: str | None = None, disabled: bool = False) -> Path | None:
     """The compilation cache directory to use: the flag, else ``$JAXSPEC_COMPILE_CACHE``, else ``<root>/xla``.
 
@@ -31,19 +39,13 @@ def compile_cache_dir(directory: str | None = None, disabled: bool = False) -> P
     """
     if disabled:
         return None
-    setting = directory or os.environ.get(COMPILE_CACHE_ENV, "").strip()
-    if setting.lower() in OFF:
-        return None
-    return Path(setting).expanduser() if setting else cache_root() / "xla"
+    return _configured(directory or os.environ.get(COMPILE_CACHE_ENV, ""), cache_root() / "xla")
 
 
 def weight_cache_dir() -> Path | None:
     """Where converted checkpoints (a GGUF dequantised) are kept: ``$JAXSPEC_WEIGHT_CACHE``, else ``<root>/weights``;
     None when that variable says off."""
-    setting = os.environ.get(WEIGHT_CACHE_ENV, "").strip()
-    if setting.lower() in OFF:
-        return None
-    return Path(setting).expanduser() if setting else cache_root() / "weights"
+    return _configured(os.environ.get(WEIGHT_CACHE_ENV, ""), cache_root() / "weights")
 
 
 class CompileCacheStats:
