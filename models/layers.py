@@ -182,6 +182,55 @@ def masked_attention(q, k_old, v_old, k_new, v_new, mask_old, mask_new) -> jax.A
     return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
+ATTENTION_BLOCKS = (512, 256, 128)  # slots per block of ``block_attention``: the largest that divides the cache
+
+
+def attention_block(slots: int) -> int:
+    """The block size ``block_attention`` reads a cache of ``slots`` slots in (0: read it whole, one block)."""
+    return next((blk for blk in ATTENTION_BLOCKS if slots % blk == 0 and slots > blk), 0)
+
+
+def block_attention(q, k_all, v_all, mask, used, block: int) -> jax.Array:
+    """``masked_attention`` of q [B,T,N,H] over the cache k/v_all [B,K,S,H] (new tokens written), reading
+    only its first ``used`` (scalar) slots, ``block`` at a time with an online softmax.
+
+    A prefill chunk or a tree pass over a cache bucket sized for the longest row otherwise
+    scores every slot of the bucket (a 256-token chunk over a 4,352-slot bucket did more
+    attention work than all its matrix products); here the work follows what is filled. The
+    loop's trip count is a traced value, so one executable serves every fill. Slots at or past
+    ``used`` must be masked for every query (they hold no committed or new token).
+    """
+    b, t, n, h = q.shape
+    kv = k_all.shape[1]
+    g = n // kv
+    batch = ((0, 1), (0, 1))
+    qk = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)  # [B, K, G*T, H]
+    neg = jnp.finfo(jnp.float32).min
+    scale = 1.0 / math.sqrt(h)
+
+    def step(i, carry):  # carry: running max m, sum l [B, K, G*T, 1] and output acc [B, K, G*T, H], all f32
+        m, l, acc = carry
+        at = i * block
+        keys = jax.lax.dynamic_slice_in_dim(k_all, at, block, 2)  # [B, K, blk, H]
+        vals = jax.lax.dynamic_slice_in_dim(v_all, at, block, 2)
+        see = jax.lax.dynamic_slice_in_dim(mask, at, block, 2)  # [B, T, blk]
+        see = jnp.broadcast_to(see[:, None, None], (b, 1, g, t, block)).reshape(b, 1, g * t, block)
+        sc = jax.lax.dot_general(qk, keys.astype(q.dtype), (((3,), (3,)), batch), preferred_element_type=jnp.float32)
+        sc = jnp.where(see, sc * scale, neg)
+        top = jnp.maximum(m, sc.max(-1, keepdims=True))
+        p = jnp.where(see, jnp.exp(sc - top), 0.0)  # a query that sees nothing here adds nothing
+        fade = jnp.exp(m - top)
+        pv = jax.lax.dot_general(p.astype(v_all.dtype), vals, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
+        return top, l * fade + p.sum(-1, keepdims=True), acc * fade + pv
+
+    start = (jnp.full((b, kv, g * t, 1), neg, jnp.float32), jnp.zeros((b, kv, g * t, 1), jnp.float32),
+             jnp.zeros((b, kv, g * t, h), jnp.float32))
+    blocks = (jnp.minimum(used, k_all.shape[2]) + block - 1) // block
+    _, l, acc = jax.lax.fori_loop(0, blocks, step, start)
+    out = (acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)).astype(v_all.dtype)  # [B, K, G*T, H]
+    return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
 class Attention(nn.Module):
     """Self-attention over this layer's cache plus the new tokens; returns their K/V to be written."""
 
@@ -189,6 +238,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     transposed: bool = False  # kernels stored output-major (Dense.transposed)
     dense: str = "barrier"  # how those are multiplied (Lowering.dense)
+    attention: str = "dense"  # over a cache written in place (store): "blocks" reads only filled slots (Lowering)
 
     @nn.compact
     def __call__(self, x, positions, mask, k_cache, v_cache, write_at, store=None):
@@ -210,7 +260,11 @@ class Attention(nn.Module):
             q, k = apply_rope(q, positions, inv), apply_rope(k, positions, inv)
         if store is not None:
             k_all, v_all = store(k, val)
-            out = masked_attention(q, k_all, v_all, None, None, mask, None)
+            block = attention_block(k_all.shape[2]) if self.attention == "blocks" else 0
+            if block:  # the new tokens sit at slots [write_at, write_at + T): nothing past them is visible
+                out = block_attention(q, k_all, v_all, mask, jnp.max(write_at) + x.shape[1], block)
+            else:
+                out = masked_attention(q, k_all, v_all, None, None, mask, None)
         else:
             t, s = x.shape[1], k_cache.shape[2]
             slots = write_at[:, None] + jnp.arange(t, dtype=write_at.dtype)  # [B, T]

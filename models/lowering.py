@@ -14,6 +14,12 @@ differs is what XLA is given to compile:
   copies each layer's weights per call; on an H100 32 stacked GEMVs took 2.6 ms unrolled vs 6.4 ms
   scanned, ``/work/shared/DESIGN.md``); ``scan`` runs them under ``lax.scan`` (one layer compiled:
   faster compiles, smaller executables).
+- ``attention``: ``blocks`` reads a cache written in place (the unrolled layout) only up to its
+  filled slots, in blocks with an online softmax under a loop whose trip count is traced
+  (``models.layers.block_attention``): a 256-token prefill chunk into a 4,352-slot bucket did more
+  attention work over empty slots than all its matrix products on a CPU; ``dense`` scores every
+  slot under the mask in one softmax (a GPU evaluates a traced loop's condition on the host
+  each trip, which a 2.5 ms decoding step cannot afford until measured there).
 
 ``default_lowering()`` is the platform's choice (``jax.default_backend()``), overridden field by
 field by ``$JAXSPEC_LOWERING`` (e.g. ``dense=plain,kv_write=scatter,layers=scan``, or a platform
@@ -26,7 +32,8 @@ import dataclasses
 import os
 
 ENV = "JAXSPEC_LOWERING"
-CHOICES = {"dense": ("barrier", "plain"), "kv_write": ("rows", "scatter"), "layers": ("unroll", "scan")}
+CHOICES = {"dense": ("barrier", "plain"), "kv_write": ("rows", "scatter"), "layers": ("unroll", "scan"),
+           "attention": ("blocks", "dense")}
 
 
 class LoweringError(ValueError):
@@ -40,6 +47,7 @@ class Lowering:
     dense: str = "barrier"  # multi-row products with output-major kernels: "barrier" (CPU GEMV trick) | "plain"
     kv_write: str = "rows"  # new K/V into the cache: "rows" (a loop of slice updates) | "scatter" (one scatter)
     layers: str = "unroll"  # the LLM's layers: "unroll" (per-layer weights) | "scan" (stacked weights, lax.scan)
+    attention: str = "blocks"  # over the cache: "blocks" (filled slots only, unrolled layout) | "dense" (every slot)
 
     def __post_init__(self) -> None:
         for field, allowed in CHOICES.items():
@@ -49,7 +57,7 @@ class Lowering:
 
     @property
     def label(self) -> str:
-        """``dense=…,kv_write=…,layers=…``: the spec that rebuilds this lowering (logs, CSVs, cache keys)."""
+        """``dense=…,kv_write=…,layers=…,attention=…``: the spec that rebuilds this lowering (logs, CSVs, cache keys)."""
         return ",".join(f"{f}={getattr(self, f)}" for f in CHOICES)
 
     @property
@@ -81,9 +89,9 @@ class Lowering:
 # slower than unrolled, plain dense faster for 64-node trees); TPU takes the GPU's until measured there.
 # $JAXSPEC_LOWERING / --lowering override, and `bench step-costs --lowering` measures any of them.
 PLATFORM_DEFAULTS: dict[str, Lowering] = {
-    "cpu": Lowering("barrier", "rows", "unroll"),
-    "gpu": Lowering("plain", "scatter", "unroll"),
-    "tpu": Lowering("plain", "scatter", "unroll"),
+    "cpu": Lowering("barrier", "rows", "unroll", "blocks"),
+    "gpu": Lowering("plain", "scatter", "unroll", "dense"),
+    "tpu": Lowering("plain", "scatter", "unroll", "dense"),
 }
 
 

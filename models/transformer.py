@@ -84,6 +84,7 @@ class Block(nn.Module):
     dtype: jnp.dtype = jnp.float32
     transposed: bool = False  # kernels stored output-major (Dense.transposed)
     dense: str = "barrier"  # how those are multiplied (Lowering.dense)
+    attention: str = "dense"  # attention over the cache written in place (Lowering.attention)
 
     @nn.compact
     def __call__(self, x, k_cache, v_cache, positions, mask, write_at, store=None):
@@ -94,7 +95,7 @@ class Block(nn.Module):
             norm = lambda name: LayerNorm(1e-5, self.dtype, name=name)  # noqa: E731
         else:
             norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, name=name)  # noqa: E731
-        attn = Attention(cfg, self.dtype, self.transposed, self.dense, name="attn")
+        attn = Attention(cfg, self.dtype, self.transposed, self.dense, self.attention, name="attn")
         mlp = MLP(cfg, self.dtype, self.transposed, self.dense, name="mlp")
         pre = cfg.arch != "opt" or cfg.do_layer_norm_before
         attn_norm, mlp_norm = norm("attn_norm"), norm("mlp_norm")
@@ -128,7 +129,7 @@ class Transformer(nn.Module):
     # also return every token's states for a feature drafter: True = the final-norm state [B, T, D]; a tuple of
     # layer indices = those blocks' outputs concatenated [B, T, k·D] (EAGLE-3's low/middle/high fusion; unrolled only)
     hidden: bool | tuple[int, ...] = False
-    lowering: Lowering = Lowering()  # dense and kv_write apply here; layers is the caller's ``unrolled``
+    lowering: Lowering = Lowering()  # dense, kv_write and attention apply here; layers is the caller's ``unrolled``
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache, mask, select=None):
@@ -173,7 +174,7 @@ class Transformer(nn.Module):
                     cache = write_kv(cache, k[None], v[None], layer=i, scatter=scatter)
                     return cache.k[i], cache.v[i]
 
-                x, _ = Block(cfg, self.dtype, True, self.lowering.dense, name=f"layer_{i}")(
+                x, _ = Block(cfg, self.dtype, True, self.lowering.dense, self.lowering.attention, name=f"layer_{i}")(
                     x, None, None, positions, mask, cache.length, store)
                 taps[i] = x
         else:

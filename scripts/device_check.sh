@@ -144,9 +144,9 @@ costs() {  # costs NAME CAP ARGS...: one `jaxspec bench step-costs` into $OUT/co
 # 1. cost curves (this platform's default lowering), the most wanted numbers first
 costs small_fp32 70 --shape "$SMALL" --dtype float32 --tokens "$CURVE" --repeats "$REPEATS"
 costs big_bf16 100 --shape "$BIG" --dtype bfloat16 --tokens "$CURVE" --repeats "$REPEATS"
-# the lowering variants at 7B shape: products behind barriers (the CPU form) and scanned layers
+# the lowering variants at 7B shape: products behind barriers (the CPU form), scanned layers, blocked attention
 costs big_bf16_variants 70 --shape "$BIG" --dtype bfloat16 --tokens "$SHORT" --repeats "$REPEATS" \
-  --lowering dense=barrier --lowering layers=scan
+  --lowering dense=barrier --lowering layers=scan --lowering attention=blocks
 # 2. the batch curve at 7B shape, K/V written by one scatter (GPU default) and by a loop over rows (CPU form)
 costs big_bf16_rows 80 --shape "$BIG" --dtype bfloat16 --tokens 1 --batch "$ROWS" --repeats "$REPEATS" \
   --lowering "" --lowering kv_write=rows

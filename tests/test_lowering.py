@@ -42,19 +42,21 @@ PROMPTS = [[1, 2, 3], [5, 9, 2, 7, 7, 1], [3] * 11]
 
 def test_the_cpu_keeps_todays_forms_and_a_gpu_gets_one_gemm_and_one_scatter():
     assert default_lowering() == platform_lowering("cpu") == DEFAULT  # this suite runs on the CPU
-    assert platform_lowering("cuda") == platform_lowering("gpu") == Lowering("plain", "scatter", "unroll")
+    assert platform_lowering("cuda") == platform_lowering("gpu") == Lowering("plain", "scatter", "unroll", "dense")
     assert platform_lowering("tpu").dense == "plain"
+    assert DEFAULT.attention == "blocks"  # the CPU reads only the filled part of a cache bucket
 
 
 def test_specs_override_field_by_field_and_refuse_unknown_names(monkeypatch):
     assert DEFAULT.override("dense=plain, layers=scan") == Lowering("plain", "rows", "scan")
     assert DEFAULT.override("gpu") == platform_lowering("gpu")
-    assert DEFAULT.override("gpu,layers=scan").label == "dense=plain,kv_write=scatter,layers=scan"
+    assert DEFAULT.override("gpu,layers=scan").label == "dense=plain,kv_write=scatter,layers=scan,attention=dense"
     assert Lowering().override(Lowering("plain", "scatter", "scan").label) == Lowering("plain", "scatter", "scan")
     monkeypatch.setenv(ENV, "kv_write=scatter")
     assert default_lowering() == Lowering("barrier", "scatter", "unroll")
     assert default_lowering("dense=plain") == Lowering("plain", "scatter", "unroll")  # the flag over the variable
-    for bad in ("dense=fast", "layer=scan", "h100"):
+    assert DEFAULT.override("attention=dense") == Lowering(attention="dense")
+    for bad in ("dense=fast", "layer=scan", "h100", "attention=flash"):
         with pytest.raises(LoweringError):
             DEFAULT.override(bad)
 
@@ -90,6 +92,44 @@ def test_every_lowering_computes_the_default_forward(family, lowering):
     np.testing.assert_array_equal(np.asarray(out).argmax(-1), np.asarray(ref).argmax(-1))
     np.testing.assert_allclose(np.asarray(out_cache.k), np.asarray(ref_cache.k), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out_cache.v), np.asarray(ref_cache.v), rtol=1e-5, atol=1e-5)
+
+
+def test_block_attention_reads_only_the_filled_slots_and_computes_the_dense_forward():
+    """Rows of 2, 300 and 400 committed tokens in a 1,024-slot cache (512-slot blocks): the blocked forward's logits
+    are the dense one's, and blocks past the longest row are never read (NaN there poisons only the dense form)."""
+    cfg = tiny_config(num_layers=2)
+    params, toks, pos, cache, _ = ragged_forward_case(cfg, batch=3, tokens=5, capacity=1024)
+    length = jnp.array([2, 300, 400], jnp.int32)  # [B]
+    pos = length[:, None] + jnp.arange(5)  # [B, T]
+    mask = jnp.arange(1024)[None, None, :] < (length[:, None, None] + jnp.arange(5)[None, :, None] + 1)  # [B, T, S]
+    cache = cache.replace(length=length)
+    layout = decoding_layout(params)
+
+    def run(attention: str, c: KVCache):
+        low = Lowering(attention=attention)
+        return jax.jit(make_forward(cfg, unrolled=True, lowering=low))(layout, toks, pos, c, mask)
+
+    ref, ref_cache = run("dense", cache)
+    out, out_cache = run("blocks", cache)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out).argmax(-1), np.asarray(ref).argmax(-1))
+    np.testing.assert_allclose(np.asarray(out_cache.k), np.asarray(ref_cache.k), rtol=1e-5, atol=1e-5)
+    past = jnp.arange(1024)[None, None, None, :, None] >= 512  # beyond the block of the 405 slots used: [1, 1, 1, S, 1]
+    poisoned = cache.replace(k=jnp.where(past, jnp.nan, cache.k), v=jnp.where(past, jnp.nan, cache.v))
+    assert np.isnan(np.asarray(run("dense", poisoned)[0])).all()  # the dense form reads every slot
+    np.testing.assert_allclose(np.asarray(run("blocks", poisoned)[0]), np.asarray(out), rtol=1e-6, atol=1e-6)
+
+
+def test_a_long_prompt_decodes_the_same_tokens_with_blocked_and_dense_attention():
+    """Through the engine: a 600-token prompt (chunked prefill, 1,024-slot buckets) and a merged tree."""
+    llm = tiny_model()
+    prompt = [int(x) for x in np.random.default_rng(5).integers(0, llm.cfg.vocab_size, 600)]
+    tokens = []
+    for attention in ("dense", "blocks"):
+        engine = Engine(llm, [NGramSpeculator(3)], [(1, 1, 1)], lowering=Lowering(attention=attention))
+        batch = BatchEngine(engine, max_batch=2, max_model_len=700)
+        tokens.append([g.token_ids for g in batch.generate([Request(prompt, 24), Request(prompt[:40], 24)])])
+    assert tokens[0] == tokens[1]
 
 
 def drafter(llm: LoadedModel) -> LoadedModel:
@@ -151,7 +191,7 @@ def test_verbose_names_the_device_precision_and_lowering(llm):
 
     line = device_line(Engine(llm, lowering=Lowering("plain", "scatter", "unroll")))
     assert "(cpu, jax " in line and "precision float32" in line
-    assert line.endswith("lowering dense=plain,kv_write=scatter,layers=unroll")
+    assert line.endswith("lowering dense=plain,kv_write=scatter,layers=unroll,attention=blocks")
 
 
 def test_a_bad_lowering_is_one_error_line(capsys):

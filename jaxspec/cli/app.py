@@ -129,6 +129,7 @@ def record(row: dict, sample: int, gen, tokenizer, args) -> dict:
         "ssm_steps": gen.ssm_steps,
         "tokens_per_step": round(gen.tokens_per_step, 4),
         "seconds": round(gen.seconds, 4),
+        "prefill_seconds": round(gen.prefill_seconds, 4),
         "finish_reason": gen.finish_reason,
         "seed": args.seed + sample,
         "mode": args.mode,
@@ -200,6 +201,16 @@ def report_host(batch: "BatchEngine", args) -> None:
             print(f"[jaxspec] per member, median: {'; '.join(parts)}", file=sys.stderr)
 
 
+def report_prefill(requests: list, gens: list) -> None:
+    """``-v``: prompt tokens and the seconds from admission to first token, for one request or as medians."""
+    tokens = np.asarray([len(r.prompt_ids) for r in requests])
+    seconds = np.asarray([g.prefill_seconds for g in gens])
+    rate = tokens / np.maximum(seconds, 1e-9)
+    what = f"{tokens[0]} prompt tokens" if len(gens) == 1 else f"median {np.median(tokens):.0f} prompt tokens"
+    print(f"[jaxspec] prefill: {what} to the first token in {np.median(seconds):.2f}s "
+          f"({np.median(rate):.0f} tokens/s)", file=sys.stderr)
+
+
 def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     """Every prompt x sample through the one scheduling loop; a single prompt streams its text.
 
@@ -247,6 +258,8 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
         gen = gens[0]
         print(f"[jaxspec] {len(gen.token_ids)} tokens in {gen.seconds:.2f}s, {gen.llm_steps} LLM steps, "
               f"{gen.tokens_per_step:.2f} tokens/step ({gen.finish_reason})", file=sys.stderr)
+        if args.verbose:
+            report_prefill([requests[0]], [gen])
         report_host(batch, args)
         if out:
             out.write(json.dumps(record(rows[0], 0, gen, llm.tokenizer, args)) + "\n")
@@ -260,6 +273,8 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
         print(line, file=out) if out else print(line)
     print(f"[jaxspec] {len(jobs)} requests in batches of up to {batch.max_batch}: {batch.iterations} iterations, "
           f"{tokens / max(steps, 1):.2f} tokens/step per request", file=sys.stderr)
+    if args.verbose:
+        report_prefill(requests, gens)
     report_host(batch, args)
     return 0
 

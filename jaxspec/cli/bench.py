@@ -33,7 +33,7 @@ WARMUP_PREFIX = "warmup-"  # ids of bench modes' warm-up prompts, excluded from 
 
 
 def add_parser(sub) -> None:
-    """Registers ``bench incremental|speculative|coverage|step-costs|modes`` on the CLI's subparsers."""
+    """Registers ``bench incremental|speculative|coverage|step-costs|modes|serve|prefill`` on the CLI's subparsers."""
     bench = sub.add_parser("bench", help="benchmarks (CSV + PNG)")
     kinds = bench.add_subparsers(dest="kind", required=True)
 
@@ -111,6 +111,9 @@ def add_parser(sub) -> None:
     from jaxspec.cli import bench_serve  # noqa: PLC0415 (bench serve: latency and throughput of jaxspec serve)
 
     bench_serve.add_parser(kinds)
+    from jaxspec.cli import bench_prefill  # noqa: PLC0415 (bench prefill: TTFT by prompt length)
+
+    bench_prefill.add_parser(kinds)
 
 
 def _common(p: argparse.ArgumentParser) -> None:

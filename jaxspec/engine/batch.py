@@ -204,6 +204,7 @@ class _Staging:
     on_event: Callable[[Event], None]
     fed: int = 0
     matcher: object = None  # the request's grammar matcher, made when it is staged
+    began: float = dataclasses.field(default_factory=time.perf_counter)  # when its first chunk was staged
 
 
 class LoopSync:
@@ -896,8 +897,9 @@ class BatchEngine:
             first = int(fetch(self.staging_state.root)[0])
             index = ngram.NGramIndex(prompt, e.ngram.max_n, e.ngram.min_n) if e.ngram else None
             stop_ids = set(e.llm.cfg.eos_token_ids if req.stop_ids is None else req.stop_ids)
-            slot = _Slot(st.ticket, st.on_event, Generation([], 0, 0, 0.0, "length"), time.perf_counter(), index,
-                         len(prompt), stop_ids, row, st.matcher)
+            now = time.perf_counter()
+            slot = _Slot(st.ticket, st.on_event, Generation([], 0, 0, 0.0, "length", prefill_seconds=now - st.began),
+                         now, index, len(prompt), stop_ids, row, st.matcher)
         except BaseException:  # the row went live on the device but no slot tracks it: take it back
             self.state = self._fn("retire")(self.state, jax.device_put(np.int32(row)))
             raise  # ``step`` ends the still-staged request with an error event

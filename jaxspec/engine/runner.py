@@ -49,6 +49,7 @@ class Generation:
     finish_reason: str  # "eos" | "stop" | "length"
     step_tokens: list[int] = dataclasses.field(default_factory=list)  # tokens emitted by each LLM step
     trees: list[str] = dataclasses.field(default_factory=list)  # family member run by each LLM step
+    prefill_seconds: float = 0.0  # from the request's admission (its first prompt chunk) to its first token
 
     @property
     def tree_counts(self) -> dict[str, int]:
