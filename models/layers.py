@@ -182,12 +182,12 @@ def masked_attention(q, k_old, v_old, k_new, v_new, mask_old, mask_new) -> jax.A
     return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
-ATTENTION_BLOCKS = (512, 256, 128)  # slots per block of ``block_attention``: the largest that divides the cache
+ATTENTION_BLOCK = 256  # slots per block of ``block_attention`` (a cache of at most this many is read whole)
 
 
 def attention_block(slots: int) -> int:
     """The block size ``block_attention`` reads a cache of ``slots`` slots in (0: read it whole, one block)."""
-    return next((blk for blk in ATTENTION_BLOCKS if slots % blk == 0 and slots > blk), 0)
+    return ATTENTION_BLOCK if slots > ATTENTION_BLOCK else 0
 
 
 def block_attention(q, k_all, v_all, mask, used, block: int) -> jax.Array:
@@ -198,10 +198,11 @@ def block_attention(q, k_all, v_all, mask, used, block: int) -> jax.Array:
     scores every slot of the bucket (a 256-token chunk over a 4,352-slot bucket did more
     attention work than all its matrix products); here the work follows what is filled. The
     loop's trip count is a traced value, so one executable serves every fill. Slots at or past
-    ``used`` must be masked for every query (they hold no committed or new token).
+    ``used`` must be masked for every query (they hold no committed or new token). Any S >= block
+    works: a last block that would run past the cache starts earlier and skips the slots read already.
     """
     b, t, n, h = q.shape
-    kv = k_all.shape[1]
+    kv, slots = k_all.shape[1], k_all.shape[2]
     g = n // kv
     batch = ((0, 1), (0, 1))
     qk = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)  # [B, K, G*T, H]
@@ -210,10 +211,11 @@ def block_attention(q, k_all, v_all, mask, used, block: int) -> jax.Array:
 
     def step(i, carry):  # carry: running max m, sum l [B, K, G*T, 1] and output acc [B, K, G*T, H], all f32
         m, l, acc = carry
-        at = i * block
+        at = jnp.minimum(i * block, slots - block)  # the block's first slot: a last one ends at the cache's end
         keys = jax.lax.dynamic_slice_in_dim(k_all, at, block, 2)  # [B, K, blk, H]
         vals = jax.lax.dynamic_slice_in_dim(v_all, at, block, 2)
         see = jax.lax.dynamic_slice_in_dim(mask, at, block, 2)  # [B, T, blk]
+        see = see & (at + jnp.arange(block) >= i * block)  # slots an earlier block read are not seen twice
         see = jnp.broadcast_to(see[:, None, None], (b, 1, g, t, block)).reshape(b, 1, g * t, block)
         sc = jax.lax.dot_general(qk, keys.astype(q.dtype), (((3,), (3,)), batch), preferred_element_type=jnp.float32)
         sc = jnp.where(see, sc * scale, neg)
@@ -225,7 +227,7 @@ def block_attention(q, k_all, v_all, mask, used, block: int) -> jax.Array:
 
     start = (jnp.full((b, kv, g * t, 1), neg, jnp.float32), jnp.zeros((b, kv, g * t, 1), jnp.float32),
              jnp.zeros((b, kv, g * t, h), jnp.float32))
-    blocks = (jnp.minimum(used, k_all.shape[2]) + block - 1) // block
+    blocks = (jnp.minimum(used, slots) + block - 1) // block
     _, l, acc = jax.lax.fori_loop(0, blocks, step, start)
     out = (acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)).astype(v_all.dtype)  # [B, K, G*T, H]
     return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
