@@ -87,3 +87,6 @@ class SchedulerConfig:
     """Requests that may wait for a slot; more are refused."""
     eager: bool = False
     """Compile every tree of the family at a bucket's first use (``--compile all``) instead of where it pays."""
+    prefill_chunk: int | None = None
+    """Most prompt tokens fed per prefill call (``--prefill-chunk``; smaller chunks 16, 64, ... below it); None: the
+    loop's default (256). Larger chunks fill wider matrix products; smaller ones stall the decoding rows less."""

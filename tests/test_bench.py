@@ -202,3 +202,38 @@ def test_modes_tables_speedup_weighted_tokens_per_step_identity_and_tree_usage(c
     assert "NOT LOSSLESS: mode auto matches incremental on only 1/2" in capsys.readouterr().err
     _, sampled = modes_tables(results, greedy=False)
     assert [s["identical_to_incremental"] for s in sampled] == ["", ""]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A random 2-layer LLaMA directory with the default LLM's tokenizer (prefill timings need no trained weights)."""
+    from models.config import ModelConfig
+    from models.loading import default_model_path
+    from models.random_checkpoint import write_random_checkpoint
+    from models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    cfg = ModelConfig("llama", len(tok), 64, 128, 2, 8, 4, 8, max_position_embeddings=1024, rms_norm_eps=1e-5)
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    write_random_checkpoint(directory, cfg, tok)
+    return directory
+
+
+def test_bench_prefill_reports_ttft_by_prompt_length(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "prefill.csv"
+    assert cli.main(["bench", "prefill", "--model", str(tiny_checkpoint), "--mode", "incremental",
+                     "--lengths", "40,300", "--repeats", "1", "--prefill-chunk", "64", "--output", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [int(r["prompt_tokens"]) for r in rows] == [40, 300]
+    for r in rows:
+        assert float(r["ttft_s"]) > 0 and float(r["cold_ttft_s"]) > 0 and r["prefill_chunk"] == "64"
+        assert float(r["prefill_tokens_per_s"]) == pytest.approx(int(r["prompt_tokens"]) / float(r["ttft_s"]),
+                                                                 rel=0.01)
+        assert "attention=blocks" in r["lowering"]
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert "tokens/s" in capsys.readouterr().out
+    for flags, words in ((["--lengths", "1,x"], "--lengths"), (["--lengths", "2000"], "context"),
+                         (["--prefill-chunk", "0"], "--prefill-chunk")):
+        assert cli.main(["bench", "prefill", "--model", str(tiny_checkpoint), "--mode", "incremental", *flags,
+                         "--output", str(out)]) == 2
+        assert words in capsys.readouterr().err

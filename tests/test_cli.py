@@ -66,6 +66,8 @@ def test_bad_prompt_file_and_mode_flags(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
     assert cli.main(["generate", "--prompt", "hi", "--mode", "tree", "--expansion", "1,x"]) == 2
     assert "expansion" in capsys.readouterr().err
+    assert cli.main(["generate", "--prompt", "hi", "--prefill-chunk", "0"]) == 2
+    assert "--prefill-chunk must be >= 1" in capsys.readouterr().err
 
 
 def test_prompt_longer_than_context_subprocess():
@@ -86,6 +88,7 @@ def test_generate_prompt_file_jsonl_and_tree_mode(tmp_path):
     assert [r["id"] for r in rows] == ["q0", "q1"]
     for r in rows:
         assert {"id", "prompt", "text", "token_ids", "llm_steps", "seconds", "tokens_per_step", "ssm_steps"} <= set(r)
+        assert r["prefill_seconds"] > 0  # admission to the first token
         assert 1 <= len(r["token_ids"]) <= 12
         assert r["llm_steps"] >= 1 and r["tokens_per_step"] >= 1.0
         assert r["ssm_steps"] == 3 * r["llm_steps"]

@@ -506,7 +506,7 @@ def test_flags_fail_before_loading(server):
              (["--api-key", ""], ["--api-key", "empty"], {}),
              ([], ["JAXSPEC_API_KEY", "empty"], {"JAXSPEC_API_KEY": ""}),
              (["--host", "0.0.0.0"], ["0.0.0.0", "--allow-unauthenticated"], {}),
-             (["--max-body-bytes", "0"], ["--max-body-bytes"], {}))
+             (["--max-body-bytes", "0"], ["--max-body-bytes"], {}), (["--prefill-chunk", "0"], ["--prefill-chunk"], {}))
     for flags, words, env in cases:
         environ = {k: v for k, v in os.environ.items() if k != "JAXSPEC_API_KEY"} | env
         proc = subprocess.run(SERVE_CMD + flags, capture_output=True, text=True, timeout=60, env=environ)

@@ -24,6 +24,7 @@ from jaxspec.cli.common import (
     RequestError,
     add_compile_cache_args,
     add_model_args,
+    add_prefill_args,
     add_structured_args,
     config_from_args,
     grammar_for,
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--prompt-file / --num-samples: requests decoded together by continuous batching "
                           "(1: one after another, each with its own cache)")
     gen.add_argument("--output", help="write one JSON line per completion")
+    add_prefill_args(gen)
     gen.add_argument("--compile", choices=("lazy", "all"), default="lazy",
                      help="lazy (default): a batch bucket compiles its plain step at first use and --mode auto's "
                           "trees only once the work in sight pays for them; all: every tree at a bucket's first use "
@@ -144,6 +146,8 @@ def cmd_generate(args) -> int:
         raise CliError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
     if args.max_batch < 1:
         raise CliError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise CliError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     if args.seed is None:  # as vLLM: an unseeded request gets a random seed, reported so it can be rerun
         args.seed = int(distributed.agree(np.asarray([secrets.randbits(31)], np.int32))[0])  # one for every process
         if args.temperature > 0 and distributed.is_leader():
@@ -237,7 +241,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     say = (lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr)) if args.verbose else None  # noqa: E731
     limits = SchedulerConfig(max_batch=min(args.max_batch, len(jobs)),
                              max_model_len=min(longest + args.max_new_tokens, llm.cfg.max_position_embeddings),
-                             eager=args.compile == "all")
+                             eager=args.compile == "all", prefill_chunk=args.prefill_chunk)
     batch = build_scheduler(engine, limits, sync=distributed.loop_sync(), verbose=say)
     if engine.auto and args.recalibrate:  # -v alone leaves the lazy path as it is (its builds are reported)
         report_calibration(engine, batch, args, jobs[0][2].prompt_ids)

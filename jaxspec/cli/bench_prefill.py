@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxspec.cli.common import CliError, add_compile_cache_args, add_model_args, config_from_args, read_prompts
+from jaxspec.cli.common import (CliError, add_compile_cache_args, add_model_args, add_prefill_args, config_from_args,
+                                read_prompts)
 
 DEFAULT_LENGTHS = "256,1024,2048,4096"
 
@@ -30,6 +31,7 @@ def add_parser(kinds) -> None:
     p.add_argument("--repeats", type=int, default=2, help="timed requests per length after the cold one (median)")
     p.add_argument("--prompt-file", help="JSONL (field 'prompt'): prompts are cut from its text, tokenized and "
                    "concatenated (default: random token ids; a prefill's cost does not depend on which tokens)")
+    add_prefill_args(p)
     p.add_argument("--output", default="out/prefill.csv", help="CSV path (PNG written beside it)")
     add_compile_cache_args(p)
     p.set_defaults(func=cmd_prefill)
@@ -71,6 +73,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     lengths = parse_lengths(args.lengths)
     if args.repeats < 1:
         raise CliError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise CliError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     engine, llm = build_engine(config_from_args(args))
     context = llm.cfg.max_position_embeddings
     if max(lengths) + 1 > context:
@@ -78,8 +82,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
                        f"context of {context}")
     runs = 1 + args.repeats
     ids = source_ids(llm, args.prompt_file, max(lengths) + runs * 7)
-    batch = build_scheduler(engine, SchedulerConfig(max_batch=1, max_model_len=max(lengths) + 1),
-                            reuse_prefix=False)
+    limits = SchedulerConfig(max_batch=1, max_model_len=max(lengths) + 1, prefill_chunk=args.prefill_chunk)
+    batch = build_scheduler(engine, limits, reuse_prefix=False)
     rows = []
     with tqdm(total=len(lengths) * runs, desc="prefill", unit="request", file=sys.stderr) as bar:
         for n in lengths:
@@ -95,14 +99,14 @@ def cmd_prefill(args: argparse.Namespace) -> int:
             ttft = statistics.median(ttfts[1:])
             rows.append({"prompt_tokens": n, "ttft_s": round(ttft, 4), "prefill_tokens_per_s": round(n / ttft, 1),
                          "cold_ttft_s": round(ttfts[0], 4), "repeats": args.repeats, "mode": args.mode,
-                         "lowering": engine.lowering.label})
+                         "prefill_chunk": batch.buckets[-1], "lowering": engine.lowering.label})
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print(f"# {device_line(engine)}; mode {args.mode}")
+    print(f"# {device_line(engine)}; mode {args.mode}; prefill chunk {batch.buckets[-1]}")
     print(f"{'prompt tokens':>13} {'TTFT s':>8} {'tokens/s':>9} {'cold TTFT s':>12}")
     for r in rows:
         print(f"{r['prompt_tokens']:>13} {r['ttft_s']:>8.3f} {r['prefill_tokens_per_s']:>9.1f} {r['cold_ttft_s']:>12.3f}")
@@ -129,7 +133,8 @@ def plot(rows: list[dict], png: Path) -> Path:
     for ax in (left, right):
         ax.set_xlabel("prompt tokens")
         ax.grid(alpha=0.3)
-    fig.suptitle(f"mode {rows[0]['mode']}; lowering {rows[0]['lowering']}", fontsize=9)
+    fig.suptitle(f"mode {rows[0]['mode']}; chunk {rows[0]['prefill_chunk']}; lowering {rows[0]['lowering']}",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

@@ -178,6 +178,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "different speed (models/lowering.py)")
 
 
+def add_prefill_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-chunk", type=int, metavar="N",
+                   help="most prompt tokens fed per prefill call (default 256): larger fills wider matrix products, "
+                        "smaller stalls the requests already decoding less (measure: jaxspec bench prefill)")
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The one place a command's flags become an ``EngineConfig`` (``jaxspec.engine.build.build_engine``'s input)."""
     return EngineConfig(

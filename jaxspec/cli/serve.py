@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from jaxspec.cli.common import CliError, add_compile_cache_args, add_model_args, config_from_args
+from jaxspec.cli.common import CliError, add_compile_cache_args, add_model_args, add_prefill_args, config_from_args
 from jaxspec.config import SchedulerConfig
 from jaxspec.serving import server
 
@@ -25,6 +25,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "the batched engine's)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests that may wait for a slot (256); more get 429")
+    add_prefill_args(p)
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model name clients send (default: the checkpoint's file name)")
     p.add_argument("--api-key", metavar="KEY",
@@ -62,7 +63,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     server.check_address(args.host, args.port)  # before minutes of loading and compiling
-    scheduler = SchedulerConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, max_queue=args.max_queue)
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise CliError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    scheduler = SchedulerConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, max_queue=args.max_queue,
+                                prefill_chunk=args.prefill_chunk)
     config = server.ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                 api_key=key, max_body_bytes=args.max_body_bytes, request_log=args.request_log,
                                 shutdown_timeout=args.shutdown_timeout, warm_structured=args.warm_structured)

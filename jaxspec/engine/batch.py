@@ -256,6 +256,8 @@ class BatchEngine:
         False: the loop waits for the build, as every process of a multi-process run must)."""
         if max_batch < 1:
             raise RequestError(f"--max-batch must be >= 1, got {max_batch}")
+        if prefill_chunk < 1:
+            raise RequestError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
         limit = engine.llm.cfg.max_position_embeddings
         max_model_len = max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
         if not 1 < max_model_len <= limit:

@@ -138,6 +138,8 @@ def build_scheduler(engine: Engine, config: SchedulerConfig, **hooks: Any) -> Ba
     run-time companions (``on_iteration``, ``sync``, ``verbose``)."""
     from jaxspec.engine.batch import BatchEngine  # noqa: PLC0415
 
+    if config.prefill_chunk is not None:
+        hooks = {"prefill_chunk": config.prefill_chunk, **hooks}
     return BatchEngine(engine, max_batch=config.max_batch, max_model_len=config.max_model_len,
                        max_queue=config.max_queue, eager=config.eager, **hooks)
 
