@@ -90,3 +90,7 @@ class SchedulerConfig:
     prefill_chunk: int | None = None
     """Most prompt tokens fed per prefill call (``--prefill-chunk``; smaller chunks 16, 64, ... below it); None: the
     loop's default (256). Larger chunks fill wider matrix products; smaller ones stall the decoding rows less."""
+    prefill_stall: float | None = None
+    """While requests decode, prompt chunks take at most this fraction of their decoding time (``--prefill-stall``:
+    0.5 keeps the decoding rows' mean per-token latency within about 1.5x while a long prompt enters, at the
+    cost of that prompt's time to first token); None: one chunk every iteration."""

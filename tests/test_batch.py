@@ -14,7 +14,7 @@ import pytest
 from conftest import DEV_PROMPTS, tiny_model
 from jaxspec.decoding import sampling
 from jaxspec.engine.auto import Member, TreeChooser
-from jaxspec.engine.batch import BatchEngine, Event, QueueFull, Request
+from jaxspec.engine.batch import BatchEngine, Event, LoopSync, QueueFull, Request
 from jaxspec.engine import Engine, RequestError, early_exit
 from jaxspec.decoding.ngram import NGramSpeculator
 
@@ -412,3 +412,25 @@ def test_a_failed_background_build_stays_out_and_multi_process_loops_build_in_th
     late = BatchEngine(engine, max_batch=1, max_model_len=64)
     late.sync = Remote()  # as jaxspec.parallel.distributed joins a built loop to its peers
     assert not late.background
+
+
+def test_prefill_stall_paces_a_long_prompt_beside_a_decoding_row_and_changes_no_token(llm):
+    """``prefill_stall``: after each chunk of the entering prompt the decoding row runs alone until it made up the
+    chunk's time (here 1%: many iterations); once it is done the prompt goes on unpaced. Tokens are the solo ones."""
+    engine = Engine(llm)
+    long_prompt = [int(x) for x in np.random.default_rng(2).integers(1, llm.cfg.vocab_size, 300)]
+    requests = [Request([5, 3, 8], 30), Request(long_prompt, 6)]
+    want = [engine.generate(r.prompt_ids, r.max_new_tokens).token_ids for r in requests]
+    paced = BatchEngine(engine, max_batch=2, max_model_len=320, prefill_chunk=64, prefill_stall=0.01)
+    assert [g.token_ids for g in paced.generate(requests)] == want
+    assert paced.prefill_waits > 0  # iterations in which the staged prompt waited for the decoding row
+    plain = BatchEngine(engine, max_batch=2, max_model_len=320, prefill_chunk=64)
+    assert [g.token_ids for g in plain.generate(requests)] == want and plain.prefill_waits == 0
+    with pytest.raises(RequestError, match="prefill-stall"):
+        BatchEngine(engine, prefill_stall=0)
+
+    class Lockstep(LoopSync):  # the processes of a multi-process run admit in the same iterations
+        shared = True
+
+    with pytest.raises(RequestError, match="multi-process"):
+        BatchEngine(engine, prefill_stall=0.5, sync=Lockstep())

@@ -148,6 +148,8 @@ def cmd_generate(args) -> int:
         raise CliError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise CliError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if args.prefill_stall is not None and not args.prefill_stall > 0:
+        raise CliError(f"--prefill-stall must be > 0, got {args.prefill_stall}")
     if args.seed is None:  # as vLLM: an unseeded request gets a random seed, reported so it can be rerun
         args.seed = int(distributed.agree(np.asarray([secrets.randbits(31)], np.int32))[0])  # one for every process
         if args.temperature > 0 and distributed.is_leader():
@@ -241,7 +243,8 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     say = (lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr)) if args.verbose else None  # noqa: E731
     limits = SchedulerConfig(max_batch=min(args.max_batch, len(jobs)),
                              max_model_len=min(longest + args.max_new_tokens, llm.cfg.max_position_embeddings),
-                             eager=args.compile == "all", prefill_chunk=args.prefill_chunk)
+                             eager=args.compile == "all", prefill_chunk=args.prefill_chunk,
+                             prefill_stall=args.prefill_stall)
     batch = build_scheduler(engine, limits, sync=distributed.loop_sync(), verbose=say)
     if engine.auto and args.recalibrate:  # -v alone leaves the lazy path as it is (its builds are reported)
         report_calibration(engine, batch, args, jobs[0][2].prompt_ids)

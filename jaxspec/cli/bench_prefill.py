@@ -82,6 +82,9 @@ def cmd_prefill(args: argparse.Namespace) -> int:
                        f"context of {context}")
     runs = 1 + args.repeats
     ids = source_ids(llm, args.prompt_file, max(lengths) + runs * 7)
+    if args.prefill_stall is not None:
+        raise CliError("--prefill-stall paces prompts beside decoding requests; bench prefill runs one request at a "
+                       "time (measure it with jaxspec bench serve)")
     limits = SchedulerConfig(max_batch=1, max_model_len=max(lengths) + 1, prefill_chunk=args.prefill_chunk)
     batch = build_scheduler(engine, limits, reuse_prefix=False)
     rows = []

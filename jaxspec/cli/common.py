@@ -182,6 +182,10 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="most prompt tokens fed per prefill call (default 256): larger fills wider matrix products, "
                         "smaller stalls the requests already decoding less (measure: jaxspec bench prefill)")
+    p.add_argument("--prefill-stall", type=float, metavar="R",
+                   help="while requests decode, prompt chunks take at most R times their decoding time (0.5: their "
+                        "tokens come at most ~1.5x slower on average while a long prompt enters, which then waits "
+                        "longer for its first token); default: one chunk every iteration")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -65,8 +65,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server.check_address(args.host, args.port)  # before minutes of loading and compiling
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise CliError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if args.prefill_stall is not None and not args.prefill_stall > 0:
+        raise CliError(f"--prefill-stall must be > 0, got {args.prefill_stall}")
     scheduler = SchedulerConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, max_queue=args.max_queue,
-                                prefill_chunk=args.prefill_chunk)
+                                prefill_chunk=args.prefill_chunk, prefill_stall=args.prefill_stall)
     config = server.ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                 api_key=key, max_body_bytes=args.max_body_bytes, request_log=args.request_log,
                                 shutdown_timeout=args.shutdown_timeout, warm_structured=args.warm_structured)

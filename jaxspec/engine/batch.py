@@ -221,6 +221,7 @@ class LoopSync:
 
     fresh_costs = False
     local = True
+    shared = False  # several processes run this loop: every decision must be the same in each
 
     def exchange(self, batch: "BatchEngine", stopping: bool) -> bool:
         return stopping
@@ -248,16 +249,24 @@ class BatchEngine:
         eager: bool = False,
         reuse_prefix: bool = True,
         background: bool = True,
+        prefill_stall: float | None = None,
     ) -> None:
         """``sync`` joins a multi-process run (``jaxspec.parallel.distributed``); ``verbose`` hears what compiles when;
         ``eager`` compiles every family member at a bucket's first use (else auto's trees compile where they pay);
         ``reuse_prefix``: a request sharing a prompt prefix with the one staged before it starts after that prefix;
         ``background``: lazy auto builds a tree it wants in a worker thread while plain steps go on (one process only;
-        False: the loop waits for the build, as every process of a multi-process run must)."""
+        False: the loop waits for the build, as every process of a multi-process run must); ``prefill_stall`` R:
+        while requests decode, prompt chunks take at most R times the decoding time (a chunk runs, then the
+        decoding rows run alone until they made up R times its seconds; None: one chunk every iteration)."""
         if max_batch < 1:
             raise RequestError(f"--max-batch must be >= 1, got {max_batch}")
         if prefill_chunk < 1:
             raise RequestError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
+        if prefill_stall is not None and not prefill_stall > 0:
+            raise RequestError(f"--prefill-stall must be > 0, got {prefill_stall}")
+        if prefill_stall is not None and (sync or LoopSync()).shared:
+            raise RequestError("--prefill-stall paces admissions by this process's clock: a multi-process run "
+                               "cannot use it (its processes must admit in the same iterations)")
         limit = engine.llm.cfg.max_position_embeddings
         max_model_len = max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
         if not 1 < max_model_len <= limit:
@@ -286,6 +295,9 @@ class BatchEngine:
         self.staging: _Staging | None = None
         self._staged: list[int] = []  # the prompt prefix whose K/V the staging row holds
         self.reuse_prefix = reuse_prefix
+        self.prefill_stall = prefill_stall
+        self._prefill_debt = 0.0  # seconds of prompt chunks the decoding rows have not yet made up (prefill_stall)
+        self.prefill_waits = 0  # iterations whose admission waited for the decoding rows (prefill_stall)
         self.prefix_reuses = 0  # requests admitted after a reused prefix
         self.waiting: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
         self.incoming: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
@@ -766,6 +778,15 @@ class BatchEngine:
         for slot in [s for s in self.slots if self._cancelled(s.ticket)]:
             self._retire(slot, "cancelled")
         budget = self.buckets[-1]
+        paced = self.prefill_stall is not None and bool(self.slots)
+        if not self.slots:
+            self._prefill_debt = 0.0
+        if paced and self._prefill_debt > 0:
+            budget = 0  # the decoding rows are still making up the last chunk's time
+            self.prefill_waits += bool(self.staging or self.waiting)
+        elif paced and self._pending is not None:  # a chunk is timed alone: the iteration in flight ends first
+            jax.block_until_ready(self._pending.out.tokens)
+        began, fed_now = time.perf_counter(), 0
         while budget > 0:
             try:
                 fed = self._admit()
@@ -778,6 +799,10 @@ class BatchEngine:
             if not fed:
                 break
             budget -= fed
+            fed_now += fed
+        if paced and fed_now:
+            jax.block_until_ready(self.staging_state.root)
+            self._prefill_debt += time.perf_counter() - began
         if not self.slots:
             self._pending = None  # an iteration of retired rows only: nothing left to read
             self._fit()
@@ -1091,6 +1116,8 @@ class BatchEngine:
         cfg = it.cfg
         seconds, self._last_done = now - max(it.start, self._last_done), now
         self.iteration_times.append(seconds)
+        if self.prefill_stall is not None:
+            self._prefill_debt = max(0.0, self._prefill_debt - self.prefill_stall * seconds)
         self.iteration_trees.append(it.name)
         if it.name == "none" and not cfg.grammar and it.costs:  # relative to the bucket's own plain step
             (self._plain_beside if it.building else self._plain_alone).append(seconds / it.costs["none"])

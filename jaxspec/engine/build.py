@@ -140,6 +140,8 @@ def build_scheduler(engine: Engine, config: SchedulerConfig, **hooks: Any) -> Ba
 
     if config.prefill_chunk is not None:
         hooks = {"prefill_chunk": config.prefill_chunk, **hooks}
+    if config.prefill_stall is not None:
+        hooks = {"prefill_stall": config.prefill_stall, **hooks}
     return BatchEngine(engine, max_batch=config.max_batch, max_model_len=config.max_model_len,
                        max_queue=config.max_queue, eager=config.eager, **hooks)
 

@@ -298,6 +298,7 @@ def loop_sync() -> Any:
 
     class LockstepSync(LoopSync):
         fresh_costs = True
+        shared = True
 
         def agree_pick(self, name: str, names: list[str]) -> str:
             return agree_pick(name, names)
@@ -348,6 +349,7 @@ class _ServerSync:
 
     fresh_costs = True
     local = False
+    shared = True
 
     def agree_pick(self, name: str, names: list[str]) -> str:
         return agree_pick(name, names)
