@@ -57,7 +57,7 @@ class Lowering:
 
     @property
     def label(self) -> str:
-        """``dense=…,kv_write=…,layers=…,attention=…``: the spec that rebuilds this lowering (logs, CSVs, cache keys)."""
+        """``dense=…,kv_write=…,layers=…,attention=…``: the spec that rebuilds this lowering (logs, CSVs, keys)."""
         return ",".join(f"{f}={getattr(self, f)}" for f in CHOICES)
 
     @property

@@ -112,7 +112,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     print(f"# {device_line(engine)}; mode {args.mode}; prefill chunk {batch.buckets[-1]}")
     print(f"{'prompt tokens':>13} {'TTFT s':>8} {'tokens/s':>9} {'cold TTFT s':>12}")
     for r in rows:
-        print(f"{r['prompt_tokens']:>13} {r['ttft_s']:>8.3f} {r['prefill_tokens_per_s']:>9.1f} {r['cold_ttft_s']:>12.3f}")
+        print(f"{r['prompt_tokens']:>13} {r['ttft_s']:>8.3f} {r['prefill_tokens_per_s']:>9.1f} "
+              f"{r['cold_ttft_s']:>12.3f}")
     png = plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {png}")
     return 0

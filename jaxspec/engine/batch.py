@@ -298,6 +298,7 @@ class BatchEngine:
         self.prefill_stall = prefill_stall
         self._prefill_debt = 0.0  # seconds of prompt chunks the decoding rows have not yet made up (prefill_stall)
         self.prefill_waits = 0  # iterations whose admission waited for the decoding rows (prefill_stall)
+        self._chunk_queued = False  # this iteration's admission queued a prompt chunk before its step
         self.prefix_reuses = 0  # requests admitted after a reused prefix
         self.waiting: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
         self.incoming: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
@@ -803,6 +804,7 @@ class BatchEngine:
         if paced and fed_now:
             jax.block_until_ready(self.staging_state.root)
             self._prefill_debt += time.perf_counter() - began
+        self._chunk_queued = bool(fed_now) and not paced  # paced: the chunk is done before the next launch
         if not self.slots:
             self._pending = None  # an iteration of retired rows only: nothing left to read
             self._fit()
@@ -1099,7 +1101,7 @@ class BatchEngine:
         self.iterations += 1
         forced = [len(c) for c in chains] or [0] * self.rows
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
-                         bool(self._building))
+                         bool(self._building), self._chunk_queued)
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
@@ -1119,7 +1121,7 @@ class BatchEngine:
         if self.prefill_stall is not None:
             self._prefill_debt = max(0.0, self._prefill_debt - self.prefill_stall * seconds)
         self.iteration_trees.append(it.name)
-        if it.name == "none" and not cfg.grammar and it.costs:  # relative to the bucket's own plain step
+        if it.name == "none" and not cfg.grammar and it.costs and not it.prefilled:  # relative to the bucket's own
             (self._plain_beside if it.building else self._plain_alone).append(seconds / it.costs["none"])
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
         stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
@@ -1140,7 +1142,7 @@ class BatchEngine:
         if it.chooser is not None and live:  # a grammar step also waits on host masks: timed apart
             if cfg.grammar:
                 it.chooser.observe_constrained_time(it.name, cfg.forced_depth, seconds, it.costs)
-            elif not it.building:  # a step slowed by a build beside it says nothing of the member's cost
+            elif not it.building and not it.prefilled:  # a build beside it or a chunk before it: not its cost
                 it.chooser.observe_time(it.name, seconds, it.costs)
         for i, slot in live:
             if slot.row < 0:
@@ -1171,6 +1173,7 @@ class _InFlight:
     start: float  # perf_counter at dispatch
     host: float = 0.0  # host seconds from choosing it to its launch returning
     building: bool = False  # a background build was in flight when it launched
+    prefilled: bool = False  # a prompt chunk was queued on the device before it: its seconds include the chunk
 
 
 def _deliver(on_event: Callable[[Event], None], event: Event) -> None:
