@@ -36,7 +36,7 @@ test: setup-test
 test-slow: setup-test
 	$(BIN)/python -m pytest -q -m slow
 
-# The paper's tables and figures on the default pair, quick scale (< 30 min on 2 CPU cores): out/repro/smollm2/report.md
+# The paper's tables and figures on the default pair, quick scale (about 35 min on 2 CPU cores, setup included): out/repro/smollm2/report.md
 repro-quick: $(VENV)/.setup-repro
 	$(BIN)/jaxspec repro all --quick
 

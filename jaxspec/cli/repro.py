@@ -1,7 +1,7 @@
 """``jaxspec repro NAME``: the paper's tables and figures on a jaxspec pair, the paper's numbers beside ours.
 
-``jaxspec repro all --quick`` runs every experiment (under 30 minutes on a 2-core CPU with
-the default pair); ``jaxspec repro report`` joins what ran into ``report.md`` / ``report.html``
+``jaxspec repro all --quick`` runs every experiment (about 32 minutes on a 2-core CPU with
+the default pair and empty caches); ``jaxspec repro report`` joins what ran into ``report.md`` / ``report.html``
 with the claim table, recomputing nothing. Results are cached per (commit, pair,
 experiment, prompt set) under ``--output``/cache, so a rerun only computes what is missing.
 Before the first experiment, ``preflight`` checks that every process the run starts finds
@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="a custom pair's LLM (with --ssm)")
     p.add_argument("--ssm", help="the SSM, as jaxspec generate --ssm (its first learned model): replaces the pair's, "
                    "or with --model makes a custom pair")
-    p.add_argument("--quick", action="store_true", help="4 prompts, 32 tokens, batches 1 and 4 (all: < 30 min on 2 "
+    p.add_argument("--quick", action="store_true", help="4 prompts, 32 tokens, batches 1 and 4 (all: about 32 min on 2 "
                    "CPU cores); default: 20 prompts, 128 tokens, batches 1-16")
     p.add_argument("--output", help="results directory (default: out/repro/<pair>)")
     p.add_argument("--prompt-file", help="JSONL prompts (field 'prompt'); default: ShareGPT human turns from the "

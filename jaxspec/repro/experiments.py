@@ -75,7 +75,7 @@ def pair(name: str, llm: str | None = None, ssm: str | None = None) -> Pair:
 
 @dataclasses.dataclass(frozen=True)
 class Scale:
-    """How much of each experiment runs: ``quick`` fits ``repro all`` in under 30 minutes of a 2-core CPU."""
+    """How much of each experiment runs: ``quick`` runs ``repro all`` in about half an hour of a 2-core CPU."""
 
     name: str
     prompts: int
@@ -87,7 +87,7 @@ class Scale:
     expected: str
 
 
-QUICK = Scale("quick", 4, 32, (1, 2, 3, 4, 5), (1, 3, 5), (1, 4), 3, "about 25 min on a 2-core CPU (SmolLM2 pair)")
+QUICK = Scale("quick", 4, 32, (1, 2, 3, 4, 5), (1, 3, 5), (1, 4), 3, "about 32 min on a 2-core CPU (SmolLM2 pair, empty caches)")
 FULL = Scale("full", 20, 128, (1, 2, 3, 4, 5), (1, 2, 3, 4, 5), (1, 2, 4, 8, 16), 5,
              "about 6 h on a 2-core CPU (SmolLM2 pair); minutes on a GPU")
 
