@@ -26,6 +26,7 @@ from jaxspec.cli.common import (
     add_model_args,
     add_prefill_args,
     add_structured_args,
+    check_prefill_args,
     config_from_args,
     grammar_for,
     read_prompts,
@@ -146,10 +147,7 @@ def cmd_generate(args) -> int:
         raise CliError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
     if args.max_batch < 1:
         raise CliError(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        raise CliError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
-    if args.prefill_stall is not None and not args.prefill_stall > 0:
-        raise CliError(f"--prefill-stall must be > 0, got {args.prefill_stall}")
+    check_prefill_args(args)
     if args.seed is None:  # as vLLM: an unseeded request gets a random seed, reported so it can be rerun
         args.seed = int(distributed.agree(np.asarray([secrets.randbits(31)], np.int32))[0])  # one for every process
         if args.temperature > 0 and distributed.is_leader():

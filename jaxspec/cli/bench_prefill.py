@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxspec.cli.common import (CliError, add_compile_cache_args, add_model_args, add_prefill_args, config_from_args,
+from jaxspec.cli.common import (CliError, add_compile_cache_args, add_model_args, add_prefill_args, check_prefill_args,
+                                config_from_args,
                                 read_prompts)
 
 DEFAULT_LENGTHS = "256,1024,2048,4096"
@@ -73,8 +74,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     lengths = parse_lengths(args.lengths)
     if args.repeats < 1:
         raise CliError(f"--repeats must be >= 1, got {args.repeats}")
-    if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        raise CliError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    check_prefill_args(args)
     engine, llm = build_engine(config_from_args(args))
     context = llm.cfg.max_position_embeddings
     if max(lengths) + 1 > context:

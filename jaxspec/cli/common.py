@@ -188,6 +188,14 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
                         "longer for its first token); default: one chunk every iteration")
 
 
+def check_prefill_args(args: argparse.Namespace) -> None:
+    """Refuses bad ``add_prefill_args`` values before anything loads."""
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise CliError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if args.prefill_stall is not None and not args.prefill_stall > 0:
+        raise CliError(f"--prefill-stall must be > 0, got {args.prefill_stall}")
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The one place a command's flags become an ``EngineConfig`` (``jaxspec.engine.build.build_engine``'s input)."""
     return EngineConfig(

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from jaxspec.cli.common import CliError, add_compile_cache_args, add_model_args, add_prefill_args, config_from_args
+from jaxspec.cli.common import (CliError, add_compile_cache_args, add_model_args, add_prefill_args, check_prefill_args,
+                                config_from_args)
 from jaxspec.config import SchedulerConfig
 from jaxspec.serving import server
 
@@ -63,10 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     server.check_address(args.host, args.port)  # before minutes of loading and compiling
-    if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        raise CliError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
-    if args.prefill_stall is not None and not args.prefill_stall > 0:
-        raise CliError(f"--prefill-stall must be > 0, got {args.prefill_stall}")
+    check_prefill_args(args)
     scheduler = SchedulerConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, max_queue=args.max_queue,
                                 prefill_chunk=args.prefill_chunk, prefill_stall=args.prefill_stall)
     config = server.ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,

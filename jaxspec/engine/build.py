@@ -136,14 +136,12 @@ def mesh_of(config: EngineConfig) -> Mesh | None:
 def build_scheduler(engine: Engine, config: SchedulerConfig, **hooks: Any) -> BatchEngine:
     """The scheduling loop over ``engine`` with ``config``'s limits; ``hooks`` are ``BatchEngine``'s callbacks and
     run-time companions (``on_iteration``, ``sync``, ``verbose``)."""
-    from jaxspec.engine.batch import BatchEngine  # noqa: PLC0415
+    from jaxspec.engine.batch import PREFILL_BUCKETS, BatchEngine  # noqa: PLC0415
 
-    if config.prefill_chunk is not None:
-        hooks = {"prefill_chunk": config.prefill_chunk, **hooks}
-    if config.prefill_stall is not None:
-        hooks = {"prefill_stall": config.prefill_stall, **hooks}
+    chunk = PREFILL_BUCKETS[-1] if config.prefill_chunk is None else config.prefill_chunk
     return BatchEngine(engine, max_batch=config.max_batch, max_model_len=config.max_model_len,
-                       max_queue=config.max_queue, eager=config.eager, **hooks)
+                       max_queue=config.max_queue, eager=config.eager, prefill_chunk=chunk,
+                       prefill_stall=config.prefill_stall, **hooks)
 
 
 def device_line(engine: Engine) -> str:
