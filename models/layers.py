@@ -148,6 +148,33 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
+BATCH_KV = ((0, 1), (0, 1))  # dot_general batch dimensions of the grouped layout: (B, K)
+NEG = float(jnp.finfo(jnp.float32).min)  # the score of a slot a query does not see
+
+
+def group_queries(q: jax.Array, kv: int) -> jax.Array:
+    """q [B, T, N, H] as each KV head's queries in one block: [B, K, G*T, H] (G = N / K)."""
+    b, t, n, h = q.shape
+    return q.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, n // kv * t, h)
+
+
+def ungroup(out: jax.Array, t: int) -> jax.Array:
+    """``group_queries``'s inverse for an output [B, K, G*T, H]: [B, T, N, H]."""
+    b, kv, gt, h = out.shape
+    g = gt // t
+    return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, h)
+
+
+def masked_scores(qk: jax.Array, keys: jax.Array, mask: jax.Array) -> jax.Array:
+    """Scaled scores [B, K, G*T, S'] (f32) of grouped queries qk [B, K, G*T, H] against keys [B, K, S', H], NEG
+    where mask [B, T, S'] hides the slot from the query."""
+    b, kv, gt, h = qk.shape
+    t = mask.shape[1]
+    sc = jax.lax.dot_general(qk, keys.astype(qk.dtype), (((3,), (3,)), BATCH_KV), preferred_element_type=jnp.float32)
+    see = jnp.broadcast_to(mask[:, None, None], (b, 1, gt // t, t, mask.shape[-1])).reshape(b, 1, gt, -1)
+    return jnp.where(see, sc * (1.0 / math.sqrt(h)), NEG)
+
+
 def masked_attention(q, k_old, v_old, k_new, v_new, mask_old, mask_new) -> jax.Array:
     """Grouped-query attention of q [B,T,N,H] over cached k/v_old [B,K,S,H] and new k/v_new [B,T,K,H].
 
@@ -157,29 +184,17 @@ def masked_attention(q, k_old, v_old, k_new, v_new, mask_old, mask_new) -> jax.A
     are plain batched matrix products over (B, K), with no transpose of the cache (on a CPU the
     einsum over an [S, K, H] cache cost 2-3x more at 512-1024 slots).
     """
-    b, t, n, h = q.shape
-    kv = k_old.shape[1]
-    g = n // kv
-    batch = ((0, 1), (0, 1))
-    qk = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)  # [B, K, G*T, H]
-    neg = jnp.finfo(jnp.float32).min
-    scale = 1.0 / math.sqrt(h)
-
-    def scores(keys, mask):  # keys [B, K, S', H], mask [B, T, S'] -> masked scores [B, K, G*T, S']
-        sc = jax.lax.dot_general(qk, keys.astype(q.dtype), (((3,), (3,)), batch), preferred_element_type=jnp.float32)
-        see = jnp.broadcast_to(mask[:, None, None], (b, 1, g, t, mask.shape[-1])).reshape(b, 1, g * t, -1)
-        return jnp.where(see, sc * scale, neg)
-
-    blocks = [(scores(k_old, mask_old), v_old)]
+    qk = group_queries(q, k_old.shape[1])  # [B, K, G*T, H]
+    blocks = [(masked_scores(qk, k_old, mask_old), v_old)]
     if k_new is not None:
-        blocks.append((scores(k_new.transpose(0, 2, 1, 3), mask_new), v_new.transpose(0, 2, 1, 3)))
+        blocks.append((masked_scores(qk, k_new.transpose(0, 2, 1, 3), mask_new), v_new.transpose(0, 2, 1, 3)))
     top = functools.reduce(jnp.maximum, [sc.max(-1, keepdims=True) for sc, _ in blocks])  # one softmax over all
     probs = [jnp.exp(sc - top) for sc, _ in blocks]
     total = sum(p.sum(-1, keepdims=True) for p in probs)
     dtype = v_old.dtype if k_new is None else v_new.dtype
-    out = sum(jax.lax.dot_general((p / total).astype(dtype), vals.astype(dtype), (((3,), (2,)), batch))
+    out = sum(jax.lax.dot_general((p / total).astype(dtype), vals.astype(dtype), (((3,), (2,)), BATCH_KV))
               for p, (_, vals) in zip(probs, blocks))  # [B, K, G*T, H]
-    return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    return ungroup(out, q.shape[1])
 
 
 ATTENTION_BLOCK = 256  # slots per block of ``block_attention`` (a cache of at most this many is read whole)
@@ -201,13 +216,9 @@ def block_attention(q, k_all, v_all, mask, used, block: int) -> jax.Array:
     ``used`` must be masked for every query (they hold no committed or new token). Any S >= block
     works: a last block that would run past the cache starts earlier and skips the slots read already.
     """
-    b, t, n, h = q.shape
-    kv, slots = k_all.shape[1], k_all.shape[2]
-    g = n // kv
-    batch = ((0, 1), (0, 1))
-    qk = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)  # [B, K, G*T, H]
-    neg = jnp.finfo(jnp.float32).min
-    scale = 1.0 / math.sqrt(h)
+    slots = k_all.shape[2]
+    qk = group_queries(q, k_all.shape[1])  # [B, K, G*T, H]
+    lead = qk.shape[:3] + (1,)  # [B, K, G*T, 1]
 
     def step(i, carry):  # carry: running max m, sum l [B, K, G*T, 1] and output acc [B, K, G*T, H], all f32
         m, l, acc = carry
@@ -216,21 +227,19 @@ def block_attention(q, k_all, v_all, mask, used, block: int) -> jax.Array:
         vals = jax.lax.dynamic_slice_in_dim(v_all, at, block, 2)
         see = jax.lax.dynamic_slice_in_dim(mask, at, block, 2)  # [B, T, blk]
         see = see & (at + jnp.arange(block) >= i * block)  # slots an earlier block read are not seen twice
-        see = jnp.broadcast_to(see[:, None, None], (b, 1, g, t, block)).reshape(b, 1, g * t, block)
-        sc = jax.lax.dot_general(qk, keys.astype(q.dtype), (((3,), (3,)), batch), preferred_element_type=jnp.float32)
-        sc = jnp.where(see, sc * scale, neg)
+        sc = masked_scores(qk, keys, see)  # [B, K, G*T, blk]
         top = jnp.maximum(m, sc.max(-1, keepdims=True))
-        p = jnp.where(see, jnp.exp(sc - top), 0.0)  # a query that sees nothing here adds nothing
+        p = jnp.where(sc > NEG, jnp.exp(sc - top), 0.0)  # a query that sees nothing here adds nothing
         fade = jnp.exp(m - top)
-        pv = jax.lax.dot_general(p.astype(v_all.dtype), vals, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
+        pv = jax.lax.dot_general(p.astype(v_all.dtype), vals, (((3,), (2,)), BATCH_KV),
+                                 preferred_element_type=jnp.float32)
         return top, l * fade + p.sum(-1, keepdims=True), acc * fade + pv
 
-    start = (jnp.full((b, kv, g * t, 1), neg, jnp.float32), jnp.zeros((b, kv, g * t, 1), jnp.float32),
-             jnp.zeros((b, kv, g * t, h), jnp.float32))
+    start = (jnp.full(lead, NEG, jnp.float32), jnp.zeros(lead, jnp.float32), jnp.zeros(qk.shape, jnp.float32))
     blocks = (jnp.minimum(used, slots) + block - 1) // block
     _, l, acc = jax.lax.fori_loop(0, blocks, step, start)
     out = (acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)).astype(v_all.dtype)  # [B, K, G*T, H]
-    return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    return ungroup(out, q.shape[1])
 
 
 class Attention(nn.Module):
