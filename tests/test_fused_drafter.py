@@ -222,6 +222,7 @@ def test_acceptance_curve_is_a_csv_and_a_plot_of_every_held_out_set(tmp_path):
     assert (tmp_path / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # ~3 min cold; the default run serves a fused drafter losslessly and trains one
 def test_teacher_forced_coverage_reads_the_taps_the_engine_drafts_from(tmp_path, monkeypatch):
     """``bench coverage`` / ``repro table1`` score a fused drafter on the LLM's blocks it reads: replaying a <1>
     tree from the teacher-forced drafter's argmax gives exactly the engine's accepted tokens per step."""

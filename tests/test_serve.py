@@ -32,7 +32,7 @@ MAX_MODEL_LEN = 256
 MAX_BATCH = 4  # slots: four clients at once fill the server
 MAX_QUEUE = 64
 MAX_BODY = 1 << 20  # --max-body-bytes of the test server
-STARTUP_S = 300
+STARTUP_S = 600
 # A reply's bound: a speculating server compiles the trees a new batch shape needs while its clients wait (a minute
 # or more on a 2-core CPU shared with another test worker); a hung server still fails the test.
 REQUEST_S = 300
