@@ -114,8 +114,8 @@ def check_schedules(engine: Engine, prompts: list[list[int]], label: str, max_mo
 
 @pytest.mark.parametrize("mode", ["incremental", pytest.param("tree", marks=pytest.mark.slow),
                                   pytest.param("dynamic", marks=pytest.mark.slow), "auto"])
-# tree and dynamic: ~3 min each with a cold compile cache; auto runs the same SSM + n-gram trees between plain steps
-# under the same schedules, and test_batch / test_dynamic_tree put dynamic trees through batches
+# tree and dynamic: ~3 min each with a cold compile cache; auto runs SSM and n-gram trees between plain steps under
+# the same schedules, and test_batch / test_dynamic_tree put dynamic trees through batches
 def test_random_schedules_give_every_request_its_solo_output(mode):
     llm = tiny_model()
     check_schedules(engines(llm)[mode], prompt_set(llm.cfg.vocab_size), mode, MAX_MODEL_LEN)

@@ -708,7 +708,7 @@ def test_end_to_end_tree_mss_matches_llm(mss_sampler, warp):
     assert pval > ALPHA, pval
 
 
-@pytest.mark.slow  # ~3 min cold; test_coupled's every-mode test and test_batch run n-gram chains under MSS by default
+@pytest.mark.slow  # ~3 min cold; the default run keeps the SSM tree's chi-square above and test_speculation's n-gram-under-MSS run
 def test_end_to_end_tree_mss_with_ngram_matches_llm(models):
     """The n-gram chain merged into the SSMs' tree: each proposed token is a one-hot draft."""
     llm = models[0]
@@ -724,7 +724,7 @@ def test_end_to_end_tree_mss_with_ngram_matches_llm(models):
     assert pval > ALPHA, pval
 
 
-@pytest.mark.slow  # ~3 min cold; test_training's pool test serves a reduced draft vocabulary losslessly by default
+@pytest.mark.slow  # ~3 min cold; the default run keeps test_training's reduced draft vocabulary (greedy identity only)
 def test_end_to_end_tree_mss_with_reduced_draft_vocabulary_matches_llm(models):
     """Both SSMs draft over 6 of 16 tokens: tokens they never propose still come out at the LLM's rate."""
     sampler = _tree_sampler(models, ALL_STAGES, "mss", E2E_B, draft_vocab=6)
