@@ -708,7 +708,7 @@ def test_end_to_end_tree_mss_matches_llm(mss_sampler, warp):
     assert pval > ALPHA, pval
 
 
-@pytest.mark.slow  # ~3 min cold; the default run keeps the SSM tree's chi-square above and test_speculation's n-gram-under-MSS run
+@pytest.mark.slow  # ~3 min cold; the default run keeps the SSM tree chi-square and test_speculation's n-gram MSS run
 def test_end_to_end_tree_mss_with_ngram_matches_llm(models):
     """The n-gram chain merged into the SSMs' tree: each proposed token is a one-hot draft."""
     llm = models[0]
