@@ -94,3 +94,6 @@ class SchedulerConfig:
     """While requests decode, prompt chunks take at most this fraction of their decoding time (``--prefill-stall``:
     0.5 keeps the decoding rows' mean per-token latency within about 1.5x while a long prompt enters, at the
     cost of that prompt's time to first token); None: one chunk every iteration."""
+    prefix_cache_bytes: int | None = None
+    """Bound of the prefix cache (``--prefix-cache-gb``; ``jaxspec.engine.prefix``): prompts' K/V kept in blocks a
+    later prompt sharing the prefix starts after; None: a share of free memory; 0: off."""

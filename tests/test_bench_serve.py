@@ -83,9 +83,11 @@ def test_metrics_delta_from_real_server_metrics():
     for tree, emitted, drafted in (("ngram", [3, 1], [5, 5]), ("none", [1, 1], [0, 0]), ("ngram", [2], [5])):
         m.observe_iteration(types.SimpleNamespace(tree=tree, seconds=0.01, emitted=emitted, drafted=drafted,
                                                   accepted_depth=[e - 1 for e in emitted]))
+    m.prefix_queries.inc(100)
+    m.prefix_hits.inc(48)
     d = metrics_delta(before, parse_metrics(_exposition(m)))
     assert d == {"tokens_per_step": 8 / 5, "acceptance_length": 1 + 3 / 3, "slots_per_iteration": round(5 / 3, 3),
-                 "llm_iterations": 3, "tree": "ngram:2 none:1"}
+                 "llm_iterations": 3, "tree": "ngram:2 none:1", "prefix_hit_rate": 0.48}
     assert set(metrics_delta(None, before).values()) == {""}
 
 
@@ -93,6 +95,21 @@ def _exposition(m) -> str:
     from prometheus_client import generate_latest
 
     return generate_latest(m.registry).decode()
+
+
+def test_shared_prefix_workload_gives_each_request_its_system_prompt():
+    from jaxspec.cli.bench_serve import parse_shared_prefix, with_system_prompts
+
+    assert parse_shared_prefix("4:1000") == (4, 1000)
+    for bad in ("4", "0:10", "a:b", "4:-1"):
+        with pytest.raises(CliError, match="--shared-prefix"):
+            parse_shared_prefix(bad)
+    prompts = [{"prompt": "one two three"}, {"prompt": "four five"}, {"prompt": "six"}]
+    out = with_system_prompts(prompts, 2, 7)
+    assert [p["prompt"] for p in out] == [p["prompt"] for p in prompts]
+    assert out[0]["system"] == out[2]["system"] != out[1]["system"]
+    assert out[0]["system"] == "System prompt 0. one two three four five six one"
+    assert out[1]["system"] == "System prompt 1. four five six one two three four"
 
 
 def test_levels_targets_and_speedups():

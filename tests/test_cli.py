@@ -84,10 +84,13 @@ def test_generate_prompt_file_jsonl_and_tree_mode(tmp_path):
                                  enumerate(["What is 2+2?", "Name a color."])) + "\n")
     out = tmp_path / "out.jsonl"
     proc = run_cli("generate", "--prompt-file", str(prompts), "--mode", "tree", "--ssm", "layers:4",
-                   "--expansion", "1,2,1", "--max-new-tokens", "12", "--output", str(out))
+                   "--expansion", "1,2,1", "--max-new-tokens", "12", "--output", str(out), "-v")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["q0", "q1"]
+    # the chat template's system prompt comes first in both: the second starts after it
+    assert rows[0]["cached_tokens"] == 0 and rows[1]["cached_tokens"] > 16
+    assert f"prefix cache: {rows[1]['cached_tokens']} of " in proc.stderr
     for r in rows:
         assert {"id", "prompt", "text", "token_ids", "llm_steps", "seconds", "tokens_per_step", "ssm_steps"} <= set(r)
         assert r["prefill_seconds"] > 0  # admission to the first token

@@ -500,6 +500,34 @@ def test_metrics_parse_and_move(server):
         assert (name, ()) in after, name
 
 
+def test_a_shared_system_prompt_is_served_from_the_prefix_cache(server):
+    """usage.prompt_tokens_details.cached_tokens and the prefix-cache counters are exact; a hit changes no text."""
+    system = ("You are the ship's navigator on a long voyage. Answer in one short sentence, name the star you "
+              "steer by, and never mention the weather or the crew's meals.")
+
+    def ask(question: str, **kw):
+        return server.client().chat.completions.create(
+            model=server.model, messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=8, temperature=0, **kw)
+
+    before = server.metrics()
+    first = ask("Where are we heading?")
+    second = ask("How far is the next port?")
+    pieces, _, usage = streamed(ask("How far is the next port?", stream=True, stream_options={"include_usage": True}))
+    after = server.metrics()
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (first, second)] + [
+        usage.prompt_tokens_details.cached_tokens]
+    assert cached[0] == 0  # nothing before shares the system prompt's first block
+    assert 32 <= cached[1] < second.usage.prompt_tokens and cached[1] % 16 == 0  # the system prompt's full blocks
+    assert cached[2] >= cached[1]
+    assert pieces == [second.choices[0].message.content]  # from more cached tokens, the same text
+    queried = sum(r.usage.prompt_tokens for r in (first, second)) + usage.prompt_tokens
+    assert counter(after, "jaxspec_prefix_cache_queries_total") - counter(before,
+                                                                        "jaxspec_prefix_cache_queries_total") == queried
+    assert counter(after, "jaxspec_prefix_cache_hits_total") - counter(before, "jaxspec_prefix_cache_hits_total") == \
+        sum(cached)
+
+
 def test_flags_fail_before_loading(server):
     """An address in use (the running server's) or a meaningless flag: one error line, exit 2, in seconds."""
     cases = ((["--port", str(server.port)], ["in use"], {}), (["--no-chat"], ["--no-chat"], {}),

@@ -29,6 +29,7 @@ from jaxspec.cli.common import (
     check_prefill_args,
     config_from_args,
     grammar_for,
+    prefix_cache_bytes,
     read_prompts,
     report_compile_cache,
     sampling_params,
@@ -133,6 +134,7 @@ def record(row: dict, sample: int, gen, tokenizer, args) -> dict:
         "tokens_per_step": round(gen.tokens_per_step, 4),
         "seconds": round(gen.seconds, 4),
         "prefill_seconds": round(gen.prefill_seconds, 4),
+        "cached_tokens": gen.cached_tokens,
         "finish_reason": gen.finish_reason,
         "seed": args.seed + sample,
         "mode": args.mode,
@@ -205,14 +207,18 @@ def report_host(batch: "BatchEngine", args) -> None:
             print(f"[jaxspec] per member, median: {'; '.join(parts)}", file=sys.stderr)
 
 
-def report_prefill(requests: list, gens: list) -> None:
-    """``-v``: prompt tokens and the seconds from admission to first token, for one request or as medians."""
+def report_prefill(requests: list, gens: list, batch) -> None:
+    """``-v``: prompt tokens and the seconds from admission to first token, for one request or as medians; what
+    the prefix cache served."""
     tokens = np.asarray([len(r.prompt_ids) for r in requests])
     seconds = np.asarray([g.prefill_seconds for g in gens])
     rate = tokens / np.maximum(seconds, 1e-9)
     what = f"{tokens[0]} prompt tokens" if len(gens) == 1 else f"median {np.median(tokens):.0f} prompt tokens"
     print(f"[jaxspec] prefill: {what} to the first token in {np.median(seconds):.2f}s "
           f"({np.median(rate):.0f} tokens/s)", file=sys.stderr)
+    cache = batch.prefix
+    print(f"[jaxspec] prefix cache: {cache.stats.hits} of {cache.stats.queries} prompt tokens reused; "
+          f"{len(cache)} blocks, {cache.bytes / 2**20:.1f} of {cache.max_bytes / 2**20:.0f} MiB", file=sys.stderr)
 
 
 def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
@@ -242,7 +248,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     limits = SchedulerConfig(max_batch=min(args.max_batch, len(jobs)),
                              max_model_len=min(longest + args.max_new_tokens, llm.cfg.max_position_embeddings),
                              eager=args.compile == "all", prefill_chunk=args.prefill_chunk,
-                             prefill_stall=args.prefill_stall)
+                             prefill_stall=args.prefill_stall, prefix_cache_bytes=prefix_cache_bytes(args))
     batch = build_scheduler(engine, limits, sync=distributed.loop_sync(), verbose=say)
     if engine.auto and args.recalibrate:  # -v alone leaves the lazy path as it is (its builds are reported)
         report_calibration(engine, batch, args, jobs[0][2].prompt_ids)
@@ -264,7 +270,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
         print(f"[jaxspec] {len(gen.token_ids)} tokens in {gen.seconds:.2f}s, {gen.llm_steps} LLM steps, "
               f"{gen.tokens_per_step:.2f} tokens/step ({gen.finish_reason})", file=sys.stderr)
         if args.verbose:
-            report_prefill([requests[0]], [gen])
+            report_prefill([requests[0]], [gen], batch)
         report_host(batch, args)
         if out:
             out.write(json.dumps(record(rows[0], 0, gen, llm.tokenizer, args)) + "\n")
@@ -279,7 +285,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     print(f"[jaxspec] {len(jobs)} requests in batches of up to {batch.max_batch}: {batch.iterations} iterations, "
           f"{tokens / max(steps, 1):.2f} tokens/step per request", file=sys.stderr)
     if args.verbose:
-        report_prefill(requests, gens)
+        report_prefill(requests, gens, batch)
     report_host(batch, args)
     return 0
 

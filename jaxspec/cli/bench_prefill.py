@@ -85,6 +85,9 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     if args.prefill_stall is not None:
         raise CliError("--prefill-stall paces prompts beside decoding requests; bench prefill runs one request at a "
                        "time (measure it with jaxspec bench serve)")
+    if args.prefix_cache_gb is not None:
+        raise CliError("--prefix-cache-gb: bench prefill times cold prompts and keeps the prefix cache off (measure "
+                       "hits with jaxspec bench serve --shared-prefix)")
     limits = SchedulerConfig(max_batch=1, max_model_len=max(lengths) + 1, prefill_chunk=args.prefill_chunk)
     batch = build_scheduler(engine, limits, reuse_prefix=False)
     rows = []

@@ -59,6 +59,11 @@ def add_parser(kinds) -> None:
                    help="seconds a started server may take to load and compile")
     p.add_argument("--prompt-file", required=True, help="JSONL, field 'prompt'; request i sends prompt i mod N")
     p.add_argument("--limit", type=int, default=100, help="first N prompts")
+    p.add_argument("--shared-prefix", metavar="N:WORDS",
+                   help="shared-prefix workload: request i's chat starts with system prompt i mod N of about WORDS "
+                        "words (cut from the prompt file's texts), then its own prompt as the user message")
+    p.add_argument("--prefix-cache-gb", type=float, metavar="GB",
+                   help="passed to every started server (0: its prefix cache off; compare a run with and without)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--seed", type=int, default=0, help="arrival schedule; request i is sent seed + i")
@@ -140,7 +145,7 @@ def metrics_delta(before: dict[str, float] | None, after: dict[str, float] | Non
     """
     if before is None or after is None:
         return dict.fromkeys(("tokens_per_step", "acceptance_length", "slots_per_iteration", "llm_iterations",
-                              "tree"), "")
+                              "tree", "prefix_hit_rate"), "")
 
     def d(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -148,6 +153,8 @@ def metrics_delta(before: dict[str, float] | None, after: dict[str, float] | Non
     steps, tokens = d("jaxspec_tokens_per_llm_step_count"), d("jaxspec_tokens_per_llm_step_sum")
     drafts, accepted = d("jaxspec_spec_decode_num_drafts_total"), d("jaxspec_spec_decode_num_accepted_tokens_total")
     iterations = d("jaxspec_iterations_total")
+    queried = d("jaxspec_prefix_cache_queries_total")
+    hit_rate = round(d("jaxspec_prefix_cache_hits_total") / queried, 4) if queried else ""
     prefix = "jaxspec_iterations_total{tree="
     trees = {k[len(prefix):-1]: round(d(k)) for k in after if k.startswith(prefix) and d(k) > 0}
     return {
@@ -156,7 +163,32 @@ def metrics_delta(before: dict[str, float] | None, after: dict[str, float] | Non
         "slots_per_iteration": round(steps / iterations, 3) if iterations else "",
         "llm_iterations": round(iterations),
         "tree": " ".join(f"{name}:{n}" for name, n in trees.items()),
+        "prefix_hit_rate": hit_rate,
     }
+
+
+def parse_shared_prefix(text: str) -> tuple[int, int]:
+    """``--shared-prefix N:WORDS`` as (N, WORDS), both >= 1."""
+    n, sep, words = text.partition(":")
+    try:
+        got = (int(n), int(words)) if sep else None
+    except ValueError:
+        got = None
+    if got is None or min(got) < 1:
+        raise CliError(f"--shared-prefix takes N:WORDS (system prompts, words each; both >= 1), got {text!r}")
+    return got
+
+
+def with_system_prompts(prompts: list[dict], n: int, words: int) -> list[dict]:
+    """``prompts`` with system prompt i mod ``n`` each: ``words`` words of the prompts' own texts, system prompt j
+    starting at prompt j (so no two share a first block), numbered so they differ even on a one-prompt file."""
+    pool = [w for p in prompts for w in p["prompt"].split()] or ["Answer."]
+    systems = []
+    for j in range(n):
+        start = sum(len(p["prompt"].split()) for p in prompts[: j % len(prompts)])
+        body = [pool[(start + k) % len(pool)] for k in range(words)]
+        systems.append(f"System prompt {j}. " + " ".join(body))
+    return [dict(p, system=systems[i % n]) for i, p in enumerate(prompts)]
 
 
 def parse_levels(text: str, flag: str, integer: bool) -> list[float]:
@@ -257,7 +289,8 @@ class Client:
 
     def chat(self, index: int, prompt: dict, max_tokens: int, temperature: float, seed: int) -> Result:
         """One streaming chat completion, timed chunk by chunk; errors are recorded, never raised."""
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt["prompt"]}],
+        system = [{"role": "system", "content": prompt["system"]}] if prompt.get("system") else []
+        body = {"model": self.model, "messages": system + [{"role": "user", "content": prompt["prompt"]}],
                 "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stream": True,
                 "stream_options": {"include_usage": True}}
         r = Result(index, str(prompt.get("id", index)), time.perf_counter())
@@ -327,6 +360,8 @@ class ServerProcess:
             cmd += ["--model", a.model]
         if a.max_model_len:
             cmd += ["--max-model-len", str(a.max_model_len)]
+        if a.prefix_cache_gb is not None:
+            cmd += ["--prefix-cache-gb", str(a.prefix_cache_gb)]
         if self.mode != "incremental":
             cmd += [flag for spec in a.ssm or [] for flag in ("--ssm", spec)]
             cmd += ["--expansion", a.expansion] if a.expansion else []
@@ -530,6 +565,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.warmup < 0 or args.temperature < 0 or args.request_timeout <= 0:
         raise CliError("--warmup and --temperature must be >= 0 and --request-timeout > 0")
     prompts = read_prompts(args.prompt_file, args.limit)
+    if args.shared_prefix:
+        prompts = with_system_prompts(prompts, *parse_shared_prefix(args.shared_prefix))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows, requests = [], []

@@ -186,6 +186,10 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
                    help="while requests decode, prompt chunks take at most R times their decoding time (0.5: their "
                         "tokens come at most ~1.5x slower on average while a long prompt enters, which then waits "
                         "longer for its first token); default: one chunk every iteration")
+    p.add_argument("--prefix-cache-gb", type=float, metavar="GB",
+                   help="bound of the prefix cache, which keeps prompts' K/V in 16-token blocks so a later prompt "
+                        "sharing a prefix (a system prompt, a document, a chat's earlier turns) starts after it "
+                        "(default: 10%% of free accelerator memory, 5%% of RAM on a CPU; 0: off)")
 
 
 def check_prefill_args(args: argparse.Namespace) -> None:
@@ -194,6 +198,13 @@ def check_prefill_args(args: argparse.Namespace) -> None:
         raise CliError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     if args.prefill_stall is not None and not args.prefill_stall > 0:
         raise CliError(f"--prefill-stall must be > 0, got {args.prefill_stall}")
+    if args.prefix_cache_gb is not None and not args.prefix_cache_gb >= 0:
+        raise CliError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
+
+
+def prefix_cache_bytes(args: argparse.Namespace) -> int | None:
+    """``--prefix-cache-gb`` in bytes (None: the engine's default bound)."""
+    return None if args.prefix_cache_gb is None else int(args.prefix_cache_gb * 2**30)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -9,7 +9,7 @@ import argparse
 import os
 
 from jaxspec.cli.common import (CliError, add_compile_cache_args, add_model_args, add_prefill_args, check_prefill_args,
-                                config_from_args)
+                                config_from_args, prefix_cache_bytes)
 from jaxspec.config import SchedulerConfig
 from jaxspec.serving import server
 
@@ -66,7 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server.check_address(args.host, args.port)  # before minutes of loading and compiling
     check_prefill_args(args)
     scheduler = SchedulerConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, max_queue=args.max_queue,
-                                prefill_chunk=args.prefill_chunk, prefill_stall=args.prefill_stall)
+                                prefill_chunk=args.prefill_chunk, prefill_stall=args.prefill_stall,
+                                prefix_cache_bytes=prefix_cache_bytes(args))
     config = server.ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                 api_key=key, max_body_bytes=args.max_body_bytes, request_log=args.request_log,
                                 shutdown_timeout=args.shutdown_timeout, warm_structured=args.warm_structured)

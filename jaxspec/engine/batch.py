@@ -44,6 +44,7 @@ import numpy as np
 from jaxspec.cache import compile_cache_on
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import TreeChooser
+from jaxspec.engine.prefix import BLOCK, PrefixCache, cut_block, default_bytes, paste_block
 from jaxspec.engine.runner import Generation, RequestError, Runner, check_fits
 from jaxspec.engine.stops import check_stops
 from jaxspec.parallel.sharding import fetch, pinned
@@ -56,6 +57,15 @@ BUILD_SWITCH_INTERVAL = 2e-4  # seconds a thread holds the GIL while a build run
 PREFILL_BUCKETS = (16, 64, 256)  # chunk shapes a prompt is fed in (one executable each)
 DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
 MIN_CAPACITY = 256  # the smallest cache bucket: below it a step's cost hardly depends on the cache
+
+
+def counted(engine: Runner, fn: Callable) -> Callable:
+    """``fn``, counting each trace in ``engine.compilations`` (a second round of the same shapes compiles nothing)."""
+    def traced(*args):
+        engine.compilations += 1
+        return fn(*args)
+
+    return traced
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -155,6 +165,7 @@ class Event:
     completion_tokens: int = 0  # total so far
     generation: Generation | None = None  # counters, on the final event
     tree: str | None = None  # the family member whose iteration emitted these tokens (None: the prefill)
+    cached_tokens: int = 0  # prompt tokens whose K/V were reused, not computed (the prefix cache's hit)
 
 
 @dataclasses.dataclass
@@ -203,6 +214,7 @@ class _Staging:
     ticket: Ticket
     on_event: Callable[[Event], None]
     fed: int = 0
+    cached: int = 0  # prompt tokens whose K/V were reused, not computed (the staging row's or the prefix cache's)
     matcher: object = None  # the request's grammar matcher, made when it is staged
     began: float = dataclasses.field(default_factory=time.perf_counter)  # when its first chunk was staged
 
@@ -229,6 +241,10 @@ class LoopSync:
     def agree_pick(self, name: str, names: list[str]) -> str:
         return name
 
+    def agree_int(self, value: int) -> int:
+        """Process 0's ``value`` (a setting every process must share, e.g. the prefix cache's bound)."""
+        return value
+
     def failed(self, what: str, exc: BaseException) -> None:
         """Called before the loop handles a failure locally; a multi-process sync ends the process here."""
 
@@ -250,6 +266,7 @@ class BatchEngine:
         reuse_prefix: bool = True,
         background: bool = True,
         prefill_stall: float | None = None,
+        prefix_cache_bytes: int | None = None,
     ) -> None:
         """``sync`` joins a multi-process run (``jaxspec.parallel.distributed``); ``verbose`` hears what compiles when;
         ``eager`` compiles every family member at a bucket's first use (else auto's trees compile where they pay);
@@ -257,7 +274,9 @@ class BatchEngine:
         ``background``: lazy auto builds a tree it wants in a worker thread while plain steps go on (one process only;
         False: the loop waits for the build, as every process of a multi-process run must); ``prefill_stall`` R:
         while requests decode, prompt chunks take at most R times the decoding time (a chunk runs, then the
-        decoding rows run alone until they made up R times its seconds; None: one chunk every iteration)."""
+        decoding rows run alone until they made up R times its seconds; None: one chunk every iteration);
+        ``prefix_cache_bytes``: the bound of the prefix cache (``jaxspec.engine.prefix``; None: a share of free
+        memory, 0: off; off as well without ``reuse_prefix``)."""
         if max_batch < 1:
             raise RequestError(f"--max-batch must be >= 1, got {max_batch}")
         if prefill_chunk < 1:
@@ -300,6 +319,11 @@ class BatchEngine:
         self.prefill_waits = 0  # iterations whose admission waited for the decoding rows (prefill_stall)
         self._chunk_queued = False  # this iteration's admission queued a prompt chunk before its step
         self.prefix_reuses = 0  # requests admitted after a reused prefix
+        if prefix_cache_bytes is not None and prefix_cache_bytes < 0:
+            raise RequestError(f"--prefix-cache-gb must be >= 0, got {prefix_cache_bytes / 2**30:g}")
+        bound = default_bytes() if prefix_cache_bytes is None else prefix_cache_bytes
+        # processes evict alike only under one bound (each pastes what process 0 pastes, in the same programs)
+        self.prefix = PrefixCache(self.sync.agree_int(bound) if reuse_prefix else 0)
         self.waiting: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
         self.incoming: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
         self.lock = threading.Lock()
@@ -416,6 +440,10 @@ class BatchEngine:
                 self._compiled[name] = jax.jit(pinned(move_row, e.mesh), donate_argnums=(0,))
             elif name == "retire":
                 self._compiled[name] = jax.jit(pinned(set_inactive, e.mesh), donate_argnums=(0,))
+            elif name == "cut":
+                self._compiled[name] = jax.jit(counted(e, cut_block))
+            elif name == "paste":
+                self._compiled[name] = jax.jit(pinned(counted(e, paste_block), e.mesh), donate_argnums=(0,))
             else:
                 raise KeyError(name)
         return self._compiled[name]
@@ -881,11 +909,8 @@ class BatchEngine:
                 if not self.waiting:
                     return 0
                 ticket, on_event = self.waiting.popleft()
-            prompt = ticket.request.prompt_ids
-            staged = self._staged if self.reuse_prefix else []
-            shared = next((k for k, (a, b) in enumerate(zip(staged, prompt)) if a != b), min(len(staged), len(prompt)))
-            self.staging = _Staging(ticket, on_event, fed=min(shared, len(prompt) - 1))
-            self.prefix_reuses += self.staging.fed > 0
+            self.staging = _Staging(ticket, on_event)
+            self._reuse_prefix(self.staging)
             if ticket.request.grammar is not None:
                 vocab = self.engine.row_masks().vocab
                 self.staging.matcher = vocab.matcher(vocab.compile(ticket.request.grammar))
@@ -922,13 +947,14 @@ class BatchEngine:
         self._fit(extra_rows=1)
         row = len(self.slots)
         self.state = self._fn("insert")(self.state, self.staging_state, jax.device_put(np.int32(row)))
+        self._remember(prompt)
         try:
             first = int(fetch(self.staging_state.root)[0])
             index = ngram.NGramIndex(prompt, e.ngram.max_n, e.ngram.min_n) if e.ngram else None
             stop_ids = set(e.llm.cfg.eos_token_ids if req.stop_ids is None else req.stop_ids)
             now = time.perf_counter()
-            slot = _Slot(st.ticket, st.on_event, Generation([], 0, 0, 0.0, "length", prefill_seconds=now - st.began),
-                         now, index, len(prompt), stop_ids, row, st.matcher)
+            gen = Generation([], 0, 0, 0.0, "length", prefill_seconds=now - st.began, cached_tokens=st.cached)
+            slot = _Slot(st.ticket, st.on_event, gen, now, index, len(prompt), stop_ids, row, st.matcher)
         except BaseException:  # the row went live on the device but no slot tracks it: take it back
             self.state = self._fn("retire")(self.state, jax.device_put(np.int32(row)))
             raise  # ``step`` ends the still-staged request with an error event
@@ -941,6 +967,40 @@ class BatchEngine:
             if slot.row >= 0:
                 self._retire(slot, "error", error=f"{type(exc).__name__}: {exc}")
         return size
+
+    def _reuse_prefix(self, st: _Staging) -> None:
+        """Starts ``st`` after the longest prefix of its prompt whose K/V are at hand: the staging row's own (the
+        prompt fed before it) or the prefix cache's blocks, copied into the staging row."""
+        prompt = st.ticket.request.prompt_ids
+        if not self.reuse_prefix:
+            return
+        self._fit()  # the staging row laid out for this prompt (a shrink cuts ``_staged`` with the slots)
+        staged = self._staged
+        shared = next((k for k, (a, b) in enumerate(zip(staged, prompt)) if a != b), min(len(staged), len(prompt)))
+        chain = self.prefix.lookup(prompt)
+        if len(chain) * BLOCK > shared:
+            self._staged = []  # invalid while blocks are written
+            for i in range(shared // BLOCK, len(chain)):
+                self.staging_state = self._fn("paste")(self.staging_state, chain[i].block,
+                                                       jax.device_put(np.int32(i * BLOCK)))
+            shared = len(chain) * BLOCK
+            self._staged = list(prompt[:shared])
+        st.fed = st.cached = min(shared, len(prompt) - 1)
+        self.prefix.stats.hits += st.cached
+        self.prefix_reuses += st.cached > 0
+
+    def _remember(self, prompt: list[int]) -> None:
+        """Caches the full blocks of ``prompt`` that the prefix cache lacks, cut from the staging row it was fed to."""
+        if not self.prefix.max_bytes:
+            return
+        chain = self.prefix.match(prompt)
+        parent = chain[-1].id if chain else -1
+        for start in range(len(chain) * BLOCK, len(prompt) - BLOCK + 1, BLOCK):
+            entry = self.prefix.add(parent, prompt[start:start + BLOCK],
+                                    self._fn("cut")(self.staging_state, jax.device_put(np.int32(start))))
+            if entry is None:
+                return
+            parent = entry.id
 
     def _emit(self, slot: "_Slot", new: list[int], tree: str | None = None) -> None:
         """Cuts ``new`` at the request's limits, delivers it, and retires the row when it finished."""
@@ -956,7 +1016,8 @@ class BatchEngine:
             self._retire(slot, reason, new, tree=tree)
             return
         _deliver(slot.on_event, Event(req.id, new, None, prompt_tokens=len(req.prompt_ids),
-                                      completion_tokens=len(slot.gen.token_ids), tree=tree))
+                                      completion_tokens=len(slot.gen.token_ids), tree=tree,
+                                      cached_tokens=slot.gen.cached_tokens))
 
     def _retire(self, slot: "_Slot", reason: str, new: Sequence[int] = (), error: str | None = None,
                 tree: str | None = None) -> None:
@@ -975,7 +1036,8 @@ class BatchEngine:
         slot.gen.finish_reason = reason
         req = slot.ticket.request
         _deliver(slot.on_event, Event(req.id, list(new), reason, error, prompt_tokens=len(req.prompt_ids),
-                                      completion_tokens=len(slot.gen.token_ids), generation=slot.gen, tree=tree))
+                                      completion_tokens=len(slot.gen.token_ids), generation=slot.gen, tree=tree,
+                                      cached_tokens=slot.gen.cached_tokens))
         self._finish_learning(slot)
 
     def _finish_learning(self, slot: "_Slot") -> None:

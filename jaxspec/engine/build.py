@@ -141,7 +141,7 @@ def build_scheduler(engine: Engine, config: SchedulerConfig, **hooks: Any) -> Ba
     chunk = PREFILL_BUCKETS[-1] if config.prefill_chunk is None else config.prefill_chunk
     return BatchEngine(engine, max_batch=config.max_batch, max_model_len=config.max_model_len,
                        max_queue=config.max_queue, eager=config.eager, prefill_chunk=chunk,
-                       prefill_stall=config.prefill_stall, **hooks)
+                       prefill_stall=config.prefill_stall, prefix_cache_bytes=config.prefix_cache_bytes, **hooks)
 
 
 def device_line(engine: Engine) -> str:

@@ -50,6 +50,7 @@ class Generation:
     step_tokens: list[int] = dataclasses.field(default_factory=list)  # tokens emitted by each LLM step
     trees: list[str] = dataclasses.field(default_factory=list)  # family member run by each LLM step
     prefill_seconds: float = 0.0  # from the request's admission (its first prompt chunk) to its first token
+    cached_tokens: int = 0  # prompt tokens whose K/V were reused from an earlier prompt, not computed
 
     @property
     def tree_counts(self) -> dict[str, int]:

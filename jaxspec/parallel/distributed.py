@@ -239,6 +239,12 @@ def agree(values: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.broadcast_one_to_all(values))
 
 
+def agree_int(value: int) -> int:
+    """Process 0's non-negative ``value`` (up to 2**62) on every process: two int32 words broadcast."""
+    words = agree(np.asarray([value >> 31, value & (2**31 - 1)], np.int32))
+    return (int(words[0]) << 31) | int(words[1])
+
+
 def finish() -> None:
     """Waits for every process to finish (so a fast one is not taken for dead), then leaves the run."""
     cluster = active()
@@ -303,6 +309,9 @@ def loop_sync() -> Any:
         def agree_pick(self, name: str, names: list[str]) -> str:
             return agree_pick(name, names)
 
+        def agree_int(self, value: int) -> int:
+            return agree_int(value)
+
         def failed(self, what: str, exc: BaseException) -> None:
             fail_run(what, exc)
 
@@ -353,6 +362,9 @@ class _ServerSync:
 
     def agree_pick(self, name: str, names: list[str]) -> str:
         return agree_pick(name, names)
+
+    def agree_int(self, value: int) -> int:
+        return agree_int(value)
 
     def failed(self, what: str, exc: BaseException) -> None:
         fail_run(what, exc)

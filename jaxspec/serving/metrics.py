@@ -30,6 +30,10 @@ class ServerMetrics:
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # every outcome exported from the start, at 0
         self.prompt_tokens = Counter("jaxspec_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.prefix_queries = Counter("jaxspec_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                      "(one lookup per admitted request)", registry=r)
+        self.prefix_hits = Counter("jaxspec_prefix_cache_hits", "Prompt tokens of those found cached (their prefill "
+                                   "skipped)", registry=r)
         self.generation_tokens = Counter("jaxspec_generation_tokens", "Tokens generated (rate() = tokens/s)",
                                          registry=r)
         Gauge("jaxspec_queue_depth", "Requests waiting for a batch slot", registry=r).set_function(queue_depth)

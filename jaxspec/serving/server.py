@@ -262,6 +262,7 @@ class Choice:
     ticket: Any = None
     first: float | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
     finish_reason: str | None = None
     error: str | None = None
     sampling: dict = dataclasses.field(default_factory=dict)  # its parameters and seed, for --request-log
@@ -284,7 +285,10 @@ class Job:
             now = time.monotonic()
             if event.token_ids and choice.first is None:
                 choice.first = now
+                choice.cached_tokens = event.cached_tokens
                 metrics.ttft.observe(now - choice.arrival)
+                metrics.prefix_queries.inc(choice.prompt_tokens)
+                metrics.prefix_hits.inc(event.cached_tokens)
             if event.finish_reason is not None:
                 self.service.retire(choice)
                 outcome = "stop" if event.finish_reason == "eos" else event.finish_reason
@@ -563,7 +567,8 @@ class Completion:
     def usage(self) -> dict:
         completion = sum(c.completion_tokens for c in self.job.choices)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.job.choices[0].cached_tokens}}
 
     def chunk(self, c: Choice, text: str) -> dict:
         if not self.chat:
