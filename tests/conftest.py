@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 from pathlib import Path
 
-import jax
-import numpy as np
-import pytest
+# Tests compile hundreds of executables of tiny models, and a fresh machine (CI) compiles every one: LLVM's
+# optimisation of the generated code costs more than running it. Level 0 keeps XLA's graph passes (the numerical
+# checks hold under it) and is inherited by the CLI and server processes the tests start; benchmarks never run under it.
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""),
+                                                 "--xla_backend_optimization_level=0"]))
+
+import jax  # noqa: E402 (after XLA_FLAGS)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from jaxspec.cache import cache_root, enable_compile_cache
 from jaxspec.engine import LoadedModel

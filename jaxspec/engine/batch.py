@@ -324,6 +324,7 @@ class BatchEngine:
         bound = default_bytes() if prefix_cache_bytes is None else prefix_cache_bytes
         # processes evict alike only under one bound (each pastes what process 0 pastes, in the same programs)
         self.prefix = PrefixCache(self.sync.agree_int(bound) if reuse_prefix else 0)
+        self._prefix_ready: set[int] = set()  # staging capacities whose cut and paste are compiled
         self.waiting: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
         self.incoming: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
         self.lock = threading.Lock()
@@ -938,6 +939,12 @@ class BatchEngine:
         args = jax.device_put((tokens, np.int32(st.fed), np.int32(count), np.bool_(last),
                                np.uint32(req.params.seed % 2**32), values, first_mask))
         e = self.engine
+        if self.prefix.max_bytes and self.capacity not in self._prefix_ready:
+            # the cache's cut and paste compile with this capacity's first chunk (a hit later compiles nothing):
+            # a block cut and pasted back where it was
+            self._prefix_ready.add(self.capacity)
+            at = jax.device_put(np.int32(0))
+            self.staging_state = self._fn("paste")(self.staging_state, self._fn("cut")(self.staging_state, at), at)
         self._staged = []  # invalid until the chunk is in
         self.staging_state = self._fn("prefill")(e._llm_params, e._group_params, self.staging_state, *args)
         st.fed += count
