@@ -954,7 +954,6 @@ class BatchEngine:
         self._fit(extra_rows=1)
         row = len(self.slots)
         self.state = self._fn("insert")(self.state, self.staging_state, jax.device_put(np.int32(row)))
-        self._remember(prompt)
         try:
             first = int(fetch(self.staging_state.root)[0])
             index = ngram.NGramIndex(prompt, e.ngram.max_n, e.ngram.min_n) if e.ngram else None
@@ -967,6 +966,7 @@ class BatchEngine:
             raise  # ``step`` ends the still-staged request with an error event
         self.staging = None
         self.slots.append(slot)
+        self._remember(prompt)  # the staging row still holds the prompt's K/V
         try:
             self._emit(slot, [first])
         except Exception as exc:  # noqa: BLE001
