@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -102,6 +103,25 @@ def test_two_processes_print_what_one_process_prints(tiny_checkpoint, tmp_path) 
     assert reference.strip() and results[0][1] == reference
     assert results[1][1] == ""
     assert "process 1 of 2 joined" in results[1][2]
+
+
+def test_two_processes_reuse_a_shared_prefix_as_one_process_does(tiny_checkpoint, tmp_path) -> None:
+    """Prompts sharing a long prefix, tensor=2 over two processes: the prefix cache hits alike in both (they paste
+    the same blocks in the same programs) and process 0 prints one process's tokens and cached counts."""
+    shared = "The committee met on Tuesday to review the budget, the schedule and the open questions. " * 3
+    rows = [shared + "What was reviewed?", "Unrelated.", shared + "When did they meet?"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(rows)))
+    args = ["generate", "--model", str(tiny_checkpoint), "--prompt-file", str(prompts), "--max-new-tokens", "6",
+            "--mode", "incremental", "--max-batch", "1"]
+    one = subprocess.run(_cmd(*args), capture_output=True, text=True, timeout=300, env=_env(1))
+    assert one.returncode == 0, one.stderr[-2000:]
+    results = finish(launch(2, 1, [*args, "--mesh", "tensor=2"], tmp_path), tmp_path, 300)
+    assert [r[0] for r in results] == [0, 0], results[0][2][-2000:]
+    want = [(r["token_ids"], r["cached_tokens"]) for r in map(json.loads, one.stdout.splitlines())]
+    assert want[2][1] >= 48 and want[2][1] % 16 == 0  # the shared text's blocks, from the cache: the unrelated
+    # prompt between took the staging row
+    assert [(r["token_ids"], r["cached_tokens"]) for r in map(json.loads, results[0][1].splitlines())] == want
 
 
 @pytest.mark.slow
