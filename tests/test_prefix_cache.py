@@ -60,7 +60,67 @@ def test_a_hit_changes_no_token_and_counts_exactly(llm, mode):
     assert [g.cached_tokens for g in got] == [n for _, n in script]
     assert batch.prefix.stats.queries == sum(len(p) for p, _ in script)
     assert batch.prefix.stats.hits == sum(n for _, n in script)
-    assert len(batch.prefix) == (len(SYSTEM) + 2) // BLOCK  # every full block of the system prompt, once
+    # every full block of the prompts, once, and of each finished request's committed prompt + answer: all of
+    # them without SSMs; with them, up to where the SSMs' caches had caught up (at least the prompt's blocks)
+    prompts = chains([p for p, _ in script])
+    answered = chains([p + g.token_ids[:-1] for (p, _), g in zip(script, got)])
+    assert prompts < answered
+    if mode == "incremental":
+        assert len(batch.prefix) == len(answered)
+    else:
+        assert len(prompts) <= len(batch.prefix) <= len(answered)
+
+
+def chains(sequences: list[list[int]]) -> set[tuple[int, ...]]:
+    """The distinct block chains (each a prefix of whole blocks) of ``sequences``."""
+    return {tuple(s[:end]) for s in sequences for end in range(BLOCK, len(s) + 1, BLOCK)}
+
+
+@pytest.mark.parametrize("mode", ["incremental", "drafter"])
+def test_a_second_turn_starts_after_the_first_turns_answer(llm, mode):
+    """A chat's next turn sends the previous prompt and answer back: both are cached when the first turn ends."""
+    engine = Engine(llm, **({} if mode == "incremental" else dict(ssms=[drafter(llm)], expansion=[(1, 2, 1)])))
+    first = SYSTEM[:40] + [5, 5]
+    cold = BatchEngine(engine, max_batch=2, max_model_len=200, reuse_prefix=False)
+    batch = BatchEngine(engine, max_batch=2, max_model_len=200)
+    (answer,) = batch.generate([Request(first, 30, stop_ids=())])
+    assert answer.token_ids == cold.generate([Request(first, 30, stop_ids=())])[0].token_ids
+    second = first + answer.token_ids + [7, 8, 9]
+    turns = [Request(second, 12, stop_ids=()), Request(OTHER, 12)]  # a neighbour decodes beside it
+    want = [g.token_ids for g in cold.generate(turns)]
+    got = batch.generate(turns)
+    assert [g.token_ids for g in got] == want
+    committed = len(first) + len(answer.token_ids) - 1
+    if mode == "incremental":  # every committed token's block
+        assert got[0].cached_tokens == committed // BLOCK * BLOCK == 64
+    else:  # the drafter's cache lags the LLM's by the last iteration's tokens at most
+        assert len(first) // BLOCK * BLOCK < got[0].cached_tokens <= committed // BLOCK * BLOCK
+
+
+def test_cancelled_requests_between_hits_change_nothing(llm):
+    """Requests cancelled while staged, mid-prefill or decoding leave the cache consistent for the next hit."""
+    engine = Engine(llm, [early_exit(llm, 1)], [(1, 2, 1)])
+    prompts = [SYSTEM[:100] + [k] for k in range(6)]
+    cold = BatchEngine(engine, max_batch=2, max_model_len=200, reuse_prefix=False)
+    want = [g.token_ids for g in cold.generate([Request(p, 10) for p in prompts])]
+    batch = BatchEngine(engine, max_batch=2, max_model_len=200, prefill_chunk=32)
+    events: dict[int, list] = {}
+    tickets = [batch.submit(Request(p, 10, id=str(k)), events.setdefault(k, []).append)
+               for k, p in enumerate(prompts)]
+    for k in range(80):
+        if k in (1, 3, 6):  # the first while its prompt is fed, then two others as they wait or decode
+            tickets[{1: 0, 3: 2, 6: 3}[k]].cancel()
+        batch.step()
+        if all(e and e[-1].finish_reason for e in events.values()):
+            break
+    ended = {k: e[-1].finish_reason for k, e in events.items()}
+    assert ended[0] == "cancelled" and sum(r == "cancelled" for r in ended.values()) == 3, ended
+    for k, e in events.items():
+        if ended[k] != "cancelled":
+            assert [t for ev in e for t in ev.token_ids] == want[k]
+    hits = batch.prefix.stats.hits
+    assert [g.token_ids for g in batch.generate([Request(p, 10) for p in prompts])] == want
+    assert batch.prefix.stats.hits - hits >= len(prompts) * (100 // BLOCK * BLOCK)  # each reuses the system prompt
 
 
 def test_a_tiny_bound_evicts_while_requests_run_and_changes_nothing(llm):

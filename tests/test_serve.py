@@ -528,6 +528,22 @@ def test_a_shared_system_prompt_is_served_from_the_prefix_cache(server):
         sum(cached)
 
 
+def test_a_chats_next_turn_is_served_from_the_prefix_cache(server):
+    """The second turn sends the first one's prompt and answer back through the chat template: the blocks of both,
+    cached as the first turn ended, serve it (beyond the first prompt's own blocks)."""
+    messages = [{"role": "user", "content": "List four rivers of Europe, each with a city on its banks."}]
+    ask = lambda tokens: server.client().chat.completions.create(  # noqa: E731
+        model=server.model, messages=messages, max_tokens=tokens, temperature=0)
+    first = ask(24)
+    assert first.usage.completion_tokens == 24  # a long answer: more than a block of it
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Which of them is the longest?"}]
+    second = ask(4)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens // 16 * 16 < cached < second.usage.prompt_tokens and cached % 16 == 0, (
+        first.usage, second.usage)
+
+
 def test_flags_fail_before_loading(server):
     """An address in use (the running server's) or a meaningless flag: one error line, exit 2, in seconds."""
     cases = ((["--port", str(server.port)], ["in use"], {}), (["--no-chat"], ["--no-chat"], {}),

@@ -44,7 +44,7 @@ import numpy as np
 from jaxspec.cache import compile_cache_on
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import TreeChooser
-from jaxspec.engine.prefix import BLOCK, PrefixCache, cut_block, default_bytes, paste_block
+from jaxspec.engine.prefix import BLOCK, PrefixCache, committed, cut_block, default_bytes, paste_block
 from jaxspec.engine.runner import Generation, RequestError, Runner, check_fits
 from jaxspec.engine.stops import check_stops
 from jaxspec.parallel.sharding import fetch, pinned
@@ -443,6 +443,10 @@ class BatchEngine:
                 self._compiled[name] = jax.jit(pinned(set_inactive, e.mesh), donate_argnums=(0,))
             elif name == "cut":
                 self._compiled[name] = jax.jit(counted(e, cut_block))
+            elif name == "cut_row":  # like move and retire: a row's bookkeeping per state shape, not a step
+                self._compiled[name] = jax.jit(cut_block)
+            elif name == "committed":
+                self._compiled[name] = jax.jit(committed)
             elif name == "paste":
                 self._compiled[name] = jax.jit(pinned(counted(e, paste_block), e.mesh), donate_argnums=(0,))
             else:
@@ -996,15 +1000,24 @@ class BatchEngine:
         self.prefix.stats.hits += st.cached
         self.prefix_reuses += st.cached > 0
 
-    def _remember(self, prompt: list[int]) -> None:
-        """Caches the full blocks of ``prompt`` that the prefix cache lacks, cut from the staging row it was fed to."""
-        if not self.prefix.max_bytes:
+    def _remember(self, tokens: Sequence[int], row: int | None = None) -> None:
+        """Caches the full blocks of ``tokens`` that the prefix cache lacks, cut from the staging row (None: the
+        prompt it was just fed) or from live row ``row`` (a finishing request's prompt and answer, whose K/V are
+        committed there), so a conversation's next turn starts after its previous one."""
+        if not self.prefix.max_bytes or len(tokens) < BLOCK:
             return
-        chain = self.prefix.match(prompt)
+        chain = self.prefix.match(tokens)
+        if (len(chain) + 1) * BLOCK > len(tokens):
+            return  # nothing new: no read of the row's lengths
+        if row is not None:
+            at = jax.device_put(np.int32(row))
+            tokens = tokens[: int(fetch(self._fn("committed")(self.state, at)))]
         parent = chain[-1].id if chain else -1
-        for start in range(len(chain) * BLOCK, len(prompt) - BLOCK + 1, BLOCK):
-            entry = self.prefix.add(parent, prompt[start:start + BLOCK],
-                                    self._fn("cut")(self.staging_state, jax.device_put(np.int32(start))))
+        for start in range(len(chain) * BLOCK, len(tokens) - BLOCK + 1, BLOCK):
+            begin = jax.device_put(np.int32(start))
+            block = (self._fn("cut")(self.staging_state, begin) if row is None
+                     else self._fn("cut_row")(self.state, begin, at))
+            entry = self.prefix.add(parent, tokens[start:start + BLOCK], block)
             if entry is None:
                 return
             parent = entry.id
@@ -1029,6 +1042,12 @@ class BatchEngine:
     def _retire(self, slot: "_Slot", reason: str, new: Sequence[int] = (), error: str | None = None,
                 tree: str | None = None) -> None:
         """Ends ``slot``'s request; the last live row moves into its row, and the state shrinks if it can."""
+        req = slot.ticket.request
+        if reason != "error":
+            try:  # the row's committed K/V: the prompt and every emitted token but the last (the root, never fed)
+                self._remember(list(req.prompt_ids) + slot.gen.token_ids[:-1], slot.row)
+            except Exception as exc:  # noqa: BLE001 (the request still ends; only its blocks go uncached)
+                self.sync.failed("caching a finished request's blocks", exc)
         row, last = slot.row, len(self.slots) - 1
         slot.row = -1
         if row != last:
@@ -1041,7 +1060,6 @@ class BatchEngine:
         self.slots.pop()
         self._fit()
         slot.gen.finish_reason = reason
-        req = slot.ticket.request
         _deliver(slot.on_event, Event(req.id, list(new), reason, error, prompt_tokens=len(req.prompt_ids),
                                       completion_tokens=len(slot.gen.token_ids), generation=slot.gen, tree=tree,
                                       cached_tokens=slot.gen.cached_tokens))

@@ -5,9 +5,13 @@ state: the LLM's K/V, each SSM's K/V, the committed token ids and the LLM featur
 drafter reads. Blocks are keyed by the chain of token ids that led to them (a block is the
 child of the block before it), so a match is exact, never a hash collision. Admission copies
 the longest cached chain of a prompt into the staging row and prefills only the rest; a
-prompt's full blocks are cut from the staging row once its last chunk is in. Only prompt
-tokens enter the cache (never tree nodes), and each block's K/V is what a prefill of the same
-tokens computed, so a hit changes no output token.
+prompt's full blocks are cut from the staging row once its last chunk is in, and a finishing
+request's blocks of prompt and answer from its row (a chat's next turn sends both back). Only
+committed tokens enter the cache, never tree nodes that were not accepted, and only slots every
+part holds exactly (an SSM that has not drafted since some tokens were committed lags the LLM:
+its blocks end where it does). Each block's K/V is what the LLM computed for the same tokens at
+the same positions, so a hit changes no output token beyond what float rounding of another pass
+shape could (as in vLLM: the identity tests hold it to equal tokens).
 
 Rows get copies (the cache is read only at admission), not a block table: the decoding step keeps
 one contiguous cache per row, which its attention reads by filled blocks, and a copy of a block
@@ -24,6 +28,7 @@ import os
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jaxspec.decoding.step import DecodeState
 
@@ -45,10 +50,15 @@ def _cache_axis(c) -> int:
     return 3 + c.k.ndim - 5  # [L, B, K, S, H], or [G, L, B, K, S, H] for a stacked SSM group
 
 
-def cut_block(state: DecodeState, start: jax.Array) -> tuple[jax.Array, ...]:
-    """Slots [start, start + BLOCK) of every per-slot part of the one-row ``state``: one block (the LLM's K and V,
-    each SSM group's, the token ids, the features where a drafter reads them)."""
-    cut = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, BLOCK, axis)  # noqa: E731
+def cut_block(state: DecodeState, start: jax.Array, row: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """Slots [start, start + BLOCK) of every per-slot part of row ``row`` of ``state`` (None: a one-row state): one
+    block (the LLM's K and V, each SSM group's, the token ids, the features where a drafter reads them), each part
+    with a batch axis of one, as a one-row state's."""
+    def cut(x, axis):
+        if row is not None:  # the batch axis sits right before the slots' in caches, first in history/features
+            x = jax.lax.dynamic_slice_in_dim(x, row, 1, axis - 2 if x.ndim >= 5 else 0)
+        return jax.lax.dynamic_slice_in_dim(x, start, BLOCK, axis)
+
     parts = [cut(state.llm_cache.k, 3), cut(state.llm_cache.v, 3)]
     for c in state.ssm_caches:
         parts += [cut(c.k, _cache_axis(c)), cut(c.v, _cache_axis(c))]
@@ -56,6 +66,13 @@ def cut_block(state: DecodeState, start: jax.Array) -> tuple[jax.Array, ...]:
     if state.features is not None:
         parts.append(cut(state.features, 1))
     return tuple(parts)
+
+
+def committed(state: DecodeState, row: jax.Array) -> jax.Array:
+    """Slots of row ``row`` whose every part is exact: the LLM's committed length, less where an SSM's cache lags it
+    (an SSM catches up on the committed tokens it missed only when it next drafts)."""
+    lengths = [state.llm_cache.length[row]] + [c.length[..., row].min() for c in state.ssm_caches]
+    return jnp.min(jnp.stack(lengths))
 
 
 def paste_block(state: DecodeState, block: tuple[jax.Array, ...], start: jax.Array) -> DecodeState:
