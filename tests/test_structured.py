@@ -420,6 +420,25 @@ def test_structured_warm_up_compiles_every_grammar_step_a_request_needs(default_
     assert counts[True] == 0 and counts[False] > 0, counts
 
 
+def test_a_constrained_request_on_a_prefix_cache_hit_is_unchanged(default_llm):
+    """A grammar-constrained request whose prompt the prefix cache holds starts after the cached blocks and emits
+    what it emits cold (with n-gram speculation and forced chains)."""
+    from jaxspec.engine.batch import BatchEngine, Request
+    from jaxspec.speculators.resolve import load_ssms
+    from models.tokenizer import encode_prompt
+
+    prompt = encode_prompt(default_llm.tokenizer, PROMPTS["json_schema"], True)
+    engine = Engine(default_llm, load_ssms(["ngram:3"], default_llm, "float32"), (1, 1, 1, 1), forced_tokens=4)
+    requests = [Request(prompt, 48, grammar=GRAMMARS["json_schema"]), Request([prompt[0] + 1, 5, 6], 2),
+                Request(prompt, 48, grammar=GRAMMARS["json_schema"])]  # the middle one takes the staging row
+    cold = BatchEngine(engine, max_batch=1, max_model_len=len(prompt) + 64, reuse_prefix=False)
+    want = cold.generate(requests)
+    got = BatchEngine(engine, max_batch=1, max_model_len=len(prompt) + 64).generate(requests)
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    assert got[0].cached_tokens == 0 and got[2].cached_tokens == min(len(prompt) // 16 * 16, len(prompt) - 1) > 0
+    assert valid("json_schema", default_llm.tokenizer.decode(got[2].token_ids, skip_special_tokens=True))
+
+
 # -- the command line ---------------------------------------------------------------------------------
 def test_cli_grammar_flags_and_per_prompt_grammars(tmp_path, capsys):
     from jaxspec import cli

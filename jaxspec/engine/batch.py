@@ -1011,7 +1011,8 @@ class BatchEngine:
             return  # nothing new: no read of the row's lengths
         if row is not None:
             at = jax.device_put(np.int32(row))
-            tokens = tokens[: int(fetch(self._fn("committed")(self.state, at)))]
+            if self.state.ssm_caches:  # an SSM may lag the LLM (one read: it waits for the iteration in flight)
+                tokens = tokens[: int(fetch(self._fn("committed")(self.state, at)))]
         parent = chain[-1].id if chain else -1
         for start in range(len(chain) * BLOCK, len(tokens) - BLOCK + 1, BLOCK):
             begin = jax.device_put(np.int32(start))
