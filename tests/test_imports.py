@@ -20,6 +20,9 @@ LAYERS = {  # subpackage -> what it is; see docs/architecture.md
     "jaxspec.cli": "the command line",
 }
 BELOW_ALL = ("jaxspec.errors", "jaxspec.config", "jaxspec.cache")  # modules every layer may import; they import no layer
+# the server split by job, each importing only those before it: the wire schema, the engine thread's bridge, the
+# routes and middleware, the serve command's runtime
+SERVER_LAYERS = ("jaxspec.serving.protocol", "jaxspec.serving.service", "jaxspec.serving.app", "jaxspec.serving.server")
 # where loaded tensors go (a mesh's shards, pinned host memory); the LLM loader in jaxspec.speculators.resolve places
 # each tensor as it reads it. Neither imports anything of jaxspec.
 PLACEMENT = ("jaxspec.parallel.sharding", "jaxspec.parallel.offload")
@@ -118,6 +121,8 @@ def test_imports_run_one_way():
                 wrong.append(f"{mod} -> {t} (the command line starts the server, never the other way)")
             if within(mod, "jaxspec.parallel") and within(t, "jaxspec.cli"):
                 wrong.append(f"{mod} -> {t} (meshes and multi-process runs know nothing of the command line)")
+            if t in SERVER_LAYERS and mod in SERVER_LAYERS and SERVER_LAYERS.index(t) >= SERVER_LAYERS.index(mod):
+                wrong.append(f"{mod} -> {t} (the server's layers: protocol, then service, then app, then server)")
             if within(t, "jaxspec.serving") and not (within(mod, "jaxspec.serving") or within(mod, "jaxspec.cli")):
                 wrong.append(f"{mod} -> {t} (only the command line starts the server)")
             if within(mod, "jaxspec") and within(t, "training") and not within(mod, "jaxspec.cli"):

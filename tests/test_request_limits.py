@@ -13,8 +13,9 @@ from pydantic import ValidationError
 from jaxspec.cli.common import CliError
 from jaxspec.decoding import sampling
 from jaxspec.decoding.sampling import SamplingError, SamplingParams
-from jaxspec.serving import server
-from jaxspec.serving.server import ChatCompletionRequest, CompletionRequest, api_key
+from jaxspec.serving import protocol
+from jaxspec.serving.protocol import ChatCompletionRequest, CompletionRequest
+from jaxspec.serving.server import api_key
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.floats() | st.text(max_size=40),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
@@ -37,15 +38,15 @@ def test_whatever_json_arrives_the_validator_refuses_it_or_every_field_is_in_bou
         v = getattr(body, name)
         assert v is None or _exact_int(v)
     assert body.max_tokens is None or 1 <= body.max_tokens < 2**63
-    assert body.top_k is None or body.top_k <= server.MAX_TOP_K
+    assert body.top_k is None or body.top_k <= protocol.MAX_TOP_K
     assert body.seed is None or -(2**63) <= body.seed < 2**63
-    assert _exact_int(body.n) and 1 <= body.n <= server.MAX_N
+    assert _exact_int(body.n) and 1 <= body.n <= protocol.MAX_N
     assert type(body.stream) is bool
     for name in ("temperature", "top_p"):
         v = getattr(body, name)
         assert v is None or (type(v) is float and math.isfinite(v))
     assert body.stop is None or isinstance(body.stop, str) or (
-        len(body.stop) <= server.MAX_STOPS and all(isinstance(s, str) for s in body.stop))
+        len(body.stop) <= protocol.MAX_STOPS and all(isinstance(s, str) for s in body.stop))
     if body.temperature is not None or body.top_p is not None or body.top_k is not None:
         try:  # what launch() builds next: canonical values or a SamplingError, never anything else
             p = SamplingParams(1.0 if body.temperature is None else body.temperature,
@@ -61,7 +62,7 @@ def test_chat_messages_and_contents_are_bounded_and_typed():
     ok = {"messages": [{"role": "user", "content": "hi"}]}
     assert ChatCompletionRequest.model_validate(ok).messages[0].content == "hi"
     for bad in ({"messages": [{"role": "user", "content": 5}]},
-                {"messages": [{"role": "user", "content": "hi"}] * (server.MAX_MESSAGES + 1)},
+                {"messages": [{"role": "user", "content": "hi"}] * (protocol.MAX_MESSAGES + 1)},
                 {**ok, "max_completion_tokens": "3"}, {**ok, "n": True}, {**ok, "stop": ["a"] * 17}):
         with pytest.raises(ValidationError):
             ChatCompletionRequest.model_validate(bad)
@@ -103,9 +104,9 @@ def test_a_union_field_error_names_what_is_wrong_with_the_value():
     with pytest.raises(ValidationError) as info:
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
                                               "stop": [f"s{i}" for i in range(17)]})
-    err = server.validation_error(info.value.errors())
-    assert err.param == "stop" and "'stop'" in err.message and f"at most {server.MAX_STOPS}" in err.message, err.message
+    err = protocol.validation_error(info.value.errors())
+    assert err.param == "stop" and "'stop'" in err.message and f"at most {protocol.MAX_STOPS}" in err.message, err.message
     with pytest.raises(ValidationError) as info:
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "stop": 42})
-    err = server.validation_error(info.value.errors())
+    err = protocol.validation_error(info.value.errors())
     assert err.param == "stop" and "'stop'" in err.message, err.message
