@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxspec import cli
-from jaxspec.cli.bench import coverage_rates, modes_tables, warmup_prompts
+from jaxspec.cli.bench import coverage_rates
+from jaxspec.cli.bench_modes import modes_tables, warmup_prompts
 from jaxspec.engine.costs import calibration_key, load_or_measure, random_model
 
 
@@ -158,7 +159,7 @@ def test_bench_modes_passes_the_verifier_and_sampling_to_every_mode(tmp_path):
     from pathlib import Path
 
     from jaxspec.cli.app import build_parser
-    from jaxspec.cli.bench import _generate_command
+    from jaxspec.cli.bench_modes import _generate_command
 
     args = build_parser().parse_args(["bench", "modes", "--prompt-file", "p.jsonl", "--temperature", "0.8",
                                       "--verify", "mss", "--ssm", "ngram:3"])
@@ -178,7 +179,7 @@ def test_warmup_prompts_cover_the_shortest_and_longest_prompt_of_each_bucket():
 
 
 def test_modes_tables_speedup_weighted_tokens_per_step_identity_and_tree_usage(capsys):
-    from jaxspec.cli.bench import _print_modes
+    from jaxspec.cli.bench_modes import _print_modes
 
     def row(pid, ids, steps, tps, secs, tree):
         return {"id": pid, "token_ids": ids, "llm_steps": steps, "tokens_per_step": tps, "seconds": secs,

@@ -214,3 +214,37 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculators=tuple(args.ssm) if args.ssm else None, expansion=args.expansion,
         tree_budget=args.tree_budget, verify=args.verify, draft_vocab=args.draft_vocab, mesh=args.mesh,
         offload=args.offload, forced_tokens=args.forced_tokens, lowering=args.lowering, verbose=args.verbose)
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """The prompt, model, sampling and output flags the generation benches share (incremental, speculative, coverage,
+    modes)."""
+    p.add_argument("--prompt-file", required=True)
+    p.add_argument("--limit", type=int, default=10, help="first N prompts")
+    p.add_argument("--model")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
+    p.add_argument("--no-chat", action="store_true")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="out/bench.csv", help="CSV path (PNG files are written beside it)")
+    p.add_argument("--mesh", metavar="data=D,tensor=T,pipe=P", help="device mesh of the jaxspec engines "
+                   "(as jaxspec generate --mesh; default: one device)")
+    p.add_argument("--offload", action="store_true", help="the jaxspec LLM's layers in pinned host memory, streamed "
+                   "to the device per layer (as jaxspec generate --offload)")
+    add_compile_cache_args(p)
+
+
+def write_csv(path: str | Path, rows: list[dict]) -> Path:
+    """Writes ``rows`` (dicts with the same keys) as a CSV with a header, creating its folder; returns the path."""
+    import csv  # noqa: PLC0415
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(rows)
+    return out
