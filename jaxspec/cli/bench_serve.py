@@ -13,7 +13,6 @@ benchmark needs nothing the server does not already install.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import http.client
 import json
@@ -29,7 +28,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts
+from jaxspec.cli.common import CliError, add_compile_cache_args, read_prompts, write_csv
 from jaxspec.config import DTYPE_NAMES, MODES
 
 CONNECT_TIMEOUT_S = 10.0  # /health, /v1/models, /metrics
@@ -584,8 +583,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     labels = [label for label, _ in targets]
     baseline = "incremental" if "incremental" in labels else labels[0]
     add_speedups(rows, baseline)
-    _write_csv(out, rows)
-    _write_csv(out.with_name(f"{out.stem}_requests.csv"), requests)
+    write_csv(out, rows)
+    write_csv(out.with_name(f"{out.stem}_requests.csv"), requests)
     print_summary(rows, baseline)
     png = plot(rows, baseline, out.with_suffix(".png"))
     print(f"CSV: {out}, {out.with_name(out.stem + '_requests.csv')}; PNG: {png}")
@@ -628,13 +627,6 @@ class _sigterm_as_interrupt:
     def __exit__(self, *exc) -> None:
         if self.previous is not None:
             signal.signal(signal.SIGTERM, self.previous)
-
-
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-        w.writeheader()
-        w.writerows(rows)
 
 
 def print_summary(rows: list[dict], baseline: str) -> None:
