@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
 
 import jax.numpy as jnp
 
@@ -19,16 +19,13 @@ def random_llm(vocab_size: int, seed: int = 0):
 
 
 def load_llm(spec: str):
-    """(LoadedModel, source path) for "default", "random:V" or a checkpoint path (float32)."""
-    from models.loaded import LoadedModel
-
+    """(LoadedModel, source path) for "default", "random:V" or a checkpoint path (float32): a checkpoint loads through
+    the engine's own loader (``jaxspec.speculators.resolve.load_llm``: the weight cache, the tokenizer, its EOS)."""
     if spec.startswith("random:"):
         return random_llm(int(spec.split(":", 1)[1])), ""
-    from jaxspec.cache import weight_cache_dir
-    from models.loading import default_model_path, load_checkpoint
-    from models.tokenizer import load_tokenizer
+    from jaxspec.speculators.resolve import load_llm as load_checkpoint_llm
+    from models.loading import default_model_path
 
     path = default_model_path() if spec == "default" else spec
-    cfg, params = load_checkpoint(path, "float32", cache=weight_cache_dir())
-    name = "SmolLM2-135M-Instruct" if spec == "default" else Path(path).name
-    return LoadedModel(name, cfg, params, jnp.float32, load_tokenizer(path)), path
+    llm = load_checkpoint_llm(path, "float32")
+    return (dataclasses.replace(llm, name="SmolLM2-135M-Instruct") if spec == "default" else llm), path
