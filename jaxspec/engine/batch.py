@@ -59,15 +59,6 @@ DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new
 MIN_CAPACITY = 256  # the smallest cache bucket: below it a step's cost hardly depends on the cache
 
 
-def counted(engine: Runner, fn: Callable) -> Callable:
-    """``fn``, counting each trace in ``engine.compilations`` (a second round of the same shapes compiles nothing)."""
-    def traced(*args):
-        engine.compilations += 1
-        return fn(*args)
-
-    return traced
-
-
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
     """Row counts the state is laid out for: 1, 2, 4, ... below ``max_batch``, then ``max_batch``."""
     out = []
@@ -441,14 +432,14 @@ class BatchEngine:
                 self._compiled[name] = jax.jit(pinned(move_row, e.mesh), donate_argnums=(0,))
             elif name == "retire":
                 self._compiled[name] = jax.jit(pinned(set_inactive, e.mesh), donate_argnums=(0,))
-            elif name == "cut":
-                self._compiled[name] = jax.jit(counted(e, cut_block))
-            elif name == "cut_row":  # like move and retire: a row's bookkeeping per state shape, not a step
+            # the prefix cache's copies: like move and retire, a row's bookkeeping per state shape (not counted in
+            # ``compilations``, which counts the steps and prefills a request's speed depends on)
+            elif name in ("cut", "cut_row"):
                 self._compiled[name] = jax.jit(cut_block)
             elif name == "committed":
                 self._compiled[name] = jax.jit(committed)
             elif name == "paste":
-                self._compiled[name] = jax.jit(pinned(counted(e, paste_block), e.mesh), donate_argnums=(0,))
+                self._compiled[name] = jax.jit(pinned(paste_block, e.mesh), donate_argnums=(0,))
             else:
                 raise KeyError(name)
         return self._compiled[name]
@@ -1193,7 +1184,6 @@ class BatchEngine:
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
-        cfg = it.cfg
         emitted, num, depths = fetch((it.out.tokens, it.out.num, it.out.source_depth))
         now = time.perf_counter()
         try:
