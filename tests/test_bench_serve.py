@@ -26,16 +26,8 @@ import numpy as np
 import pytest
 
 from jaxspec import cli
-from jaxspec.cli.bench_serve import (
-    _targets,
-    add_speedups,
-    metrics_delta,
-    parse_levels,
-    parse_metrics,
-    percentile,
-    poisson_schedule,
-    sse_data,
-)
+from jaxspec.cli.bench_serve import _targets, add_speedups, metrics_delta, parse_levels, percentile, poisson_schedule
+from jaxspec.cli.load_client import parse_metrics, sse_data
 from jaxspec.cli.common import CliError
 
 
