@@ -229,6 +229,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     from tqdm import tqdm
 
     from jaxspec.config import SchedulerConfig
+    from jaxspec.engine import lockstep
     from jaxspec.engine.batch import Request
     from jaxspec.engine.build import build_scheduler
     from jaxspec.engine.stops import StopText
@@ -249,7 +250,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
                              max_model_len=min(longest + args.max_new_tokens, llm.cfg.max_position_embeddings),
                              eager=args.compile == "all", prefill_chunk=args.prefill_chunk,
                              prefill_stall=args.prefill_stall, prefix_cache_bytes=prefix_cache_bytes(args))
-    batch = build_scheduler(engine, limits, sync=distributed.loop_sync(), verbose=say)
+    batch = build_scheduler(engine, limits, sync=lockstep.loop_sync(), verbose=say)
     if engine.auto and args.recalibrate:  # -v alone leaves the lazy path as it is (its builds are reported)
         report_calibration(engine, batch, args, jobs[0][2].prompt_ids)
     streaming = len(jobs) == 1

@@ -397,6 +397,29 @@ class BatchEngine:
     def queue_depth(self) -> int:
         return len(self.waiting) + len(self.incoming) + (self.staging is not None)
 
+    # -- what a multi-process run's synchroniser (``jaxspec.engine.lockstep``) asks of the loop -------------
+    def live_tickets(self) -> list[Ticket]:
+        """Every admitted request's ticket: waiting, being prefilled, decoding."""
+        return ([t for t, _ in self.waiting] + ([self.staging.ticket] if self.staging else [])
+                + [s.ticket for s in self.slots])
+
+    def take_incoming(self, accept: Callable[[Ticket], bool | None]) -> tuple[list, list]:
+        """Takes submissions in order while ``accept`` says True; False leaves it and the rest for a later call;
+        None takes it out to be refused. Returns ((ticket, on_event) taken, (ticket, on_event) refused)."""
+        taken, refused = [], []
+        with self.lock:
+            while self.incoming:
+                verdict = accept(self.incoming[0][0])
+                if verdict is False:
+                    break
+                (taken if verdict else refused).append(self.incoming.popleft())
+        return taken, refused
+
+    def enqueue(self, admitted: Sequence[tuple[Ticket, Callable[[Event], None]]]) -> None:
+        """Queues requests for admission as they are (the multi-process run announced them already)."""
+        with self.lock:
+            self.waiting.extend(admitted)
+
     def active_slots(self) -> int:
         return len(self.slots)
 

@@ -5,9 +5,9 @@ Every process runs the same program and the same jitted steps on the global mesh
 between processes (the auto chooser's measured costs and picks) are taken by process 0
 and broadcast (``agree``: ``multihost_utils.broadcast_one_to_all`` of a fixed-size
 array), so every process compiles and runs the same executables in the same order.
-A server listens on process 0 only: before each batch iteration it broadcasts what it
-admits, cancels and whether it stops (``LeaderSync``); the others replay that into their
-own batch loop (``FollowerSync``). Only process 0 writes to stdout. A watchdog thread polls the coordination service: a
+The scheduling loop's synchronisers that use these (``jaxspec.engine.lockstep``: a server's
+admissions announced by process 0 and replayed by the others) sit above this module, which
+knows nothing of the engine. Only process 0 writes to stdout. A watchdog thread polls the coordination service: a
 peer that stops heart-beating, or a coordinator that is gone, ends this process with one
 ``jaxspec: error:`` line instead of a hang; a collective that fails because a peer
 closed its connection is reported the same way (``lost_peer``).
@@ -21,12 +21,11 @@ import os
 import re
 import sys
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
 from jaxspec.errors import CliError
-from jaxspec.engine.stops import MAX_STOP_CHARS, MAX_STOPS
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -293,193 +292,3 @@ def exit_lost_peer(message: str) -> None:
 def agree_pick(name: str, names: list[str]) -> str:
     """Process 0's choice among ``names`` (auto's tree), so every process runs the same executable."""
     return names[int(agree(np.asarray([names.index(name)], np.int32))[0])]
-
-
-def loop_sync() -> Any:
-    """The scheduling loop's ``LoopSync`` for ``generate``: every process runs the same requests, auto's
-    picks and costs are process 0's; None in a single-process run."""
-    if active() is None:
-        return None
-    from jaxspec.engine.batch import LoopSync  # noqa: PLC0415
-
-    class LockstepSync(LoopSync):
-        fresh_costs = True
-        shared = True
-
-        def agree_pick(self, name: str, names: list[str]) -> str:
-            return agree_pick(name, names)
-
-        def agree_int(self, value: int) -> int:
-            return agree_int(value)
-
-        def failed(self, what: str, exc: BaseException) -> None:
-            fail_run(what, exc)
-
-    return LockstepSync()
-
-
-# -- a multi-process server: process 0's queue, every process's batch -----------------------------
-HEADER = 4  # [stop, cancellations, admissions, words used]
-RECORD = 10  # per admission: seq, prompt length, max new tokens, seed, top-k, temperature, top-p, stop chars, ...
-
-
-def message_size(max_model_len: int) -> int:
-    """Words of the per-iteration message: room for at least one longest prompt and its stop strings."""
-    return HEADER + 256 + 2 * (RECORD + max_model_len) + STOP_WORDS
-
-
-# Stop strings travel as JSON code points (ensure_ascii off): each character, escaped, at most 2 words.
-STOP_WORDS = MAX_STOPS * (2 * MAX_STOP_CHARS + 4) + 2
-
-
-def _bits(x: float) -> int:
-    return int(np.asarray(x, np.float32).view(np.int32))
-
-
-def _float(word: int) -> float:
-    return float(np.asarray(word, np.int32).view(np.float32))
-
-
-def _encode(ticket: Any) -> list[int]:
-    """One admission as int32 words (floats by their bits, stop strings as code points of their JSON)."""
-    import json  # noqa: PLC0415
-
-    req = ticket.request
-    stops = [ord(c) for c in json.dumps(list(req.stop_strings), ensure_ascii=False)] if req.stop_strings else []
-    stop_ids = list(req.stop_ids) if req.stop_ids is not None else []
-    p = req.params
-    head = [ticket.seq, len(req.prompt_ids), req.max_new_tokens, int(np.uint32(p.seed % 2**32).view(np.int32)),
-            p.top_k, _bits(p.temperature), _bits(p.top_p), len(stops), int(req.stop_ids is not None), len(stop_ids)]
-    return head + list(req.prompt_ids) + stops + stop_ids
-
-
-class _ServerSync:
-    """A multi-process server's side of the loop's ``LoopSync``: announced admissions, agreed picks."""
-
-    fresh_costs = True
-    local = False
-    shared = True
-
-    def agree_pick(self, name: str, names: list[str]) -> str:
-        return agree_pick(name, names)
-
-    def agree_int(self, value: int) -> int:
-        return agree_int(value)
-
-    def failed(self, what: str, exc: BaseException) -> None:
-        fail_run(what, exc)
-
-
-class LeaderSync(_ServerSync):
-    """Process 0's side: moves submissions into the queue and announces them."""
-
-    def __init__(self, batch: Any) -> None:
-        self.size = message_size(batch.max_model_len)
-        self.next_seq = 0
-        batch.sync = self
-
-    def exchange(self, b: Any, stopping: bool) -> bool:
-        live = [t for t, _ in b.waiting] + ([b.staging.ticket] if b.staging else []) + [s.ticket for s in b.slots]
-        cancels = [t for t in live if t.cancelled.is_set() and not t.agreed_cancel][: 256]
-        words = [t.seq for t in cancels]
-        admitted = []
-        with b.lock:
-            while b.incoming:
-                ticket, on_event = b.incoming[0]
-                ticket.seq = self.next_seq
-                record = _encode(ticket)
-                if HEADER + len(words) + len(record) > self.size:
-                    if admitted or words:
-                        break  # the next iteration's message takes it
-                    b.incoming.popleft()  # it fits no message: it fails alone, the loop goes on
-                    _refuse(ticket, on_event, f"request {ticket.request.id} does not fit the multi-process message")
-                    continue
-                b.incoming.popleft()
-                self.next_seq += 1
-                words += record
-                admitted.append((ticket, on_event))
-        msg = np.zeros(self.size, np.int32)  # [size]
-        msg[:HEADER] = (int(stopping), len(cancels), len(admitted), HEADER + len(words))
-        msg[HEADER: HEADER + len(words)] = words
-        agree(msg)
-        for t in cancels:
-            t.agreed_cancel = True
-        with b.lock:
-            b.waiting.extend(admitted)
-        return stopping
-
-
-def _refuse(ticket: Any, on_event: Callable[[Any], None], reason: str) -> None:
-    """Ends a request process 0 cannot announce with an error event (never stopping the loop)."""
-    from jaxspec.engine.batch import Event  # noqa: PLC0415
-
-    try:
-        on_event(Event(ticket.request.id, [], "error", reason, len(ticket.request.prompt_ids)))
-    except Exception:  # noqa: BLE001 — a listener that fails must not stop the loop
-        pass
-
-
-class FollowerSync(_ServerSync):
-    """Another process's side: queues what process 0 announced, cancels what it cancelled."""
-
-    def __init__(self, batch: Any, make_stop: Callable[[list[str]], Any]) -> None:
-        self.make_stop = make_stop
-        self.size = message_size(batch.max_model_len)
-        self.tickets: dict[int, Any] = {}
-        batch.sync = self
-        batch.on_iteration = None  # metrics live on process 0
-
-    def exchange(self, b: Any, stopping: bool) -> bool:
-        import json  # noqa: PLC0415
-
-        from jaxspec.engine.batch import Request, Ticket  # noqa: PLC0415
-        from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
-
-        msg = agree(np.zeros(self.size, np.int32)).tolist()
-        stop, n_cancel, n_admit, _ = msg[:HEADER]
-        at = HEADER
-        for seq in msg[at: at + n_cancel]:
-            if seq in self.tickets:
-                self.tickets[seq].agreed_cancel = True
-        at += n_cancel
-        for _ in range(n_admit):
-            seq, n, max_new, seed, top_k, temp, top_p, n_stop, has_ids, n_ids = msg[at: at + RECORD]
-            at += RECORD
-            prompt = msg[at: at + n]
-            stops = json.loads("".join(map(chr, msg[at + n: at + n + n_stop]))) if n_stop else []
-            stop_ids = msg[at + n + n_stop: at + n + n_stop + n_ids] if has_ids else None
-            at += n + n_stop + n_ids
-            params = SamplingParams(_float(temp), top_k, _float(top_p), int(np.int32(seed).view(np.uint32)))
-            req = Request(prompt, max_new, params, stop_ids=stop_ids, stop=self.make_stop(stops) if stops else None,
-                          id=f"peer-{seq}", stop_strings=tuple(stops))
-            ticket = Ticket(req)
-            ticket.seq = seq
-            self.tickets[seq] = ticket
-            b.waiting.append((ticket, self._forget(seq)))
-        return bool(stop)
-
-    def _forget(self, seq: int) -> Callable[[Any], None]:
-        def on_event(event: Any) -> None:
-            if event.finish_reason is not None:
-                self.tickets.pop(seq, None)
-        return on_event
-
-
-def serve_role(batch: Any, make_stop: Callable[[list[str]], Any]) -> bool:
-    """Sets a multi-process server's batch up; runs a follower's loop to process 0's stop and returns False there.
-
-    Returns True where this process should go on serving HTTP (process 0, or a single-process run).
-    Every process compiles and calibrates first, so the loop's broadcasts never interleave
-    with warm-up collectives.
-    """
-    if active() is None:
-        return True
-    if is_leader():
-        LeaderSync(batch)
-    else:
-        FollowerSync(batch, make_stop)
-    batch.warm()
-    if is_leader():
-        return True
-    batch.run(threading.Event())
-    return False

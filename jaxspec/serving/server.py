@@ -70,14 +70,14 @@ def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: Serve
     name = config.served_model_name or llm.name
     service: Service | None = None
     batch = build_scheduler(engine, scheduler, on_iteration=lambda stats: service.on_iteration(stats))
-    from jaxspec.parallel import distributed  # noqa: PLC0415
-
     import jax  # noqa: PLC0415
+
+    from jaxspec.engine import lockstep  # noqa: PLC0415
 
     if config.warm_structured and jax.process_count() > 1:
         raise CliError("--warm-structured: structured output runs in one process for now "
                        "(drop the multi-process flags, or the structured warm-up)")
-    if not distributed.serve_role(batch, lambda stops: stop_matcher(llm.tokenizer, stops)):
+    if not lockstep.serve_role(batch, lambda stops: stop_matcher(llm.tokenizer, stops)):
         return 0  # another process of a multi-host server: it followed process 0 until its stop
     service = Service(batch, llm.tokenizer, llm.cfg.vocab_size, name, scheduler.max_queue,
                       verbose=engine_config.verbose, request_log=request_log)
