@@ -146,11 +146,15 @@ def data_parallel_pool(specs: tuple[str, ...]) -> dict:
 
 
 def batched() -> dict:
-    """BatchEngine (slots over data, heads over tensor) vs one device: same outputs, no recompilation."""
+    """BatchEngine (slots over data, heads over tensor) vs one device: same outputs, no recompilation; then requests
+    sharing a 40-token prefix, the later ones served from the prefix cache (its blocks cut from sharded rows)."""
     from jaxspec.engine.batch import BatchEngine, Request
 
     m = model("llama")
     prompts = random_prompts(3, m.cfg.vocab_size, seed=5, lo=4, hi=12)
+    shared = random_prompts(1, m.cfg.vocab_size, seed=6, lo=40, hi=41)[0]
+    # the middle prompt takes the staging row: the last one's prefix comes from the cache's blocks
+    prefixed = [shared + [1], prompts[0], shared + [2, 3]]
     out: dict = {}
     for name, mesh in (("one", None), ("mesh", mesh_of("data=2,tensor=2"))):
         engine = Engine(m, [early_exit(m, 1)], TREE, mesh=mesh)
@@ -159,8 +163,10 @@ def batched() -> dict:
         gens = batch.generate(reqs)
         warm = engine.compilations
         gens2 = batch.generate([Request(p, NEW_TOKENS) for p in prompts[::-1]])
+        hits = batch.generate([Request(p, NEW_TOKENS) for p in prefixed])
         out[name] = {"first": [g.token_ids for g in gens], "second": [g.token_ids for g in gens2],
-                     "compilations": [warm, engine.compilations]}
+                     "compilations": [warm, engine.compilations], "prefixed": [g.token_ids for g in hits],
+                     "cached": [g.cached_tokens for g in hits]}
     return out
 
 

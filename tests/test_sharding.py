@@ -259,6 +259,8 @@ def test_batch_engine_on_a_mesh(slow_checks):
     assert r["mesh"]["first"] == r["one"]["first"] and r["mesh"]["second"] == r["one"]["second"]
     warm, after = r["mesh"]["compilations"]
     assert after == warm
+    assert r["mesh"]["prefixed"] == r["one"]["prefixed"]  # prefix-cache hits on the mesh change no token
+    assert r["mesh"]["cached"] == r["one"]["cached"] and r["mesh"]["cached"][2] == 32  # two blocks of the prefix
 
 
 @pytest.mark.slow
