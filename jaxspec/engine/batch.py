@@ -25,6 +25,11 @@ which multi-step speculative sampling verifies exactly as argmax); each iteratio
 cheapest warp its rows need (``sampling.batch_warp``: greedy alone, temperature only, or
 with the top-k / top-p stages, which sort the vocabulary at every tree node). A request's
 output depends on its own seed only: each slot draws from its own key.
+
+Over 600 lines, for now: the loop (admission with prefix reuse, dispatch and read of an
+iteration, retirement) shares its state with lazy auto's planning (bucket costs, background
+builds, rent or buy, ``_estimated`` / ``_worth_compiling``), which tests read directly; the
+planning moves to a module of its own with the engine contract of issue 35.
 """
 
 from __future__ import annotations
