@@ -462,7 +462,7 @@ class BatchEngine:
                 self._compiled[name] = jax.jit(pinned(set_inactive, e.mesh), donate_argnums=(0,))
             # the prefix cache's copies: like move and retire, a row's bookkeeping per state shape (not counted in
             # ``compilations``, which counts the steps and prefills a request's speed depends on)
-            elif name in ("cut", "cut_row"):
+            elif name == "cut":  # one jit for both callers: the staging row's, and a live row's (``row`` given)
                 self._compiled[name] = jax.jit(cut_block)
             elif name == "committed":
                 self._compiled[name] = jax.jit(committed)
@@ -1036,7 +1036,7 @@ class BatchEngine:
         for start in range(len(chain) * BLOCK, len(tokens) - BLOCK + 1, BLOCK):
             begin = jax.device_put(np.int32(start))
             block = (self._fn("cut")(self.staging_state, begin) if row is None
-                     else self._fn("cut_row")(self.state, begin, at))
+                     else self._fn("cut")(self.state, begin, at))
             entry = self.prefix.add(parent, tokens[start:start + BLOCK], block)
             if entry is None:
                 return

@@ -178,9 +178,3 @@ class PrefixCache:
         self.bytes -= victim.nbytes
         self.stats.evictions += 1
         return True
-
-    def clear(self) -> None:
-        """Drops every block (the counters stay)."""
-        self._entries.clear()
-        self._by_id.clear()
-        self.bytes = 0
