@@ -1063,7 +1063,7 @@ class BatchEngine:
                 tree: str | None = None) -> None:
         """Ends ``slot``'s request; the last live row moves into its row, and the state shrinks if it can."""
         req = slot.ticket.request
-        if reason != "error":
+        if reason != "error" and self.prefix.max_bytes:
             try:  # the row's committed K/V: the prompt and every emitted token but the last (the root, never fed)
                 self._remember(list(req.prompt_ids) + slot.gen.token_ids[:-1], slot.row)
             except Exception as exc:  # noqa: BLE001 (the request still ends; only its blocks go uncached)
