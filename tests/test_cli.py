@@ -110,6 +110,7 @@ def test_tree_mode_defaults_to_the_shipped_pool_and_keeps_the_output():
     assert tree.stdout == incremental.stdout and tree.stdout.strip()
 
 
+@pytest.mark.slow  # ~2 min cold (calibrates four trees); the lazy default path below stays in the default run
 def test_auto_is_the_default_mode_and_keeps_the_output(tmp_path):
     """Default speculators (shipped pool + n-gram), auto tree choice: same text as incremental."""
     out = tmp_path / "auto.jsonl"
@@ -182,6 +183,7 @@ def test_ngram_speculator_spec(capsys):
     assert cli.main(["generate", "--prompt", "hi", "--mode", "tree", "--ssm", "ngram:0"]) == 2
 
 
+@pytest.mark.slow  # ~1 min cold; test_mss keeps per-SSM expansions ((2,2) beside (2,1)) at the engine in the default run
 def test_per_ssm_expansion_configs(tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     base = ["generate", "--prompt", "Name a color.", "--max-new-tokens", "10", "--mode", "tree",

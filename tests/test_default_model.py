@@ -62,8 +62,8 @@ def test_greedy_identity_default_model(default_llm):
     _identity(default_llm, dev_prompts(4), 24, [("sequence", ssm, (1,) * 4), ("tree", ssm, TREE)])
 
 
-def test_shipped_default_pool_loads_and_keeps_greedy_identity(default_llm):
-    """The checked-in pool: small, tuned for this LLM's vocabulary, the default SSM, output-preserving."""
+def test_shipped_default_pool_is_small_and_drafts_as_one_group(default_llm):
+    """The checked-in pool: small, tuned for this LLM's vocabulary, the default SSM, one vmapped group."""
     assert (DEFAULT_POOL / "pool.json").is_file(), f"the default pool is not shipped at {DEFAULT_POOL}"
     size = sum(f.stat().st_size for f in DEFAULT_POOL.iterdir())
     assert size <= 25_000_000, f"the shipped pool takes {size / 1e6:.1f} MB (limit 25 MB)"
@@ -72,6 +72,11 @@ def test_shipped_default_pool_loads_and_keeps_greedy_identity(default_llm):
     assert len(pool) >= 2
     assert all(s.cfg.vocab_size == default_llm.cfg.vocab_size and s.tokenizer is default_llm.tokenizer for s in pool)
     assert len(Engine(default_llm, pool, TREE).groups) == 1, "the pool's SSMs should draft as one vmapped group"
+
+
+@pytest.mark.slow  # ~4 min cold; test_cli's tree mode keeps the shipped pool's greedy identity in the default run
+def test_shipped_default_pool_out_speculates_the_early_exit_it_replaces(default_llm):
+    pool = load_ssms(["default"], default_llm)
     steps = _identity(default_llm, dev_prompts(4), 24,
                       [("pool-tree", pool, TREE), ("layers4-tree", [early_exit(default_llm, 4)], TREE)])
     # Counts, not times: the boost-tuned pool must out-speculate the 4-layer early exit it replaces.

@@ -187,6 +187,7 @@ def _completions(url: str) -> list[str]:
         return list(pool.map(post, bodies))
 
 
+@pytest.mark.slow  # ~2.5 min cold; the default run keeps the 2-process loop (generate, a shared prefix, failures)
 def test_two_process_server_answers_as_one_process(tiny_checkpoint, tmp_path) -> None:
     """serve over 2 processes (tensor=2): process 0's HTTP answers equal a one-process server's; SIGTERM stops both."""
     serve = ["serve", "--model", str(tiny_checkpoint), "--served-model-name", "tiny", "--mode", "incremental",

@@ -50,7 +50,7 @@ def reference_paths(ssm, context: list[int], root: int, dyn: DynamicTree) -> set
     return {(root,) + p for p, _ in best} | {(root,)}
 
 
-@pytest.mark.parametrize("dyn", [DynamicTree(8, 3, 3), DynamicTree(12, 4, 2)])
+@pytest.mark.parametrize("dyn", [pytest.param(DynamicTree(8, 3, 3), marks=pytest.mark.slow), DynamicTree(12, 4, 2)])
 def test_dynamic_tree_keeps_the_best_scoring_drafts(models, dyn):
     """The tree holds exactly the N-1 most probable drafted paths (and each parent before its children)."""
     _, ssm, _ = models

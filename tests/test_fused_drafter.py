@@ -57,11 +57,11 @@ def test_unrolled_training_states_equal_drafting_states():
     llm = tiny_model(seed=2)
     dcfg = drafter_config(llm.cfg)
     params = _drafter(llm)
-    draft = make_drafter_forward(dcfg, feature_layers=LAYERS)
+    draft = jax.jit(make_drafter_forward(dcfg, feature_layers=LAYERS))  # jitted: op-by-op compiles cost more
     t = 12
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, llm.cfg.vocab_size, (1, t)), jnp.int32)
     feats = jax.random.normal(jax.random.PRNGKey(3), (1, t, len(LAYERS) * llm.cfg.hidden_size))
-    states = unrolled_states(draft, params, dcfg, tokens, feats, 3)
+    states = jax.jit(lambda p, x, f: unrolled_states(draft, p, dcfg, x, f, 3))(params, tokens, feats)
     fed = shift_features(feats)
     for root in (0, 4, 8):
         cache = KVCache.create(dcfg, 1, t + 4)
@@ -91,7 +91,7 @@ def test_gradient_flows_through_the_unrolled_steps():
     def last_step_only(fuse):
         return unrolled_states(draft, {**params, "fuse": fuse}, dcfg, tokens, feats, 3)[-1][:, 4:].sum()
 
-    grad = jax.grad(last_step_only)(params["fuse"])
+    grad = jax.jit(jax.grad(last_step_only))(params["fuse"])
     assert float(jnp.abs(grad["kernel"]).max()) > 0
 
 

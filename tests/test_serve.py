@@ -560,6 +560,7 @@ def test_flags_fail_before_loading(server):
         assert last.startswith("jaxspec: error:") and all(w in last for w in words), last
 
 
+@pytest.mark.slow  # ~3 min cold; the auto server below keeps a speculating server in the default run
 def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_path):
     """A second server speculating with the n-gram chain: the same greedy outputs, alone and 8 at once, streamed,
     cut by a stop string, and the speculation counters move (drafts, draft tokens, accepted per position, mean
