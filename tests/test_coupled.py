@@ -3,7 +3,6 @@ function of (prompt, parameters, seed) alone, whatever the mode, tree, batch or 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -11,7 +11,6 @@ n-gram, fixed and dynamic trees) emits the LLM's own tokens; format-1 drafters s
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 
 import jax
