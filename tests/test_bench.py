@@ -71,6 +71,7 @@ def test_bench_speculative_and_coverage_write_csv_and_png(tmp_path, capsys):
         assert rates == sorted(rates) and 0 <= rates[0] and rates[-1] <= 1
 
 
+@pytest.mark.slow  # ~1 min cold; bench modes (each mode as generate in its own process) stays in the default run
 def test_bench_incremental_against_transformers_each_in_its_own_process(tmp_path, capsys):
     torch_before = "torch" in sys.modules
     out = tmp_path / "inc.csv"

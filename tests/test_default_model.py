@@ -94,13 +94,13 @@ def test_greedy_identity_default_model_50_prompts_all_widths(default_llm):
 
 
 def test_greedy_generation_matches_transformers(default_llm, hf_default_model):
-    """20 dev prompts: our greedy tokens equal transformers' generate() on the same GGUF (float32)."""
+    """8 dev prompts (each new length compiles): our greedy tokens equal transformers' generate() on the same GGUF."""
     import torch
 
     hf = hf_default_model
     engine = Engine(default_llm)
     n = 16
-    for row in dev_prompts(20):
+    for row in dev_prompts(8):
         ids = encode_prompt(default_llm.tokenizer, row["prompt"], chat=True)
         with torch.inference_mode():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)

@@ -105,6 +105,7 @@ def test_two_processes_print_what_one_process_prints(tiny_checkpoint, tmp_path) 
     assert "process 1 of 2 joined" in results[1][2]
 
 
+@pytest.mark.slow  # ~1 min cold; test_prefix_cache keeps hits in one process (the 2-process loop stays above)
 def test_two_processes_reuse_a_shared_prefix_as_one_process_does(tiny_checkpoint, tmp_path) -> None:
     """Prompts sharing a long prefix, tensor=2 over two processes: the prefix cache hits alike in both (they paste
     the same blocks in the same programs) and process 0 prints one process's tokens and cached counts."""

@@ -29,10 +29,12 @@ def models():
 def reference_paths(ssm, context: list[int], root: int, dyn: DynamicTree) -> set[tuple[int, ...]]:
     """EAGLE-2's selection recomputed from full-sequence forwards (no cache, no masks), on the host."""
 
+    run = jax.jit(lambda params, cache, ids, n: prefill_model(ssm.forward, params, cache, ids, n)[0])  # per length
+
     def logp(prefix: list[int]) -> np.ndarray:
         ids = jnp.asarray([prefix])
         cache = KVCache.create(ssm.cfg, 1, len(prefix))
-        logits, _, _ = prefill_model(ssm.forward, ssm.params, cache, ids, jnp.asarray([len(prefix)]))
+        logits = run(ssm.params, cache, ids, jnp.asarray([len(prefix)]))
         return np.asarray(jax.nn.log_softmax(logits[0]), np.float64)
 
     w = dyn.width
@@ -56,15 +58,13 @@ def test_dynamic_tree_keeps_the_best_scoring_drafts(models, dyn):
     _, ssm, _ = models
     contexts = random_prompts(3, ssm.cfg.vocab_size, seed=5, lo=4, hi=9)
     cap = 64
+    draft = jax.jit(lambda p, c, h, n, r: speculate_dynamic(ssm.forward, p, c, dyn, h, n, r))  # one compile
     for ctx in contexts:
         root = ctx[-1]
         context = ctx[:-1]
         history = jnp.zeros((1, cap), jnp.int32).at[0, : len(context)].set(jnp.asarray(context))
         cache = KVCache.create(ssm.cfg, 1, cap)
-        tree, _, out_cache = jax.jit(
-            lambda p, c, h: speculate_dynamic(ssm.forward, p, c, dyn, h, jnp.asarray([len(context)]),
-                                              jnp.asarray([root]))
-        )(ssm.params, cache, history)
+        tree, _, out_cache = draft(ssm.params, cache, history, jnp.asarray([len(context)]), jnp.asarray([root]))
         parent = np.asarray(tree.parent[0])
         assert parent[0] == -1 and (parent[1:] < np.arange(1, dyn.nodes)).all()
         assert np.asarray(tree.valid).all()

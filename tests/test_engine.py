@@ -70,6 +70,7 @@ def test_merged_ssms_identity_and_acceptance(tiny_llm):
     assert steps_merged <= steps_single  # a superset tree never accepts less
 
 
+@pytest.mark.slow  # ~2 min cold; the shipped pool drafts as one vmapped group in test_cli's tree mode and test_sharding
 def test_same_shape_ssms_draft_in_one_vmapped_forward(tiny_llm):
     """A pool's same-architecture SSMs form one vmapped group (shared embedding not stacked); same output."""
     a, b = tiny_model(seed=5), tiny_model(seed=6)

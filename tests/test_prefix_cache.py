@@ -97,6 +97,7 @@ def test_a_second_turn_starts_after_the_first_turns_answer(llm, mode):
         assert len(first) // BLOCK * BLOCK < got[0].cached_tokens <= committed // BLOCK * BLOCK
 
 
+@pytest.mark.slow  # ~1 min cold; test_loop_random cancels requests between prefix reuses in the default run
 def test_cancelled_requests_between_hits_change_nothing(llm):
     """Requests cancelled while staged, mid-prefill or decoding leave the cache consistent for the next hit."""
     engine = Engine(llm, [early_exit(llm, 1)], [(1, 2, 1)])

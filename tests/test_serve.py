@@ -560,7 +560,6 @@ def test_flags_fail_before_loading(server):
         assert last.startswith("jaxspec: error:") and all(w in last for w in words), last
 
 
-@pytest.mark.slow  # ~3 min cold; the auto server below keeps a speculating server in the default run
 def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_path):
     """A second server speculating with the n-gram chain: the same greedy outputs, alone and 8 at once, streamed,
     cut by a stop string, and the speculation counters move (drafts, draft tokens, accepted per position, mean
@@ -592,9 +591,11 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
         spec.stop()
 
 
+# ~6.5 min cold each (auto compiles its trees per batch bucket as they pay): the default run keeps the n-gram server
+# above (greedy identity, concurrency, streams, stops, draft counters) and test_serve_structured's tree server.
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [("--mode", "auto", "--verify", "coupled"),  # the default speculators, lazy trees
-                                   pytest.param(("--mode", "tree", "--expansion", "1,2,1", "--verify", "mss"),  # default pool
-                                                marks=pytest.mark.slow)],  # ~4 min; auto keeps this in the default run
+                                   ("--mode", "tree", "--expansion", "1,2,1", "--verify", "mss")],  # default pool
                          ids=["auto-coupled", "tree-mss"])
 def test_auto_and_tree_servers_keep_greedy_output_through_streams_stops_and_disconnects(server, tmp_path, flags):
     """Speculating servers (auto, and a fixed tree of the default pool) answer the incremental server's greedy

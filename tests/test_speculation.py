@@ -12,7 +12,6 @@ from jaxspec.decoding import sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.engine.batch import BatchEngine, Request, cut_tokens
 from jaxspec.engine import Engine, early_exit
-from jaxspec.decoding.kv_cache import causal_mask
 from jaxspec.decoding.ngram import NGramIndex, NGramSpeculator, proposal_arrays
 from jaxspec.decoding.speculate import speculate
 from jaxspec.decoding.step import prefill_model

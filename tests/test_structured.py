@@ -413,6 +413,7 @@ def test_an_uncompilable_grammar_is_a_request_error(default_llm):
         engine.generate([1, 2, 3], 4, grammar=Grammar("regex", "(unclosed"))
 
 
+@pytest.mark.slow  # ~2 min cold; the default run keeps constrained requests served by a warmed server (test_serve_structured)
 def test_structured_warm_up_compiles_every_grammar_step_a_request_needs(default_llm):
     """After ``warm(grammar=True)`` a constrained request compiles nothing; without it, it compiles grammar steps."""
     from jaxspec.engine.batch import BatchEngine, Request
@@ -435,6 +436,7 @@ def test_structured_warm_up_compiles_every_grammar_step_a_request_needs(default_
     assert counts[True] == 0 and counts[False] > 0, counts
 
 
+@pytest.mark.slow  # ~1 min cold; test_prefix_cache keeps hits (incremental, drafter) in the default run
 def test_a_constrained_request_on_a_prefix_cache_hit_is_unchanged(default_llm):
     """A grammar-constrained request whose prompt the prefix cache holds starts after the cached blocks and emits
     what it emits cold (with n-gram speculation and forced chains)."""

@@ -33,17 +33,18 @@ def random_parents(draw, max_nodes: int = 24):
     return [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # each new shape compiles (~15 s cold)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # each new shape compiles
 @given(random_parents(), st.integers(0, 40))
 def test_tree_mask_and_positions_match_brute_force(parent, length):
     n = len(parent)
     paths_ = brute_paths(parent)
     depth_max = max(len(p) for p in paths_) - 1
     par = jnp.asarray([parent], jnp.int32)
-    anc = np.asarray(ancestor_mask(par, max(depth_max, 1)))[0]
-    depth = np.asarray(depth_of(par, max(depth_max, 1)))[0]
+    anc = np.asarray(jax.jit(ancestor_mask, static_argnums=1)(par, max(depth_max, 1)))[0]  # jitted: one compile each
+    depth = np.asarray(jax.jit(depth_of, static_argnums=1)(par, max(depth_max, 1)))[0]
     cap = length + n + 3
-    mask = np.asarray(tree_mask(jnp.asarray([length]), jnp.asarray(anc)[None], jnp.arange(n)[None], cap))[0]
+    mask = np.asarray(jax.jit(tree_mask, static_argnums=3)(jnp.asarray([length]), jnp.asarray(anc)[None],
+                                                          jnp.arange(n)[None], cap))[0]
     for i, p in enumerate(paths_):
         assert depth[i] == len(p) - 1  # position of node i is length + depth
         expected = np.zeros(cap, bool)
@@ -77,11 +78,11 @@ def random_token_trees(draw):
     return _tree_from(tokens, list(topo.parent)), len(exp)
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # each new shape compiles (~15 s cold)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # each new shape compiles
 @given(st.lists(random_token_trees(), min_size=1, max_size=3))
 def test_merge_holds_exactly_the_union_of_sequences(trees):
     depth = max(d for _, d in trees)
-    merged = merge([t for t, _ in trees], depth)
+    merged = jax.jit(merge, static_argnums=1)([t for t, _ in trees], depth)  # one compile, not one per op
     got = paths(merged, depth)[0]
     union = set()
     for t, _ in trees:

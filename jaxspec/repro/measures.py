@@ -5,6 +5,8 @@ Shared by ``jaxspec bench coverage`` and ``jaxspec repro table1``.
 
 from __future__ import annotations
 
+import functools
+
 
 def coverage_rates(llm_logits, ssm_logits, max_k: int, temperature: float):
     """Per-position success of k = 1..max_k (paper Table 1), both [T, max_k].
@@ -58,20 +60,35 @@ def teacher_forced(model, ids: list[int], states=None, hidden: bool | tuple[int,
     """
     import jax.numpy as jnp
 
-    from jaxspec.decoding.speculate import call
     from jaxspec.decoding.step import shift_features
-    from models.transformer import KVCache, decoding_layout, make_forward
+    from models.transformer import decoding_layout
 
-    n = len(ids)
-    p = jnp.arange(n)[None]
-    mask = jnp.arange(n)[None, None, :] <= p[:, :, None]
     params = model.params
     if isinstance(hidden, tuple):  # the blocks' outputs are read from the unrolled layout
-        forward = make_forward(model.cfg, model.dtype, unrolled=True, hidden=hidden)
         params = decoding_layout(params)
-    else:
-        forward = make_forward(model.cfg, model.dtype, hidden=True) if hidden else model.forward
     feats = None if states is None else shift_features(states)
-    logits, _, out = call(forward, params, jnp.asarray([ids]), feats, p,
-                          KVCache.create(model.cfg, 1, n, model.dtype), mask)
-    return logits[0], out
+    forward = model.forward if not hidden else None
+    return _teacher_forced_jit(model.cfg, model.dtype, hidden, forward)(params, jnp.asarray([ids]), feats)
+
+
+@functools.lru_cache(maxsize=16)
+def _teacher_forced_jit(cfg, dtype, hidden, forward):
+    """One jitted whole-sequence forward per model form (compiled once per length, not op by op)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.decoding.speculate import call
+    from models.transformer import KVCache, make_forward
+
+    if isinstance(hidden, tuple):
+        forward = make_forward(cfg, dtype, unrolled=True, hidden=hidden)
+    elif hidden:
+        forward = make_forward(cfg, dtype, hidden=True)
+
+    def run(params, ids, feats):  # ids [1, T]
+        n = ids.shape[1]
+        p = jnp.arange(n)[None]
+        mask = jnp.arange(n)[None, None, :] <= p[:, :, None]
+        logits, _, out = call(forward, params, ids, feats, p, KVCache.create(cfg, 1, n, dtype), mask)
+        return logits[0], out
+    return jax.jit(run)
