@@ -35,7 +35,8 @@ def engines(llm):
                                                                                    costs=COSTS)}
 
 
-@pytest.mark.parametrize("mode", ["incremental", pytest.param("tree", marks=pytest.mark.slow), "auto"])  # tree: auto runs one
+# tree: ~40 s cold, auto runs trees in the default run
+@pytest.mark.parametrize("mode", ["incremental", pytest.param("tree", marks=pytest.mark.slow), "auto"])
 def test_batch_greedy_equals_one_request_at_a_time_without_recompiling(llm, mode):
     engine = engines(llm)[mode]
     single = [engine.generate(p, 12).token_ids for p in PROMPTS]

@@ -183,7 +183,7 @@ def test_ngram_speculator_spec(capsys):
     assert cli.main(["generate", "--prompt", "hi", "--mode", "tree", "--ssm", "ngram:0"]) == 2
 
 
-@pytest.mark.slow  # ~1 min cold; test_mss keeps per-SSM expansions ((2,2) beside (2,1)) at the engine in the default run
+@pytest.mark.slow  # ~1 min cold; test_mss keeps per-SSM expansions ((2,2) beside (2,1)) in the default run
 def test_per_ssm_expansion_configs(tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     base = ["generate", "--prompt", "Name a color.", "--max-new-tokens", "10", "--mode", "tree",

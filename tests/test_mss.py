@@ -736,7 +736,7 @@ def test_end_to_end_tree_mss_with_reduced_draft_vocabulary_matches_llm(models):
     assert pval > ALPHA, pval
 
 
-@pytest.mark.slow  # ~1.5-3 min cold each; the default run keeps the SSM tree chi-square and the drafter's greedy identity
+@pytest.mark.slow  # ~1.5-3 min cold each; the default run keeps the SSM tree chi-square, the drafter's greedy identity
 @pytest.mark.parametrize("form", [True, (0, 1)], ids=["final-norm", "fused"])
 def test_end_to_end_tree_mss_with_feature_drafter_matches_llm(models, form):
     """A feature drafter (reading the LLM's states, feeding deeper nodes its own) beside an SSM: still exact, in

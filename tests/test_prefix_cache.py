@@ -41,7 +41,8 @@ def scripted() -> list[tuple[list[int], int]]:
     ]
 
 
-@pytest.mark.parametrize("mode", ["incremental", pytest.param("tree", marks=pytest.mark.slow), "drafter"])  # tree: ~2 min cold
+# tree: ~2 min cold; the drafter (the default speculator) keeps speculating rows in the default run
+@pytest.mark.parametrize("mode", ["incremental", pytest.param("tree", marks=pytest.mark.slow), "drafter"])
 def test_a_hit_changes_no_token_and_counts_exactly(llm, mode):
     spec = {"incremental": {}, "tree": dict(ssms=[early_exit(llm, 1), NGramSpeculator(3)],
                                              expansion=[(1, 2, 1), (1, 1, 1)]),

@@ -288,7 +288,7 @@ def test_an_iteration_makes_no_implicit_transfers(tiny_llm):
     assert gen.token_ids == want.token_ids
 
 
-@pytest.mark.slow  # ~2 min cold; test_cli's lazy default path keeps auto's identity on the default model in the default run
+@pytest.mark.slow  # ~2 min cold; test_cli's lazy default path keeps auto's identity on this model in the default run
 def test_default_speculators_auto_identity_on_dev_prompts(default_llm):
     """The default model with the shipped speculators (feature drafter, pool, n-gram), auto: greedy output unchanged."""
     from jaxspec.speculators.resolve import load_ssms

@@ -413,7 +413,7 @@ def test_an_uncompilable_grammar_is_a_request_error(default_llm):
         engine.generate([1, 2, 3], 4, grammar=Grammar("regex", "(unclosed"))
 
 
-@pytest.mark.slow  # ~2 min cold; the default run keeps constrained requests served by a warmed server (test_serve_structured)
+@pytest.mark.slow  # ~2 min cold; the only count of warm(grammar=True); constrained requests stay in the default run
 def test_structured_warm_up_compiles_every_grammar_step_a_request_needs(default_llm):
     """After ``warm(grammar=True)`` a constrained request compiles nothing; without it, it compiles grammar steps."""
     from jaxspec.engine.batch import BatchEngine, Request
