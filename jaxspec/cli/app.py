@@ -12,7 +12,7 @@ import json
 import os
 import secrets
 import sys
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
@@ -36,6 +36,10 @@ from jaxspec.cli.common import (
     setup_compile_cache,
     user_errors,
 )
+
+if TYPE_CHECKING:  # the engine loads JAX: the CLI imports it only when a command runs
+    from jaxspec.engine.batch import BatchEngine
+
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)

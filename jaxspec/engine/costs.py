@@ -15,6 +15,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax

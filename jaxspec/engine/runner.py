@@ -29,7 +29,6 @@ from jaxspec.parallel.offload import make_offload_forward, offload_layout, offlo
 from jaxspec.parallel.sharding import describe as describe_mesh, pinned
 from jaxspec.decoding.step import DecodeConfig, DecodeState, SSMGroup, decode_step, set_lengths
 from jaxspec.decoding.tree import DynamicTree, expansion_topology
-from models.config import ModelConfig
 from models.pipeline import make_pipeline_forward, pipe_size, stacked_layout, stacked_names
 from models.loaded import LoadedModel, forward_for
 from models.lowering import Lowering, default_lowering

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxspec.cache import weight_cache_dir
