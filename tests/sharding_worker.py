@@ -274,7 +274,6 @@ GROUPS = {
         "fallback": fallback,
         "errors": errors,
         "load": load_into_shards,
-        "structured": structured,
     },
     "slow": {
         "tp_llama_2": lambda: tensor_parallel("llama", "tensor=2", ("incremental", "mss")),
@@ -288,6 +287,7 @@ GROUPS = {
         "pool": lambda: data_parallel_pool(("data=2,tensor=2",)),
         "batched": batched,
         "default_model": default_model,
+        "structured": structured,
     },
 }
 
