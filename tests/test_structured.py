@@ -208,7 +208,7 @@ def _tiny(seed: int, layers: int = 2) -> LoadedModel:
     return LoadedModel(f"tiny-{seed}", cfg, jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim >= 2 else x, params))
 
 
-@pytest.mark.slow  # ~4 min cold; the default run keeps the constrained greedy identity of auto and of a prefix hit
+@pytest.mark.slow  # ~4 min cold; the default run keeps constrained greedy identity (auto) and grammar masks (incremental)
 def test_sampled_constrained_tree_draws_from_the_masked_distribution():
     """MSS over a merged tree (two SSMs + a forced chain), masks at every level and node: the first two
     emitted tokens follow the LLM's masked, renormalised two-token law."""
