@@ -61,14 +61,10 @@ def teacher_forced(model, ids: list[int], states=None, hidden: bool | tuple[int,
     import jax.numpy as jnp
 
     from jaxspec.decoding.step import shift_features
-    from models.transformer import decoding_layout
 
-    params = model.params
-    if isinstance(hidden, tuple):  # the blocks' outputs are read from the unrolled layout
-        params = decoding_layout(params)
     feats = None if states is None else shift_features(states)
     forward = model.forward if not hidden else None
-    return _teacher_forced_jit(model.cfg, model.dtype, hidden, forward)(params, jnp.asarray([ids]), feats)
+    return _teacher_forced_jit(model.cfg, model.dtype, hidden, forward)(model.params, jnp.asarray([ids]), feats)
 
 
 @functools.lru_cache(maxsize=16)
@@ -78,9 +74,10 @@ def _teacher_forced_jit(cfg, dtype, hidden, forward):
     import jax.numpy as jnp
 
     from jaxspec.decoding.speculate import call
-    from models.transformer import KVCache, make_forward
+    from models.transformer import KVCache, decoding_layout, make_forward
 
-    if isinstance(hidden, tuple):
+    unrolled = isinstance(hidden, tuple)  # the blocks' outputs are read from the unrolled layout
+    if unrolled:
         forward = make_forward(cfg, dtype, unrolled=True, hidden=hidden)
     elif hidden:
         forward = make_forward(cfg, dtype, hidden=True)
@@ -89,6 +86,7 @@ def _teacher_forced_jit(cfg, dtype, hidden, forward):
         n = ids.shape[1]
         p = jnp.arange(n)[None]
         mask = jnp.arange(n)[None, None, :] <= p[:, :, None]
+        params = decoding_layout(params) if unrolled else params  # inside the jit: no per-call re-layout
         logits, _, out = call(forward, params, ids, feats, p, KVCache.create(cfg, 1, n, dtype), mask)
         return logits[0], out
     return jax.jit(run)
