@@ -21,12 +21,6 @@ VERIFIERS = ("mss", "naive", "coupled")
 DEFAULT_TREE = "1,1,3,1,1,1,1,1"  # the paper's default expansion config
 DEFAULT_SEQUENCE = "1,1,1,1,1,1,1,1"
 AUTO_SPECULATORS = ("drafter", "ngram")  # --mode auto without --ssm: the shipped feature drafter and prompt lookup
-# The learned speculators' tree in the auto family: a 3-deep chain. On the 2-core CPU the LLM verifies 4 tokens
-# for 1.13x one token but 6 for 1.49x (jaxspec bench step-costs), so <1,2,1> costs more than it adds. Measured with
-# the shipped drafter (2026-11-26, 20 dev prompts, 128 tokens, --max-batch 1, speedup over incremental in ms/token):
-# <1,1,1> 1.46x (2.42 tokens/step), <1,1,1,1> 1.18x (2.48), <2,1,1> 1.19x (2.58).
-AUTO_SSM_TREE = "1,1,1"
-AUTO_NGRAM_CHAIN = "1,1,1,1,1,1"  # the n-gram speculator's chain in the auto family
 DEFAULT_FORCED_TOKENS = 8  # tokens a grammar forces ahead that ride in a constrained request's tree
 
 

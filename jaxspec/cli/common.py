@@ -15,9 +15,7 @@ import sys
 from pathlib import Path
 
 from jaxspec.config import (
-    AUTO_NGRAM_CHAIN,
     AUTO_SPECULATORS,
-    AUTO_SSM_TREE,
     DEFAULT_FORCED_TOKENS,
     DEFAULT_TREE,
     DTYPE_NAMES,
@@ -148,8 +146,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "reading the LLM's states; alone: the shipped one), a checkpoint path, ngram[:N] "
                         "(prompt lookup of up to N-token suffixes), or default (the shipped pool); repeat to merge "
                         f"several speculators' trees (auto default: {' + '.join(AUTO_SPECULATORS)})")
-    p.add_argument("--expansion", help=f"expansion config k1,...,km (tree default {DEFAULT_TREE}; auto: SSMs "
-                   f"{AUTO_SSM_TREE}, n-gram {AUTO_NGRAM_CHAIN}); ';'-separated configs give each speculator its "
+    p.add_argument("--expansion", help=f"expansion config k1,...,km (tree default {DEFAULT_TREE}; auto: each "
+                   "speculator's tree derived from this device's measured cost curve); ';'-separated configs give each speculator its "
                    "own, e.g. '1,1,3,1;1,2,1' (an n-gram proposes a chain as deep as its config); "
                    "dynamic:NODES[:DEPTH[:WIDTH]] grows an SSM's tree by its own confidence (greedy; EAGLE-2)")
     p.add_argument("--recalibrate", action="store_true",

@@ -682,21 +682,31 @@ class BatchEngine:
                 continue
             candidates = [(k, c) for k, c in seen if name in c]
             if not candidates:
-                out[name] = self._prior(warp, rows, capacity, cfg.num_nodes, known["none"])
+                out[name] = self._prior(warp, rows, capacity, cfg, known["none"])
                 continue
             near = min(candidates, key=lambda kc: (abs(np.log2(kc[0][1] / rows)) + abs(np.log2(kc[0][2] / capacity)),
                                                    -kc[0][1]))
             (_, near_rows, near_cap), measured = near
-            out[name] = scaled_cost(measured[name] / measured["none"], near_rows, rows, self._plain_seconds(
-                warp, near_rows, near_cap), known["none"])
+            ratio = measured[name] / measured["none"]
+            curve = self.engine.cost_curve
+            if curve is not None:  # what the curve missed at the measured bucket, carried to this one
+                out[name] = known["none"] * max(1.0, ratio * curve.member_ratio(cfg, rows)
+                                                / curve.member_ratio(cfg, near_rows))
+            else:
+                out[name] = scaled_cost(ratio, near_rows, rows, self._plain_seconds(warp, near_rows, near_cap),
+                                        known["none"])
         return out
 
-    def _prior(self, warp: sampling.WarpSpec, rows: int, capacity: int, nodes: int, plain: float) -> float:
-        """A member never measured on this machine: its LLM pass feeds ``nodes`` tokens per row, priced on the line
-        c(t) = a + b t through the plain step's measured seconds at two or more row counts (t = rows fed), i.e.
-        what this device charges for ``rows * nodes`` tokens against ``rows``. With one row count measured (or a
-        flat line) the tree costs a plain step: the first runs then measure it (``TreeChooser.cost`` rescales by
-        observed timings), as nothing else on this machine says what it costs."""
+    def _prior(self, warp: sampling.WarpSpec, rows: int, capacity: int, cfg: DecodeConfig, plain: float) -> float:
+        """A member never measured on this machine: where auto's trees came from this device's cost curve, its
+        passes priced on that curve (``CostCurve.member_ratio``: the LLM over ``rows`` x its nodes, its draft
+        levels) times the plain step; else its LLM pass priced on the line c(t) = a + b t through the plain step's
+        measured seconds at two or more row counts (t = rows fed). With one row count measured (or a flat line)
+        the tree costs a plain step: the first runs then measure it (``TreeChooser.cost`` rescales by observed
+        timings), as nothing else on this machine says what it costs."""
+        if self.engine.cost_curve is not None:
+            return plain * self.engine.cost_curve.member_ratio(cfg, rows)
+        nodes = cfg.num_nodes
         points = {k[1]: c["none"] for k, c in self._bucket_costs.items()
                   if k[0] == warp and k[2] == capacity and c and "none" in c}
         if len(points) < 2:

@@ -10,9 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Sequence, TextIO
 
 from jaxspec.config import (
-    AUTO_NGRAM_CHAIN,
     AUTO_SPECULATORS,
-    AUTO_SSM_TREE,
     DEFAULT_FORCED_TOKENS,
     DEFAULT_SEQUENCE,
     DEFAULT_TREE,
@@ -22,6 +20,7 @@ from jaxspec.config import (
 from jaxspec.errors import CliError
 
 if TYPE_CHECKING:
+    from jaxspec.engine.planner import CostCurve
     from jax.sharding import Mesh
 
     from jaxspec.engine import Engine
@@ -39,8 +38,11 @@ def speculator_specs(config: EngineConfig) -> list[str]:
     return list(AUTO_SPECULATORS) if config.mode == "auto" else ["default"]
 
 
-def expansion_for(config: EngineConfig, speculators: Sequence = ()) -> tuple[tuple[int, ...], ...]:
-    """The expansion configs: one shared by every speculator, or ";"-separated, one per speculator."""
+def expansion_for(config: EngineConfig, speculators: Sequence = (),
+                  curve: CostCurve | None = None) -> tuple[tuple[int, ...], ...]:
+    """The expansion configs: one shared by every speculator, or ";"-separated, one per speculator; under auto
+    without ``--expansion``, each speculator's tree derived from this device's cost ``curve``
+    (``jaxspec.engine.planner``; needed only when there are speculators)."""
     from jaxspec.decoding.ngram import NGramSpeculator  # noqa: PLC0415
     from jaxspec.decoding.tree import DynamicTree, parse_expansion  # noqa: PLC0415
 
@@ -49,8 +51,13 @@ def expansion_for(config: EngineConfig, speculators: Sequence = ()) -> tuple[tup
             raise CliError("--mode incremental takes no --ssm or --expansion (use --mode auto, sequence or tree)")
         return ()
     if config.mode == "auto" and not config.expansion:
-        return tuple(parse_expansion(AUTO_NGRAM_CHAIN if isinstance(s, NGramSpeculator) else AUTO_SSM_TREE)
-                     for s in speculators)
+        if not speculators:
+            return ()
+        if curve is None:
+            raise ValueError("auto's trees are derived from a cost curve: measure one (jaxspec.engine.planner)")
+        from jaxspec.engine.planner import derive_expansions  # noqa: PLC0415
+
+        return derive_expansions(curve, ["ngram" if isinstance(s, NGramSpeculator) else "ssm" for s in speculators])
     text = config.expansion or (DEFAULT_TREE if config.mode == "tree" else DEFAULT_SEQUENCE)
     expansions = tuple(parse_expansion(part) for part in text.split(";"))
     if not all(expansions):
@@ -93,7 +100,8 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
     was placed on (default: ``config.mesh``'s); ``announce`` hears the speculators and trees chosen."""
     from jaxspec.engine import Engine  # noqa: PLC0415
 
-    expansion = expansion_for(config, speculators)
+    curve = auto_curve(config, llm, speculators)
+    expansion = expansion_for(config, speculators, curve)
     if speculators:
         if len(expansion) not in (1, len(speculators)):
             raise CliError(f"--expansion gives {len(expansion)} ';'-separated configs for {len(speculators)} "
@@ -105,13 +113,49 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
                                         else "") for s in speculators)
             print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {config.mode}",
                   file=announce)
+            if curve is not None:
+                from jaxspec.engine.planner import describe  # noqa: PLC0415
+
+                print(f"[jaxspec] auto's trees from this device's cost curve (a pass over T tokens vs one: "
+                      f"{describe(curve)})", file=announce)
         expansion = expansion[0] if len(expansion) == 1 else expansion
     forced = config.forced_tokens
     if forced is None:
         forced = 0 if config.mode == "incremental" else DEFAULT_FORCED_TOKENS
-    return Engine(llm, list(speculators), expansion, config.tree_budget, config.verify,
-                  auto=config.mode == "auto", mesh=mesh if mesh is not None else mesh_of(config),
-                  offload=config.offload, forced_tokens=forced, lowering=lowering_of(config))
+    engine = Engine(llm, list(speculators), expansion, config.tree_budget, config.verify,
+                    auto=config.mode == "auto", mesh=mesh if mesh is not None else mesh_of(config),
+                    offload=config.offload, forced_tokens=forced, lowering=lowering_of(config))
+    engine.cost_curve = curve
+    return engine
+
+
+def auto_curve(config: EngineConfig, llm: LoadedModel, speculators: Sequence = ()) -> CostCurve | None:
+    """This device's cost curve where auto derives its trees (no ``--expansion``, some speculator), else None.
+
+    In a multi-process run every process measures (their programs stay in step) and process 0's curve is the
+    one all use, so every process derives the same family."""
+    if config.mode != "auto" or config.expansion or not speculators:
+        return None
+    import jax  # noqa: PLC0415
+
+    from jaxspec.decoding.ngram import NGramSpeculator  # noqa: PLC0415
+    from jaxspec.engine.planner import CostCurve, measure_curve  # noqa: PLC0415
+
+    learned = [s for s in speculators if not isinstance(s, NGramSpeculator)]
+    curve = measure_curve(llm, learned, lowering_of(config))
+    if jax.process_count() > 1:
+        import numpy as np  # noqa: PLC0415
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        values = np.array([curve.llm[t] for t in sorted(curve.llm)]
+                          + [d[w] for d in curve.drafts for w in sorted(d)], np.float64)
+        values = np.asarray(multihost_utils.broadcast_one_to_all(values), np.float64)
+        points = [(None, t) for t in sorted(curve.llm)] + [(i, w) for i, d in enumerate(curve.drafts)
+                                                            for w in sorted(d)]
+        llm_costs = {t: float(v) for (i, t), v in zip(points, values) if i is None}
+        drafts = tuple({w: float(v) for (i, w), v in zip(points, values) if i == j} for j in range(len(curve.drafts)))
+        curve = CostCurve(llm_costs, drafts)
+    return curve
 
 
 def lowering_of(config: EngineConfig) -> Lowering:

@@ -155,6 +155,9 @@ class Runner:
         self._masker = constrain.host_masker(lambda *a: self._row_masks(*a), llm.cfg.vocab_size)
         self.verify = verify
         self.auto = auto
+        # this device's cost curve where auto's trees were derived from it (``jaxspec.engine.build.auto_curve``):
+        # what a tree never timed at a bucket is priced from
+        self.cost_curve = None
         self.compilations = 0
         self._compiled: dict = {}
         self._costs: dict = {}

@@ -1,0 +1,98 @@
+"""Auto's family derived from the device's measured cost curve (``jaxspec.engine.planner``): small trees where a
+pass over more tokens costs more (this CPU), wide ones where it costs about the same (the H200), measured once."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from conftest import tiny_model
+from jaxspec.config import EngineConfig
+from jaxspec.decoding import sampling
+from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.decoding.step import DecodeConfig
+from jaxspec.decoding.tree import expansion_topology
+from jaxspec.engine import costs
+from jaxspec.engine.batch import BatchEngine
+from jaxspec.engine.build import engine_from
+from jaxspec.engine.planner import CostCurve, best_expansion, derive_expansions, expected_tokens, tree_nodes
+from jaxspec.speculators.early_exit import early_exit
+
+# Recorded, ms: `jaxspec bench step-costs --tokens 1,2,4,8,16,32,64 --ssm drafter --capacity 256` on this project's
+# 2-core CPU (SmolLM2-135M float32 + the shipped drafter), and the H200 run of issue 35 (the default model's shape,
+# T=1 2.78 ms, ratios 1.20 / 1.57 / 1.23 / 1.36 / 1.24 at 4 / 8 / 16 / 32 / 64; its drafter level was not timed
+# there: a launch-bound 0.4 ms is assumed).
+CPU = CostCurve({1: 33.59, 2: 68.51, 4: 39.20, 8: 47.16, 16: 63.06, 32: 95.24, 64: 185.18},
+                ({1: 1.98, 2: 3.46, 4: 3.72, 8: 3.76, 16: 5.37},))
+H200 = CostCurve({1: 2.78, 4: 3.34, 8: 4.36, 16: 3.42, 32: 3.78, 64: 3.45}, ({1: 0.40, 4: 0.40, 16: 0.42},))
+
+
+def test_the_family_follows_the_device_small_trees_on_the_cpu_wide_ones_on_the_gpu():
+    ssm_cpu, ngram_cpu = derive_expansions(CPU, ["ssm", "ngram"])
+    ssm_gpu, ngram_gpu = derive_expansions(H200, ["ssm", "ngram"])
+    assert tree_nodes(ssm_cpu) <= 6 and max(ssm_cpu) == 1  # a short chain: 8 tokens already cost 1.4 passes
+    assert tree_nodes(ssm_gpu) >= 16 and max(ssm_gpu) > 1  # wide: 64 tokens cost 1.24 passes
+    assert set(ngram_cpu) == set(ngram_gpu) == {1} and len(ngram_gpu) >= len(ngram_cpu)  # chains, longer or equal
+    # each choice beats the other device's on its own device
+    for curve, mine, other in ((CPU, ssm_cpu, ssm_gpu), (H200, ssm_gpu, ssm_cpu)):
+        gain = best_expansion(curve, 0)[1]
+        assert gain == pytest.approx(expected_tokens(mine) / curve.tree_ratio(mine, 0))
+        assert gain > expected_tokens(other) / curve.tree_ratio(other, 0)
+
+
+def test_the_curve_reads_as_a_non_decreasing_envelope_and_prices_rows_times_nodes():
+    """A noisy point never makes a larger pass cheaper (the H200's 8 tokens cost more than its 16); past the largest
+    measured pass the line through the two largest extends it; a member at R rows feeds R x N tokens."""
+    ratios = [H200.llm_ratio(t) for t in range(1, 129)]
+    assert all(a <= b for a, b in zip(ratios, ratios[1:]))
+    assert H200.llm_ratio(5) == H200.llm_ratio(8) == H200.llm_ratio(16) == pytest.approx(3.42 / 2.78)
+    assert CPU.llm_ratio(128) == pytest.approx((185.18 + (185.18 - 95.24) / 32 * 64) / 33.59)
+    cpu3 = CostCurve({1: 33.59, 4: 39.20, 8: 47.16, 16: 63.06, 32: 95.24, 64: 185.18}, CPU.drafts)
+    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
+    cfg = DecodeConfig((expansion_topology((1, 1, 1)),), greedy, "greedy", None, (), 0, 64)
+    assert cpu3.member_ratio(cfg, 1) == pytest.approx(cpu3.tree_ratio((1, 1, 1), 0))
+    # 8 rows of a 4-node tree feed 32 tokens: on the CPU it costs far more than at one row, on the GPU hardly
+    assert cpu3.member_ratio(cfg, 8) > 1.5 * cpu3.member_ratio(cfg, 1)
+    assert H200.member_ratio(cfg, 8) == pytest.approx((3.45 + 3 * 0.42) / 3.42)  # 32 tokens, 3 levels of 8 nodes
+    assert H200.member_ratio(cfg, 8) < cpu3.member_ratio(cfg, 8) - 0.5
+
+
+def test_auto_measures_the_curve_once_derives_its_trees_and_prices_unmeasured_buckets_by_it(tmp_path, monkeypatch):
+    """End to end on a tiny pair: auto without --expansion measures this device's curve (the LLM and the learned
+    speculator, once: a second engine reads it from the cost cache), its trees are the ones the curve gives, the
+    log names them, and a tree never timed at a bucket is priced on the curve."""
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    measured = []
+    real = costs.measure_llm_costs
+
+    def counted(model, *args, **kwargs):
+        measured.append(model.name)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(costs, "measure_llm_costs", counted)
+    llm = tiny_model(seed=2)
+    speculators = [early_exit(llm, 1), NGramSpeculator(3)]
+    log = io.StringIO()
+    engine = engine_from(EngineConfig(mode="auto"), llm, speculators, announce=log)
+    assert len(measured) == 2 and engine.cost_curve is not None  # the LLM's passes and the SSM's draft levels
+    curve = engine.cost_curve
+    ssm_tree, ngram_chain = derive_expansions(curve, ["ssm", "ngram"])
+    family = engine.family(sampling.SamplingParams())
+    assert family["ssm"].topologies[0].expansion == ssm_tree and family["ngram"].ngram_depth == len(ngram_chain)
+    assert "cost curve" in log.getvalue() and "T=64" in log.getvalue()
+    again = engine_from(EngineConfig(mode="auto"), llm, speculators)
+    assert len(measured) == 2 and again.cost_curve == curve  # read from the cost cache
+    given = engine_from(EngineConfig(mode="auto", expansion="1,1;1,1"), llm, speculators)
+    assert given.cost_curve is None and given.family(sampling.SamplingParams())["ngram"].ngram_depth == 2
+    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
+    batch = BatchEngine(engine, max_batch=8, max_model_len=64)
+    cap = batch.capacity_buckets[0]
+    estimated = batch._estimated(greedy, 8, cap, {"none": 0.01})
+    for name, cfg in engine.family(greedy).items():  # nothing measured here: every tree priced on the curve
+        assert estimated[name] == pytest.approx(0.01 * curve.member_ratio(cfg, 8))
+    # a tree measured at one row carries what the curve missed there to the wider bucket
+    batch._bucket_costs[(greedy, 1, cap)] = {"none": 0.004, "ssm": 0.004 * 2.0}
+    cfg = engine.family(greedy)["ssm"]
+    want = 0.01 * max(1.0, 2.0 * curve.member_ratio(cfg, 8) / curve.member_ratio(cfg, 1))
+    assert batch._estimated(greedy, 8, cap, {"none": 0.01})["ssm"] == pytest.approx(want)
