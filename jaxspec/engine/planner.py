@@ -59,13 +59,18 @@ class CostCurve:
 
     def llm_ratio(self, tokens: int) -> float:
         """A pass over ``tokens`` over a pass over one token (beyond the largest measured: extrapolated)."""
-        return _envelope(self.llm, tokens) / self.llm[1]
+        return _envelope(self.llm, tokens) / self.one
+
+    @property
+    def one(self) -> float:
+        """Seconds of the LLM's pass over one token, read on the envelope (a larger pass timed cheaper bounds it)."""
+        return _envelope(self.llm, 1)
 
     def draft_ratio(self, index: int, width: int) -> float:
         """Learned speculator ``index``'s draft level over ``width`` nodes, over the LLM's pass over one token."""
         if index >= len(self.drafts) or not self.drafts[index]:
             return 0.0
-        return _envelope(self.drafts[index], width) / self.llm[1]
+        return _envelope(self.drafts[index], width) / self.one
 
     def member_ratio(self, cfg, rows: int) -> float:
         """An iteration of family member ``cfg`` (a ``DecodeConfig``) on ``rows`` rows over a plain iteration there:
