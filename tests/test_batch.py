@@ -200,24 +200,24 @@ def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm)
     want = [Engine(llm).generate(p, 12).token_ids for p in PROMPTS]
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     batch = BatchEngine(engine, max_batch=2, max_model_len=64, background=False)  # the loop waits for each build
-    batch._anchors[greedy] = {"none": 1.0, "ssm": 1.0}  # the tree as cheap as a plain step where not measured
-    batch._compile_seconds = batch._load_seconds = 1e9  # compiling (or loading from an earlier run) never pays
+    batch.planner.anchors[greedy] = {"none": 1.0, "ssm": 1.0}  # the tree as cheap as a plain step where not measured
+    batch.planner.compile_seconds = batch.planner.load_seconds = 1e9  # compiling (or loading from an earlier run) never pays
     assert [g.token_ids for g in batch.generate([Request(p, 12) for p in PROMPTS])] == want
     assert engine.is_warm(greedy, batch.capacity_buckets[0], 2, "none")
     assert not engine.is_warm(greedy, batch.capacity_buckets[0], 2, "ssm")
     assert len(engine.chooser(greedy).timings["ssm"]) == 0  # never ran
-    regret = batch._regret[(greedy, 2, batch.capacity_buckets[0], "ssm")]
+    regret = batch.planner.regret[(greedy, 2, batch.capacity_buckets[0], "ssm")]
     assert regret > 0  # the time lost without the tree is counted
     # rent or buy: once the time lost exceeds the compile cost, a request too short to pay for it alone compiles it
-    batch._compile_seconds = batch._load_seconds = regret / 2
+    batch.planner.compile_seconds = batch.planner.load_seconds = regret / 2
     batch.generate([Request(PROMPTS[0], 4), Request(PROMPTS[1], 4)])  # a few picks (each a posterior draw)
     assert engine.is_warm(greedy, batch.capacity_buckets[0], 2, "ssm")
     batch = BatchEngine(engine, max_batch=2, max_model_len=64, background=False)  # fresh: nothing readied or lost
-    batch._anchors[greedy] = {"none": 1.0, "ssm": 1.0}
-    batch._compile_seconds = batch._load_seconds = 0.0  # compiling always pays: the tree is readied at the first pick
+    batch.planner.anchors[greedy] = {"none": 1.0, "ssm": 1.0}
+    batch.planner.compile_seconds = batch.planner.load_seconds = 0.0  # compiling always pays: the tree is readied at the first pick
     gens = batch.generate([Request(p, 12) for p in PROMPTS])
     assert [g.token_ids for g in gens] == want
-    assert "ssm" in batch._bucket_costs[(greedy, 2, batch.capacity_buckets[0])]  # readied and measured here
+    assert "ssm" in batch.planner.bucket_costs[(greedy, 2, batch.capacity_buckets[0])]  # readied and measured here
     assert any("ssm" in g.trees for g in gens)
 
 
@@ -233,30 +233,30 @@ def test_an_uncalibrated_machine_explores_trees_without_compiling_to_guess(llm, 
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     batch = BatchEngine(engine, max_batch=2, max_model_len=64)
     compiled = engine.compilations
-    assert batch._anchor(greedy) == {"none": 1.0}  # no tree measured on this machine
+    assert batch.planner.anchor(greedy) == {"none": 1.0}  # no tree measured on this machine
     cap, nodes = batch.capacity_buckets[0], engine.family(greedy)["ssm"].num_nodes
-    assert batch._estimated(greedy, 2, cap, {"none": 0.05})["ssm"] == 0.05  # one row count measured: a plain step
+    assert batch.planner.estimated(greedy, 2, cap, {"none": 0.05})["ssm"] == 0.05  # one row count measured: a plain step
     # two row counts measured: the tree feeds `nodes` tokens a row, priced on the plain step's line through them
-    batch._bucket_costs[(greedy, 1, cap)] = {"none": 0.042}
-    batch._bucket_costs[(greedy, 2, cap)] = {"none": 0.0463}
+    batch.planner.bucket_costs[(greedy, 1, cap)] = {"none": 0.042}
+    batch.planner.bucket_costs[(greedy, 2, cap)] = {"none": 0.0463}
     slope, fixed = 0.0043, 0.0377
-    assert batch._estimated(greedy, 2, cap, {"none": 0.0463})["ssm"] == pytest.approx(
+    assert batch.planner.estimated(greedy, 2, cap, {"none": 0.0463})["ssm"] == pytest.approx(
         0.0463 * (fixed + slope * 2 * nodes) / (fixed + slope * 2))
-    batch._bucket_costs[(greedy, 2, cap)] = {"none": 0.042}  # flat (launch-bound): a tree costs a plain step
-    assert batch._estimated(greedy, 2, cap, {"none": 0.042})["ssm"] == pytest.approx(0.042)
+    batch.planner.bucket_costs[(greedy, 2, cap)] = {"none": 0.042}  # flat (launch-bound): a tree costs a plain step
+    assert batch.planner.estimated(greedy, 2, cap, {"none": 0.042})["ssm"] == pytest.approx(0.042)
     assert engine.compilations == compiled  # guessing compiled nothing
     chooser = engine.chooser(greedy)
     chooser.timings["ssm"].extend([1.5] * MIN_TIMINGS)  # the tree ran: 1.5x what it was estimated at
     assert chooser.cost("ssm", {"none": 0.02, "ssm": 0.02}) == pytest.approx(0.03)
     costs = engine.calibrate(greedy, batch.capacity_buckets[0], batch=1)  # measured and stored
-    assert BatchEngine(engine, max_batch=2, max_model_len=64)._anchor(greedy)["ssm"] == costs["ssm"] / costs["none"]
+    assert BatchEngine(engine, max_batch=2, max_model_len=64).planner.anchor(greedy)["ssm"] == costs["ssm"] / costs["none"]
 
 
 def test_a_ratio_carries_across_row_buckets_by_the_plain_steps_own_growth():
     """Between row buckets a tree's cost follows the line through the plain step's two measurements: unchanged
     where the plain step is flat (a launch-bound device), its extra tokens weighing more where the plain step
     grows with the rows (a device being filled), never below the plain step."""
-    from jaxspec.engine.batch import scaled_cost
+    from jaxspec.engine.planner import scaled_cost
 
     assert scaled_cost(1.4, 1, 8, 0.0025, 0.0025) == pytest.approx(0.0025 * 1.4)  # flat: the ratio carries over
     assert scaled_cost(1.4, 1, 1, 0.024, 0.030) == pytest.approx(0.030 * 1.4)  # same rows (another cache)
@@ -321,14 +321,14 @@ def test_lazy_auto_builds_trees_in_the_background_while_plain_steps_go_on(llm):
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     batch = BatchEngine(engine, max_batch=1, max_model_len=64)
     assert batch.background
-    batch._anchors[greedy] = {"none": 1.0, "ssm": 1.0}
-    batch._costs(greedy, 1, batch.capacity_buckets[0])  # the plain step readied (its compile is timed) first
-    batch._compile_seconds = 0.0  # building always pays
+    batch.planner.anchors[greedy] = {"none": 1.0, "ssm": 1.0}
+    batch.planner.costs(greedy, 1, batch.capacity_buckets[0])  # the plain step readied (its compile is timed) first
+    batch.planner.compile_seconds = 0.0  # building always pays
     first = batch.generate([Request(PROMPTS[2], 12)])
     assert first[0].token_ids == want[2]
     assert [key[3] for _, key in batch.builds] == ["ssm"] and batch.builds[0][0] == 0  # asked at the first pick
     batch.settle()
-    assert engine.is_warm(greedy, batch.capacity_buckets[0], 1, "ssm") and not batch._building
+    assert engine.is_warm(greedy, batch.capacity_buckets[0], 1, "ssm") and not batch.planner.building
     gens = batch.generate([Request(p, 12) for p in PROMPTS])
     assert [g.token_ids for g in gens] == want
     assert any("ssm" in g.trees for g in gens) and len(batch.builds) == 1
@@ -347,19 +347,20 @@ def test_replayed_gpu_measurements_make_lazy_auto_speculate_from_the_first_reque
     engine = Engine(llm, ssms=[llm], expansion=[(1, 1, 1)], auto=True)
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     batch = BatchEngine(engine, max_batch=1, max_model_len=64)
-    batch._anchors[greedy] = {"none": 1.0, "ssm": 1.20 + 3 * 0.12}  # the LLM over 4 nodes + 3 drafter levels
-    batch._compile_seconds = 5.0
+    batch.planner.anchors[greedy] = {"none": 1.0, "ssm": 1.20 + 3 * 0.12}  # the LLM over 4 nodes + 3 drafter levels
+    batch.planner.compile_seconds = 5.0
     chooser = engine.chooser(greedy)
     drafter = chooser.global_stats[KINDS[0]]
     for depth, rate in enumerate((0.49, 0.44, 0.41), start=1):
         drafter.trials[depth] += 200
         drafter.hits[depth] += 200 * rate
     key = (greedy, 1, batch.capacity_buckets[0])
-    batch._bucket_costs[key] = {"none": 2.5e-3}  # the plain step as timed there
-    worth = batch._worth_compiling("ssm", chooser, [(0, 0)], {"none": 2.5e-3, "ssm": 2.5e-3 * 1.56}, key)
-    saved = batch._regret[(*key, "ssm")]
-    assert 0 < saved * 96 < batch._compile_seconds  # 96 tokens in sight save far less than a compile: old no
-    batch._regret.clear()
+    batch.planner.bucket_costs[key] = {"none": 2.5e-3}  # the plain step as timed there
+    worth = batch.planner.worth_compiling("ssm", chooser, [(0, 0)], {"none": 2.5e-3, "ssm": 2.5e-3 * 1.56}, key,
+                                          left=0)  # nothing in sight: rent or buy alone decides
+    saved = batch.planner.regret[(*key, "ssm")]
+    assert 0 < saved * 96 < batch.planner.compile_seconds  # 96 tokens in sight save far less than a compile: old no
+    batch.planner.regret.clear()
     (first,) = batch.generate([Request(PROMPTS[2], 12)])
     assert worth and [k[3] for _, k in batch.builds] == ["ssm"] and batch.builds[0][0] < first.llm_steps
     batch.settle()
@@ -367,16 +368,16 @@ def test_replayed_gpu_measurements_make_lazy_auto_speculate_from_the_first_reque
     assert "ssm" in gens[0].trees
     # the same run's plain steps: 2.50 ms alone, 6.56 ms beside its first background builds; from then on a build
     # is charged the 62% of its seconds the loop lost
-    batch._plain_alone.clear(), batch._plain_beside.clear()
-    batch._plain_alone.extend([2.50e-3] * 8)
-    batch._plain_beside.extend([6.56e-3] * 8)
-    assert batch._build_share() == pytest.approx(1 - 2.50 / 6.56)
-    batch._compile_seconds = batch._load_seconds = 5.0
-    assert batch._build_price(greedy, 2, batch.capacity_buckets[0], "ssm") == pytest.approx(5.0 * (1 - 2.50 / 6.56))
-    assert not batch._worth_compiling("ssm", chooser, [(0, 0)], {"none": 2.5e-3, "ssm": 2.5e-3 * 1.56},
-                                      (greedy, 2, batch.capacity_buckets[0]))  # 1 request's saving: too little
-    engine.build_share(batch._build_share())  # as _harvest keeps it
-    assert BatchEngine(engine, max_batch=1, max_model_len=64)._build_share() == pytest.approx(1 - 2.50 / 6.56)
+    batch.planner.plain_alone.clear(), batch.planner.plain_beside.clear()
+    batch.planner.plain_alone.extend([2.50e-3] * 8)
+    batch.planner.plain_beside.extend([6.56e-3] * 8)
+    assert batch.planner.build_share() == pytest.approx(1 - 2.50 / 6.56)
+    batch.planner.compile_seconds = batch.planner.load_seconds = 5.0
+    assert batch.planner.build_price(greedy, 2, batch.capacity_buckets[0], "ssm") == pytest.approx(5.0 * (1 - 2.50 / 6.56))
+    assert not batch.planner.worth_compiling("ssm", chooser, [(0, 0)], {"none": 2.5e-3, "ssm": 2.5e-3 * 1.56},
+                                             (greedy, 2, batch.capacity_buckets[0]), left=0)  # too little saved
+    engine.build_share(batch.planner.build_share())  # as harvest keeps it
+    assert BatchEngine(engine, max_batch=1, max_model_len=64).planner.build_share() == pytest.approx(1 - 2.50 / 6.56)
 
 
 def test_a_failed_background_build_stays_out_and_multi_process_loops_build_in_the_loop(llm, monkeypatch):
@@ -387,9 +388,9 @@ def test_a_failed_background_build_stays_out_and_multi_process_loops_build_in_th
     engine = Engine(llm, ssms=[llm], expansion=[(1, 1, 1)], auto=True)
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     batch = BatchEngine(engine, max_batch=1, max_model_len=64)
-    batch._anchors[greedy] = {"none": 1.0, "ssm": 1.0}
-    batch._costs(greedy, 1, batch.capacity_buckets[0])
-    batch._compile_seconds = 0.0
+    batch.planner.anchors[greedy] = {"none": 1.0, "ssm": 1.0}
+    batch.planner.costs(greedy, 1, batch.capacity_buckets[0])
+    batch.planner.compile_seconds = 0.0
     calls = []
 
     def broken(*args, **kwargs):
@@ -402,9 +403,9 @@ def test_a_failed_background_build_stays_out_and_multi_process_loops_build_in_th
     batch.settle()
     (again,) = batch.generate([Request(PROMPTS[2], 12)])
     assert gen.token_ids == again.token_ids == want and set(again.trees) == {"none"}
-    assert len(calls) == 1 and (greedy, 1, batch.capacity_buckets[0], "ssm") in batch._failed
+    assert len(calls) == 1 and (greedy, 1, batch.capacity_buckets[0], "ssm") in batch.planner.failed
     batch.close()
-    assert batch._switch_interval is None
+    assert batch.planner.switch_interval is None
 
     class Remote(LoopSync):
         local = False

@@ -88,11 +88,11 @@ def test_auto_measures_the_curve_once_derives_its_trees_and_prices_unmeasured_bu
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     batch = BatchEngine(engine, max_batch=8, max_model_len=64)
     cap = batch.capacity_buckets[0]
-    estimated = batch._estimated(greedy, 8, cap, {"none": 0.01})
+    estimated = batch.planner.estimated(greedy, 8, cap, {"none": 0.01})
     for name, cfg in engine.family(greedy).items():  # nothing measured here: every tree priced on the curve
         assert estimated[name] == pytest.approx(0.01 * curve.member_ratio(cfg, 8))
     # a tree measured at one row carries what the curve missed there to the wider bucket
-    batch._bucket_costs[(greedy, 1, cap)] = {"none": 0.004, "ssm": 0.004 * 2.0}
+    batch.planner.bucket_costs[(greedy, 1, cap)] = {"none": 0.004, "ssm": 0.004 * 2.0}
     cfg = engine.family(greedy)["ssm"]
     want = 0.01 * max(1.0, 2.0 * curve.member_ratio(cfg, 8) / curve.member_ratio(cfg, 1))
-    assert batch._estimated(greedy, 8, cap, {"none": 0.01})["ssm"] == pytest.approx(want)
+    assert batch.planner.estimated(greedy, 8, cap, {"none": 0.01})["ssm"] == pytest.approx(want)

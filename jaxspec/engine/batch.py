@@ -26,18 +26,16 @@ cheapest warp its rows need (``sampling.batch_warp``: greedy alone, temperature 
 with the top-k / top-p stages, which sort the vocabulary at every tree node). A request's
 output depends on its own seed only: each slot draws from its own key.
 
-Over 600 lines, for now: the loop (admission with prefix reuse, dispatch and read of an
-iteration, retirement) shares its state with lazy auto's planning (bucket costs, background
-builds, rent or buy, ``_estimated`` / ``_worth_compiling``), which tests read directly; the
-planning moves to a module of its own with the engine contract of issue 35.
+Lazy auto's planning (bucket costs, estimates, rent or buy, background builds) is
+``jaxspec.engine.planner.Planner``, which this loop asks for each iteration's tree. Over 600 lines,
+for now: admission with prefix reuse, the dispatch and read of an iteration and retirement share
+the slots and the staging row; splitting them is issue 35's engine contract.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
-import sys
 import threading
 import time
 from typing import Callable, Sequence
@@ -46,9 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache import compile_cache_on
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import TreeChooser
+from jaxspec.engine.planner import Planner
 from jaxspec.engine.prefix import BLOCK, PrefixCache, committed, cut_block, default_bytes, paste_block
 from jaxspec.engine.runner import Generation, RequestError, Runner, check_fits
 from jaxspec.engine.stops import check_stops
@@ -57,8 +55,6 @@ from jaxspec.decoding.step import (DecodeConfig, StepOutput, bucket, insert_row,
                                    set_inactive)
 from jaxspec.structured import Grammar, GrammarError
 
-MIN_WATCHED = 8  # plain steps timed alone and beside a build before their ratio prices builds
-BUILD_SWITCH_INTERVAL = 2e-4  # seconds a thread holds the GIL while a build runs (the loop must not wait 5 ms)
 PREFILL_BUCKETS = (16, 64, 256)  # chunk shapes a prompt is fed in (one executable each)
 DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
 MIN_CAPACITY = 256  # the smallest cache bucket: below it a step's cost hardly depends on the cache
@@ -104,30 +100,6 @@ def cut_tokens(done: list[int], new: list[int], limit: int, stop_ids: set[int],
         if cut is not None:
             return (done + new)[len(done): max(cut, len(done))], "stop"
     return new, reason
-
-
-def plain_line(points: dict[int, float]) -> tuple[float, float] | None:
-    """(a, b) of the least-squares line c(t) = a + b t through the plain step's seconds by rows fed, or None where
-    fewer than two row counts are known or the line is not increasing with a non-negative intercept (flat:
-    a launch-bound device, where extra tokens cost nothing measurable)."""
-    if len(points) < 2:
-        return None
-    mean_x, mean_y = sum(points) / len(points), sum(points.values()) / len(points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points.items()) / sum((x - mean_x) ** 2 for x in points)
-    fixed = mean_y - slope * mean_x
-    return (fixed, slope) if slope > 0 and fixed >= 0 else None
-
-
-def scaled_cost(ratio: float, rows0: int, rows: int, plain0: float | None, plain: float) -> float:
-    """A member's seconds at ``rows`` from its ``ratio`` to the plain step at ``rows0``: on the plain step's line
-    through both buckets (``plain0``, ``plain``; ``plain_line``), the member feeds as many tokens per row at
-    ``rows`` as it did at ``rows0``. The ratio carries over unchanged where there is no such line."""
-    line = plain_line({rows0: plain0, rows: plain}) if plain0 is not None and rows != rows0 else None
-    if line is None:
-        return plain * ratio
-    fixed, slope = line
-    tokens = (ratio * plain0 - fixed) / slope  # what the member fed at rows0, in the plain step's token units
-    return max(fixed + slope * tokens * rows / rows0, plain)
 
 
 class QueueFull(RuntimeError):
@@ -328,26 +300,7 @@ class BatchEngine:
         self.iterations = 0
         self.resizes = 0  # state re-layouts (bucket changes)
         self._compiled: dict = {}
-        self._bucket_costs: dict = {}  # (warp, rows, capacity) -> auto's measured costs of the members ready there
-        self._anchors: dict = {}  # warp -> every member's cost at one row, the smallest cache
-        # what readying one member for a bucket took last on this machine: compiling one never built here, and
-        # loading one built before (its cost is in the calibration cache, its executable in the compile cache);
-        # None until measured (the first bucket's plain step always readies before any tree is considered)
-        self._compile_seconds: float | None = None
-        self._load_seconds: float | None = None
-        self._built: dict = {}  # (warp, rows, capacity, member) -> built on this machine before (``_built_before``)
-        self._background = background
-        self.platform = jax.default_backend()  # where the steps run: what a build costs the loop before it is watched
-        # plain steps' seconds with no build in flight and beside one: what a build costs the loop, measured
-        self._plain_alone: collections.deque[float] = collections.deque(maxlen=64)
-        self._plain_beside: collections.deque[float] = collections.deque(maxlen=64)
-        self._switch_interval: float | None = None  # the interpreter's, while builds lower it
-        self._stored_share: float | None = None  # ``_build_share`` as an earlier run on this device measured it
-        self.builds: list[tuple[int, tuple]] = []  # (iteration, (warp, rows, capacity, member)) of background builds
-        self._builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: builds run one at a time
-        self._building: dict[tuple, concurrent.futures.Future] = {}  # (warp, rows, capacity, member) -> its build
-        self._failed: set[tuple] = set()  # builds that raised: their members stay out of that bucket
-        self._regret: dict = {}  # (warp, rows, capacity, tree) -> seconds lost running without that tree
+        self.planner = Planner(engine, lambda: self.sync, self.capacity_buckets[0], eager, background, verbose)
         self._no_proposal: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
         self._last_done = 0.0
@@ -486,7 +439,7 @@ class BatchEngine:
         when a request first needs one). Every family member, except under lazy auto: there
         every bucket's plain step and every tree at one row (auto's low-load trees, and the
         ratios other buckets start from); a tree at a wider bucket compiles once it pays
-        (``_worth_compiling``). ``grammar``: also those members' grammar steps at every
+        (``Planner.worth_compiling``). ``grammar``: also those members' grammar steps at every
         forced-chain depth (structured output's requests then compile nothing either).
         """
         for warp in sampling.BATCH_WARPS:
@@ -497,8 +450,8 @@ class BatchEngine:
                 self._check_structured()
             for b in rows or self.row_buckets:
                 for cap in capacities or self.capacity_buckets[:1]:
-                    names = ["none"] if self._lazy and b > 1 else family
-                    self._ready(warp, b, cap, names)
+                    names = ["none"] if self.planner.lazy and b > 1 else family
+                    self.planner.ready(warp, b, cap, names)
                     if grammar:
                         began = time.perf_counter()
                         made = self.engine.warm_grammar(warp, cap, b, names)
@@ -508,241 +461,17 @@ class BatchEngine:
 
     @property
     def background(self) -> bool:
-        """Whether trees build in a worker thread: one process only (a multi-process run's sync, set after
-        construction, makes every process ready a tree at the same iteration, in the loop)."""
-        return self._background and self.sync.local
+        """Whether lazy auto's trees build in a worker thread (``Planner.background``)."""
+        return self.planner.background
 
     @property
-    def _lazy(self) -> bool:
-        """Auto with measured costs: a bucket compiles its trees only once they are expected to pay."""
-        return self.engine.auto and self.engine.measures_costs and not self.eager
-
-    def _costs(self, warp: sampling.WarpSpec, rows: int, capacity: int) -> dict[str, float] | None:
-        """Readies a bucket: every member, or under lazy auto the plain step only; returns the costs measured there."""
-        key = (warp, rows, capacity)
-        if key not in self._bucket_costs:
-            self._ready(warp, rows, capacity, ["none"] if self._lazy else list(self.engine.family(warp)))
-        return self._bucket_costs[key]
-
-    def _ready(self, warp: sampling.WarpSpec, rows: int, capacity: int, names: list[str]) -> None:
-        """Compiles ``names`` for a bucket and, under auto, measures them there (cached on disk per member)."""
-        e = self.engine
-        key = (warp, rows, capacity)
-        known = self._bucket_costs.setdefault(key, {} if e.auto else None)
-        todo = [n for n in names if known is None or n not in known]
-        cold = [n for n in todo if not e.is_warm(warp, capacity, rows, n)]
-        built = [n for n in cold if self._built_before(warp, rows, capacity, n)]
-        if todo and self._building:  # a build beside the measurement would slow it (and the calibration persists)
-            self.settle()
-        began = time.perf_counter()
-        if e.auto:
-            known.update(e.calibrate(warp, capacity, refresh=self.sync.fresh_costs, batch=rows, names=todo))
-        e.warm(warp, capacity, rows, names=todo)
-        if cold:
-            seconds = time.perf_counter() - began
-            if len(built) == len(cold):
-                self._load_seconds = seconds / len(cold)
-            else:
-                self._compile_seconds = seconds / len(cold)
-                e.build_seconds(self._compile_seconds)
-            if self.verbose is not None:
-                measured = ("; " + ", ".join(f"{n} {known[n] * 1e3:.1f} ms/step" for n in cold)) if e.auto else ""
-                self.verbose(f"compiled {', '.join(cold)} for {rows} row(s) x {capacity} slots, {warp.label}: "
-                             f"{seconds:.1f} s{measured}")
-
-    def _built_before(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> bool:
-        """Whether this machine built ``name`` for the bucket before: its cost is in the calibration cache (auto
-        measures every member it readies), so with the persistent compile cache on, readying it is a load."""
-        e = self.engine
-        if not (e.auto and e.measures_costs and compile_cache_on()):
-            return False
-        key = (warp, rows, capacity, name)
-        if key not in self._built:  # read from disk once per bucket and member
-            self._built[key] = e.member_cost(warp, name, capacity, rows, cached_only=True) is not None
-        return self._built[key]
-
-    def _ready_seconds(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> float:
-        """What readying ``name`` for the bucket is expected to cost here: a load if built before, else a compile
-        (each as last measured on this machine; a load not measured yet is taken as a compile)."""
-        compile_seconds = self._compile_seconds
-        if compile_seconds is None:  # nothing compiled in this process yet: what this machine measured last
-            compile_seconds = self.engine.build_seconds()
-        if compile_seconds is None:  # never measured here: a load at least
-            compile_seconds = self._load_seconds or 0.0
-        if self._built_before(warp, rows, capacity, name) and self._load_seconds is not None:
-            return min(self._load_seconds, compile_seconds)
-        return compile_seconds
-
-    def _build_price(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> float:
-        """Loop seconds that readying ``name`` for the bucket costs: all of it when the loop waits; in the
-        background, the share of it the loop loses (``_build_share``)."""
-        seconds = self._ready_seconds(warp, rows, capacity, name)
-        return seconds * self._build_share() if self.background else seconds
-
-    def _build_share(self) -> float:
-        """The share of a background build's seconds the loop loses: 1 - (plain step alone) / (plain step beside
-        a build), medians, as measured in this process, else as this machine measured it last (kept per device
-        beside the calibrations). Never measured here: none, so the first build is the measurement (explore once
-        per machine; its executable stays in the compile cache)."""
-        alone, beside = self._plain_alone, self._plain_beside
-        if len(alone) >= MIN_WATCHED and len(beside) >= MIN_WATCHED:
-            return float(np.clip(1.0 - np.median(alone) / np.median(beside), 0.0, 1.0))
-        if self._stored_share is None:
-            self._stored_share = self.engine.build_share()
-        return self._stored_share if self._stored_share is not None else 0.0
-
-    def _build_in_background(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> None:
-        """Starts compiling ``name`` for the bucket in the worker thread (once); ``_harvest`` adopts it."""
-        key = (warp, rows, capacity, name)
-        if key in self._building:
-            return
-        if self._builder is None:
-            self._builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-build")
-
-        def build() -> float:
-            began = time.perf_counter()
-            self.engine.warm(warp, capacity, rows, names=[name])
-            return time.perf_counter() - began
-
-        if self._switch_interval is None:  # a tracing build holds the GIL; the loop gets it back within this
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._switch_interval, BUILD_SWITCH_INTERVAL))
-        self._building[key] = self._builder.submit(build)
-        self.builds.append((self.iterations, key))
-        if self.verbose is not None:
-            self.verbose(f"building {name} for {rows} row(s) x {capacity} slots, {warp.label}, in the background")
-
-    def _harvest(self) -> None:
-        """Adopts the finished background builds: each member joins its bucket at its estimated cost (the
-        chooser rescales it by the iterations it then runs; nothing is timed while the loop shares the device)."""
-        for key in [k for k, f in self._building.items() if f.done()]:
-            warp, rows, capacity, name = key
-            future = self._building.pop(key)
-            try:
-                seconds = future.result()
-            except Exception as exc:  # noqa: BLE001 — a build that failed leaves the member unready, for good
-                self._failed.add(key)
-                self.sync.failed(f"building {name} in the background", exc)
-                if self.verbose is not None:
-                    self.verbose(f"building {name} for {rows} row(s) x {capacity} slots failed: {exc}")
-                continue
-            if self._built_before(warp, rows, capacity, name):
-                self._load_seconds = seconds
-            else:
-                self._compile_seconds = seconds
-                self.engine.build_seconds(seconds)
-            known = self._bucket_costs.setdefault((warp, rows, capacity), {})
-            known[name] = self._estimated(warp, rows, capacity, known)[name]
-            share = self._build_share()
-            if len(self._plain_beside) >= MIN_WATCHED:
-                self.engine.build_share(share)
-            if self.verbose is not None:
-                self.verbose(f"built {name} for {rows} row(s) x {capacity} slots, {warp.label}: {seconds:.1f} s "
-                             f"(background; the loop loses {share:.0%} of a build's time)")
-        if not self._building and self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
-            self._switch_interval = None
+    def builds(self) -> list[tuple[int, tuple]]:
+        """(iteration, (warp, rows, capacity, member)) of every background build started."""
+        return self.planner.builds
 
     def settle(self) -> None:
         """Waits for the background builds in flight and adopts them (tests, and a clean shutdown)."""
-        concurrent.futures.wait(list(self._building.values()))
-        self._harvest()
-
-    def _anchor(self, warp: sampling.WarpSpec) -> dict[str, float]:
-        """Members' costs relative to the plain step at one row and the smallest cache, as this machine's
-        calibration cache holds them (a member it never measured is absent: ``_prior`` estimates it). Where a
-        bucket's untried trees take their ratios from until measured there."""
-        if warp not in self._anchors:
-            e, cap = self.engine, self.capacity_buckets[0]
-            base = e.member_cost(warp, "none", cap, 1, cached_only=True)
-            out = {"none": 1.0}
-            for name in e.family(warp):
-                seen = e.member_cost(warp, name, cap, 1, cached_only=True) if base else None
-                if seen:
-                    out[name] = seen / base
-            self._anchors[warp] = out
-        return self._anchors[warp]
-
-    def _estimated(self, warp: sampling.WarpSpec, rows: int, capacity: int, known: dict[str, float]) -> dict[str, float]:
-        """Costs of every member at a bucket: measured where known, else from the nearest bucket that measured
-        both it and the plain step, else a prior from the plain step's own measurements (``_prior``).
-
-        Between row counts the costs follow a line in tokens fed, c(t) = a + b t, drawn through the plain
-        step's two measurements (the near bucket's and this one's): a tree of N nodes on R rows feeds R N
-        tokens. Where the plain step grows with the rows (a device being filled, as a CPU is) a tree's extra
-        tokens weigh more at a wider bucket; where it stays flat (launch-bound, as a GPU at small batches) its
-        ratio carries over unchanged. Nothing here is one machine's constant.
-        """
-        out = dict(known)
-        # measured buckets first: at equal distance ``min`` keeps the first, so a measurement beats the anchor
-        seen = [(k, c) for k, c in self._bucket_costs.items() if k[0] == warp and c and "none" in c]
-        seen += [((warp, 1, self.capacity_buckets[0]), self._anchor(warp))]
-        for name, cfg in self.engine.family(warp).items():
-            if name in out:
-                continue
-            candidates = [(k, c) for k, c in seen if name in c]
-            if not candidates:
-                out[name] = self._prior(warp, rows, capacity, cfg, known["none"])
-                continue
-            near = min(candidates, key=lambda kc: (abs(np.log2(kc[0][1] / rows)) + abs(np.log2(kc[0][2] / capacity)),
-                                                   -kc[0][1]))
-            (_, near_rows, near_cap), measured = near
-            ratio = measured[name] / measured["none"]
-            curve = self.engine.cost_curve
-            if curve is not None:  # what the curve missed at the measured bucket, carried to this one
-                out[name] = known["none"] * max(1.0, ratio * curve.member_ratio(cfg, rows)
-                                                / curve.member_ratio(cfg, near_rows))
-            else:
-                out[name] = scaled_cost(ratio, near_rows, rows, self._plain_seconds(warp, near_rows, near_cap),
-                                        known["none"])
-        return out
-
-    def _prior(self, warp: sampling.WarpSpec, rows: int, capacity: int, cfg: DecodeConfig, plain: float) -> float:
-        """A member never measured on this machine: where auto's trees came from this device's cost curve, its
-        passes priced on that curve (``CostCurve.member_ratio``: the LLM over ``rows`` x its nodes, its draft
-        levels) times the plain step; else its LLM pass priced on the line c(t) = a + b t through the plain step's
-        measured seconds at two or more row counts (t = rows fed). With one row count measured (or a flat line)
-        the tree costs a plain step: the first runs then measure it (``TreeChooser.cost`` rescales by observed
-        timings), as nothing else on this machine says what it costs."""
-        if self.engine.cost_curve is not None:
-            return plain * self.engine.cost_curve.member_ratio(cfg, rows)
-        nodes = cfg.num_nodes
-        points = {k[1]: c["none"] for k, c in self._bucket_costs.items()
-                  if k[0] == warp and k[2] == capacity and c and "none" in c}
-        if len(points) < 2:
-            points = {k[1]: c["none"] for k, c in self._bucket_costs.items() if k[0] == warp and c and "none" in c}
-        line = plain_line(points)
-        if line is None:
-            return plain
-        fixed, slope = line
-        return plain * (fixed + slope * rows * nodes) / (fixed + slope * rows)
-
-    def _plain_seconds(self, warp: sampling.WarpSpec, rows: int, capacity: int) -> float | None:
-        """The plain step's measured seconds at a bucket (None where this process has not measured it)."""
-        return (self._bucket_costs.get((warp, rows, capacity)) or {}).get("none")
-
-    def _worth_compiling(self, name: str, chooser: TreeChooser, rows: list[tuple[int, int]],
-                         costs: dict[str, float], bucket: tuple) -> bool:
-        """Whether compiling ``name`` for ``bucket`` (warp, rows, capacity) now saves more than it costs.
-
-        The saving per iteration is the share of time ``name`` saves over no speculation
-        (posterior means) times the plain step's cost; the price is what readying it costs on this
-        machine (``_ready_seconds``: a compile, or a load where it was built before). Compile once the iterations in sight
-        (the live rows' and the queue's tokens) would save the compile time, or once the
-        iterations already run without it lost that much (rent or buy: a long-lived server
-        whose requests are each too short still compiles the trees its load keeps wanting,
-        at most twice the best cost in hindsight).
-        """
-        rate = {n: sum(chooser.expected_tokens(n, length, match) for length, match in rows) / chooser.cost(n, costs)
-                for n in ("none", name)}
-        if rate[name] <= rate["none"]:
-            return False
-        per_step = (1 - rate["none"] / rate[name]) * chooser.cost("none", costs)
-        left = max((s.ticket.request.max_new_tokens - len(s.gen.token_ids) for s in self.slots), default=0)
-        left += sum(t.request.max_new_tokens for t, _ in self.waiting) / self.max_batch
-        key = (*bucket, name)
-        self._regret[key] = self._regret.get(key, 0.0) + per_step
-        return max(per_step * left, self._regret[key]) > self._build_price(*bucket, name)
+        self.planner.settle()
 
     # -- the loop ---------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -766,13 +495,7 @@ class BatchEngine:
     def close(self) -> None:
         """Drops the builds not started, lets a running one finish unused, restores the interpreter's switch
         interval (a loop that stops must leave the process as it found it)."""
-        if self._builder is not None:
-            self._builder.shutdown(wait=False, cancel_futures=True)
-            self._builder = None
-        self._building.clear()
-        if self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
-            self._switch_interval = None
+        self.planner.close()
 
     def cancel_all(self, reason: str) -> None:
         """Ends every waiting, staged and running request with ``reason``."""
@@ -836,8 +559,8 @@ class BatchEngine:
                 self.waiting.extend(self.incoming)
                 self.incoming.clear()
         self._drop_cancelled_waiting()
-        if self._building:
-            self._harvest()
+        if self.planner.building:
+            self.planner.harvest()
         for slot in [s for s in self.slots if self._cancelled(s.ticket)]:
             self._retire(slot, "cancelled")
         budget = self.buckets[-1]
@@ -1168,7 +891,7 @@ class BatchEngine:
             masks.begin([s.matcher for _, s in live] + [None] * (self.rows - len(live)))
             chains = [masks.forced(i, e.forced_depth) for i in range(self.rows)]
         longest = e.forced_bucket(max(map(len, chains), default=0))
-        costs = self._costs(warp, self.rows, self.capacity)
+        costs = self.planner.costs(warp, self.rows, self.capacity)
         chooser = e.chooser(warp) if e.auto else None
         keys = [s.ticket for _, s in live]  # each row's pick reads its own request's counts
         if chooser is not None and constrained:
@@ -1176,25 +899,16 @@ class BatchEngine:
             name, longest = chooser.pick_constrained(rows3, costs, tuple(sorted({0, longest})), keys=keys)
         elif chooser is not None:
             rows = [(len(proposals[i]), matched[i]) for i, _ in live]
-            if self._lazy:
-                if self._building:
-                    self._harvest()
-                every = self._estimated(warp, self.rows, self.capacity, costs)
-                name = chooser.pick_batch(rows, every, keys=keys)
-                bucket = (warp, self.rows, self.capacity)
-                if name not in costs:
-                    if (*bucket, name) in self._building or (*bucket, name) in self._failed:  # not (yet) built
-                        name = "none"
-                    elif not self._worth_compiling(name, chooser, rows, every, bucket):
-                        name = "none"
-                    elif self.background:
-                        self._build_in_background(*bucket, name)
-                        name = "none"
+            if self.planner.lazy:
+                left = max((s.ticket.request.max_new_tokens - len(s.gen.token_ids) for _, s in live), default=0)
+                left += sum(t.request.max_new_tokens for t, _ in self.waiting) / self.max_batch
+                name = self.planner.pick(chooser, warp, self.rows, self.capacity, costs, rows, keys, left,
+                                         self.iterations)
             else:
                 name = chooser.pick_batch(rows, costs, keys=keys)
             name = self.sync.agree_pick(name, list(family))
             if name not in costs:  # agreed to compile it: every process readies it in the same order
-                self._ready(warp, self.rows, self.capacity, [name])
+                self.planner.ready(warp, self.rows, self.capacity, [name])
         else:
             name = next(iter(family))
         cfg = family[name]
@@ -1218,7 +932,7 @@ class BatchEngine:
         self.iterations += 1
         forced = [len(c) for c in chains] or [0] * self.rows
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
-                         bool(self._building), self._chunk_queued)
+                         bool(self.planner.building), self._chunk_queued)
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
@@ -1238,7 +952,7 @@ class BatchEngine:
             self._prefill_debt = max(0.0, self._prefill_debt - self.prefill_stall * seconds)
         self.iteration_trees.append(it.name)
         if it.name == "none" and not cfg.grammar and it.costs and not it.prefilled:  # relative to the bucket's own
-            (self._plain_beside if it.building else self._plain_alone).append(seconds / it.costs["none"])
+            (self.planner.plain_beside if it.building else self.planner.plain_alone).append(seconds / it.costs["none"])
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
         stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
         ssm_nodes = cfg.num_nodes - 1 - cfg.ngram_depth - cfg.forced_depth

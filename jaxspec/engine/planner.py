@@ -1,4 +1,5 @@
-"""Auto's family of trees, derived from the cost curve of the device that runs it.
+"""Auto's planning: the family of trees, derived from the cost curve of the device that runs it, and the
+decisions of the lazy path (what each bucket's trees cost, which are worth readying, builds in the background).
 
 What a tree is worth depends on the device: on a 2-core CPU the LLM verifies 4 tokens for about
 1.1x one token and 8 for 1.35x, so a short chain pays and a wide tree does not; on an H200 a pass
@@ -17,11 +18,24 @@ top-5 0.617). The n-gram speculator proposes a chain, so only its length is chos
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import itertools
-from typing import Sequence
+import sys
+import time
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from jaxspec.engine.auto import PRIOR_RATE
+import numpy as np
+
+from jaxspec.cache import compile_cache_on
+from jaxspec.engine.auto import PRIOR_RATE, TreeChooser
+
+if TYPE_CHECKING:
+    from jaxspec.decoding import sampling
+    from jaxspec.decoding.step import DecodeConfig
+    from jaxspec.engine.batch import LoopSync
+    from jaxspec.engine.runner import Runner
 
 # LLM tokens per row whose pass is timed (the largest tree considered: 64). Five compiles of the LLM the first time
 # a machine runs auto (about 5 s each for SmolLM2-135M on a 2-core CPU), then read from the cost cache.
@@ -34,6 +48,8 @@ WIDTHS = (1, 2, 3, 4, 6, 8)  # children per node considered at a level
 # Prompt lookup copies: once its first token agrees, the copy tends to go on (text repeats in runs), so each deeper
 # token of its chain is taken to agree with this chance given its parent did (a prior; the chooser learns the rest).
 NGRAM_CONTINUATION = 0.8
+MIN_WATCHED = 8  # plain steps timed alone and beside a build before their ratio prices builds
+BUILD_SWITCH_INTERVAL = 2e-4  # seconds a thread holds the GIL while a build runs (the loop must not wait 5 ms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,3 +218,341 @@ def measure_curve(llm, ssms: Sequence = (), lowering=None, refresh: bool = False
 def describe(curve: CostCurve) -> str:
     """The curve in one line: each measured pass over T tokens as a multiple of one token's."""
     return ", ".join(f"T={t} {curve.llm[t] / curve.llm[1]:.2f}x" for t in sorted(curve.llm) if t > 1)
+
+
+def plain_line(points: dict[int, float]) -> tuple[float, float] | None:
+    """(a, b) of the least-squares line c(t) = a + b t through the plain step's seconds by rows fed, or None where
+    fewer than two row counts are known or the line is not increasing with a non-negative intercept (flat:
+    a launch-bound device, where extra tokens cost nothing measurable)."""
+    if len(points) < 2:
+        return None
+    mean_x, mean_y = sum(points) / len(points), sum(points.values()) / len(points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points.items()) / sum((x - mean_x) ** 2 for x in points)
+    fixed = mean_y - slope * mean_x
+    return (fixed, slope) if slope > 0 and fixed >= 0 else None
+
+
+def scaled_cost(ratio: float, rows0: int, rows: int, plain0: float | None, plain: float) -> float:
+    """A member's seconds at ``rows`` from its ``ratio`` to the plain step at ``rows0``: on the plain step's line
+    through both buckets (``plain0``, ``plain``; ``plain_line``), the member feeds as many tokens per row at
+    ``rows`` as it did at ``rows0``. The ratio carries over unchanged where there is no such line."""
+    line = plain_line({rows0: plain0, rows: plain}) if plain0 is not None and rows != rows0 else None
+    if line is None:
+        return plain * ratio
+    fixed, slope = line
+    tokens = (ratio * plain0 - fixed) / slope  # what the member fed at rows0, in the plain step's token units
+    return max(fixed + slope * tokens * rows / rows0, plain)
+
+
+class Planner:
+    """Lazy auto's planning for one scheduling loop: each bucket's measured costs, estimates where none was
+    measured (``estimated``), whether a tree is worth readying now (``worth_compiling``: rent or buy against
+    a compile, or a load where this machine built it before), and the builds that run in a worker thread
+    while plain steps go on (``build_in_background``, ``harvest``).
+
+    ``sync`` returns the loop's current ``LoopSync`` (a multi-process run installs its own after the loop is
+    made); ``first_capacity`` is the smallest cache bucket, where one-row ratios are anchored.
+    """
+
+    def __init__(self, engine: Runner, sync: Callable[[], LoopSync], first_capacity: int, eager: bool = False,
+                 background: bool = True, verbose: Callable[[str], None] | None = None) -> None:
+        self.engine = engine
+        self._sync = sync
+        self.first_capacity = first_capacity
+        self.eager = eager
+        self._background = background
+        self.verbose = verbose
+        self.bucket_costs: dict = {}  # (warp, rows, capacity) -> auto's measured costs of the members ready there
+        self.anchors: dict = {}  # warp -> every member's cost at one row, the smallest cache
+        # what readying one member for a bucket took last on this machine: compiling one never built here, and
+        # loading one built before (its cost is in the calibration cache, its executable in the compile cache);
+        # None until measured (the first bucket's plain step always readies before any tree is considered)
+        self.compile_seconds: float | None = None
+        self.load_seconds: float | None = None
+        self.built: dict = {}  # (warp, rows, capacity, member) -> built on this machine before (``built_before``)
+        # plain steps' seconds with no build in flight and beside one: what a build costs the loop, measured
+        self.plain_alone: collections.deque[float] = collections.deque(maxlen=64)
+        self.plain_beside: collections.deque[float] = collections.deque(maxlen=64)
+        self.switch_interval: float | None = None  # the interpreter's, while builds lower it
+        self.stored_share: float | None = None  # ``build_share`` as an earlier run on this device measured it
+        self.builds: list[tuple[int, tuple]] = []  # (iteration, (warp, rows, capacity, member)) of background builds
+        self.builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: builds run one at a time
+        self.building: dict[tuple, concurrent.futures.Future] = {}  # (warp, rows, capacity, member) -> its build
+        self.failed: set[tuple] = set()  # builds that raised: their members stay out of that bucket
+        self.regret: dict = {}  # (warp, rows, capacity, tree) -> seconds lost running without that tree
+
+    @property
+    def sync(self) -> LoopSync:
+        return self._sync()
+
+    def pick(self, chooser: TreeChooser, warp: sampling.WarpSpec, rows: int, capacity: int,
+             costs: dict[str, float], proposals: list[tuple[int, int]], keys: Sequence, left: float,
+             iteration: int) -> str:
+        """Lazy auto's member for an iteration: the chooser's pick over every member at its estimated cost; one
+        not ready at the bucket runs as the plain step while it builds (in the background, or it is readied by
+        the caller after agreement, in a multi-process run) once it is worth building."""
+        if self.building:
+            self.harvest()
+        every = self.estimated(warp, rows, capacity, costs)
+        name = chooser.pick_batch(proposals, every, keys=keys)
+        bucket = (warp, rows, capacity)
+        if name in costs:
+            return name
+        if (*bucket, name) in self.building or (*bucket, name) in self.failed:  # not (yet) built
+            return "none"
+        if not self.worth_compiling(name, chooser, proposals, every, bucket, left):
+            return "none"
+        if self.background:
+            self.build_in_background(*bucket, name, iteration)
+            return "none"
+        return name
+
+    def close(self) -> None:
+        """Drops the builds not started, lets a running one finish unused, restores the interpreter's switch
+        interval (a loop that stops must leave the process as it found it)."""
+        if self.builder is not None:
+            self.builder.shutdown(wait=False, cancel_futures=True)
+            self.builder = None
+        self.building.clear()
+        if self.switch_interval is not None:
+            sys.setswitchinterval(self.switch_interval)
+            self.switch_interval = None
+
+    @property
+    def background(self) -> bool:
+        """Whether trees build in a worker thread: one process only (a multi-process run's sync, set after
+        construction, makes every process ready a tree at the same iteration, in the loop)."""
+        return self._background and self.sync.local
+
+    @property
+    def lazy(self) -> bool:
+        """Auto with measured costs: a bucket compiles its trees only once they are expected to pay."""
+        return self.engine.auto and self.engine.measures_costs and not self.eager
+
+    def costs(self, warp: sampling.WarpSpec, rows: int, capacity: int) -> dict[str, float] | None:
+        """Readies a bucket: every member, or under lazy auto the plain step only; returns the costs measured there."""
+        key = (warp, rows, capacity)
+        if key not in self.bucket_costs:
+            self.ready(warp, rows, capacity, ["none"] if self.lazy else list(self.engine.family(warp)))
+        return self.bucket_costs[key]
+
+    def ready(self, warp: sampling.WarpSpec, rows: int, capacity: int, names: list[str]) -> None:
+        """Compiles ``names`` for a bucket and, under auto, measures them there (cached on disk per member)."""
+        e = self.engine
+        key = (warp, rows, capacity)
+        known = self.bucket_costs.setdefault(key, {} if e.auto else None)
+        todo = [n for n in names if known is None or n not in known]
+        cold = [n for n in todo if not e.is_warm(warp, capacity, rows, n)]
+        built = [n for n in cold if self.built_before(warp, rows, capacity, n)]
+        if todo and self.building:  # a build beside the measurement would slow it (and the calibration persists)
+            self.settle()
+        began = time.perf_counter()
+        if e.auto:
+            known.update(e.calibrate(warp, capacity, refresh=self.sync.fresh_costs, batch=rows, names=todo))
+        e.warm(warp, capacity, rows, names=todo)
+        if cold:
+            seconds = time.perf_counter() - began
+            if len(built) == len(cold):
+                self.load_seconds = seconds / len(cold)
+            else:
+                self.compile_seconds = seconds / len(cold)
+                e.build_seconds(self.compile_seconds)
+            if self.verbose is not None:
+                measured = ("; " + ", ".join(f"{n} {known[n] * 1e3:.1f} ms/step" for n in cold)) if e.auto else ""
+                self.verbose(f"compiled {', '.join(cold)} for {rows} row(s) x {capacity} slots, {warp.label}: "
+                             f"{seconds:.1f} s{measured}")
+
+    def built_before(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> bool:
+        """Whether this machine built ``name`` for the bucket before: its cost is in the calibration cache (auto
+        measures every member it readies), so with the persistent compile cache on, readying it is a load."""
+        e = self.engine
+        if not (e.auto and e.measures_costs and compile_cache_on()):
+            return False
+        key = (warp, rows, capacity, name)
+        if key not in self.built:  # read from disk once per bucket and member
+            self.built[key] = e.member_cost(warp, name, capacity, rows, cached_only=True) is not None
+        return self.built[key]
+
+    def ready_seconds(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> float:
+        """What readying ``name`` for the bucket is expected to cost here: a load if built before, else a compile
+        (each as last measured on this machine; a load not measured yet is taken as a compile)."""
+        compile_seconds = self.compile_seconds
+        if compile_seconds is None:  # nothing compiled in this process yet: what this machine measured last
+            compile_seconds = self.engine.build_seconds()
+        if compile_seconds is None:  # never measured here: a load at least
+            compile_seconds = self.load_seconds or 0.0
+        if self.built_before(warp, rows, capacity, name) and self.load_seconds is not None:
+            return min(self.load_seconds, compile_seconds)
+        return compile_seconds
+
+    def build_price(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> float:
+        """Loop seconds that readying ``name`` for the bucket costs: all of it when the loop waits; in the
+        background, the share of it the loop loses (``build_share``)."""
+        seconds = self.ready_seconds(warp, rows, capacity, name)
+        return seconds * self.build_share() if self.background else seconds
+
+    def build_share(self) -> float:
+        """The share of a background build's seconds the loop loses: 1 - (plain step alone) / (plain step beside
+        a build), medians, as measured in this process, else as this machine measured it last (kept per device
+        beside the calibrations). Never measured here: none, so the first build is the measurement (explore once
+        per machine; its executable stays in the compile cache)."""
+        alone, beside = self.plain_alone, self.plain_beside
+        if len(alone) >= MIN_WATCHED and len(beside) >= MIN_WATCHED:
+            return float(np.clip(1.0 - np.median(alone) / np.median(beside), 0.0, 1.0))
+        if self.stored_share is None:
+            self.stored_share = self.engine.build_share()
+        return self.stored_share if self.stored_share is not None else 0.0
+
+    def build_in_background(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str,
+                            iteration: int) -> None:
+        """Starts compiling ``name`` for the bucket in the worker thread (once), asked at the loop's ``iteration``;
+        ``harvest`` adopts it."""
+        key = (warp, rows, capacity, name)
+        if key in self.building:
+            return
+        if self.builder is None:
+            self.builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-build")
+
+        def build() -> float:
+            began = time.perf_counter()
+            self.engine.warm(warp, capacity, rows, names=[name])
+            return time.perf_counter() - began
+
+        if self.switch_interval is None:  # a tracing build holds the GIL; the loop gets it back within this
+            self.switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self.switch_interval, BUILD_SWITCH_INTERVAL))
+        self.building[key] = self.builder.submit(build)
+        self.builds.append((iteration, key))
+        if self.verbose is not None:
+            self.verbose(f"building {name} for {rows} row(s) x {capacity} slots, {warp.label}, in the background")
+
+    def harvest(self) -> None:
+        """Adopts the finished background builds: each member joins its bucket at its estimated cost (the
+        chooser rescales it by the iterations it then runs; nothing is timed while the loop shares the device)."""
+        for key in [k for k, f in self.building.items() if f.done()]:
+            warp, rows, capacity, name = key
+            future = self.building.pop(key)
+            try:
+                seconds = future.result()
+            except Exception as exc:  # noqa: BLE001 — a build that failed leaves the member unready, for good
+                self.failed.add(key)
+                self.sync.failed(f"building {name} in the background", exc)
+                if self.verbose is not None:
+                    self.verbose(f"building {name} for {rows} row(s) x {capacity} slots failed: {exc}")
+                continue
+            if self.built_before(warp, rows, capacity, name):
+                self.load_seconds = seconds
+            else:
+                self.compile_seconds = seconds
+                self.engine.build_seconds(seconds)
+            known = self.bucket_costs.setdefault((warp, rows, capacity), {})
+            known[name] = self.estimated(warp, rows, capacity, known)[name]
+            share = self.build_share()
+            if len(self.plain_beside) >= MIN_WATCHED:
+                self.engine.build_share(share)
+            if self.verbose is not None:
+                self.verbose(f"built {name} for {rows} row(s) x {capacity} slots, {warp.label}: {seconds:.1f} s "
+                             f"(background; the loop loses {share:.0%} of a build's time)")
+        if not self.building and self.switch_interval is not None:
+            sys.setswitchinterval(self.switch_interval)
+            self.switch_interval = None
+
+    def settle(self) -> None:
+        """Waits for the background builds in flight and adopts them (tests, and a clean shutdown)."""
+        concurrent.futures.wait(list(self.building.values()))
+        self.harvest()
+
+    def anchor(self, warp: sampling.WarpSpec) -> dict[str, float]:
+        """Members' costs relative to the plain step at one row and the smallest cache, as this machine's
+        calibration cache holds them (a member it never measured is absent: ``prior`` estimates it). Where a
+        bucket's untried trees take their ratios from until measured there."""
+        if warp not in self.anchors:
+            e, cap = self.engine, self.first_capacity
+            base = e.member_cost(warp, "none", cap, 1, cached_only=True)
+            out = {"none": 1.0}
+            for name in e.family(warp):
+                seen = e.member_cost(warp, name, cap, 1, cached_only=True) if base else None
+                if seen:
+                    out[name] = seen / base
+            self.anchors[warp] = out
+        return self.anchors[warp]
+
+    def estimated(self, warp: sampling.WarpSpec, rows: int, capacity: int, known: dict[str, float]) -> dict[str, float]:
+        """Costs of every member at a bucket: measured where known, else from the nearest bucket that measured
+        both it and the plain step, else a prior from the plain step's own measurements (``prior``).
+
+        Between row counts the costs follow a line in tokens fed, c(t) = a + b t, drawn through the plain
+        step's two measurements (the near bucket's and this one's): a tree of N nodes on R rows feeds R N
+        tokens. Where the plain step grows with the rows (a device being filled, as a CPU is) a tree's extra
+        tokens weigh more at a wider bucket; where it stays flat (launch-bound, as a GPU at small batches) its
+        ratio carries over unchanged. Nothing here is one machine's constant.
+        """
+        out = dict(known)
+        # measured buckets first: at equal distance ``min`` keeps the first, so a measurement beats the anchor
+        seen = [(k, c) for k, c in self.bucket_costs.items() if k[0] == warp and c and "none" in c]
+        seen += [((warp, 1, self.first_capacity), self.anchor(warp))]
+        for name, cfg in self.engine.family(warp).items():
+            if name in out:
+                continue
+            candidates = [(k, c) for k, c in seen if name in c]
+            if not candidates:
+                out[name] = self.prior(warp, rows, capacity, cfg, known["none"])
+                continue
+            near = min(candidates, key=lambda kc: (abs(np.log2(kc[0][1] / rows)) + abs(np.log2(kc[0][2] / capacity)),
+                                                   -kc[0][1]))
+            (_, near_rows, near_cap), measured = near
+            ratio = measured[name] / measured["none"]
+            curve = self.engine.cost_curve
+            if curve is not None:  # what the curve missed at the measured bucket, carried to this one
+                out[name] = known["none"] * max(1.0, ratio * curve.member_ratio(cfg, rows)
+                                                / curve.member_ratio(cfg, near_rows))
+            else:
+                out[name] = scaled_cost(ratio, near_rows, rows, self.plain_seconds(warp, near_rows, near_cap),
+                                        known["none"])
+        return out
+
+    def prior(self, warp: sampling.WarpSpec, rows: int, capacity: int, cfg: DecodeConfig, plain: float) -> float:
+        """A member never measured on this machine: where auto's trees came from this device's cost curve, its
+        passes priced on that curve (``CostCurve.member_ratio``: the LLM over ``rows`` x its nodes, its draft
+        levels) times the plain step; else its LLM pass priced on the line c(t) = a + b t through the plain step's
+        measured seconds at two or more row counts (t = rows fed). With one row count measured (or a flat line)
+        the tree costs a plain step: the first runs then measure it (``TreeChooser.cost`` rescales by observed
+        timings), as nothing else on this machine says what it costs."""
+        if self.engine.cost_curve is not None:
+            return plain * self.engine.cost_curve.member_ratio(cfg, rows)
+        nodes = cfg.num_nodes
+        points = {k[1]: c["none"] for k, c in self.bucket_costs.items()
+                  if k[0] == warp and k[2] == capacity and c and "none" in c}
+        if len(points) < 2:
+            points = {k[1]: c["none"] for k, c in self.bucket_costs.items() if k[0] == warp and c and "none" in c}
+        line = plain_line(points)
+        if line is None:
+            return plain
+        fixed, slope = line
+        return plain * (fixed + slope * rows * nodes) / (fixed + slope * rows)
+
+    def plain_seconds(self, warp: sampling.WarpSpec, rows: int, capacity: int) -> float | None:
+        """The plain step's measured seconds at a bucket (None where this process has not measured it)."""
+        return (self.bucket_costs.get((warp, rows, capacity)) or {}).get("none")
+
+    def worth_compiling(self, name: str, chooser: TreeChooser, rows: list[tuple[int, int]],
+                        costs: dict[str, float], bucket: tuple, left: float) -> bool:
+        """Whether compiling ``name`` for ``bucket`` (warp, rows, capacity) now saves more than it costs.
+
+        The saving per iteration is the share of time ``name`` saves over no speculation
+        (posterior means) times the plain step's cost; the price is what readying it costs on this
+        machine (``ready_seconds``: a compile, or a load where it was built before). Compile once the iterations in sight
+        (``left``: the live rows' and the queue's tokens, in iterations) would save the compile time, or once the
+        iterations already run without it lost that much (rent or buy: a long-lived server
+        whose requests are each too short still compiles the trees its load keeps wanting,
+        at most twice the best cost in hindsight).
+        """
+        rate = {n: sum(chooser.expected_tokens(n, length, match) for length, match in rows) / chooser.cost(n, costs)
+                for n in ("none", name)}
+        if rate[name] <= rate["none"]:
+            return False
+        per_step = (1 - rate["none"] / rate[name]) * chooser.cost("none", costs)
+        key = (*bucket, name)
+        self.regret[key] = self.regret.get(key, 0.0) + per_step
+        return max(per_step * left, self.regret[key]) > self.build_price(*bucket, name)
+
