@@ -24,7 +24,7 @@ import dataclasses
 import itertools
 import sys
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -34,7 +34,6 @@ from jaxspec.engine.auto import PRIOR_RATE, TreeChooser
 if TYPE_CHECKING:
     from jaxspec.decoding import sampling
     from jaxspec.decoding.step import DecodeConfig
-    from jaxspec.engine.batch import LoopSync
     from jaxspec.engine.runner import Runner
 
 # LLM tokens per row whose pass is timed (the largest tree considered: 64). Five compiles of the LLM the first time
@@ -254,7 +253,7 @@ class Planner:
     made); ``first_capacity`` is the smallest cache bucket, where one-row ratios are anchored.
     """
 
-    def __init__(self, engine: Runner, sync: Callable[[], LoopSync], first_capacity: int, eager: bool = False,
+    def __init__(self, engine: Runner, sync: Callable[[], Any], first_capacity: int, eager: bool = False,
                  background: bool = True, verbose: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self._sync = sync
@@ -282,7 +281,8 @@ class Planner:
         self.regret: dict = {}  # (warp, rows, capacity, tree) -> seconds lost running without that tree
 
     @property
-    def sync(self) -> LoopSync:
+    def sync(self) -> Any:
+        """The loop's ``jaxspec.engine.batch.LoopSync`` (not imported here: the loop imports this module)."""
         return self._sync()
 
     def pick(self, chooser: TreeChooser, warp: sampling.WarpSpec, rows: int, capacity: int,
