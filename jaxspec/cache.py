@@ -3,7 +3,8 @@
 The root is ``$JAXSPEC_CACHE`` when set, else ``~/.cache/jaxspec``. The persistent XLA
 compilation cache under ``<root>/xla`` lets a second run of the same command skip
 compilation; ``jaxspec.engine.costs`` keeps measured step costs under ``<root>/costs``; converted
-checkpoints (``models.weight_cache``) live under ``<root>/weights``.
+checkpoints (``models.weight_cache``) live under ``<root>/weights``; serialized executables
+(``jaxspec.engine.executables``) under ``<compile cache>/executables``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 COMPILE_CACHE_ENV = "JAXSPEC_COMPILE_CACHE"  # a directory, or off / 0 / false / none
 WEIGHT_CACHE_ENV = "JAXSPEC_WEIGHT_CACHE"  # a directory, or off / 0 / false / none
+EXECUTABLE_CACHE_ENV = "JAXSPEC_EXECUTABLE_CACHE"  # a directory, or off; default <compile cache>/executables
 OFF = ("off", "0", "false", "no", "none")
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
 MISS_EVENT = "/jax/compilation_cache/cache_misses"  # jax records it when it writes a freshly compiled entry
@@ -49,11 +51,14 @@ def weight_cache_dir() -> Path | None:
 
 
 class CompileCacheStats:
-    """Counts persistent-cache hits and misses (fresh compilations written) in this process."""
+    """Counts persistent-cache hits and misses (fresh compilations written) in this process, and the serialized
+    executables it loaded and stored (``jaxspec.engine.executables``: a load is neither, nothing is compiled)."""
 
     def __init__(self) -> None:
         self.hits = 0
         self.misses = 0
+        self.executables_loaded = 0
+        self.executables_stored = 0
         self.listening = False
 
     def __call__(self, event: str, **_: object) -> None:

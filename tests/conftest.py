@@ -13,6 +13,10 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""),
                                                  "--xla_backend_optimization_level=0"]))
 
+# Serialized executables stay off (tests/test_executables.py turns them on): with them a test's compile counts
+# would depend on which test wrote an executable of the same shape first. Inherited by the processes tests start.
+os.environ.setdefault("JAXSPEC_EXECUTABLE_CACHE", "off")
+
 import jax  # noqa: E402 (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -94,7 +94,8 @@ def report_compile_cache(directory: Path | None) -> None:
     from jaxspec.cache import STATS  # noqa: PLC0415
 
     if directory is not None and os.environ.get("JAXSPEC_CACHE_STATS"):
-        print(f"[jaxspec] compilation cache {directory}: {STATS.hits} hits, {STATS.misses} misses", file=sys.stderr)
+        print(f"[jaxspec] compilation cache {directory}: {STATS.hits} hits, {STATS.misses} misses; executables "
+              f"{STATS.executables_loaded} loaded, {STATS.executables_stored} stored", file=sys.stderr)
 
 
 def add_structured_args(p: argparse.ArgumentParser) -> None:

@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import TreeChooser
+from jaxspec.engine.executables import Stored
 from jaxspec.engine.planner import Planner
 from jaxspec.engine.prefix import BLOCK, PrefixCache, committed, cut_block, default_bytes, paste_block
 from jaxspec.engine.runner import Generation, RequestError, Runner, check_fits
@@ -405,7 +406,8 @@ class BatchEngine:
                                                        jnp.int32(0), tokens, start, count, last, seed, values,
                                                        first_mask)
 
-                self._compiled[name] = jax.jit(fn, donate_argnums=(2,))
+                self._compiled[name] = Stored(fn, {"what": "prefill", "cfg": repr(cfg), **e.identity()}, fixed=2,
+                                              donate_argnums=(2,))
             elif name == "insert":
                 self._compiled[name] = jax.jit(pinned(lambda state, staged, slot: insert_row(cfg, state, staged, slot),
                                                       e.mesh), donate_argnums=(0,))

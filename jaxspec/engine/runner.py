@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from jaxspec.cache import host_cores
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import Member, TreeChooser
+from jaxspec.engine.executables import Stored
 from jaxspec.errors import RequestError, VocabularyMismatch  # noqa: F401 (importable from here as before)
 from jaxspec.decoding.ngram import NGramSpeculator
 from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
@@ -283,8 +284,25 @@ class Runner:
                 return pinned(decode_step, self.mesh)(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state,
                                                       (proposal_tokens, proposal_count), forced, masker, chain_masks)
 
-            self._compiled[cfg] = jax.jit(step, donate_argnums=(2,))
+            # a grammar step calls back into this process's matchers: it cannot be kept on disk
+            self._compiled[cfg] = (jax.jit(step, donate_argnums=(2,)) if cfg.grammar else
+                                   Stored(step, {"what": "step", "cfg": repr(cfg), **self.identity()}, fixed=2,
+                                          donate_argnums=(2,)))
         return self._compiled[cfg]
+
+    def identity(self) -> dict:
+        """What this engine's executables compute beyond their arguments (weights are arguments): the models'
+        configurations and dtypes, the speculators' kinds, the lowering, the layout and the mesh; part of every
+        stored executable's key (``jaxspec.engine.executables``)."""
+        return {
+            "llm": [repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))],
+            "ssms": [[repr(s.cfg), str(jnp.dtype(s.dtype)), s.draft_vocab, s.features, list(s.feature_layers)]
+                     for s in self.ssms],
+            "features": [self.features, list(self.feature_layers)],
+            "lowering": self.lowering.label,
+            "layout": [self.unroll, self.stacked, self.offload],
+            "mesh": describe_mesh(self.mesh) if self.mesh is not None else None,
+        }
 
     # -- costs and the chooser -------------------------------------------------------------
     def calibrate(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, refresh: bool = False,

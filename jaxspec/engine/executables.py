@@ -1,0 +1,214 @@
+"""Compiled executables kept on disk, so a warm machine loads a known bucket instead of tracing it again.
+
+JAX's persistent compilation cache skips XLA's compile, but every new process still traces and
+lowers each executable before it can look the compile up (one to three seconds per bucket for
+the default model on a CPU). ``Stored`` wraps a jitted function: the first call with a new
+argument signature loads a serialized executable (``jax.experimental.serialize_executable``) from
+``<compile cache>/executables/``, or traces, compiles and writes one; later calls run the loaded
+executable directly.
+
+What an executable depends on is its key: the caller's ``ident`` (the configuration it was built
+from: the step's tree, the models' configs and dtypes, the lowering, the mesh), the shapes, dtypes and
+placements of its arguments, the digest of this project's source files, the jax version, the platform,
+device kind and count, and ``XLA_FLAGS``. Weights are arguments, never baked in (an executable with
+captured constants refuses to serialize and simply stays in memory). A damaged entry is removed and
+rebuilt; anything that cannot be serialized (grammar steps call back into the host) is compiled as
+before. Off with the compilation cache (``--no-compile-cache``), with ``JAXSPEC_EXECUTABLE_CACHE=off`` (the
+test suite's default: its compile counts must not depend on which test ran first) and in multi-process runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import pickle
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+
+from jaxspec.cache import EXECUTABLE_CACHE_ENV, OFF, STATS
+
+_SOURCES = ("jaxspec", "models")  # the packages whose code shapes what an executable computes
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 of every Python file of the packages that trace executables (a changed line is a new key)."""
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    for package in _SOURCES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def store_dir() -> Path | None:
+    """``$JAXSPEC_EXECUTABLE_CACHE`` (a directory, or off), else ``<compile cache dir>/executables``; None where
+    executables are not kept (off, no compile cache, or a multi-process run, whose executables span other
+    processes' devices)."""
+    directory = jax.config.jax_compilation_cache_dir
+    setting = os.environ.get(EXECUTABLE_CACHE_ENV, "").strip()
+    if not directory or setting.lower() in OFF or jax.process_count() > 1:
+        return None
+    return Path(setting).expanduser() if setting else Path(directory) / "executables"
+
+
+def _leaf(x: Any) -> tuple:
+    """What of one argument shapes an executable: shape, dtype, weak type and placement (hashable, cheap: read on
+    every call); a Python value by its type and value."""
+    if isinstance(x, jax.Array):
+        return (x.shape, x.dtype, x.weak_type, x.sharding)
+    if hasattr(x, "shape") and hasattr(x, "dtype"):  # numpy
+        return (x.shape, x.dtype)
+    return (type(x), x)
+
+
+class Stored:
+    """A jitted function whose executables are loaded from disk where a run before this one compiled them.
+
+    ``fn`` is jitted with ``donate_argnums``; ``ident`` (JSON-able) names what it computes beyond its arguments; ``fixed`` leading
+    positional arguments (e.g. weights) keep their shapes and placements for the object's life, so only
+    the others are read to tell signatures apart on each call.
+    """
+
+    def __init__(self, fn: Callable, ident: dict, fixed: int = 0, donate_argnums: tuple[int, ...] = ()) -> None:
+        self.fn = fn
+        self.donate_argnums = donate_argnums
+        self.jitted = jax.jit(fn, donate_argnums=donate_argnums)
+        self.ident = ident
+        self.fixed = fixed
+        self.loaded: dict = {}  # call signature -> compiled executable
+        self.loads = 0  # executables read from disk by this object
+        self.stores = 0  # executables written to disk by this object
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten((args[self.fixed:], kwargs))
+        sig = (tree, tuple(map(_leaf, leaves)))
+        compiled = self.loaded.get(sig)
+        if compiled is None:
+            compiled = self.loaded[sig] = self._prepare(args, kwargs)
+        return compiled(*args, **kwargs)
+
+    def _prepare(self, args: tuple, kwargs: dict) -> Callable:
+        """The executable for this signature: loaded (by its key, else by its program once traced), else
+        compiled fresh and written where it serializes."""
+        directory = store_dir()
+        if directory is None:
+            return self.jitted
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        device = jax.devices()[0]
+        machine = {"jax": jax.__version__, "platform": device.platform, "device": device.device_kind,
+                   "devices": jax.device_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+        key = _digest({"ident": self.ident, "args": repr((tree, tuple(map(_leaf, leaves)))),
+                       "source": source_digest(), **machine})
+        index = directory / "index" / key
+        program = _read_text(index)
+        if program is not None:  # this key was stored before: no trace at all
+            compiled = _load(directory / f"{program}.bin", program)
+            if compiled is not None:
+                return self._loaded_one(compiled)
+        # Traced once, under a name of its own: XLA's persistent cache then cannot answer the compile below with
+        # an executable it deserialized, which on a CPU does not serialize again (its code is missing from the blob:
+        # "Function ... not found" when loaded). The name is left out of the program's digest.
+        name = f"jaxspec_{uuid.uuid4().hex}"
+        lowered = jax.jit(_renamed(self.fn, name), donate_argnums=self.donate_argnums).lower(*args, **kwargs)
+        program = _digest({"program": lowered.as_text().replace(name, "jaxspec"), **machine})
+        compiled = _load(directory / f"{program}.bin", program)  # the same program under another key (a new
+        if compiled is None:                                     # jaxspec version that left it unchanged)
+            compiled, fresh = _compile_fresh(lowered)
+            if not fresh or not _write(directory / f"{program}.bin", program, compiled):
+                return compiled
+            self.stores += 1
+            STATS.executables_stored += 1
+        else:
+            self._loaded_one(compiled)
+        _write_text(index, program)
+        return compiled
+
+    def _loaded_one(self, compiled: Callable) -> Callable:
+        self.loads += 1
+        STATS.executables_loaded += 1
+        return compiled
+
+
+_COMPILE_LOCK = threading.Lock()
+
+
+def _renamed(fn: Callable, name: str) -> Callable:
+    """``fn`` under another ``__name__`` (the lowered module's name, part of XLA's cache key)."""
+    def renamed(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    renamed.__name__ = renamed.__qualname__ = name
+    return renamed
+
+
+def _compile_fresh(lowered: Any) -> tuple[Any, bool]:
+    """(``lowered`` compiled, whether XLA compiled it now rather than answering from its persistent cache: only a
+    fresh executable is written; another thread's cache hit in between only costs this store, never breaks one)."""
+    with _COMPILE_LOCK:
+        hits = STATS.hits
+        compiled = lowered.compile()
+        fresh = STATS.hits == hits
+    return compiled, fresh
+
+
+def _digest(value: dict) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.partial")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _load(path: Path, key: str) -> Callable | None:
+    """The executable stored at ``path`` for ``key``; None where there is none, and a damaged or foreign entry
+    is removed (it is rebuilt by the caller)."""
+    if not path.is_file():
+        return None
+    from jax.experimental.serialize_executable import deserialize_and_load  # noqa: PLC0415
+
+    try:
+        with path.open("rb") as f:
+            stored_key, payload, in_tree, out_tree = pickle.load(f)
+        if stored_key != key:
+            raise ValueError("another executable's entry")
+        return deserialize_and_load(payload, in_tree, out_tree)
+    except Exception:  # noqa: BLE001 — truncated, unreadable or from another build: never trusted
+        path.unlink(missing_ok=True)
+        return None
+
+
+def _write(path: Path, key: str, compiled: Any) -> bool:
+    """Writes ``compiled`` for ``key`` (whole or not at all); False where it cannot be serialized or written."""
+    from jax.experimental.serialize_executable import serialize  # noqa: PLC0415
+
+    try:
+        payload, in_tree, out_tree = serialize(compiled)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.partial")
+        with tmp.open("wb") as f:
+            pickle.dump((key, payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+        return True
+    except Exception:  # noqa: BLE001 — host callbacks, captured constants, a full disk: kept in memory only
+        return False

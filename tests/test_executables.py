@@ -1,0 +1,51 @@
+"""Serialized executables (``jaxspec.engine.executables``): a second engine of the same configuration loads its
+steps and prefills from disk and traces nothing, with the same tokens; a damaged entry is rebuilt, never trusted."""
+
+from __future__ import annotations
+
+from conftest import tiny_model
+from jaxspec.cache import STATS
+from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.engine import Engine
+from jaxspec.speculators.early_exit import early_exit
+
+PROMPTS = [[5, 9, 2, 7, 5, 9, 2], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]]
+
+
+def _run(llm) -> tuple[Engine, list[list[int]]]:
+    """A fresh engine (new jitted functions: nothing in memory) decoding a greedy and a seeded sampled request."""
+    engine = Engine(llm, [early_exit(llm, 1), NGramSpeculator(2)], [(1, 2), (1, 1)])
+    out = [engine.generate(PROMPTS[0], 8).token_ids,
+           engine.generate(PROMPTS[1], 8, SamplingParams(0.8, seed=3)).token_ids]
+    return engine, out
+
+
+def test_a_second_engine_loads_its_executables_and_traces_nothing(tmp_path, monkeypatch):
+    store = tmp_path / "executables"
+    monkeypatch.setenv("JAXSPEC_EXECUTABLE_CACHE", str(store))
+    llm = tiny_model(seed=4)
+    loaded, stored = STATS.executables_loaded, STATS.executables_stored
+    first, want = _run(llm)
+    written = sorted(store.glob("*.bin"))
+    assert first.compilations > 0 and len(written) == STATS.executables_stored - stored > 0
+    assert STATS.executables_loaded == loaded  # nothing was there to load
+    second, got = _run(llm)
+    assert got == want and second.compilations == 0  # every step and prefill came from disk: nothing traced
+    assert STATS.executables_loaded - loaded == len(written) and sorted(store.glob("*.bin")) == written
+    # a damaged entry is never trusted: its executable is traced, compiled and written again, the tokens unchanged
+    written[0].write_bytes(written[0].read_bytes()[:100])
+    third, again = _run(llm)
+    assert again == want and third.compilations == 1 and written[0].stat().st_size > 100
+    fourth, more = _run(llm)
+    assert more == want and fourth.compilations == 0
+    # another tree is another program: its step is traced and compiled (its prefill, the same program, may load)
+    other = Engine(llm, [early_exit(llm, 1)], [(2, 1)])
+    assert len(other.generate(PROMPTS[0], 4).token_ids) == 4 and other.compilations > 0
+
+
+def test_executables_stay_in_memory_where_the_store_is_off(monkeypatch):
+    monkeypatch.setenv("JAXSPEC_EXECUTABLE_CACHE", "off")
+    stored = STATS.executables_stored
+    engine, _ = _run(tiny_model(seed=4))
+    assert engine.compilations > 0 and STATS.executables_stored == stored
