@@ -7,11 +7,16 @@ started as ``python -m jaxspec.cli.hf_baseline`` (torch, no JAX) stays a process
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Iterable
+
+STARTED = time.perf_counter()  # when the command line was entered (``-v`` reports start-up from here)
 
 
 def main(argv: Iterable[str] | None = None) -> int:
     """Runs one ``jaxspec`` command; returns its exit status."""
+    global STARTED
+    STARTED = time.perf_counter()
     from jaxspec.cli.app import main as run  # noqa: PLC0415
 
     return run(argv)

@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import sys
+import time
 from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
@@ -168,7 +169,9 @@ def cmd_generate(args) -> int:
     rows = read_prompts(args.prompt_file, args.limit) if args.prompt_file else [{"id": "prompt", "prompt": args.prompt}]
     from jaxspec.engine.build import build_engine  # noqa: PLC0415
 
+    began = time.perf_counter()
     engine, llm = build_engine(config_from_args(args))
+    args.built_seconds = time.perf_counter() - began  # what -v reports as the engine's build (load included)
     out = open(args.output, "w", encoding="utf-8") if args.output else None
     try:
         return generate_requests(engine, llm, rows, args, out)
@@ -209,6 +212,16 @@ def report_host(batch: "BatchEngine", args) -> None:
             parts = [f"{name} {np.median(wall[trees == name]):.2f} ms (host {np.median(host[trees == name]):.2f}, "
                      f"{int((trees == name).sum())})" for name in dict.fromkeys(trees)]
             print(f"[jaxspec] per member, median: {'; '.join(parts)}", file=sys.stderr)
+
+
+def report_startup(args, first: list[float]) -> None:
+    """``-v``: start-up as a user waits for it: the engine's build (weights, speculators, the cost curve) and the
+    first token, in seconds from the command's start."""
+    from jaxspec.cli import STARTED  # noqa: PLC0415
+
+    shown = f"; first token at {first[0] - STARTED:.2f} s" if first else ""
+    print(f"[jaxspec] start-up: engine built in {getattr(args, 'built_seconds', 0.0):.2f} s{shown} "
+          f"(from the command's start)", file=sys.stderr)
 
 
 def report_prefill(requests: list, gens: list, batch) -> None:
@@ -260,7 +273,11 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     streaming = len(jobs) == 1
     shown = StopText(llm.tokenizer, args.stop)  # the streamed text, held back where a stop string may begin
 
+    first: list[float] = []  # when the first token reached the host
+
     def on_event(_: int, ev) -> None:
+        if not first and ev.token_ids:
+            first.append(time.perf_counter())
         if args.verbose and engine.auto and ev.tree is not None:
             print(f"\n[jaxspec] step: tree {ev.tree}, {len(ev.token_ids)} tokens", file=sys.stderr)
         if streaming:
@@ -276,6 +293,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
               f"{gen.tokens_per_step:.2f} tokens/step ({gen.finish_reason})", file=sys.stderr)
         if args.verbose:
             report_prefill([requests[0]], [gen], batch)
+            report_startup(args, first)
         report_host(batch, args)
         if out:
             out.write(json.dumps(record(rows[0], 0, gen, llm.tokenizer, args)) + "\n")
@@ -291,6 +309,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
           f"{tokens / max(steps, 1):.2f} tokens/step per request", file=sys.stderr)
     if args.verbose:
         report_prefill(requests, gens, batch)
+        report_startup(args, first)
     report_host(batch, args)
     return 0
 
