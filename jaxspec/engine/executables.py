@@ -60,13 +60,17 @@ def store_dir() -> Path | None:
 
 
 def _leaf(x: Any) -> tuple:
-    """What of one argument shapes an executable: shape, dtype, weak type and placement (hashable, cheap: read on
-    every call); a Python value by its type and value."""
+    """What tells one argument's signatures apart on every call (cheap: shape and dtype; a Python value by type
+    and value). Placement and weak types enter the stored key (``_described``), read only when preparing."""
+    shape = getattr(x, "shape", None)
+    return (shape, x.dtype) if shape is not None else (type(x), x)
+
+
+def _described(x: Any) -> tuple:
+    """Everything of one argument an executable depends on: shape, dtype, weak type, placement."""
     if isinstance(x, jax.Array):
-        return (x.shape, x.dtype, x.weak_type, x.sharding)
-    if hasattr(x, "shape") and hasattr(x, "dtype"):  # numpy
-        return (x.shape, x.dtype)
-    return (type(x), x)
+        return (x.shape, str(x.dtype), x.weak_type, repr(x.sharding))
+    return _leaf(x)
 
 
 class Stored:
@@ -105,7 +109,7 @@ class Stored:
         device = jax.devices()[0]
         machine = {"jax": jax.__version__, "platform": device.platform, "device": device.device_kind,
                    "devices": jax.device_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
-        key = _digest({"ident": self.ident, "args": repr((tree, tuple(map(_leaf, leaves)))),
+        key = _digest({"ident": self.ident, "args": repr((tree, tuple(map(_described, leaves)))),
                        "source": source_digest(), **machine})
         index = directory / "index" / key
         program = _read_text(index)
