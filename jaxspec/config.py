@@ -21,6 +21,7 @@ VERIFIERS = ("mss", "naive", "coupled")
 DEFAULT_TREE = "1,1,3,1,1,1,1,1"  # the paper's default expansion config
 DEFAULT_SEQUENCE = "1,1,1,1,1,1,1,1"
 AUTO_SPECULATORS = ("drafter", "ngram")  # --mode auto without --ssm: the shipped feature drafter and prompt lookup
+MAX_BODY_BYTES = 8 << 20  # serve's --max-body-bytes default: larger request bodies get 413
 DEFAULT_FORCED_TOKENS = 8  # tokens a grammar forces ahead that ride in a constrained request's tree
 
 

@@ -10,8 +10,7 @@ import os
 
 from jaxspec.cli.common import (CliError, add_compile_cache_args, add_model_args, add_prefill_args, check_prefill_args,
                                 config_from_args, prefix_cache_bytes)
-from jaxspec.config import SchedulerConfig
-from jaxspec.serving import protocol, server
+from jaxspec.config import MAX_BODY_BYTES, SchedulerConfig
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -34,8 +33,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(a flag shows in ps). An empty key is an error")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve a non-loopback --host without an API key (anyone who reaches the port may use it)")
-    p.add_argument("--max-body-bytes", type=int, default=protocol.MAX_BODY_BYTES, metavar="N",
-                   help=f"larger request bodies get 413 ({protocol.MAX_BODY_BYTES})")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, metavar="N",
+                   help=f"larger request bodies get 413 ({MAX_BODY_BYTES})")
     p.add_argument("--request-log", metavar="FILE",
                    help="append one JSON line per finished completion: its sampling parameters and seed (a request "
                         "without one gets a random seed, logged here and not in the response), tokens, finish reason")
@@ -59,6 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.recalibrate:
         raise CliError("--recalibrate is not supported by serve: remove the cost cache ($JAXSPEC_CACHE/costs, "
                        "default ~/.cache/jaxspec/costs) to measure again")
+    from jaxspec.serving import server  # noqa: PLC0415 (the HTTP stack loads for serve only)
+
     key = server.api_key(args.api_key, os.environ.get(server.API_KEY_ENV), args.host, args.allow_unauthenticated)
     for flag in ("max_batch", "max_queue", "max_body_bytes"):
         if getattr(args, flag) < 1:

@@ -16,11 +16,11 @@ import re
 import time
 from typing import AsyncIterator, Callable
 
+from jaxspec.config import MAX_BODY_BYTES
 from jaxspec.serving.protocol import (
     DRAIN_BYTES,
     DRAIN_S,
     ENGINE_STOPPED,
-    MAX_BODY_BYTES,
     SHUTTING_DOWN,
     APIError,
     ChatCompletionRequest,

@@ -22,7 +22,6 @@ MAX_TOP_K = 2**31 - 1  # the device keeps top-k as int32; a larger value means "
 MAX_SEED = 2**63 - 1
 MAX_TEXT_CHARS = 1 << 20  # characters per prompt or message
 MAX_MESSAGES = 1024
-MAX_BODY_BYTES = 8 << 20  # --max-body-bytes default: larger bodies get 413
 DRAIN_BYTES = 64 << 20  # an over-limit body is read and dropped up to this, so a blocking client hears its 413
 DRAIN_S = 30.0  # ... for at most this long
 # Parameters this server does not implement, accepted only at values that ask for nothing

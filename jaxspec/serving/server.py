@@ -16,10 +16,9 @@ import signal
 import sys
 import time
 
-from jaxspec.config import EngineConfig, SchedulerConfig
+from jaxspec.config import MAX_BODY_BYTES, EngineConfig, SchedulerConfig
 from jaxspec.errors import CliError
 from jaxspec.serving.app import create_app
-from jaxspec.serving.protocol import MAX_BODY_BYTES
 from jaxspec.serving.service import Service, stop_matcher
 
 log = logging.getLogger(__name__)
