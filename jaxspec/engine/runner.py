@@ -122,7 +122,10 @@ class Runner:
         self.unroll = unroll = self.lowering.unrolled
         self.stacked = offload or pipe_size(mesh) > 1  # the LLM runs models.pipeline.stacked_layout
         # one layout of the weights, built straight from the loaded tree (no intermediate copy)
-        self._llm_params = None if self.stacked else decoding_layout(llm.params) if unroll else llm.params
+        self._llm_params = None if self.stacked else llm.params
+        if unroll and not self.stacked:  # one stored program (the re-layout is hundreds of slices and transposes)
+            self._llm_params = Stored(decoding_layout, {"what": "layout", "llm": [repr(llm.cfg),
+                                                                                 str(jnp.dtype(llm.dtype))]})(llm.params)
         self.features = any(getattr(s, "features", False) for s in ssms)  # a feature drafter reads the LLM's states
         taps = {tuple(getattr(s, "feature_layers", ())) for s in ssms if getattr(s, "features", False)}
         if len(taps) > 1:
