@@ -10,16 +10,13 @@ import argparse
 import time
 from typing import Iterable
 
-STARTED = time.perf_counter()  # when the command line was entered (``-v`` reports start-up from here)
-
 
 def main(argv: Iterable[str] | None = None) -> int:
     """Runs one ``jaxspec`` command; returns its exit status."""
-    global STARTED
-    STARTED = time.perf_counter()
+    started = time.perf_counter()  # ``-v`` reports start-up from here
     from jaxspec.cli.app import main as run  # noqa: PLC0415
 
-    return run(argv)
+    return run(argv, started)
 
 
 def build_parser() -> argparse.ArgumentParser:

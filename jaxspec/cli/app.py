@@ -217,9 +217,7 @@ def report_host(batch: "BatchEngine", args) -> None:
 def report_startup(args, first: list[float]) -> None:
     """``-v``: start-up as a user waits for it: the engine's build (weights, speculators, the cost curve) and the
     first token, in seconds from the command's start."""
-    from jaxspec.cli import STARTED  # noqa: PLC0415
-
-    shown = f"; first token at {first[0] - STARTED:.2f} s" if first else ""
+    shown = f"; first token at {first[0] - args.started:.2f} s" if first else ""
     print(f"[jaxspec] start-up: engine built in {getattr(args, 'built_seconds', 0.0):.2f} s{shown} "
           f"(from the command's start)", file=sys.stderr)
 
@@ -314,12 +312,15 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     return 0
 
 
-def main(argv: Iterable[str] | None = None) -> int:
+def main(argv: Iterable[str] | None = None, started: float | None = None) -> int:
+    """Runs one command; ``started``: when the command line was entered (perf_counter; default now)."""
+    started = time.perf_counter() if started is None else started
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # transformers serves only the tokenizer here; on a runtime install (no torch) it warns that models are unavailable
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
+    args.started = started
     cache = setup_compile_cache(args)
     try:
         distributed.initialize(args)  # before anything touches a device
