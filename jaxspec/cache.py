@@ -10,6 +10,7 @@ checkpoints (``models.weight_cache``) live under ``<root>/weights``; serialized 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 COMPILE_CACHE_ENV = "JAXSPEC_COMPILE_CACHE"  # a directory, or off / 0 / false / none
@@ -60,12 +61,19 @@ class CompileCacheStats:
         self.executables_loaded = 0
         self.executables_stored = 0
         self.listening = False
+        self.local = threading.local()  # ``thread_hits``: the hits of compiles run by the thread that reads it
 
     def __call__(self, event: str, **_: object) -> None:
-        if event == HIT_EVENT:
+        if event == HIT_EVENT:  # jax records it in the thread that compiles
             self.hits += 1
+            self.local.hits = self.thread_hits + 1
         elif event == MISS_EVENT:
             self.misses += 1
+
+    @property
+    def thread_hits(self) -> int:
+        """Cache hits of the compiles this thread ran (a background build and the loop compile side by side)."""
+        return getattr(self.local, "hits", 0)
 
 
 STATS = CompileCacheStats()
