@@ -75,9 +75,9 @@ def _described(x: Any) -> tuple:
 class Stored:
     """A jitted function whose executables are loaded from disk where a run before this one compiled them.
 
-    ``fn`` is jitted with ``donate_argnums``; ``ident`` (JSON-able) names what it computes beyond its arguments; ``fixed`` leading
-    positional arguments (e.g. weights) keep their shapes and placements for the object's life, so only
-    the others are read to tell signatures apart on each call.
+    ``fn`` is jitted with ``donate_argnums``; ``ident`` (JSON-able) names what it computes beyond its
+    arguments; ``fixed`` leading positional arguments (e.g. weights) keep their shapes and placements for
+    the object's life, so only the others are read to tell signatures apart on each call.
     """
 
     def __init__(self, fn: Callable, ident: dict, fixed: int = 0, donate_argnums: tuple[int, ...] = ()) -> None:

@@ -541,9 +541,9 @@ class Planner:
 
         The saving per iteration is the share of time ``name`` saves over no speculation
         (posterior means) times the plain step's cost; the price is what readying it costs on this
-        machine (``ready_seconds``: a compile, or a load where it was built before). Compile once the iterations in sight
-        (``left``: the live rows' and the queue's tokens, in iterations) would save the compile time, or once the
-        iterations already run without it lost that much (rent or buy: a long-lived server
+        machine (``ready_seconds``: a compile, or a load where it was built before). Compile once the
+        iterations in sight (``left``: the live rows' and the queue's tokens, in iterations) would save the
+        compile time, or once the iterations already run without it lost that much (rent or buy: a long-lived server
         whose requests are each too short still compiles the trees its load keeps wanting,
         at most twice the best cost in hindsight).
         """

@@ -4,7 +4,11 @@
 state shape, the state it runs on) and what each step costs; the one scheduling loop
 (``jaxspec.engine.batch.BatchEngine``: admission, prefill, the iteration, stopping, retirement)
 drives it for ``generate``, ``bench`` and ``serve`` alike. ``Runner.compilations`` counts
-traces of model-running executables, so tests can prove that nothing recompiles.
+traces of model-running executables, so tests can prove that nothing recompiles (an executable
+loaded from disk, ``jaxspec.engine.executables``, is not traced and not counted).
+
+Over 600 lines: the family, its compiled steps, their costs and the chooser share the models'
+layout and the engine's identity; the scheduling loop's planning already lives in ``planner``.
 """
 
 from __future__ import annotations
@@ -124,8 +128,8 @@ class Runner:
         # one layout of the weights, built straight from the loaded tree (no intermediate copy)
         self._llm_params = None if self.stacked else llm.params
         if unroll and not self.stacked:  # one stored program (the re-layout is hundreds of slices and transposes)
-            self._llm_params = Stored(decoding_layout, {"what": "layout", "llm": [repr(llm.cfg),
-                                                                                 str(jnp.dtype(llm.dtype))]})(llm.params)
+            layout = Stored(decoding_layout, {"what": "layout", "llm": [repr(llm.cfg), str(jnp.dtype(llm.dtype))]})
+            self._llm_params = layout(llm.params)
         self.features = any(getattr(s, "features", False) for s in ssms)  # a feature drafter reads the LLM's states
         taps = {tuple(getattr(s, "feature_layers", ())) for s in ssms if getattr(s, "features", False)}
         if len(taps) > 1:
