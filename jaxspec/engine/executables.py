@@ -1,8 +1,8 @@
 """Compiled executables kept on disk, so a warm machine loads a known bucket instead of tracing it again.
 
 JAX's persistent compilation cache skips XLA's compile, but every new process still traces and
-lowers each executable before it can look the compile up (one to three seconds per bucket for
-the default model on a CPU). ``Stored`` wraps a jitted function: the first call with a new
+lowers each executable before it can look the compile up (a cost that grows with the model's
+size, paid per bucket). ``Stored`` wraps a jitted function: the first call with a new
 argument signature loads a serialized executable (``jax.experimental.serialize_executable``) from
 ``<compile cache>/executables/``, or traces, compiles and writes one; later calls run the loaded
 executable directly.
@@ -87,8 +87,6 @@ class Stored:
         self.ident = ident
         self.fixed = fixed
         self.loaded: dict = {}  # call signature -> compiled executable
-        self.loads = 0  # executables read from disk by this object
-        self.stores = 0  # executables written to disk by this object
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten((args[self.fixed:], kwargs))
@@ -127,15 +125,14 @@ class Stored:
             compiled, fresh = _compile_fresh(lowered)
             if not fresh or not _write(directory / f"{program}.bin", program, compiled):
                 return compiled
-            self.stores += 1
             STATS.executables_stored += 1
         else:
             self._loaded_one(compiled)
         _write_text(index, program)
         return compiled
 
-    def _loaded_one(self, compiled: Callable) -> Callable:
-        self.loads += 1
+    @staticmethod
+    def _loaded_one(compiled: Callable) -> Callable:
         STATS.executables_loaded += 1
         return compiled
 

@@ -1,10 +1,10 @@
 """Auto's planning: the family of trees, derived from the cost curve of the device that runs it, and the
 decisions of the lazy path (what each bucket's trees cost, which are worth readying, builds in the background).
 
-What a tree is worth depends on the device: on a 2-core CPU the LLM verifies 4 tokens for about
-1.1x one token and 8 for 1.35x, so a short chain pays and a wide tree does not; on an H200 a pass
-over 64 tokens costs about 1.25 passes over one, so wide trees pay. Nothing here is one machine's
-constant: ``measure_curve`` times one LLM pass over T tokens and one draft level per learned
+What a tree is worth depends on the device: where a pass over more tokens costs proportionally more
+(a device the step fills), a short chain pays and a wide tree does not; where a pass over 64 tokens
+costs about one pass over one (a launch-bound accelerator), wide trees pay. Nothing here is one
+machine's constant: ``measure_curve`` times one LLM pass over T tokens and one draft level per learned
 speculator over w frontier nodes on this device (cached per device, models, dtype and lowering by
 ``jaxspec.engine.costs``), and ``derive_expansions`` picks, per speculator, the tree with the most
 expected tokens per second under that curve.
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from jaxspec.decoding.step import DecodeConfig
     from jaxspec.engine.runner import Runner
 
-# LLM tokens per row whose pass is timed (the largest tree considered: 64). Five compiles of the LLM the first time
-# a machine runs auto (about 5 s each for SmolLM2-135M on a 2-core CPU), then read from the cost cache.
+# LLM tokens per row whose pass is timed (the largest tree considered: 64): five compiles of the LLM the first time
+# a device runs auto for a model, then read from the cost cache.
 CURVE_TOKENS = (1, 4, 8, 16, 64)
 DRAFT_WIDTHS = (1, 4, 16)  # frontier nodes per draft level timed per learned speculator
 CURVE_CAPACITY = 256  # cache slots the curve is timed at (the smallest capacity bucket, where trees run most)
