@@ -95,8 +95,8 @@ def test_picks_draw_only_what_their_candidates_need():
     assert chooser.pick_constrained([(4, 2, 0)], {"none": 1.0}) == ("none", 0)
     assert chooser.rng.bit_generator.state == state  # no draw at all
     asked = []
-    posterior = chooser.posterior
-    chooser.posterior = lambda kind, key=None: asked.append(kind) or posterior(kind, key)
+    posteriors = chooser.posteriors
+    chooser.posteriors = lambda kind, keys: asked.extend([kind] * len(keys)) or posteriors(kind, keys)
     chooser.pick_batch([(0, 0), (0, 0)])  # no row has an n-gram proposal
     assert asked == ["ssm"]
     asked.clear()
@@ -120,3 +120,20 @@ def test_a_warm_up_request_leaves_the_statistics_unchanged(tiny_llm):
     assert not chooser.open and not chooser.request["ssm"].trials.any()
     batch.generate([Request(prompts[1], 8)])
     assert chooser.global_stats["ssm"].trials[1] > 0 and not chooser.open
+
+
+def test_batched_expected_tokens_match_the_per_row_sum():
+    """A pick scores every row at once; each row must get 1 + sum_i P(some kind agrees to depth i), written out."""
+    members = [Member("none", {}, {}), Member("ssm+ngram", {"ssm": 3, "ngram": 5}, {"ssm": (0,), "ngram": (1,)})]
+    chooser = TreeChooser(members, {"none": 1.0, "ssm+ngram": 1.5})
+    rng = np.random.default_rng(3)
+    rates = {kind: rng.uniform(0.1, 0.9, (4, chooser.max_depth + 1)) for kind in ("ssm", "ngram")}
+    lengths, certain = np.array([0, 2, 5, 9]), np.array([0, 1, 0, 4])
+    got = chooser.batch_tokens("ssm+ngram", lengths, rates, certain)
+    for b in range(4):
+        ssm = [1.0 if i <= certain[b] else rates["ssm"][b, i] for i in range(1, 6)]
+        reach_ssm = [np.prod(ssm[:i]) if i <= 3 else 0.0 for i in range(1, 6)]
+        reach_ngram = [np.prod(rates["ngram"][b, 1:i + 1]) if i <= min(5, lengths[b]) else 0.0 for i in range(1, 6)]
+        want = 1.0 + sum(1.0 - (1.0 - s) * (1.0 - n) for s, n in zip(reach_ssm, reach_ngram))
+        assert got[b] == pytest.approx(want)
+    assert chooser.batch_tokens("none", lengths, rates).tolist() == [1.0] * 4

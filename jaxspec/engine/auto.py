@@ -119,7 +119,9 @@ class TreeChooser:
         self.discount = discount
         self.rng = np.random.default_rng(seed)
         self.timings = {m.name: collections.deque(maxlen=TIMING_WINDOW) for m in members}
+        self._drifts: dict[str, float | None] = {}  # timings key -> their median (None: too few), until one is added
         self.max_depth = max([d for m in members for d in m.depth.values()] + [1])
+        self._depths = np.arange(1, self.max_depth + 1)  # [D]: the depths a rate describes
         self.global_stats = {k: DepthStats(self.max_depth) for k in KINDS}  # finished requests, discounted
         self.open: dict[Hashable, dict[str, DepthStats]] = {}  # request key -> its counts, until it finishes
         self.request = {k: DepthStats(self.max_depth) for k in KINDS}  # the sum of every open request's counts
@@ -148,11 +150,19 @@ class TreeChooser:
     def rates(self, kind: str, key: Hashable = None) -> np.ndarray:
         """Estimated acceptance at depth i given depth i - 1 was accepted, [max_depth + 1] (index 0 unused),
         for a row of request ``key``."""
-        g, r = self.global_stats[kind], self._counts(kind, key)
+        return self._means(kind, [key])[0][0]
+
+    def _means(self, kind: str, keys: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray]:
+        """(mean rates, the requests' own trials), [len(keys), max_depth + 1] each, of ``kind`` for rows of
+        requests ``keys``: one stacked computation for a whole pick instead of one per row."""
+        g = self.global_stats[kind]
+        counts = [self._counts(kind, key) for key in keys]
+        own_hits = np.stack([c.hits for c in counts])  # [K, max_depth + 1]
+        own_trials = np.stack([c.trials for c in counts])
         scale = np.minimum(1.0, GLOBAL_WEIGHT / np.maximum(g.trials, 1.0))
-        hits = r.hits + scale * g.hits + PRIOR_RATE * PRIOR_WEIGHT
-        trials = r.trials + scale * g.trials + PRIOR_WEIGHT
-        return hits / trials
+        hits = own_hits + scale * g.hits + PRIOR_RATE * PRIOR_WEIGHT
+        trials = own_trials + scale * g.trials + PRIOR_WEIGHT
+        return hits / trials, own_trials
 
     def posterior(self, kind: str, key: Hashable = None) -> tuple[np.ndarray, np.ndarray]:
         """Beta parameters (a, b) per depth, [max_depth + 1] each, that Thompson sampling draws from.
@@ -161,35 +171,41 @@ class TreeChooser:
         iterations (more than the mean does), so a speculator judged on many iterations is
         rarely re-tried while one judged on a few (or long ago: the counts are discounted) still is.
         """
-        g, r = self.global_stats[kind], self._counts(kind, key)
-        weight = r.trials + np.minimum(g.trials, GLOBAL_CONFIDENCE) + PRIOR_WEIGHT
-        mean = self.rates(kind, key)
+        a, b = self.posteriors(kind, [key])
+        return a[0], b[0]
+
+    def posteriors(self, kind: str, keys: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray]:
+        """``posterior`` of ``kind`` for rows of each request in ``keys``, stacked: [len(keys), max_depth + 1] each."""
+        mean, own_trials = self._means(kind, keys)
+        weight = own_trials + np.minimum(self.global_stats[kind].trials, GLOBAL_CONFIDENCE) + PRIOR_WEIGHT
         return mean * weight, (1.0 - mean) * weight
 
     def _draw(self, wanted: Sequence[tuple[str, Hashable]]) -> dict[tuple[str, Hashable], np.ndarray]:
         """Per-depth rates, [max_depth + 1] each, of the (stats kind, request key) pairs one pick needs: posterior
         draws when exploring, else the means. Draws run kind by kind in ``KINDS`` order, one call per kind."""
-        if not self.explore:
-            return {w: self.rates(*w) for w in wanted}
         drawn = {}
         for kind in KINDS:  # a fixed order: the same calls draw the same numbers from the seeded generator
             keys = [key for k, key in wanted if k == kind]
             if not keys:
                 continue
-            a, b = zip(*(self.posterior(kind, key) for key in keys))
-            draws = self.rng.beta(np.stack(a), np.stack(b))  # [len(keys), max_depth + 1]
+            if self.explore:
+                draws = self.rng.beta(*self.posteriors(kind, keys))  # [len(keys), max_depth + 1]
+            else:
+                draws = self._means(kind, keys)[0]
             drawn.update(((kind, key), d) for key, d in zip(keys, draws))
         return drawn
 
     def _row_rates(self, names: Sequence[str], rows: Sequence[tuple[int, int]],
-                   keys: Sequence[Hashable]) -> list[dict[str, np.ndarray]]:
-        """Per row, the rates (stats kind -> per-depth rates) that members ``names`` read for it, drawn once per
-        (kind, request) in row order; a row's n-gram without a proposal needs none."""
-        kinds = {kind for n in names for kind in self.members[n].depth}
-        need = [[self._stats_kind(kind, match) for kind in sorted(kinds) if kind != "ngram" or length > 0]
+                   keys: Sequence[Hashable]) -> dict[str, np.ndarray]:
+        """Proposer kind -> the rates its rows read, [len(rows), max_depth + 1], for members ``names``, drawn once
+        per (stats kind, request) in row order; a row's n-gram without a proposal needs none (its rates stay 0)."""
+        kinds = sorted({kind for n in names for kind in self.members[n].depth})
+        need = [{kind: self._stats_kind(kind, match) for kind in kinds if kind != "ngram" or length > 0}
                 for length, match in rows]
-        drawn = self._draw(list(dict.fromkeys((k, key) for row, key in zip(need, keys) for k in row)))
-        return [{k: drawn[k, key] for k in row} for row, key in zip(need, keys)]
+        drawn = self._draw(list(dict.fromkeys((k, key) for row, key in zip(need, keys) for k in row.values())))
+        empty = np.zeros(self.max_depth + 1)
+        return {kind: np.stack([drawn[row[kind], key] if kind in row else empty for row, key in zip(need, keys)])
+                for kind in kinds}
 
     @staticmethod
     def _stats_kind(kind: str, ngram_match: int) -> str:
@@ -200,25 +216,54 @@ class TreeChooser:
         """1 + Σ_i P(the merged tree agrees down to depth i): expected tokens of one iteration.
 
         ``ngram_len`` is how many tokens the n-gram proposes now, ``ngram_match`` how long a
-        suffix it matched; ``rates`` (kind -> per-depth rates) defaults to the posterior means
+        suffix it matched; ``rates`` (stats kind -> per-depth rates) defaults to the posterior means
         of a row of request ``key``; ``certain``: the first levels a grammar forces (the SSMs'
         masked drafts there are the forced tokens, accepted for sure).
         """
-        m = self.members[name]
-        miss = np.ones(self.max_depth + 1)  # P(no kind reaches depth i)
-        for kind, depth in m.depth.items():
-            d = min(depth, ngram_len) if kind == "ngram" else depth
-            if d <= 0:
-                continue  # nothing proposed: this kind reaches no depth
+        table = {}
+        for kind in self.members[name].depth:
             stats_kind = self._stats_kind(kind, ngram_match)
-            r = rates[stats_kind] if rates is not None else self.rates(stats_kind, key)
-            if kind == "ssm" and certain:
-                r = r.copy()
-                r[1 : certain + 1] = 1.0
-            reach = np.zeros(self.max_depth + 1)
-            reach[1 : d + 1] = np.cumprod(r[1 : d + 1])
-            miss *= 1.0 - reach
-        return 1.0 + float((1.0 - miss)[1:].sum())
+            r = self.rates(stats_kind, key) if rates is None else rates.get(stats_kind, np.zeros(self.max_depth + 1))
+            table[kind] = r[None, :]
+        return float(self.batch_tokens(name, np.array([ngram_len]), table, np.array([certain]))[0])
+
+    def batch_tokens(self, name: str, lengths: np.ndarray, rates: dict[str, np.ndarray],
+                     certain: np.ndarray | None = None) -> np.ndarray:
+        """Expected tokens of one iteration of ``name`` per row, [B]: ``expected_tokens`` for a batch at once.
+
+        ``lengths`` [B]: each row's n-gram proposal length; ``rates``: proposer kind -> [B, max_depth + 1];
+        ``certain`` [B]: the levels each row's grammar forces.
+        """
+        return self._tokens(name, lengths, self._reach(rates, certain))
+
+    def _reach(self, rates: dict[str, np.ndarray], certain: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Proposer kind -> P(its proposal agrees down to depth i), [B, max_depth] (depth 1 first): the cumulative
+        products every member of a pick shares; a grammar's forced levels (``certain`` [B]) are sure for the SSMs."""
+        out = {}
+        for kind, r in rates.items():
+            r = r[:, 1:]  # [B, D]
+            if kind == "ssm" and certain is not None:
+                r = np.where(self._depths <= certain[:, None], 1.0, r)
+            out[kind] = np.cumprod(r, axis=1)
+        return out
+
+    def _tokens(self, name: str, lengths: np.ndarray, reach: dict[str, np.ndarray]) -> np.ndarray:
+        """Expected tokens per row, [B], of ``name`` from its kinds' ``_reach`` and the rows' n-gram ``lengths``."""
+        kinds = self.members[name].depth
+        if not kinds:
+            return np.ones(len(lengths))  # no speculation: the root's token only
+        miss = 1.0  # P(no kind reaches depth i), [B, D] once a kind is in
+        for kind, deepest in kinds.items():
+            limit = np.minimum(deepest, lengths)[:, None] if kind == "ngram" else deepest
+            miss = miss * (1.0 - np.where(self._depths <= limit, reach[kind], 0.0))
+        return 1.0 + (1.0 - miss).sum(axis=1)
+
+    def mean_tokens(self, name: str, rows: Sequence[tuple[int, int]]) -> float:
+        """Expected tokens of one iteration of ``name`` summed over ``rows`` ((n-gram length, match) each), at
+        the posterior means every open request pooled: what a compile decision weighs, without a draw."""
+        kinds = self.members[name].depth
+        table = {kind: np.stack([self.rates(self._stats_kind(kind, match)) for _, match in rows]) for kind in kinds}
+        return float(self.batch_tokens(name, np.array([length for length, _ in rows]), table).sum())
 
     def cost(self, name: str, costs: dict[str, float] | None = None) -> float:
         """Seconds one iteration of ``name`` is expected to take: calibrated (``costs``, the bucket's; default
@@ -230,25 +275,34 @@ class TreeChooser:
         base = (costs or self.costs)[name]
         if not self.adapt_costs:
             return base
-        seen = self.timings[name]
-        if len(seen) < MIN_TIMINGS:  # not run enough yet: the machine's drift as the plain step saw it
-            seen = self.timings["none"]
-        return base * float(np.median(seen)) if len(seen) >= MIN_TIMINGS else base
+        drift = self._drift(name)
+        if drift is None:  # not run enough yet: the machine's drift as the plain step saw it
+            drift = self._drift("none")
+        return base if drift is None else base * drift
+
+    def _drift(self, key: str) -> float | None:
+        """The median observed/calibrated ratio of ``key``'s timings (None before ``MIN_TIMINGS``), kept until the
+        next timing of ``key`` arrives: every pick reads it, few iterations change it."""
+        if key not in self._drifts:
+            seen = self.timings.get(key, ())
+            self._drifts[key] = float(np.median(seen)) if len(seen) >= MIN_TIMINGS else None
+        return self._drifts[key]
 
     def observe_time(self, name: str, seconds: float, costs: dict[str, float] | None = None) -> None:
         """Records what one iteration of ``name`` took (dispatch to tokens on the host) against ``costs``."""
         base = (costs or self.costs)[name]
         if base > 0 and seconds > 0:
             self.timings[name].append(seconds / base)
+            self._drifts.pop(name, None)
 
     def constrained_cost(self, name: str, forced: int, costs: dict[str, float] | None = None) -> float:
         """Seconds of ``name``'s grammar step with a chain of ``forced`` nodes: the member's calibrated cost times
         the median observed ratio of such steps once ``MIN_TIMINGS`` ran, before that a prior from the chain's
         nodes on top of the plain member's own (rescaled) cost."""
         base = (costs or self.costs)[name]
-        seen = self.timings.get(_grammar_key(name, forced), ())
-        if self.adapt_costs and len(seen) >= MIN_TIMINGS:
-            return base * float(np.median(seen))
+        drift = self._drift(_grammar_key(name, forced))
+        if self.adapt_costs and drift is not None:
+            return base * drift
         return self.cost(name, costs) * GRAMMAR_PRIOR * (1.0 + FORCED_NODE_PRIOR * forced)
 
     def observe_constrained_time(self, name: str, forced: int, seconds: float,
@@ -256,8 +310,9 @@ class TreeChooser:
         """Records what one grammar step of ``name`` with a chain of ``forced`` nodes took, against ``costs``."""
         base = (costs or self.costs)[name]
         if base > 0 and seconds > 0:
-            self.timings.setdefault(_grammar_key(name, forced), collections.deque(maxlen=TIMING_WINDOW)).append(
-                seconds / base)
+            key = _grammar_key(name, forced)
+            self.timings.setdefault(key, collections.deque(maxlen=TIMING_WINDOW)).append(seconds / base)
+            self._drifts.pop(key, None)
 
     def pick_constrained(self, rows: list[tuple[int, int, int]], costs: dict[str, float] | None = None,
                          chains: tuple[int, ...] = (0,), keys: Sequence[Hashable] | None = None) -> tuple[str, int]:
@@ -271,12 +326,14 @@ class TreeChooser:
         """
         names = [m for m in self.members if m in (costs or self.costs)]  # lazy auto: the bucket's compiled ones
         rates = self._row_rates(names, [(length, match) for length, match, _ in rows], keys or [None] * len(rows))
+        lengths = np.array([length for length, _, _ in rows])
+        forced = np.array([f for _, _, f in rows])  # [B]
+        reach = self._reach(rates, certain=forced)
         scores = {}
         for n in names:
-            tree = [self.expected_tokens(n, length, match, r, certain=forced)
-                    for (length, match, forced), r in zip(rows, rates)]
+            tree = self._tokens(n, lengths, reach)  # [B]
             for b in chains:
-                tokens = sum(max(t, min(forced, b) + 1.0) for t, (_, _, forced) in zip(tree, rows))
+                tokens = float(np.maximum(tree, np.minimum(forced, b) + 1.0).sum())
                 scores[n, b] = tokens / self.constrained_cost(n, b, costs)
         return max(scores, key=lambda nb: (scores[nb], nb[0] == "none", -nb[1]))
 
@@ -299,8 +356,9 @@ class TreeChooser:
         if len(names) == 1:
             return names[0]  # e.g. only the plain step is ready: nothing to draw
         rates = self._row_rates(names, rows, keys or [None] * len(rows))
-        scores = {n: sum(self.expected_tokens(n, length, match, r) for (length, match), r in zip(rows, rates))
-                  / self.cost(n, costs) for n in names}
+        lengths = np.array([length for length, _ in rows])  # [B]
+        reach = self._reach(rates)
+        scores = {n: float(self._tokens(n, lengths, reach).sum()) / self.cost(n, costs) for n in names}
         return max(scores, key=lambda n: (scores[n], n == "none"))
 
     def observe(self, name: str, source_depth: np.ndarray, ngram_len: int = 0, ngram_match: int = 1,

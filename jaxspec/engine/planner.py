@@ -547,7 +547,7 @@ class Planner:
         whose requests are each too short still compiles the trees its load keeps wanting,
         at most twice the best cost in hindsight).
         """
-        rate = {n: sum(chooser.expected_tokens(n, length, match) for length, match in rows) / chooser.cost(n, costs)
+        rate = {n: chooser.mean_tokens(n, rows) / chooser.cost(n, costs)
                 for n in ("none", name)}
         if rate[name] <= rate["none"]:
             return False
