@@ -278,6 +278,7 @@ class Planner:
         self.builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: builds run one at a time
         self.building: dict[tuple, concurrent.futures.Future] = {}  # (warp, rows, capacity, member) -> its build
         self.failed: set[tuple] = set()  # builds that raised: their members stay out of that bucket
+        self._estimate: tuple = (None, None)  # (what ``estimated`` read, what it returned) for the last bucket asked
         self.regret: dict = {}  # (warp, rows, capacity, tree) -> seconds lost running without that tree
 
     @property
@@ -487,6 +488,13 @@ class Planner:
         tokens weigh more at a wider bucket; where it stays flat (launch-bound, as a GPU at small batches) its
         ratio carries over unchanged. Nothing here is one machine's constant.
         """
+        measured = sum(len(c) for c in self.bucket_costs.values() if c)  # what a new measurement changes
+        memo = (warp, rows, capacity, measured, tuple(known.items()))
+        if self._estimate[0] != memo:  # read every iteration: rebuilt only when a measurement arrives
+            self._estimate = (memo, self._estimated(warp, rows, capacity, known))
+        return self._estimate[1]
+
+    def _estimated(self, warp: sampling.WarpSpec, rows: int, capacity: int, known: dict[str, float]) -> dict[str, float]:
         out = dict(known)
         # measured buckets first: at equal distance ``min`` keeps the first, so a measurement beats the anchor
         seen = [(k, c) for k, c in self.bucket_costs.items() if k[0] == warp and c and "none" in c]

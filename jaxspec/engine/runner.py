@@ -184,6 +184,7 @@ class Runner:
             self._place_on_mesh()
         if offload and mesh is not None:  # a one-device offload was laid out in host memory already
             self._llm_params = offload_params(self._llm_params)
+        self._families: dict[sampling.WarpSpec, dict[str, DecodeConfig]] = {}
         self.family(sampling.SamplingParams())  # validates every configuration
         # The engine runs its own layout: it keeps no reference to the loaded tree, which is freed as soon
         # as the caller drops its LoadedModel (jaxspec.engine.build.build_engine hands back this one).
@@ -197,6 +198,11 @@ class Runner:
         for a batch of greedy and sampled rows).
         """
         warp = _warp(params)
+        if warp not in self._families:  # read every iteration: built once per warp (the engine's trees are fixed)
+            self._families[warp] = self._family(warp)
+        return self._families[warp]
+
+    def _family(self, warp: sampling.WarpSpec) -> dict[str, DecodeConfig]:
         verify = "greedy" if warp.greedy else (self.verify if self.verify != "greedy" else "mss")
         off = (None,) * len(self.topologies)
         # dynamic trees draft greedily or coupled; a sampled warp under mss/naive drafts their fixed fallback
