@@ -395,7 +395,7 @@ def _assemble(cfg: ModelConfig, table, source: _Source, dtype: str, ignore: set[
         more = f" (+{len(unused) - 5} more)" if len(unused) > 5 else ""
         raise CheckpointError(f"checkpoint has tensors this config does not use: {', '.join(unused[:5])}{more}: "
                               f"{source.path}")
-    put = place(cfg) if place is not None else (lambda _, host: jnp.asarray(host))
+    put = place(cfg) if place is not None else (lambda _, host: jax.device_put(host))
     flat = {}
     for ours, (src, transform) in table.items():
         if "{i}" in src:
@@ -492,7 +492,7 @@ def _load_gguf(path: Path, dtype: str, place: Placer | None = None, cache: Path 
     from gguf.quants import dequantize
 
     def placer(cfg: ModelConfig) -> Callable[[str, np.ndarray], jax.Array]:
-        return place(cfg) if place is not None else (lambda _, host: jnp.asarray(host))
+        return place(cfg) if place is not None else (lambda _, host: jax.device_put(host))  # no eager program
 
     entry = weight_cache.Entry(cache, path, dtype) if cache is not None else None
     hit = entry.read() if entry is not None else None

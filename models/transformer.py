@@ -11,6 +11,7 @@ here; committing is the engine's job (``jaxspec.decoding.kv_cache.commit``).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import flax
@@ -297,10 +298,17 @@ def with_draft_head(params: dict, cfg: ModelConfig, ids: jax.Array) -> dict:
     """
     ids = jnp.asarray(ids, jnp.int32)
     if cfg.tie_word_embeddings:
-        head = params["embed"]["embedding"][ids]  # [V', P]
+        head = _head_rows(params["embed"]["embedding"], ids, tied=True)
     else:
-        head = params["lm_head"]["kernel"][:, ids].T  # kernel [P, V] -> [V', P]
+        head = _head_rows(params["lm_head"]["kernel"], ids, tied=False)
     return {**params, "draft_head": head, "draft_ids": ids}
+
+
+@functools.partial(jax.jit, static_argnames="tied")
+def _head_rows(table: jax.Array, ids: jax.Array, tied: bool) -> jax.Array:
+    """Output rows of tokens ``ids`` [V'] -> [V', P], from an embedding [V, P] (``tied``) or a kernel [P, V]: one
+    program (eager indexing would compile each of its steps apart)."""
+    return table[ids] if tied else table[:, ids].T
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):

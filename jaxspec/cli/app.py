@@ -241,8 +241,6 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
 
     JSONL lines come in input order; up to ``--max-batch`` requests are decoded together.
     """
-    from tqdm import tqdm
-
     from jaxspec.config import SchedulerConfig
     from jaxspec.engine import lockstep
     from jaxspec.engine.batch import Request
@@ -266,6 +264,18 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
                              eager=args.compile == "all", prefill_chunk=args.prefill_chunk,
                              prefill_stall=args.prefill_stall, prefix_cache_bytes=prefix_cache_bytes(args))
     batch = build_scheduler(engine, limits, sync=lockstep.loop_sync(), verbose=say)
+    try:
+        return _run_jobs(engine, llm, rows, args, out, batch, jobs)
+    finally:
+        batch.close()  # a background build still running is not waited for here (nor adopted)
+
+
+def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list) -> int:
+    """``generate_requests``' loop over its prepared requests, streaming a single one."""
+    from tqdm import tqdm
+
+    from jaxspec.engine.stops import StopText
+
     if engine.auto and args.recalibrate:  # -v alone leaves the lazy path as it is (its builds are reported)
         report_calibration(engine, batch, args, jobs[0][2].prompt_ids)
     streaming = len(jobs) == 1

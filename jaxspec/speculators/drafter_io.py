@@ -75,7 +75,7 @@ def load_drafter(path: str | Path, llm: LoadedModel, dtype: str = "float32",
     None: the drafter's own default). Refuses (VocabularyMismatch) a drafter trained for
     another vocabulary, and a drafter whose width is not the LLM's.
     """
-    from safetensors.flax import load_file  # noqa: PLC0415
+    from safetensors.numpy import load_file  # noqa: PLC0415
 
     p = Path(path).expanduser()
     manifest = read_drafter_manifest(p)
@@ -91,7 +91,8 @@ def load_drafter(path: str | Path, llm: LoadedModel, dtype: str = "float32",
         layers = check_feature_layers(tuple(manifest.get("feature_layers") or ()), llm.cfg.num_layers)
     except ValueError as e:
         raise PoolError(f"drafter {p}: {e}") from None
-    flat = {k: v.astype(DTYPES[dtype]) for k, v in load_file(str(p / manifest["file"])).items()}
+    # cast on the host and placed as is: an eager cast on the device would compile one program per tensor shape
+    flat = {k: jax.device_put(v.astype(DTYPES[dtype])) for k, v in load_file(str(p / manifest["file"])).items()}
     own = unflatten(flat)
     names = own_names(layers)
     expected = {k: v for k, v in flatten(jax.eval_shape(lambda: param_tree(cfg, 0, layers))).items()
@@ -103,7 +104,7 @@ def load_drafter(path: str | Path, llm: LoadedModel, dtype: str = "float32",
         params["lm_head"] = {"kernel": jnp.asarray(llm.params["lm_head"]["kernel"], DTYPES[dtype])}
     size = manifest.get("draft_vocab", 0) if draft_vocab is None else draft_vocab
     if size and size < cfg.vocab_size:
-        ids = jnp.asarray(frequent_ids(read_counts(p), size, cfg.vocab_size))
+        ids = jax.device_put(frequent_ids(read_counts(p), size, cfg.vocab_size))
         params = with_draft_head(params, cfg, ids)
     else:
         size = 0
