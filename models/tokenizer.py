@@ -7,6 +7,12 @@ it the way transformers' own GGUF converter does, so ids match ``AutoTokenizer.f
 (dir, gguf_file=...)`` without needing torch. There is no disk cache: a build (SmolLM2's 49k
 tokens ~0.3 s, Qwen2.5's 152k 1-2 s) takes as long as reloading a saved tokenizer.json would.
 Within one process each path is loaded once.
+
+A GGUF's tokenizer is a ``GGUFTokenizer``: what every command needs (encoding, decoding, the vocabulary, a
+chat of plain text turns through the chat template) runs on the Rust tokenizer and jinja2 directly, as
+transformers would; anything else (tools in a template, saving, ...) goes to transformers'
+``PreTrainedTokenizerFast``, built on first use. Importing transformers costs more than the rest of a
+warm ``jaxspec generate``'s start-up, so a command that needs only the first kind never pays it.
 """
 
 from __future__ import annotations
@@ -201,10 +207,8 @@ def _special(meta: dict, name: str, file: Path) -> str | None:
     return tokens[index]
 
 
-def _from_gguf(file: Path):
-    """A ``PreTrainedTokenizerFast`` built from a GGUF file's tokenizer metadata (no torch, no disk cache)."""
-    from transformers import PreTrainedTokenizerFast
-
+def _from_gguf(file: Path) -> "GGUFTokenizer":
+    """The tokenizer a GGUF file's metadata describes (no torch, no transformers until needed, no disk cache)."""
     try:
         meta = _gguf_metadata(file)
     except CheckpointError:
@@ -212,19 +216,153 @@ def _from_gguf(file: Path):
     except (ValueError, KeyError, struct.error) as e:  # UnicodeDecodeError is a ValueError
         reason = f"{type(e).__name__}: {e}"
         raise CheckpointError(f"cannot read GGUF metadata, truncated or corrupt? ({reason}): {file}") from e
-    backend = _backend(meta, file)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        name_or_path=str(file),
-        bos_token=_special(meta, "bos_token_id", file),
-        eos_token=_special(meta, "eos_token_id", file),
-        unk_token=_special(meta, "unknown_token_id", file),
-        pad_token=_special(meta, "padding_token_id", file),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        chat_template=meta.get("tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False,
-    )
+    specials = {f"{name}_token": _special(meta, f"{key}_token_id", file)
+                for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
+    return GGUFTokenizer(_backend(meta, file), specials, str(file),
+                         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                         add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+                         chat_template=meta.get("tokenizer.chat_template"))
+
+
+class GGUFTokenizer:
+    """A GGUF's tokenizer with transformers' ``PreTrainedTokenizerFast`` interface: ``encode``, ``decode``,
+    ``get_vocab``, the special tokens and a chat of plain text turns run here on the Rust tokenizer, as
+    transformers runs them (``tests/test_tokenizer.py`` holds them equal); any other use is passed to a
+    ``PreTrainedTokenizerFast`` of the same tokenizer, built on first use."""
+
+    clean_up_tokenization_spaces = False  # as the transformers tokenizer is built: decode is the Rust decoder's
+
+    def __init__(self, backend, specials: dict[str, str | None], name: str, add_bos: bool, add_eos: bool,
+                 chat_template: str | None) -> None:
+        from tokenizers import processors
+
+        self.backend_tokenizer = backend
+        self.name_or_path = name
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = specials["bos_token"], specials["eos_token"]
+        self.unk_token, self.pad_token = specials["unk_token"], specials["pad_token"]
+        self.special_tokens_map = {k: v for k, v in specials.items() if v is not None}
+        self.add_bos_token = add_bos and self.bos_token is not None
+        self.add_eos_token = add_eos and self.eos_token is not None
+        # the post-processor transformers sets (``update_post_processor``): BOS / EOS around each sequence as asked
+        bos, eos = self.bos_token, self.eos_token
+        single = f"{bos + ':0 ' if self.add_bos_token else ''}$A:0{' ' + eos + ':0' if self.add_eos_token else ''}"
+        pair = f"{single}{' ' + bos + ':1' if self.add_bos_token else ''} $B:1{' ' + eos + ':1' if self.add_eos_token else ''}"
+        marks = [(t, backend.token_to_id(t)) for t, on in ((bos, self.add_bos_token), (eos, self.add_eos_token)) if on]
+        backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=marks)
+        self._full = None  # the transformers tokenizer, once something asks for more than this class does
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend_tokenizer.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._id(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._id(self.pad_token)
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return self._id(self.unk_token)
+
+    def encode(self, text: str, add_special_tokens: bool = True, **kwargs) -> list[int]:
+        """Token ids of ``text`` (BOS / EOS as the file asks, with ``add_special_tokens``)."""
+        if kwargs:
+            return self.full.encode(text, add_special_tokens=add_special_tokens, **kwargs)
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False, **kwargs) -> str:
+        """The text of ``ids`` (one id or a sequence)."""
+        if kwargs:
+            return self.full.decode(ids, skip_special_tokens=skip_special_tokens, **kwargs)
+        ids = [int(ids)] if isinstance(ids, (int, np.integer)) else [int(i) for i in ids]
+        return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token -> id, added tokens included."""
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = False, tokenize: bool = True,
+                            **kwargs):
+        """The chat template rendered over ``conversation``; a list of plain text turns without other options, as
+        text, renders here; anything else is transformers' (whose result it would equal)."""
+        plain = (not kwargs and not tokenize and self.chat_template is not None
+                 and isinstance(conversation, (list, tuple)) and all(_plain_turn(m) for m in conversation)
+                 and not _GENERATION_TAG.search(self.chat_template))
+        if not plain:
+            return self.full.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=tokenize, **kwargs)
+        return _compiled_template(self.chat_template).render(
+            messages=[dict(m) for m in conversation], tools=None, documents=None,
+            add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
+
+    @property
+    def full(self):
+        """transformers' ``PreTrainedTokenizerFast`` of this tokenizer (imports transformers on first use)."""
+        if self._full is None:
+            from tokenizers import Tokenizer
+            from transformers import PreTrainedTokenizerFast
+
+            self._full = PreTrainedTokenizerFast(
+                tokenizer_object=Tokenizer.from_str(self.backend_tokenizer.to_str()),  # its own copy to configure
+                name_or_path=self.name_or_path, **self.special_tokens_map,
+                add_bos_token=self.add_bos_token, add_eos_token=self.add_eos_token,
+                chat_template=self.chat_template, clean_up_tokenization_spaces=False,
+            )
+        return self._full
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # never through the transformers tokenizer (copies and pickles ask for these)
+            raise AttributeError(name)
+        return getattr(self.full, name)
+
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' assistant-mask tag: its renderer
+
+
+def _plain_turn(message) -> bool:
+    """A turn the fast path renders: a dict of a role and text content only (no tools, images or reasoning)."""
+    return (isinstance(message, dict) and set(message) == {"role", "content"}
+            and isinstance(message["role"], str) and isinstance(message["content"], str))
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(template: str):
+    """A chat template compiled as transformers compiles it: a sandbox, trimmed blocks, loop controls,
+    ``raise_exception``, ``strftime_now`` and a ``tojson`` that does not escape HTML."""
+    import datetime
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class Namespace(jinja2.utils.Namespace):  # as transformers': no underscore attributes (CPython's internals)
+        def __setitem__(self, name, value):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a chat template cannot set {name!r} on a namespace")
+            super().__setitem__(name, value)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.globals["namespace"] = Namespace
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(template)
 
 
 # --------------------------------------------------------------------------- public API
@@ -249,7 +387,8 @@ def _load(resolved: str):
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The transformers tokenizer of a HF checkpoint directory or a .gguf file (cached per path)."""
+    """The tokenizer of a HF checkpoint directory (transformers') or a .gguf file (a ``GGUFTokenizer``), cached
+    per path."""
     return _load(str(Path(path).expanduser().resolve()))
 
 

@@ -227,8 +227,11 @@ def small_vocab():
     return vocab + ["<think>", "a b"], merges, types
 
 
+SIMPLE_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+
+
 def write_tokenizer_gguf(path: Path, tokens: list[str], merges: list[str], types: list[int],
-                         model: str = "gpt2", pre: str | None = "smollm") -> Path:
+                         model: str = "gpt2", pre: str | None = "smollm", template: str = SIMPLE_TEMPLATE) -> Path:
     """A GGUF holding only llama metadata and a tokenizer (enough for both converters)."""
     import gguf
 
@@ -248,7 +251,7 @@ def write_tokenizer_gguf(path: Path, tokens: list[str], merges: list[str], types
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
-    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    writer.add_chat_template(template)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -271,6 +274,67 @@ def test_every_pre_tokenizer_equals_transformers(tmp_path, small_vocab, pre):
     assert ours.encode("a<think>b", add_special_tokens=False) == ref.encode("a<think>b", add_special_tokens=False)
     assert think in ours.encode("a<think>b", add_special_tokens=False)
     assert ours.get_vocab() == ref.get_vocab()
+
+
+# a template using what chat templates use: a namespace, loop controls, tojson, raise_exception, the special tokens
+RICH_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system=false, turns=0) %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = true %}{% endif %}{% endfor %}"
+    "{% if not ns.system %}<|im_start|>system\nDefault system.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "  {% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
+    "  {% if m['content'] == 'skip' %}{% continue %}{% endif %}"
+    "  {% set ns.turns = ns.turns + 1 %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{{ {'turns': ns.turns, 'last': messages[-1]['content']} | tojson }}{{ eos_token }}"
+)
+
+
+def test_chat_templates_render_as_transformers_renders_them(tmp_path, small_vocab):
+    """The fast path (plain text turns, rendered here) equals transformers' own rendering, options included, and
+    a use it does not cover (tokenize=True, extra template variables) goes to transformers."""
+    path = write_tokenizer_gguf(tmp_path / "rich.gguf", *small_vocab, template=RICH_TEMPLATE)
+    ours, ref = _from_gguf(path), transformers_gguf_tokenizer(path)
+    conversations = CONVERSATIONS + [
+        [{"role": "user", "content": "  spaced  "}, {"role": "assistant", "content": "skip"},
+         {"role": "user", "content": "é \"quoted\" <b>html</b> 🙂"}],
+    ]
+    for messages in conversations:
+        for generation in (False, True):
+            rendered = ours.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+            assert "transformers" not in type(rendered).__module__
+            assert rendered == ref.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+            assert encode_prompt(ours, messages[-1]["content"], chat=True) == \
+                encode_prompt(ref, messages[-1]["content"], chat=True)
+    assert '"last": "é \\"quoted\\" <b>html</b> 🙂"' in rendered  # tojson neither escapes HTML nor non-ASCII
+    with pytest.raises(Exception, match="bad role tool"):
+        ours.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    messages = CONVERSATIONS[1]
+    assert ours.apply_chat_template(messages, tokenize=True, return_dict=False) == \
+        ref.apply_chat_template(messages, tokenize=True, return_dict=False)
+
+
+def test_the_runtime_path_does_not_import_transformers():
+    """Encoding a chat prompt, decoding and stop text with the default GGUF's tokenizer never import transformers
+    (its import costs more than the rest of a warm start); a use the fast path lacks still works through it."""
+    code = (
+        "import sys\n"
+        "from models.loading import default_model_path\n"
+        "from models.tokenizer import encode_prompt, load_tokenizer\n"
+        "from jaxspec.engine.stops import StopText\n"
+        "tok = load_tokenizer(default_model_path())\n"
+        "ids = encode_prompt(tok, 'Hello there', chat=True)\n"
+        "assert tok.decode(ids, skip_special_tokens=True).endswith('Hello there\\nassistant\\n'), tok.decode(ids)\n"
+        "stop = StopText(tok, ['there'])\n"
+        "assert tok.eos_token_id is not None and len(tok) == len(tok.get_vocab())\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+        "assert tok.convert_tokens_to_ids('<|im_end|>') == tok.eos_token_id\n"
+        "assert 'transformers' in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_pre_tokenizers_differ_where_they_should(tmp_path, small_vocab):
