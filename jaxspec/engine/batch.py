@@ -408,29 +408,27 @@ class BatchEngine:
 
                 self._compiled[name] = Stored(fn, {"what": "prefill", "cfg": repr(cfg), **e.identity()}, fixed=2,
                                               donate_argnums=(2,))
-            elif name == "insert":
-                self._compiled[name] = jax.jit(pinned(lambda state, staged, slot: insert_row(cfg, state, staged, slot),
-                                                      e.mesh), donate_argnums=(0,))
-            elif name == "move":
-                self._compiled[name] = jax.jit(pinned(move_row, e.mesh), donate_argnums=(0,))
-            elif name == "retire":
-                self._compiled[name] = jax.jit(pinned(set_inactive, e.mesh), donate_argnums=(0,))
-            # the prefix cache's copies: like move and retire, a row's bookkeeping per state shape (not counted in
-            # ``compilations``, which counts the steps and prefills a request's speed depends on)
-            elif name == "cut":  # one jit for both callers: the staging row's, and a live row's (``row`` given)
-                self._compiled[name] = jax.jit(cut_block)
-            elif name == "committed":
-                self._compiled[name] = jax.jit(committed)
-            elif name == "paste":
-                self._compiled[name] = jax.jit(pinned(paste_block, e.mesh), donate_argnums=(0,))
-            else:
-                raise KeyError(name)
+            else:  # a row's bookkeeping per state shape: loaded from disk as the steps are (no trace when warm)
+                def insert(state, staged, slot):
+                    return insert_row(cfg, state, staged, slot)
+
+                fns = {"insert": (pinned(insert, e.mesh), (0,)), "move": (pinned(move_row, e.mesh), (0,)),
+                       "retire": (pinned(set_inactive, e.mesh), (0,)),
+                       # the prefix cache's copies (one program serves the staging row's cut and a live row's)
+                       "cut": (cut_block, ()), "committed": (committed, ()), "paste": (pinned(paste_block, e.mesh), (0,))}
+                if name not in fns:
+                    raise KeyError(name)
+                fn, donate = fns[name]
+                self._compiled[name] = Stored(fn, {"what": name, "cfg": repr(cfg), **e.identity()},
+                                              donate_argnums=donate)
         return self._compiled[name]
 
     def _resize(self, state, rows: int, capacity: int):
         key = ("resize", rows, capacity)
         if key not in self._compiled:
-            self._compiled[key] = jax.jit(pinned(lambda s: resize(s, rows, capacity), self.engine.mesh))
+            self._compiled[key] = Stored(pinned(lambda s: resize(s, rows, capacity), self.engine.mesh),
+                                         {"what": "resize", "rows": rows, "capacity": capacity,
+                                          "cfg": repr(self._prefill_cfg()), **self.engine.identity()})
         return self._compiled[key](state)
 
     def warm(self, greedy: bool = True, sampled: bool = True, rows: Sequence[int] | None = None,

@@ -509,7 +509,8 @@ class Runner:
                     features=(jnp.zeros((batch, capacity, self.feature_width), dt) if self.features else None),
                 )
 
-            self._compiled[key] = jax.jit(init)
+            self._compiled[key] = Stored(init, {"what": "init", "batch": batch, "capacity": capacity,
+                                                "groups": repr(self.groups), **self.identity()})
         if isinstance(params, sampling.WarpSpec):
             values = sampling.row_values([sampling.SamplingParams(1.0)] * batch, self.llm.cfg.vocab_size)
             params = sampling.SamplingParams(1.0)
