@@ -1,5 +1,3 @@
-import sys
+from jaxspec.cli import entry
 
-from jaxspec.cli import main
-
-sys.exit(main())
+entry()

@@ -96,3 +96,29 @@ def test_auto_measures_the_curve_once_derives_its_trees_and_prices_unmeasured_bu
     cfg = engine.family(greedy)["ssm"]
     want = 0.01 * max(1.0, 2.0 * curve.member_ratio(cfg, 8) / curve.member_ratio(cfg, 1))
     assert batch.planner.estimated(greedy, 8, cap, {"none": 0.01})["ssm"] == pytest.approx(want)
+
+
+def test_a_closed_loop_is_left_at_once_only_when_its_running_builds_write_just_the_executable_store(monkeypatch):
+    """``jaxspec generate`` exits without waiting for a background build it no longer needs only where that build
+    writes nothing but whole files of the executable store; one that may write XLA's cache (read again by later
+    runs, written in place) is waited for. ``close`` keeps what was still running."""
+    import threading
+
+    from jaxspec.engine import planner as planner_module
+
+    llm = tiny_model(seed=2)
+    engine = engine_from(EngineConfig(mode="auto", expansion="1"), llm, [early_exit(llm, 1)])
+    batch = BatchEngine(engine, max_batch=2, max_model_len=64)
+    release = threading.Event()
+    monkeypatch.setattr(engine, "warm", lambda *args, **kwargs: release.wait(60))  # a build that is still running
+    batch.planner.build_in_background(sampling.WarpSpec(), 1, 64, "ssm", 0)
+    batch.close()
+    assert len(batch.planner.left_running) == 1 and not batch.planner.building
+    monkeypatch.setattr(planner_module, "store_dir", lambda: None)  # no store: the build compiles through XLA's cache
+    assert not batch.planner.abandonable
+    monkeypatch.setattr(planner_module, "store_dir", lambda: "executables")
+    assert batch.planner.abandonable
+    monkeypatch.setattr(planner_module, "store_dir", lambda: None)
+    release.set()
+    batch.planner.left_running[0].result(timeout=60)
+    assert batch.planner.abandonable  # it finished: nothing left to wait for

@@ -7,6 +7,8 @@ started as ``python -m jaxspec.cli.hf_baseline`` (torch, no JAX) stays a process
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from typing import Iterable
 
@@ -17,6 +19,20 @@ def main(argv: Iterable[str] | None = None) -> int:
     from jaxspec.cli.app import main as run  # noqa: PLC0415
 
     return run(argv, started)
+
+
+def entry() -> None:
+    """The ``jaxspec`` console command: ``main``, then exit with its status. A one-shot command that left nothing
+    that must finish (``jaxspec.cli.app.exit_at_once``: e.g. a background build whose tree no request will use)
+    exits at once, output flushed, without waiting for that work or for the interpreter's teardown."""
+    code = main()
+    from jaxspec.cli import app  # noqa: PLC0415 (loaded by ``main``)
+
+    if app.exit_at_once:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -41,6 +41,11 @@ from jaxspec.cli.common import (
 if TYPE_CHECKING:  # the engine loads JAX: the CLI imports it only when a command runs
     from jaxspec.engine.batch import BatchEngine
 
+# Set by ``generate`` once its output is written: nothing this process still runs (a background build whose tree
+# no request will use) needs to finish, so ``jaxspec.cli.entry`` may exit without waiting for it or for the
+# interpreter's teardown.
+exit_at_once = False
+
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -268,6 +273,8 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
         return _run_jobs(engine, llm, rows, args, out, batch, jobs)
     finally:
         batch.close()  # a background build still running is not waited for here (nor adopted)
+        global exit_at_once
+        exit_at_once = batch.planner.abandonable and distributed.active() is None
 
 
 def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list) -> int:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from jaxspec.cache import compile_cache_on
+from jaxspec.engine.executables import store_dir
 from jaxspec.engine.auto import PRIOR_RATE, TreeChooser
 
 if TYPE_CHECKING:
@@ -278,6 +279,7 @@ class Planner:
         self.builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: builds run one at a time
         self.building: dict[tuple, concurrent.futures.Future] = {}  # (warp, rows, capacity, member) -> its build
         self.failed: set[tuple] = set()  # builds that raised: their members stay out of that bucket
+        self.left_running: list = []  # builds still running when the loop closed (their futures)
         self._estimate: tuple = (None, None)  # (what ``estimated`` read, what it returned) for the last bucket asked
         self.regret: dict = {}  # (warp, rows, capacity, tree) -> seconds lost running without that tree
 
@@ -314,10 +316,18 @@ class Planner:
         if self.builder is not None:
             self.builder.shutdown(wait=False, cancel_futures=True)
             self.builder = None
+        self.left_running += [f for f in self.building.values() if not f.done()]
         self.building.clear()
         if self.switch_interval is not None:
             sys.setswitchinterval(self.switch_interval)
             self.switch_interval = None
+
+    @property
+    def abandonable(self) -> bool:
+        """Whether the process may exit without waiting for the builds ``close`` left running: none is, or each
+        writes only the executable store (whole files, under keys of their own) rather than XLA's compilation
+        cache, whose entries are written in place and read again by later runs."""
+        return store_dir() is not None or all(f.done() for f in self.left_running)
 
     @property
     def background(self) -> bool:
