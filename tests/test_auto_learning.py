@@ -109,7 +109,7 @@ def test_picks_draw_only_what_their_candidates_need():
 
 def test_a_warm_up_request_leaves_the_statistics_unchanged(tiny_llm):
     """A ``learn=False`` request runs trees (and is timed) but teaches the chooser nothing; a normal one does."""
-    engine = Engine(tiny_llm, ssms=[early_exit(tiny_llm, 1)], expansion=[(1, 1, 1)], auto=True,
+    engine = Engine(tiny_llm, speculators=[early_exit(tiny_llm, 1)], expansion=[(1, 1, 1)], auto=True,
                     costs={"none": 1.0, "ssm": 1.0})
     batch = BatchEngine(engine, max_batch=2, max_model_len=64)
     prompts = random_prompts(2, 64, seed=4)

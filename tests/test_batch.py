@@ -16,7 +16,7 @@ from jaxspec.decoding import sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.engine.batch import BatchEngine, Event, LoopSync, QueueFull, Request
 from jaxspec.engine import Engine, RequestError, early_exit
-from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.speculators.ngram import NGramSpeculator
 
 # a 40-token prompt (chunked prefill), and one sharing its first 29 tokens (prefix reuse of the staging row)
 PROMPTS = [[5, 3, 8, 1, 9, 2], [7, 7, 1], list(range(1, 41)), list(range(1, 30)) + [7, 7], [4, 4, 4, 4, 2, 3], [9]]
@@ -30,7 +30,7 @@ def llm():
 
 def engines(llm):
     ssm = early_exit(llm, 1)
-    spec = dict(ssms=[ssm, NGramSpeculator(3)], expansion=[(1, 2, 1), (1, 1, 1, 1)])
+    spec = dict(speculators=[ssm, NGramSpeculator(3)], expansion=[(1, 2, 1), (1, 1, 1, 1)])
     return {"incremental": Engine(llm), "tree": Engine(llm, **spec), "auto": Engine(llm, **spec, auto=True,
                                                                                    costs=COSTS)}
 
@@ -196,7 +196,7 @@ def test_compilations_stay_at_warm_up_across_100_admissions(llm):
 def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm):
     """Auto with measured costs readies a bucket's plain step only; a tree compiles when its expected saving over
     the iterations left (live rows and queue) exceeds the compile time, and either way the output is unchanged."""
-    engine = Engine(llm, ssms=[llm], expansion=[(1, 1, 1)], auto=True)  # the LLM as its own SSM: drafts agree
+    engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)  # the LLM as its own SSM: drafts agree
     want = [Engine(llm).generate(p, 12).token_ids for p in PROMPTS]
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     batch = BatchEngine(engine, max_batch=2, max_model_len=64, background=False)  # the loop waits for each build
@@ -229,7 +229,7 @@ def test_an_uncalibrated_machine_explores_trees_without_compiling_to_guess(llm, 
     from jaxspec.engine.auto import MIN_TIMINGS
 
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
-    engine = Engine(llm, ssms=[early_exit(llm, 1)], expansion=[(1, 1, 1)], auto=True)
+    engine = Engine(llm, speculators=[early_exit(llm, 1)], expansion=[(1, 1, 1)], auto=True)
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     batch = BatchEngine(engine, max_batch=2, max_model_len=64)
     compiled = engine.compilations
@@ -291,14 +291,14 @@ def test_a_failure_late_in_admission_ends_that_request_and_frees_its_row(llm, mo
 
     engine = Engine(llm, [NGramSpeculator(3)], [(1, 1, 1)])
     want = [engine.generate(p, 6).token_ids for p in PROMPTS[:2]]
-    real = batch_module.ngram.NGramIndex
+    real = batch_module.NGramIndex
 
     def flaky(prompt, *args):
         if list(prompt) == PROMPTS[0]:
             raise RuntimeError("injected")
         return real(prompt, *args)
 
-    monkeypatch.setattr(batch_module.ngram, "NGramIndex", flaky)
+    monkeypatch.setattr(batch_module, "NGramIndex", flaky)
     batch = BatchEngine(engine, max_batch=2, max_model_len=64)
     events: dict[str, list[Event]] = {}
     for k, p in enumerate(PROMPTS[:2]):
@@ -308,7 +308,7 @@ def test_a_failure_late_in_admission_ends_that_request_and_frees_its_row(llm, mo
     assert events["0"][-1].finish_reason == "error" and "injected" in events["0"][-1].error
     assert [t for e in events["1"] for t in e.token_ids] == want[1]
     assert not np.asarray(batch.state.active).any()  # no live row left behind
-    monkeypatch.setattr(batch_module.ngram, "NGramIndex", real)
+    monkeypatch.setattr(batch_module, "NGramIndex", real)
     (gen,) = batch.generate([Request(PROMPTS[0], 6)])
     assert gen.token_ids == want[0]
 
@@ -316,7 +316,7 @@ def test_a_failure_late_in_admission_ends_that_request_and_frees_its_row(llm, mo
 def test_lazy_auto_builds_trees_in_the_background_while_plain_steps_go_on(llm):
     """A tree worth compiling is built in a worker thread: the loop runs plain steps meanwhile (never waits), adopts
     the build when it is in, and then runs it; every output is unchanged."""
-    engine = Engine(llm, ssms=[llm], expansion=[(1, 1, 1)], auto=True)  # the LLM as its own SSM: drafts agree
+    engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)  # the LLM as its own SSM: drafts agree
     want = [Engine(llm).generate(p, 12).token_ids for p in PROMPTS]
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     batch = BatchEngine(engine, max_batch=1, max_model_len=64)
@@ -344,7 +344,7 @@ def test_replayed_gpu_measurements_make_lazy_auto_speculate_from_the_first_reque
     from jaxspec.engine.auto import KINDS
 
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))  # a machine that never watched a build
-    engine = Engine(llm, ssms=[llm], expansion=[(1, 1, 1)], auto=True)
+    engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     batch = BatchEngine(engine, max_batch=1, max_model_len=64)
     batch.planner.anchors[greedy] = {"none": 1.0, "ssm": 1.20 + 3 * 0.12}  # the LLM over 4 nodes + 3 drafter levels
@@ -385,7 +385,7 @@ def test_a_failed_background_build_stays_out_and_multi_process_loops_build_in_th
     unchanged; a loop whose sync is not local (a multi-process run) never builds in the background."""
     from jaxspec.engine.batch import LoopSync
 
-    engine = Engine(llm, ssms=[llm], expansion=[(1, 1, 1)], auto=True)
+    engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     batch = BatchEngine(engine, max_batch=1, max_model_len=64)
     batch.planner.anchors[greedy] = {"none": 1.0, "ssm": 1.0}

@@ -10,7 +10,7 @@ from scipy import stats
 
 from conftest import tiny_model
 from jaxspec.decoding import sampling
-from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.decoding.tree import DynamicTree
 from jaxspec.engine import Engine, early_exit
 from jaxspec.engine.batch import BatchEngine, Request

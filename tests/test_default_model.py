@@ -14,7 +14,7 @@ import pytest
 
 from conftest import dev_prompts
 from jaxspec.engine import Engine, early_exit
-from jaxspec.speculators.resolve import DEFAULT_POOL, default_ssm_spec, load_ssms
+from jaxspec.speculators.resolve import DEFAULT_POOL, default_ssm_spec, load_speculators
 from models.tokenizer import encode_prompt
 from models.transformer import KVCache
 
@@ -68,7 +68,7 @@ def test_shipped_default_pool_is_small_and_drafts_as_one_group(default_llm):
     size = sum(f.stat().st_size for f in DEFAULT_POOL.iterdir())
     assert size <= 25_000_000, f"the shipped pool takes {size / 1e6:.1f} MB (limit 25 MB)"
     assert default_ssm_spec() == f"pool:{DEFAULT_POOL}"
-    pool = load_ssms(["default"], default_llm)
+    pool = load_speculators(["default"], default_llm)
     assert len(pool) >= 2
     assert all(s.cfg.vocab_size == default_llm.cfg.vocab_size and s.tokenizer is default_llm.tokenizer for s in pool)
     assert len(Engine(default_llm, pool, TREE).groups) == 1, "the pool's SSMs should draft as one vmapped group"
@@ -76,7 +76,7 @@ def test_shipped_default_pool_is_small_and_drafts_as_one_group(default_llm):
 
 @pytest.mark.slow  # ~4 min cold; test_cli's tree mode keeps the shipped pool's greedy identity in the default run
 def test_shipped_default_pool_out_speculates_the_early_exit_it_replaces(default_llm):
-    pool = load_ssms(["default"], default_llm)
+    pool = load_speculators(["default"], default_llm)
     steps = _identity(default_llm, dev_prompts(4), 24,
                       [("pool-tree", pool, TREE), ("layers4-tree", [early_exit(default_llm, 4)], TREE)])
     # Counts, not times: the boost-tuned pool must out-speculate the 4-layer early exit it replaces.
@@ -87,7 +87,7 @@ def test_shipped_default_pool_out_speculates_the_early_exit_it_replaces(default_
 def test_greedy_identity_default_model_50_prompts_all_widths(default_llm):
     ssm = [early_exit(default_llm, 4)]
     configs = [("sequence", ssm, (1,) * 8)] + [(f"tree-w{w}", ssm, (1, 1, w, 1, 1, 1, 1, 1)) for w in range(2, 6)]
-    configs.append(("pool-tree", load_ssms(["default"], default_llm), TREE))
+    configs.append(("pool-tree", load_speculators(["default"], default_llm), TREE))
     steps = _identity(default_llm, dev_prompts(50), 32, configs)
     for name, vals in steps.items():
         assert min(vals) >= 1.0, name

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from jaxspec import cli
+from jaxspec.cli import cluster
 from jaxspec.parallel import distributed
 
 PROMPT = "Hello"
@@ -293,11 +294,11 @@ def test_bad_flags_give_one_line(flags, env, words, monkeypatch, capsys) -> None
 
 def test_single_process_needs_no_flags() -> None:
     args = cli.build_parser().parse_args(["generate", "--prompt", PROMPT])
-    assert distributed.cluster_from(args, {}) is None
-    assert distributed.cluster_from(args, {"JAX_NUM_PROCESSES": "1"}) is None
+    assert cluster.cluster_of(args, {}) is None
+    assert cluster.cluster_of(args, {"JAX_NUM_PROCESSES": "1"}) is None
     args = cli.build_parser().parse_args(["bench", "step-costs", "--coordinator", "h:1", "--num-processes", "3",
                                           "--process-id", "2"])
-    assert distributed.cluster_from(args, {}) == distributed.Cluster("h:1", 3, 2, 60, 15)
+    assert cluster.cluster_of(args, {}) == distributed.Cluster("h:1", 3, 2, 60, 15)
 
 
 def test_child_process_benches_refuse_a_multi_process_run(monkeypatch, capsys) -> None:

@@ -14,9 +14,9 @@ from jaxspec.engine.batch import BatchEngine, Request
 from jaxspec.speculators.drafter_io import load_drafter, save_drafter
 from jaxspec.engine import Engine, LoadedModel, VocabularyMismatch
 from jaxspec.decoding.kv_cache import causal_mask
-from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.speculators.pool import PoolError, llm_identity
-from jaxspec.speculators.resolve import load_ssms
+from jaxspec.speculators.resolve import load_speculators
 from jaxspec.decoding.tree import DynamicTree
 from models.drafter import OWN, drafter_config, init_drafter
 from models.transformer import KVCache, make_forward
@@ -53,10 +53,10 @@ def llm_states(llm: LoadedModel, ids) -> np.ndarray:
 @pytest.mark.parametrize("kind", ["fixed", "dynamic", "with_ngram", "auto"])
 def test_greedy_drafter_trees_equal_incremental(llm, kind):
     dr = drafter(llm)
-    spec = {"fixed": dict(ssms=[dr], expansion=[(1, 2, 1, 1)]),
-            "dynamic": dict(ssms=[dr], expansion=[DynamicTree(8, 3, 2)]),
-            "with_ngram": dict(ssms=[dr, NGramSpeculator(3)], expansion=[(2, 1, 1), (1, 1, 1)]),
-            "auto": dict(ssms=[dr, NGramSpeculator(3)], expansion=[(2, 1, 1), (1, 1, 1)], auto=True,
+    spec = {"fixed": dict(speculators=[dr], expansion=[(1, 2, 1, 1)]),
+            "dynamic": dict(speculators=[dr], expansion=[DynamicTree(8, 3, 2)]),
+            "with_ngram": dict(speculators=[dr, NGramSpeculator(3)], expansion=[(2, 1, 1), (1, 1, 1)]),
+            "auto": dict(speculators=[dr, NGramSpeculator(3)], expansion=[(2, 1, 1), (1, 1, 1)], auto=True,
                          costs={"none": 1.0, "ngram": 1.1, "ssm": 1.2, "ssm+ngram": 1.3})}[kind]
     plain, spec_engine = Engine(llm), Engine(llm, **spec)
     accepted = 0
@@ -137,7 +137,7 @@ def test_training_teaches_the_drafter_and_it_round_trips(llm, tmp_path):
     assert counts.sum() == 200 * 8 * 32  # every position's greedy token was counted
 
     path = save_drafter(tmp_path / "dr", dcfg, own, llm_identity(llm), counts, 0, {"steps": 60}, "float32")
-    loaded = load_ssms([f"drafter:{path}"], llm)[0]
+    loaded = load_speculators([f"drafter:{path}"], llm)[0]
     assert loaded.features and set(OWN) <= set(loaded.params)
     slow = save_drafter(tmp_path / "raw", dcfg, untrained, llm_identity(llm), counts, 0, {}, "float32")
     plain = Engine(llm)

@@ -13,7 +13,7 @@ from conftest import random_prompts, tiny_model
 from jaxspec.decoding import sampling
 from jaxspec.cli import main
 from jaxspec.engine import Engine, early_exit
-from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.decoding.speculate import speculate_dynamic
 from jaxspec.decoding.step import DecodeConfig, prefill_model
 from jaxspec.decoding.tree import DynamicTree, expansion_topology, parse_expansion, paths

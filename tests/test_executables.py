@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conftest import tiny_model
 from jaxspec.cache import STATS
-from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.engine import Engine
 from jaxspec.speculators.early_exit import early_exit

@@ -131,7 +131,7 @@ def _fused_model(llm, params, tmp_path) -> LoadedModel:
 def test_engine_serves_a_fused_drafter_losslessly(tmp_path, monkeypatch):
     """Greedy: a fused drafter's fixed tree, merged with the n-gram, and its dynamic tree all emit the LLM's
     tokens; the drafter directory round-trips (format 2) and a format-1 directory still loads."""
-    from jaxspec.decoding.ngram import NGramSpeculator
+    from jaxspec.speculators.ngram import NGramSpeculator
     from jaxspec.decoding.tree import DynamicTree
     from jaxspec.speculators import drafter_io
 

@@ -13,7 +13,7 @@ LAYERS = {  # subpackage -> what it is; see docs/architecture.md
     "jaxspec.decoding": "the device-side decoding core",
     "jaxspec.engine": "the engine, its loop, costs and auto",
     "jaxspec.structured": "structured output on the host (llguidance)",
-    "jaxspec.speculators": "speculators on disk",
+    "jaxspec.speculators": "the speculators: the n-gram, pools, drafters, early exits",
     "jaxspec.parallel": "meshes, multi-process runs, offloading",
     "jaxspec.serving": "the HTTP server, metrics, load bench",
     "jaxspec.repro": "the paper's reproduction suite",

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import tiny_model
 from jaxspec.decoding import sampling
-from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.decoding.tree import DynamicTree
 from jaxspec.engine import Engine, early_exit
 from jaxspec.engine.batch import BatchEngine, Event, Request
@@ -126,7 +126,7 @@ def test_random_schedules_give_every_request_its_solo_output(mode):
 def test_random_schedules_on_the_default_model_with_grammars(default_llm, mode):
     """The same on the real default model and its drafter (auto) with grammars on some requests: prompts sharing a
     document longer than the first capacity bucket, an exact duplicate, a JSON schema and a regex."""
-    from jaxspec.speculators.resolve import load_ssms
+    from jaxspec.speculators.resolve import load_speculators
     from jaxspec.structured import Grammar
     from models.tokenizer import encode_prompt
 
@@ -139,7 +139,7 @@ def test_random_schedules_on_the_default_model_with_grammars(default_llm, mode):
     grammars = (None, None, Grammar.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
                                                  "required": ["a"]}), Grammar("regex", "(yes|no), [a-z ]{1,20}"))
     if mode == "auto":
-        engine = Engine(default_llm, load_ssms(["drafter", "ngram:3"], default_llm), [(1, 1, 1), (1,) * 6],
+        engine = Engine(default_llm, load_speculators(["drafter", "ngram:3"], default_llm), [(1, 1, 1), (1,) * 6],
                         verify="coupled", auto=True)
     else:
         engine = Engine(default_llm, verify="coupled")

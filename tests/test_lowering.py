@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import ragged_forward_case, tiny_config, tiny_model
-from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.engine import Engine
 from jaxspec.engine.batch import BatchEngine, Request
 from jaxspec.engine.costs import calibration_key, random_model

@@ -278,7 +278,7 @@ def test_enumeration_repeated_children_concentrated_q():
 
 def ngram_model(vocab: int, max_n: int = 2):
     """The n-gram speculator as a 'model': one-hot at the token that followed the latest match."""
-    from jaxspec.decoding.ngram import NGramIndex
+    from jaxspec.speculators.ngram import NGramIndex
 
     def model(prefix):
         nxt = NGramIndex(prefix, max_n=max_n).propose(1)

@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_model
 from jaxspec.config import EngineConfig
 from jaxspec.decoding import sampling
-from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.decoding.step import DecodeConfig
 from jaxspec.decoding.tree import expansion_topology
 from jaxspec.engine import costs

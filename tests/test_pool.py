@@ -29,7 +29,7 @@ def test_engine_side_never_imports_training_or_the_cli_from_the_benchmarks():
         from jaxspec.engine import LoadedModel
         first = jaxspec.speculators.pool.load_pool(jaxspec.speculators.resolve.DEFAULT_POOL)[0]
         llm = LoadedModel("llm", first.cfg, first.params)  # same vocabulary, no tokenizer
-        pool = jaxspec.speculators.resolve.load_ssms(["default"], llm)
+        pool = jaxspec.speculators.resolve.load_speculators(["default"], llm)
         assert len(pool) >= 2 and pool[0].params["embed"]["embedding"] is pool[1].params["embed"]["embedding"]
         from jaxspec import cli
         cli.build_parser()

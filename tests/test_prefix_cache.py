@@ -8,7 +8,7 @@ import pytest
 
 from conftest import tiny_model
 from jaxspec.decoding import sampling
-from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.engine import Engine, RequestError, early_exit
 from jaxspec.engine.batch import BatchEngine, Request
 from jaxspec.engine.prefix import BLOCK, PrefixCache
@@ -44,9 +44,9 @@ def scripted() -> list[tuple[list[int], int]]:
 # tree: ~2 min cold; the drafter (the default speculator) keeps speculating rows in the default run
 @pytest.mark.parametrize("mode", ["incremental", pytest.param("tree", marks=pytest.mark.slow), "drafter"])
 def test_a_hit_changes_no_token_and_counts_exactly(llm, mode):
-    spec = {"incremental": {}, "tree": dict(ssms=[early_exit(llm, 1), NGramSpeculator(3)],
+    spec = {"incremental": {}, "tree": dict(speculators=[early_exit(llm, 1), NGramSpeculator(3)],
                                              expansion=[(1, 2, 1), (1, 1, 1)]),
-            "drafter": dict(ssms=[drafter(llm)], expansion=[(1, 2, 1)])}[mode]
+            "drafter": dict(speculators=[drafter(llm)], expansion=[(1, 2, 1)])}[mode]
     engine = Engine(llm, **spec)
     script = scripted()
     sampled = sampling.SamplingParams(0.8, seed=5)
@@ -80,7 +80,7 @@ def chains(sequences: list[list[int]]) -> set[tuple[int, ...]]:
 @pytest.mark.parametrize("mode", ["incremental", "drafter"])
 def test_a_second_turn_starts_after_the_first_turns_answer(llm, mode):
     """A chat's next turn sends the previous prompt and answer back: both are cached when the first turn ends."""
-    engine = Engine(llm, **({} if mode == "incremental" else dict(ssms=[drafter(llm)], expansion=[(1, 2, 1)])))
+    engine = Engine(llm, **({} if mode == "incremental" else dict(speculators=[drafter(llm)], expansion=[(1, 2, 1)])))
     first = SYSTEM[:40] + [5, 5]
     cold = BatchEngine(engine, max_batch=2, max_model_len=200, reuse_prefix=False)
     batch = BatchEngine(engine, max_batch=2, max_model_len=200)

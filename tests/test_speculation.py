@@ -12,7 +12,8 @@ from jaxspec.decoding import sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.engine.batch import BatchEngine, Request, cut_tokens
 from jaxspec.engine import Engine, early_exit
-from jaxspec.decoding.ngram import NGramIndex, NGramSpeculator, proposal_arrays
+from jaxspec.decoding.ngram import proposal_arrays
+from jaxspec.speculators.ngram import NGramIndex, NGramSpeculator
 from jaxspec.decoding.speculate import speculate
 from jaxspec.decoding.step import prefill_model
 from jaxspec.decoding.tree import expansion_topology
@@ -291,11 +292,11 @@ def test_an_iteration_makes_no_implicit_transfers(tiny_llm):
 @pytest.mark.slow  # ~2 min cold; test_cli's lazy default path keeps auto's identity on this model in the default run
 def test_default_speculators_auto_identity_on_dev_prompts(default_llm):
     """The default model with the shipped speculators (feature drafter, pool, n-gram), auto: greedy output unchanged."""
-    from jaxspec.speculators.resolve import load_ssms
+    from jaxspec.speculators.resolve import load_speculators
 
     from models.tokenizer import encode_prompt
 
-    ssms = load_ssms(["drafter", "default"], default_llm) + [NGramSpeculator()]
+    ssms = load_speculators(["drafter", "default"], default_llm) + [NGramSpeculator()]
     assert ssms[0].features  # the shipped drafter reads the LLM's states
     expansions = [(1, 1, 1)] * (len(ssms) - 1) + [(1,) * 6]
     engine = Engine(default_llm, ssms, expansions, auto=True, costs=ALL_TRIED)

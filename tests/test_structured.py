@@ -360,10 +360,10 @@ class _Outputs(dict):
 def outputs(default_llm):
     """Constrained greedy outputs of every grammar under incremental decoding and three speculative setups (auto's
     merged drafter + n-gram tree, a pool's tree, a dynamic tree)."""
-    from jaxspec.speculators.resolve import load_ssms
+    from jaxspec.speculators.resolve import load_speculators
 
     def ssms(spec: str):
-        return load_ssms([spec], default_llm, "float32")
+        return load_speculators([spec], default_llm, "float32")
     builders = {
         "incremental": lambda: Engine(default_llm, ()),
         "auto": lambda: Engine(default_llm, ssms("drafter") + ssms("ngram:3"), ((1, 1, 1), (1, 1, 1, 1, 1, 1)),
@@ -417,13 +417,13 @@ def test_an_uncompilable_grammar_is_a_request_error(default_llm):
 def test_structured_warm_up_compiles_every_grammar_step_a_request_needs(default_llm):
     """After ``warm(grammar=True)`` a constrained request compiles nothing; without it, it compiles grammar steps."""
     from jaxspec.engine.batch import BatchEngine, Request
-    from jaxspec.speculators.resolve import load_ssms
+    from jaxspec.speculators.resolve import load_speculators
     from models.tokenizer import encode_prompt
 
     prompt = encode_prompt(default_llm.tokenizer, PROMPTS["json_schema"], True)
     counts = {}
     for warm in (True, False):
-        engine = Engine(default_llm, load_ssms(["ngram:3"], default_llm, "float32"), (1, 1, 1, 1), forced_tokens=4)
+        engine = Engine(default_llm, load_speculators(["ngram:3"], default_llm, "float32"), (1, 1, 1, 1), forced_tokens=4)
         batch = BatchEngine(engine, max_batch=1, max_model_len=len(prompt) + 64)
         batch.warm(sampled=False, grammar=warm)
         assert engine.forced_buckets() == (0, 1, 2, 4)
@@ -441,11 +441,11 @@ def test_a_constrained_request_on_a_prefix_cache_hit_is_unchanged(default_llm):
     """A grammar-constrained request whose prompt the prefix cache holds starts after the cached blocks and emits
     what it emits cold (with n-gram speculation and forced chains)."""
     from jaxspec.engine.batch import BatchEngine, Request
-    from jaxspec.speculators.resolve import load_ssms
+    from jaxspec.speculators.resolve import load_speculators
     from models.tokenizer import encode_prompt
 
     prompt = encode_prompt(default_llm.tokenizer, PROMPTS["json_schema"], True)
-    engine = Engine(default_llm, load_ssms(["ngram:3"], default_llm, "float32"), (1, 1, 1, 1), forced_tokens=4)
+    engine = Engine(default_llm, load_speculators(["ngram:3"], default_llm, "float32"), (1, 1, 1, 1), forced_tokens=4)
     requests = [Request(prompt, 48, grammar=GRAMMARS["json_schema"]), Request([prompt[0] + 1, 5, 6], 2),
                 Request(prompt, 48, grammar=GRAMMARS["json_schema"])]  # the middle one takes the staging row
     cold = BatchEngine(engine, max_batch=1, max_model_len=len(prompt) + 64, reuse_prefix=False)

@@ -102,19 +102,19 @@ def test_later_ssms_share_the_first_ones_frozen_embedding_stored_once(tiny_run):
 def test_pool_ships_the_llms_token_counts_and_serves_its_draft_vocabulary_losslessly(tiny_run):
     """The pool's counts are the LLM's emitted tokens; its SSMs draft over the 128 most frequent; output unchanged."""
     from jaxspec.speculators.draft_vocab import frequent_ids, read_counts
-    from jaxspec.speculators.resolve import load_ssms
+    from jaxspec.speculators.resolve import load_speculators
 
     cfg, out, llm = tiny_run
     emitted = load_samples(out / "data").subset(np.arange(cfg.data.num_prompts - cfg.data.eval_prompts)).continuation()
     counts = read_counts(out / "pool")
     np.testing.assert_array_equal(counts, np.bincount(emitted[emitted >= 0], minlength=llm.cfg.vocab_size))
     assert read_manifest(out / "pool")["draft_vocab"] == cfg.boost.draft_vocab == 128
-    ssms = load_ssms([f"pool:{out / 'pool'}"], llm)
+    ssms = load_speculators([f"pool:{out / 'pool'}"], llm)
     ids = frequent_ids(counts, 128, llm.cfg.vocab_size)
     assert [s.draft_vocab for s in ssms] == [128, 128]
     assert ssms[0].params["draft_head"] is ssms[1].params["draft_head"], "built once from the shared embedding"
     np.testing.assert_array_equal(np.asarray(ssms[0].params["draft_ids"]), ids)
-    full = load_ssms([f"pool:{out / 'pool'}"], llm, draft_vocab=0)
+    full = load_speculators([f"pool:{out / 'pool'}"], llm, draft_vocab=0)
     assert [s.draft_vocab for s in full] == [0, 0]
     prompt = [5, 17, 3, 9, 200, 31]
     plain = Engine(llm).generate(prompt, 24).token_ids

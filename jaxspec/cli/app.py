@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from jaxspec.cli import bench, cache_cmd, repro
+from jaxspec.cli import bench, cache_cmd, cluster, repro
 from jaxspec.decoding import sampling
 from jaxspec.parallel import distributed
 from jaxspec.cli.common import (
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(jaxspec bench modes: no measured step compiles)")
     gen.add_argument("--limit", type=int, help="use the first N prompts of --prompt-file")
     add_compile_cache_args(gen)
-    distributed.add_args(gen)
+    cluster.add_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     bench.add_parser(sub)
@@ -92,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError as e:  # the serving extras missing (e.g. a GPU image with JAX only): the rest still works
         unavailable(sub, "serve", e)
     else:
-        distributed.add_args(serve.add_parser(sub))
-    for kind in distributed.IN_PROCESS_BENCHES:
-        distributed.add_args(distributed.subcommand(sub.choices["bench"], kind))
+        cluster.add_args(serve.add_parser(sub))
+    for kind in cluster.IN_PROCESS_BENCHES:
+        cluster.add_args(cluster.subcommand(sub.choices["bench"], kind))
     try:
         from training import cli as train_cli
     except ImportError:  # training extras missing: the rest of the CLI still works
@@ -340,7 +340,7 @@ def main(argv: Iterable[str] | None = None, started: float | None = None) -> int
     args.started = started
     cache = setup_compile_cache(args)
     try:
-        distributed.initialize(args)  # before anything touches a device
+        distributed.initialize(cluster.cluster_of(args))  # before anything touches a device
         code = args.func(args) or 0
         distributed.finish()
         return code

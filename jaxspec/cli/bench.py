@@ -224,7 +224,7 @@ def cmd_speculative(args) -> int:
 
     from jaxspec.config import EngineConfig
     from jaxspec.engine.build import engine_from
-    from jaxspec.speculators.resolve import default_ssm_spec, load_llm, load_ssms
+    from jaxspec.speculators.resolve import default_ssm_spec, load_llm, load_speculators
 
     params = sampling_params(args)
     rows = read_prompts(args.prompt_file, args.limit)
@@ -232,7 +232,7 @@ def cmd_speculative(args) -> int:
     if not widths or min(widths) < 1 or args.depth < 1:
         raise CliError("--widths must be positive integers and --depth >= 1")
     llm = load_llm(args.model, args.dtype)
-    ssms = load_ssms(args.ssm or [default_ssm_spec()], llm, args.dtype)
+    ssms = load_speculators(args.ssm or [default_ssm_spec()], llm, args.dtype)
     prompts = _encode_all(llm, rows, args.no_chat)
     verifiers = ["greedy"] if params.greedy else [v for v in args.verify.split(",") if v]
     configs = [("incremental", 0, "greedy" if params.greedy else verifiers[0], (), "none", 0, 1)]
@@ -349,11 +349,11 @@ def cmd_coverage(args) -> int:
 
     from jaxspec.config import EngineConfig
     from jaxspec.engine.build import engine_from
-    from jaxspec.speculators.resolve import default_ssm_spec, load_llm, load_ssms
+    from jaxspec.speculators.resolve import default_ssm_spec, load_llm, load_speculators
 
     rows = read_prompts(args.prompt_file, args.limit)
     llm = load_llm(args.model, args.dtype)
-    ssms = load_ssms(args.ssm or [default_ssm_spec()], llm, args.dtype)
+    ssms = load_speculators(args.ssm or [default_ssm_spec()], llm, args.dtype)
     engine = engine_from(EngineConfig(model=args.model, dtype=args.dtype, mode="incremental", mesh=args.mesh,
                                       offload=args.offload), llm)
     temperature = args.temperature or 1.0

@@ -94,7 +94,7 @@ def cmd_step_costs(args) -> int:
     import jax
 
     from jaxspec.engine.costs import SHAPES, random_model, weight_bytes
-    from jaxspec.speculators.resolve import load_llm, load_ssms
+    from jaxspec.speculators.resolve import load_llm, load_speculators
     from models.lowering import LoweringError, default_lowering
 
     tokens = _int_list(args.tokens, "--tokens")
@@ -116,7 +116,7 @@ def cmd_step_costs(args) -> int:
         llm = load_llm(args.model, args.dtype, with_tokenizer=False)
         if args.random_weights:
             llm = random_model(llm.cfg, args.dtype)
-    ssms = load_ssms(args.ssm, llm, args.dtype)
+    ssms = load_speculators(args.ssm, llm, args.dtype)
     device = jax.devices()[0]
     print(f"{llm.name}, {args.dtype}, weights {weight_bytes(llm) / 1e9:.3f} GB, KV cache {args.capacity} slots, "
           f"on {device.platform} ({device.device_kind})", flush=True)

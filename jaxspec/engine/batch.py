@@ -54,6 +54,7 @@ from jaxspec.engine.stops import check_stops
 from jaxspec.parallel.sharding import fetch, pinned
 from jaxspec.decoding.step import (DecodeConfig, StepOutput, bucket, insert_row, move_row, prefill_row, resize,
                                    set_inactive)
+from jaxspec.speculators.ngram import NGramIndex
 from jaxspec.structured import Grammar, GrammarError
 
 PREFILL_BUCKETS = (16, 64, 256)  # chunk shapes a prompt is fed in (one executable each)
@@ -169,7 +170,7 @@ class _Slot:
     on_event: Callable[[Event], None]
     gen: Generation
     start: float
-    index: ngram.NGramIndex | None
+    index: NGramIndex | None
     committed: int  # tokens in the row's LLM cache
     stop_ids: set[int]
     row: int  # the state row it owns; -1 once retired
@@ -712,7 +713,7 @@ class BatchEngine:
         self.state = self._fn("insert")(self.state, self.staging_state, jax.device_put(np.int32(row)))
         try:
             first = int(fetch(self.staging_state.root)[0])
-            index = ngram.NGramIndex(prompt, e.ngram.max_n, e.ngram.min_n) if e.ngram else None
+            index = NGramIndex(prompt, e.ngram.max_n, e.ngram.min_n) if e.ngram else None
             stop_ids = set(e.llm.cfg.eos_token_ids if req.stop_ids is None else req.stop_ids)
             now = time.perf_counter()
             gen = Generation([], 0, 0, 0.0, "length", prefill_seconds=now - st.began, cached_tokens=st.cached)

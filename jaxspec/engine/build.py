@@ -43,7 +43,7 @@ def expansion_for(config: EngineConfig, speculators: Sequence = (),
     """The expansion configs: one shared by every speculator, or ";"-separated, one per speculator; under auto
     without ``--expansion``, each speculator's tree derived from this device's cost ``curve``
     (``jaxspec.engine.planner``; needed only when there are speculators)."""
-    from jaxspec.decoding.ngram import NGramSpeculator  # noqa: PLC0415
+    from jaxspec.speculators.ngram import NGramSpeculator  # noqa: PLC0415
     from jaxspec.decoding.tree import DynamicTree, parse_expansion  # noqa: PLC0415
 
     if config.mode == "incremental":
@@ -77,7 +77,7 @@ def peak_host_gb() -> float:
 def build_engine(config: EngineConfig, log: TextIO | None = None) -> tuple[Engine, LoadedModel]:
     """Loads the LLM and speculators ``config`` names and returns (engine, the engine's weightless view of the LLM);
     ``log`` (default stderr) hears the speculators and trees chosen, and with ``verbose`` memory and device."""
-    from jaxspec.speculators.resolve import load_llm, load_ssms  # noqa: PLC0415
+    from jaxspec.speculators.resolve import load_llm, load_speculators  # noqa: PLC0415
 
     log = log or sys.stderr
     expansion_for(config)  # validates the mode's choices before loading anything
@@ -86,7 +86,7 @@ def build_engine(config: EngineConfig, log: TextIO | None = None) -> tuple[Engin
     llm = load_llm(config.model, config.dtype, mesh=mesh, offload=config.offload)
     if config.verbose:
         print(f"[jaxspec] loaded {llm.name}: peak host memory of this process {peak_host_gb():.2f} GB", file=log)
-    speculators = load_ssms(speculator_specs(config), llm, config.dtype, config.draft_vocab)
+    speculators = load_speculators(speculator_specs(config), llm, config.dtype, config.draft_vocab)
     engine = engine_from(config, llm, speculators, mesh=mesh, announce=log)
     if config.verbose:
         print(f"[jaxspec] {device_line(engine)}", file=log)
@@ -138,7 +138,7 @@ def auto_curve(config: EngineConfig, llm: LoadedModel, speculators: Sequence = (
         return None
     import jax  # noqa: PLC0415
 
-    from jaxspec.decoding.ngram import NGramSpeculator  # noqa: PLC0415
+    from jaxspec.speculators.ngram import NGramSpeculator  # noqa: PLC0415
     from jaxspec.engine.planner import CostCurve, measure_curve  # noqa: PLC0415
 
     learned = [s for s in speculators if not isinstance(s, NGramSpeculator)]

@@ -29,7 +29,7 @@ from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.engine.executables import Stored
 from jaxspec.errors import RequestError, VocabularyMismatch  # noqa: F401 (importable from here as before)
-from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
 from jaxspec.parallel.sharding import describe as describe_mesh, pinned
 from jaxspec.decoding.step import DecodeConfig, DecodeState, SSMGroup, decode_step, set_lengths
@@ -90,7 +90,7 @@ class Runner:
     def __init__(
         self,
         llm: LoadedModel,
-        ssms: Sequence[LoadedModel | NGramSpeculator] = (),
+        speculators: Sequence[LoadedModel | NGramSpeculator] = (),
         expansion: Sequence[int] | Sequence[Sequence[int]] = (),
         tree_budget: int | None = None,
         verify: str = "greedy",
@@ -111,11 +111,11 @@ class Runner:
         ``offload`` keeps them in host memory and streams them in layer by layer (``jaxspec.parallel.offload``);
         ``forced_tokens``: how many tokens a grammar forces ahead of a constrained request's root ride in its tree
         as a draft chain (0: none)."""
-        expansions = _per_ssm(expansion, len(ssms))
-        ngrams = [s for s in ssms if isinstance(s, NGramSpeculator)]
+        expansions = _per_ssm(expansion, len(speculators))
+        ngrams = [s for s in speculators if isinstance(s, NGramSpeculator)]
         if len(ngrams) > 1:
             raise RequestError("give at most one n-gram speculator")
-        models = [(s, e) for s, e in zip(ssms, expansions) if not isinstance(s, NGramSpeculator)]
+        models = [(s, e) for s, e in zip(speculators, expansions) if not isinstance(s, NGramSpeculator)]
         for ssm, _ in models:
             check_vocab(llm, ssm)
             if ssm.features and ssm.cfg.hidden_size != llm.cfg.hidden_size:
@@ -130,8 +130,8 @@ class Runner:
         if unroll and not self.stacked:  # one stored program (the re-layout is hundreds of slices and transposes)
             layout = Stored(decoding_layout, {"what": "layout", "llm": [repr(llm.cfg), str(jnp.dtype(llm.dtype))]})
             self._llm_params = layout(llm.params)
-        self.features = any(getattr(s, "features", False) for s in ssms)  # a feature drafter reads the LLM's states
-        taps = {tuple(getattr(s, "feature_layers", ())) for s in ssms if getattr(s, "features", False)}
+        self.features = any(getattr(s, "features", False) for s in speculators)  # a feature drafter reads the LLM's states
+        taps = {tuple(getattr(s, "feature_layers", ())) for s in speculators if getattr(s, "features", False)}
         if len(taps) > 1:
             raise RequestError("feature drafters reading different LLM blocks cannot share one engine: "
                                f"{', '.join(str(list(t)) or 'final norm' for t in sorted(taps))}")
@@ -146,7 +146,7 @@ class Runner:
         self._llm_forward = forward_for(llm.cfg, jnp.dtype(llm.dtype), unroll,
                                         hidden=self.feature_layers or self.features, lowering=self.lowering)
         self.ngram = ngrams[0] if ngrams else None
-        ngram_expansion = next((e for s, e in zip(ssms, expansions) if s is self.ngram), ())
+        ngram_expansion = next((e for s, e in zip(speculators, expansions) if s is self.ngram), ())
         if isinstance(ngram_expansion, DynamicTree):
             raise RequestError("the n-gram speculator proposes a chain: give it a fixed expansion such as 1,1,1,1 "
                                "(a dynamic tree needs an SSM's probabilities)")

@@ -15,7 +15,6 @@ closed its connection is reported the same way (``lost_peer``).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import re
@@ -35,9 +34,6 @@ DEFAULT_HEARTBEAT_TIMEOUT = 15  # seconds without a heartbeat before a peer coun
 POLL_SECONDS = 1.0  # watchdog period
 LOST_PEER_EXIT = 3  # exit status of a process whose peer is gone
 FAILED_EXIT = 1  # exit status of a process that failed inside the multi-process loop
-IN_PROCESS_BENCHES = ("speculative", "coverage", "step-costs")  # bench kinds that run their engines in-process
-# the other benches start child processes, train-ssm is single-process
-MULTI_PROCESS_COMMANDS = ("generate", "serve", *(f"bench {kind}" for kind in IN_PROCESS_BENCHES))
 JOIN_GRACE = 5  # jax's own join timeout runs this much longer than ours, so ours reports first
 
 
@@ -71,29 +67,6 @@ def _port(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    """``--coordinator/--num-processes/--process-id`` (else JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID)."""
-    g = p.add_argument_group("multi-host (every process runs the same command with its own --process-id)")
-    g.add_argument("--coordinator", metavar="HOST:PORT",
-                   help=f"process 0's address and a free port for the coordination service (${ENV_COORDINATOR})")
-    g.add_argument("--num-processes", type=int, metavar="N", help=f"processes in the run (${ENV_NUM_PROCESSES})")
-    g.add_argument("--process-id", type=int, metavar="I",
-                   help=f"this process, 0..N-1; 0 prints the output and owns the requests (${ENV_PROCESS_ID})")
-    g.add_argument("--init-timeout", type=int, default=DEFAULT_INIT_TIMEOUT, metavar="S",
-                   help="seconds to wait for every process to join (default %(default)s)")
-    g.add_argument("--heartbeat-timeout", type=int, default=DEFAULT_HEARTBEAT_TIMEOUT, metavar="S",
-                   help="seconds of silence after which a peer counts as dead and every process exits "
-                        "(default %(default)s)")
-
-
-def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    """The sub-parser ``name`` of ``parser`` (e.g. ``bench step-costs``), to add these flags to."""
-    for action in parser._actions:  # noqa: SLF001 — argparse keeps sub-parsers only here
-        if isinstance(action, argparse._SubParsersAction) and name in action.choices:  # noqa: SLF001
-            return action.choices[name]
-    raise KeyError(f"{parser.prog} has no subcommand {name!r}")
-
-
 def _int_from(flag: str, value: Any, env: str, environ: Mapping[str, str]) -> int | None:
     if value is not None:
         return int(value)
@@ -106,11 +79,14 @@ def _int_from(flag: str, value: Any, env: str, environ: Mapping[str, str]) -> in
         raise DistributedError(f"${env}={text!r} is not an integer ({flag})") from None
 
 
-def cluster_from(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Cluster | None:
-    """The run's Cluster from the flags (else the environment), or None for a single-process run."""
-    coordinator = getattr(args, "coordinator", None) or environ.get(ENV_COORDINATOR) or None
-    num = _int_from("--num-processes", getattr(args, "num_processes", None), ENV_NUM_PROCESSES, environ)
-    pid = _int_from("--process-id", getattr(args, "process_id", None), ENV_PROCESS_ID, environ)
+def cluster_from(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+                 init_timeout: int = DEFAULT_INIT_TIMEOUT, heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT,
+                 environ: Mapping[str, str] = os.environ) -> Cluster | None:
+    """The run's Cluster from the given values (else the environment's JAX_* variables), or None for a
+    single-process run."""
+    coordinator = coordinator or environ.get(ENV_COORDINATOR) or None
+    num = _int_from("--num-processes", num_processes, ENV_NUM_PROCESSES, environ)
+    pid = _int_from("--process-id", process_id, ENV_PROCESS_ID, environ)
     if coordinator is None and pid is None and num in (None, 1):
         return None
     missing = [flag for flag, v in (("--coordinator HOST:PORT", coordinator), ("--num-processes N", num),
@@ -118,8 +94,7 @@ def cluster_from(args: argparse.Namespace, environ: Mapping[str, str] = os.envir
     if missing:
         raise DistributedError(f"a multi-process run needs {', '.join(missing)} (or ${ENV_COORDINATOR}, "
                                f"${ENV_NUM_PROCESSES}, ${ENV_PROCESS_ID})")
-    return Cluster(coordinator, num, pid, getattr(args, "init_timeout", DEFAULT_INIT_TIMEOUT),
-                   getattr(args, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT))
+    return Cluster(coordinator, num, pid, init_timeout, heartbeat_timeout)
 
 
 class _Watchdog:
@@ -161,16 +136,10 @@ def _die(message: str, code: int = LOST_PEER_EXIT) -> None:
     os._exit(code)
 
 
-def initialize(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Cluster | None:
-    """Joins the multi-process run the flags/environment describe (before anything touches a device)."""
-    cluster = cluster_from(args, environ)
+def initialize(cluster: Cluster | None) -> Cluster | None:
+    """Joins the multi-process run ``cluster`` describes (before anything touches a device); None: one process."""
     if cluster is None:
         return None
-    command = " ".join(str(c) for c in (getattr(args, "command", None), getattr(args, "kind", None)) if c)
-    if command not in MULTI_PROCESS_COMMANDS:
-        raise DistributedError(f"jaxspec {command} runs in one process (unset ${ENV_COORDINATOR}, "
-                               f"${ENV_NUM_PROCESSES}, ${ENV_PROCESS_ID}); multi-process runs: "
-                               f"{', '.join(MULTI_PROCESS_COMMANDS)}")
     import jax  # noqa: PLC0415
     from jax._src import distributed as jax_distributed  # noqa: PLC0415
 

@@ -177,9 +177,9 @@ class Lab:
     @property
     def ssm(self):
         if self._ssm is None:
-            from jaxspec.speculators.resolve import load_ssms  # noqa: PLC0415
+            from jaxspec.speculators.resolve import load_speculators  # noqa: PLC0415
 
-            ssms = [s for s in load_ssms([self.setup.pair.ssm], self.llm, self.setup.dtype) if hasattr(s, "params")]
+            ssms = [s for s in load_speculators([self.setup.pair.ssm], self.llm, self.setup.dtype) if hasattr(s, "params")]
             if not ssms:
                 raise ReproError(f"--ssm {self.setup.pair.ssm!r} holds no learned SSM (an n-gram has no logits)")
             self._ssm = ssms[0]

@@ -28,7 +28,7 @@ def run(job: dict) -> dict:
     from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
     from jaxspec.engine.batch import Request  # noqa: PLC0415
     from jaxspec.engine.build import build_scheduler, engine_from  # noqa: PLC0415
-    from jaxspec.speculators.resolve import load_llm, load_ssms  # noqa: PLC0415
+    from jaxspec.speculators.resolve import load_llm, load_speculators  # noqa: PLC0415
 
     start = time.perf_counter()
     expansion = ",".join(map(str, job["expansion"]))
@@ -37,7 +37,7 @@ def run(job: dict) -> dict:
                           verify="mss" if job["verify"] == "greedy" else job["verify"],  # greedy: argmax, any verifier
                           offload=job.get("offload", False), forced_tokens=0)
     llm = load_llm(config.model, config.dtype, offload=config.offload)
-    ssms = load_ssms(list(config.speculators), llm, config.dtype)[:1] if expansion else []  # a pool's first SSM
+    ssms = load_speculators(list(config.speculators), llm, config.dtype)[:1] if expansion else []  # a pool's first SSM
     engine = engine_from(config, llm, ssms)
     load_seconds = time.perf_counter() - start
     params = SamplingParams(**job["sampling"])

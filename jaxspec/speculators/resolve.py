@@ -18,7 +18,7 @@ from jaxspec.errors import RequestError
 from jaxspec.speculators.draft_vocab import read_counts, restrict
 from jaxspec.speculators.drafter_io import is_drafter, load_drafter
 from jaxspec.speculators.early_exit import early_exit
-from jaxspec.decoding.ngram import NGramSpeculator
+from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.speculators.pool import load_pool, read_manifest
 from models.loaded import DTYPES, LoadedModel
 
@@ -82,7 +82,7 @@ def ngram_speculator(spec: str) -> NGramSpeculator:
         raise RequestError(f"--ssm {spec!r}: expected ngram or ngram:N with an integer N >= 1") from None
 
 
-def load_ssms(specs: Sequence[str], llm: LoadedModel, dtype: str = "float32",
+def load_speculators(specs: Sequence[str], llm: LoadedModel, dtype: str = "float32",
               draft_vocab: int | None = None) -> list[LoadedModel | NGramSpeculator]:
     """Resolves every ``--ssm`` spec against the LLM; the order of SSMs follows the specs.
 
