@@ -29,8 +29,11 @@ def entry() -> None:
     from jaxspec.cli import app  # noqa: PLC0415 (loaded by ``main``)
 
     if app.exit_at_once:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a reader gone (``| head``) or a stream closed: nothing left to say
+                pass
         os._exit(code)
     sys.exit(code)
 

@@ -342,7 +342,7 @@ class TreeChooser:
         return self.pick_batch([(ngram_len, ngram_match)], keys=[key])
 
     def pick_batch(self, rows: list[tuple[int, int]], costs: dict[str, float] | None = None,
-                   keys: Sequence[Hashable] | None = None) -> str:
+                   keys: Sequence[Hashable] | None = None, scores: dict[str, float] | None = None) -> str:
         """The member with the most expected tokens per second summed over a batch's rows.
 
         ``rows`` holds each active row's (n-gram proposal length, matched suffix length);
@@ -350,7 +350,8 @@ class TreeChooser:
         large batch (where a tree costs more than it saves) falls back to no speculation;
         members without a cost there are not candidates. ``keys`` name each row's request,
         whose own counts its rates read (default: none, every open request pooled). One draw
-        per (kind, request) serves every member of the pick.
+        per (kind, request) serves every member of the pick; ``scores``, when given, receives each
+        candidate's expected tokens per second under that draw (what a compile decision weighs).
         """
         names = [n for n in self.members if n in (costs or self.costs)]
         if len(names) == 1:
@@ -358,8 +359,10 @@ class TreeChooser:
         rates = self._row_rates(names, rows, keys or [None] * len(rows))
         lengths = np.array([length for length, _ in rows])  # [B]
         reach = self._reach(rates)
-        scores = {n: float(self._tokens(n, lengths, reach).sum()) / self.cost(n, costs) for n in names}
-        return max(scores, key=lambda n: (scores[n], n == "none"))
+        rate = {n: float(self._tokens(n, lengths, reach).sum()) / self.cost(n, costs) for n in names}
+        if scores is not None:
+            scores.update(rate)
+        return max(rate, key=lambda n: (rate[n], n == "none"))
 
     def observe(self, name: str, source_depth: np.ndarray, ngram_len: int = 0, ngram_match: int = 1,
                 key: Hashable = None) -> None:

@@ -297,13 +297,14 @@ class Planner:
         if self.building:
             self.harvest()
         every = self.estimated(warp, rows, capacity, costs)
-        name = chooser.pick_batch(proposals, every, keys=keys)
+        drawn: dict[str, float] = {}
+        name = chooser.pick_batch(proposals, every, keys=keys, scores=drawn)
         bucket = (warp, rows, capacity)
         if name in costs:
             return name
         if (*bucket, name) in self.building or (*bucket, name) in self.failed:  # not (yet) built
             return "none"
-        if not self.worth_compiling(name, chooser, proposals, every, bucket, left):
+        if not self.worth_compiling(name, chooser, proposals, every, bucket, left, drawn):
             return "none"
         if self.background:
             self.build_in_background(*bucket, name, iteration)
@@ -554,19 +555,23 @@ class Planner:
         return (self.bucket_costs.get((warp, rows, capacity)) or {}).get("none")
 
     def worth_compiling(self, name: str, chooser: TreeChooser, rows: list[tuple[int, int]],
-                        costs: dict[str, float], bucket: tuple, left: float) -> bool:
+                        costs: dict[str, float], bucket: tuple, left: float,
+                        drawn: dict[str, float] | None = None) -> bool:
         """Whether compiling ``name`` for ``bucket`` (warp, rows, capacity) now saves more than it costs.
 
-        The saving per iteration is the share of time ``name`` saves over no speculation
-        (posterior means) times the plain step's cost; the price is what readying it costs on this
+        The saving per iteration is the share of time ``name`` saves over no speculation (under the
+        pick's posterior draw ``drawn``, so a tree never built is explored as a built one is; else the
+        posterior means) times the plain step's cost; the price is what readying it costs on this
         machine (``ready_seconds``: a compile, or a load where it was built before). Compile once the
         iterations in sight (``left``: the live rows' and the queue's tokens, in iterations) would save the
         compile time, or once the iterations already run without it lost that much (rent or buy: a long-lived server
         whose requests are each too short still compiles the trees its load keeps wanting,
         at most twice the best cost in hindsight).
         """
-        rate = {n: chooser.mean_tokens(n, rows) / chooser.cost(n, costs)
-                for n in ("none", name)}
+        if drawn and name in drawn and "none" in drawn:  # the pick's own draw: exploration reaches compiles too
+            rate = {n: drawn[n] for n in ("none", name)}
+        else:
+            rate = {n: chooser.mean_tokens(n, rows) / chooser.cost(n, costs) for n in ("none", name)}
         if rate[name] <= rate["none"]:
             return False
         per_step = (1 - rate["none"] / rate[name]) * chooser.cost("none", costs)
