@@ -252,3 +252,17 @@ def test_an_unseeded_sampled_run_reports_its_seed_which_repeats_it_in_any_mode(t
     again = run_cli(*args, "--mode", "sequence", "--ssm", "ngram:3", "--expansion", "1,1,1", "--seed", str(seed))
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout == first.stdout and first.stdout.strip()
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly():
+    """`jaxspec generate ... | head -c 5`: the streamed text's reader closes the pipe; the command stops without a
+    traceback (as a shell tool does), whatever else was still to be written."""
+    proc = subprocess.Popen([sys.executable, "-m", "jaxspec", "generate", "--prompt", "Count from one to twenty.",
+                             "--max-new-tokens", "24", "--mode", "incremental"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.read(5)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=600)
+    assert first, err.decode()[-2000:]
+    assert b"Traceback" not in err, err.decode()[-3000:]
+    assert proc.returncode in (0, 141), (proc.returncode, err.decode()[-2000:])

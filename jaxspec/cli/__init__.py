@@ -25,7 +25,11 @@ def entry() -> None:
     """The ``jaxspec`` console command: ``main``, then exit with its status. A one-shot command that left nothing
     that must finish (``jaxspec.cli.app.exit_at_once``: e.g. a background build whose tree no request will use)
     exits at once, output flushed, without waiting for that work or for the interpreter's teardown."""
-    code = main()
+    try:
+        code = main()
+    except BrokenPipeError:  # the reader of stdout left (``| head``): stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        os._exit(141)  # 128 + SIGPIPE
     from jaxspec.cli import app  # noqa: PLC0415 (loaded by ``main``)
 
     if app.exit_at_once:

@@ -1,7 +1,5 @@
 """``python -m jaxspec.cli``: the command line."""
 
-import sys
+from jaxspec.cli import entry
 
-from jaxspec.cli import main
-
-sys.exit(main())
+entry()

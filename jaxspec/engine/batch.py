@@ -529,14 +529,14 @@ class BatchEngine:
 
         def hear(k: int) -> Callable[[Event], None]:
             def listener(ev: Event) -> None:
-                if on_event is not None:
-                    on_event(k, ev)
                 if ev.finish_reason == "error":
                     errors.append(ev.error or "error")
                 if ev.finish_reason is not None:
-                    out[k] = ev.generation
-                    if on_finish is not None:
-                        on_finish(k)
+                    out[k] = ev.generation  # kept before the caller's hooks run: one that fails loses no result
+                if on_event is not None:
+                    on_event(k, ev)
+                if ev.finish_reason is not None and on_finish is not None:
+                    on_finish(k)
             return listener
 
         pending = collections.deque(enumerate(requests))
