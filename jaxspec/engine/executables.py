@@ -113,7 +113,8 @@ class Stored:
         if program is not None:  # this key was stored before: no trace at all
             compiled = _load(directory / f"{program}.bin", program)
             if compiled is not None:
-                return self._loaded_one(compiled)
+                STATS.executables_loaded += 1
+                return compiled
         # Traced once, under a name of its own: XLA's persistent cache then cannot answer the compile below with
         # an executable it deserialized, which on a CPU does not serialize again (its code is missing from the blob:
         # "Function ... not found" when loaded). The name is left out of the program's digest.
@@ -127,13 +128,8 @@ class Stored:
                 return compiled
             STATS.executables_stored += 1
         else:
-            self._loaded_one(compiled)
+            STATS.executables_loaded += 1
         _write_text(index, program)
-        return compiled
-
-    @staticmethod
-    def _loaded_one(compiled: Callable) -> Callable:
-        STATS.executables_loaded += 1
         return compiled
 
 

@@ -326,8 +326,9 @@ class Planner:
     @property
     def abandonable(self) -> bool:
         """Whether the process may exit without waiting for the builds ``close`` left running: none is, or each
-        writes only the executable store (whole files, under keys of their own) rather than XLA's compilation
-        cache, whose entries are written in place and read again by later runs."""
+        goes through the executable store, whose files are written whole and whose programs compile under a
+        module name no later run looks up in XLA's cache (so an entry cut short there is never read); without
+        the store a build compiles under its usual XLA cache key, an entry written in place and read again later."""
         return store_dir() is not None or all(f.done() for f in self.left_running)
 
     @property
