@@ -83,12 +83,13 @@ class SchedulerConfig:
     eager: bool = False
     """Compile every tree of the family at a bucket's first use (``--compile all``) instead of where it pays."""
     prefill_chunk: int | None = None
-    """Most prompt tokens fed per prefill call (``--prefill-chunk``; smaller chunks 16, 64, ... below it); None: the
-    loop's default (256). Larger chunks fill wider matrix products; smaller ones stall the decoding rows less."""
+    """Most prompt tokens fed per prefill call (``--prefill-chunk``; smaller chunks 16, 64, ... below it); None: found
+    on the device (``jaxspec.engine.prefill``: the largest chunk that still feeds tokens faster per token)."""
     prefill_stall: float | None = None
-    """While requests decode, prompt chunks take at most this fraction of their decoding time (``--prefill-stall``:
-    0.5 keeps the decoding rows' mean per-token latency within about 1.5x while a long prompt enters, at the
-    cost of that prompt's time to first token); None: one chunk every iteration."""
+    """While requests decode, a long prompt's chunks take at most this fraction of their decoding time
+    (``--prefill-stall``: 0.5 keeps the decoding rows' median per-token latency within about 1.5x while it enters,
+    at the cost of that prompt's time to first token); None: 0.5 in one process (a multi-process run cannot pace:
+    off); 0: off, one chunk every iteration."""
     prefix_cache_bytes: int | None = None
     """Bound of the prefix cache (``--prefix-cache-gb``; ``jaxspec.engine.prefix``): prompts' K/V kept in blocks a
     later prompt sharing the prefix starts after; None: a share of free memory; 0: off."""

@@ -68,8 +68,8 @@ def test_bad_prompt_file_and_mode_flags(tmp_path, capsys):
     assert "expansion" in capsys.readouterr().err
     assert cli.main(["generate", "--prompt", "hi", "--prefill-chunk", "0"]) == 2
     assert "--prefill-chunk must be >= 1" in capsys.readouterr().err
-    assert cli.main(["generate", "--prompt", "hi", "--prefill-stall", "0"]) == 2
-    assert "--prefill-stall must be > 0" in capsys.readouterr().err
+    assert cli.main(["generate", "--prompt", "hi", "--prefill-stall", "-1"]) == 2
+    assert "--prefill-stall must be >= 0" in capsys.readouterr().err
 
 
 def test_prompt_longer_than_context_subprocess():

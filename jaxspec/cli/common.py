@@ -179,12 +179,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, metavar="N",
-                   help="most prompt tokens fed per prefill call (default 256): larger fills wider matrix products, "
-                        "smaller stalls the requests already decoding less (measure: jaxspec bench prefill)")
+                   help="most prompt tokens fed per prefill call (default: found on this device, the largest chunk "
+                        "that still feeds tokens faster; measure: jaxspec bench prefill --chunks)")
     p.add_argument("--prefill-stall", type=float, metavar="R",
-                   help="while requests decode, prompt chunks take at most R times their decoding time (0.5: their "
-                        "tokens come at most ~1.5x slower on average while a long prompt enters, which then waits "
-                        "longer for its first token); default: one chunk every iteration")
+                   help="while requests decode, a long prompt's chunks take at most R times their decoding time "
+                        "(default 0.5: their median per-token latency stays within ~1.5x while it enters, which "
+                        "then waits longer for its first token; 0: off, one chunk every iteration; a multi-process "
+                        "run is always off)")
     p.add_argument("--prefix-cache-gb", type=float, metavar="GB",
                    help="bound of the prefix cache, which keeps prompts' K/V in 16-token blocks so a later prompt "
                         "sharing a prefix (a system prompt, a document, a chat's earlier turns) starts after it "
@@ -195,8 +196,8 @@ def check_prefill_args(args: argparse.Namespace) -> None:
     """Refuses bad ``add_prefill_args`` values before anything loads."""
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise CliError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
-    if args.prefill_stall is not None and not args.prefill_stall > 0:
-        raise CliError(f"--prefill-stall must be > 0, got {args.prefill_stall}")
+    if args.prefill_stall is not None and not args.prefill_stall >= 0:
+        raise CliError(f"--prefill-stall must be >= 0 (0: off), got {args.prefill_stall}")
     if args.prefix_cache_gb is not None and not args.prefix_cache_gb >= 0:
         raise CliError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
 

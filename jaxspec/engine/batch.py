@@ -11,9 +11,10 @@ their caches, so one request in a 16-slot server costs what it costs alone. Each
 (bucket, tree) pair is one executable, compiled on first use or by ``warm`` (the JetStream
 / MaxText ``prefill`` / ``insert`` / ``generate`` split):
 
-* admission: a waiting request is prefilled chunk by chunk into a one-row staging state
-  (one chunk per iteration, so a long prompt does not stall the other slots' streams),
-  then inserted into a free slot;
+* admission: a waiting request is prefilled chunk by chunk into a one-row staging state laid
+  out for its own prompt (the live rows keep their buckets and executables meanwhile), in
+  chunk sizes found on the device (``jaxspec.engine.prefill``), paced beside decoding rows
+  (``prefill_stall``), then inserted into a free slot;
 * the iteration: ONE jitted step for every live row — draft, every slot's tree packed into one
   LLM pass, accept, commit — of the family member the cost model picks for the current
   batch (``jaxspec.engine.auto``: expected tokens summed over the active slots per second of
@@ -48,6 +49,7 @@ from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import TreeChooser
 from jaxspec.engine.executables import Stored
 from jaxspec.engine.planner import Planner
+from jaxspec.engine.prefill import ChunkSizer
 from jaxspec.engine.prefix import BLOCK, PrefixCache, committed, cut_block, default_bytes, paste_block
 from jaxspec.engine.runner import Generation, RequestError, Runner, check_fits
 from jaxspec.engine.stops import check_stops
@@ -57,7 +59,7 @@ from jaxspec.decoding.step import (DecodeConfig, StepOutput, bucket, insert_row,
 from jaxspec.speculators.ngram import NGramIndex
 from jaxspec.structured import Grammar, GrammarError
 
-PREFILL_BUCKETS = (16, 64, 256)  # chunk shapes a prompt is fed in (one executable each)
+PREFILL_STALL = 0.5  # default pacing: prompt chunks take at most half the decoding rows' time while they decode
 DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
 MIN_CAPACITY = 256  # the smallest cache bucket: below it a step's cost hardly depends on the cache
 
@@ -185,6 +187,8 @@ class _Staging:
     on_event: Callable[[Event], None]
     fed: int = 0
     cached: int = 0  # prompt tokens whose K/V were reused, not computed (the staging row's or the prefix cache's)
+    probe: int | None = None  # the chunk size its first tokens time for the chunk search (``ChunkSizer.probe``)
+    probe_seconds: float = 0.0  # its probe's chunks so far, each timed alone
     matcher: object = None  # the request's grammar matcher, made when it is staged
     began: float = dataclasses.field(default_factory=time.perf_counter)  # when its first chunk was staged
 
@@ -229,7 +233,7 @@ class BatchEngine:
         max_model_len: int | None = None,
         max_queue: int = 256,
         on_iteration: Callable[[IterationStats], None] | None = None,
-        prefill_chunk: int = PREFILL_BUCKETS[-1],
+        prefill_chunk: int | None = None,
         sync: LoopSync | None = None,
         verbose: Callable[[str], None] | None = None,
         eager: bool = False,
@@ -242,14 +246,15 @@ class BatchEngine:
         ``eager`` compiles every family member at a bucket's first use (else auto's trees compile where they pay);
         ``reuse_prefix``: a request sharing a prompt prefix with the one staged before it starts after that prefix;
         ``background``: lazy auto builds a tree it wants in a worker thread while plain steps go on (one process only;
-        False: the loop waits for the build, as every process of a multi-process run must); ``prefill_stall`` R:
-        while requests decode, prompt chunks take at most R times the decoding time (a chunk runs, then the
+        False: the loop waits for the build, as every process of a multi-process run must); ``prefill_chunk``: the
+        largest prompt chunk (None: found on this device, ``jaxspec.engine.prefill``); ``prefill_stall`` R: while
+        requests decode, a prompt's later chunks take at most R times the decoding time (a chunk runs, then the
         decoding rows run alone until they made up R times its seconds; None: one chunk every iteration);
         ``prefix_cache_bytes``: the bound of the prefix cache (``jaxspec.engine.prefix``; None: a share of free
         memory, 0: off; off as well without ``reuse_prefix``)."""
         if max_batch < 1:
             raise RequestError(f"--max-batch must be >= 1, got {max_batch}")
-        if prefill_chunk < 1:
+        if prefill_chunk is not None and prefill_chunk < 1:
             raise RequestError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
         if prefill_stall is not None and not prefill_stall > 0:
             raise RequestError(f"--prefill-stall must be > 0, got {prefill_stall}")
@@ -268,17 +273,21 @@ class BatchEngine:
         self.sync = sync or LoopSync()
         self.verbose = verbose
         self.eager = eager
-        self.buckets = tuple(b for b in PREFILL_BUCKETS if b < prefill_chunk) + (prefill_chunk,)
+        # the processes of a multi-process run must feed alike: no search there (timings differ per process)
+        searched = prefill_chunk is None and jax.process_count() == 1
+        self.chunks = ChunkSizer(prefill_chunk, engine.prefill_chunks() if searched else None, search=searched,
+                                 save=engine.prefill_chunks if searched else None)
         # most cache slots one iteration writes per row, most tokens it commits (any member, greedy or sampled)
         self._max_nodes, self._max_emit = engine.step_bounds()
         # Every write fits by construction: a row holds < max_model_len committed tokens before a
-        # step that writes num_nodes more; a prefill chunk ends within a bucket.
-        self.max_capacity = max_model_len + max(self._max_nodes + self._max_emit, self.buckets[-1])
+        # step that writes num_nodes more; a prefill chunk ends within the capacity (``ChunkSizer.size``).
+        self.max_capacity = max_model_len + max(self._max_nodes + self._max_emit, self.chunks.sizes[0])
         self.row_buckets = batch_buckets(max_batch)
         self.capacity_buckets = capacity_buckets(self.max_capacity)
         self.vocab = engine.llm.cfg.vocab_size
         self.rows, self.capacity = self.row_buckets[0], self.capacity_buckets[0]
         self.state = engine.init_state(self.rows, self.capacity, sampling.MIXED, active=False)
+        self.staging_capacity = self.capacity  # the staging row's own bucket: its prompt's, at least the rows'
         self.staging_state = engine.init_state(1, self.capacity, sampling.MIXED, active=False)
         self.slots: list[_Slot] = []  # live requests; slots[i] owns row i of the state
         self.staging: _Staging | None = None
@@ -461,6 +470,11 @@ class BatchEngine:
                                          f"{warp.label}: {time.perf_counter() - began:.1f} s")
 
     @property
+    def buckets(self) -> tuple[int, ...]:
+        """The prompt chunk sizes fed now, ascending (one prefill executable each; the largest is searched for)."""
+        return tuple(b for b in self.chunks.sizes if b <= self.chunks.largest)
+
+    @property
     def background(self) -> bool:
         """Whether lazy auto's trees build in a worker thread (``Planner.background``)."""
         return self.planner.background
@@ -564,9 +578,9 @@ class BatchEngine:
             self.planner.harvest()
         for slot in [s for s in self.slots if self._cancelled(s.ticket)]:
             self._retire(slot, "cancelled")
-        budget = self.buckets[-1]
+        budget = self.chunks.largest
         paced = self.prefill_stall is not None and bool(self.slots)
-        if not self.slots:
+        if not self.slots or self.staging is None:  # a prompt's first chunk is not paced: only a long one waits
             self._prefill_debt = 0.0
         if paced and self._prefill_debt > 0:
             budget = 0  # the decoding rows are still making up the last chunk's time
@@ -633,16 +647,22 @@ class BatchEngine:
         a bucket changes a few times per request at most).
         """
         rows = bucket(max(len(self.slots) + extra_rows, 1), self.row_buckets)
-        want = max([need] + [self.cache_need(s.committed) for s in self.slots]
-                   + ([self.cache_need(len(self.staging.ticket.request.prompt_ids))] if self.staging else []))
+        want = max([need] + [self.cache_need(s.committed) for s in self.slots])
         capacity = bucket(min(want, self.max_capacity), self.capacity_buckets)
         if (rows, capacity) == (self.rows, self.capacity):
             return
         self.state = self._resize(self.state, rows, capacity)
-        if capacity != self.capacity:
-            self._resize_staging(capacity)
         self.rows, self.capacity = rows, capacity
         self.resizes += 1
+
+    def _fit_staging(self, need: int, grow_only: bool = False) -> None:
+        """Lays the staging row out for ``need`` slots and at least the live rows' capacity (its insert then needs no
+        re-layout); its bucket is its own, so a long prompt entering changes nothing of the rows decoding beside it
+        (their state, executables and costs) until it is inserted. ``grow_only``: mid-prompt, never shrink."""
+        capacity = bucket(min(max(need, self.capacity), self.max_capacity), self.capacity_buckets)
+        if capacity == self.staging_capacity or (grow_only and capacity < self.staging_capacity):
+            return
+        self._resize_staging(capacity)
 
     def _resize_staging(self, capacity: int) -> None:
         """Re-lays the staging row for ``capacity`` slots; the reusable prefix keeps only the K/V that survive.
@@ -652,6 +672,7 @@ class BatchEngine:
         the next request sharing it start after K/V that are now zeros).
         """
         self.staging_state = self._resize(self.staging_state, 1, capacity)
+        self.staging_capacity = capacity
         del self._staged[capacity:]
 
     def _admit(self) -> int:
@@ -668,7 +689,9 @@ class BatchEngine:
                     return 0
                 ticket, on_event = self.waiting.popleft()
             self.staging = _Staging(ticket, on_event)
+            self._fit_staging(self.cache_need(len(ticket.request.prompt_ids)))  # a shrink cuts ``_staged``
             self._reuse_prefix(self.staging)
+            self.staging.probe = self.chunks.probe(self.staging.fed, len(ticket.request.prompt_ids))
             if ticket.request.grammar is not None:
                 vocab = self.engine.row_masks().vocab
                 self.staging.matcher = vocab.matcher(vocab.compile(ticket.request.grammar))
@@ -680,13 +703,13 @@ class BatchEngine:
             return 1
         prompt = req.prompt_ids
         left = len(prompt) - st.fed
-        size = next(b for b in self.buckets if b >= min(left, self.buckets[-1]))
+        size = self.chunks.size(st.fed, left, self.max_capacity, st.probe)
         count = min(left, size)
         last = count == left
-        self._fit(need=st.fed + size)
+        self._fit_staging(max(self.cache_need(len(prompt)), st.fed + size), grow_only=True)
         tokens = np.zeros((1, size), np.int32)
         tokens[0, :count] = prompt[st.fed: st.fed + count]
-        check_fits(st.fed + size, self.capacity, "a prefill chunk")
+        check_fits(st.fed + size, self.staging_capacity, "a prefill chunk")
         values = sampling.row_values([req.params], self.vocab)
         # a grammar's first mask (all ones without one: one prefill executable serves both), applied with the last
         # chunk, whose logits give the first token
@@ -696,19 +719,27 @@ class BatchEngine:
         args = jax.device_put((tokens, np.int32(st.fed), np.int32(count), np.bool_(last),
                                np.uint32(req.params.seed % 2**32), values, first_mask))
         e = self.engine
-        if self.prefix.max_bytes and self.capacity not in self._prefix_ready:
+        if self.prefix.max_bytes and self.staging_capacity not in self._prefix_ready:
             # the cache's cut and paste compile with this capacity's first chunk (a hit later compiles nothing):
             # a block cut and pasted back where it was
-            self._prefix_ready.add(self.capacity)
+            self._prefix_ready.add(self.staging_capacity)
             at = jax.device_put(np.int32(0))
             self.staging_state = self._fn("paste")(self.staging_state, self._fn("cut")(self.staging_state, at), at)
         self._staged = []  # invalid until the chunk is in
-        self.staging_state = self._fn("prefill")(e._llm_params, e._group_params, self.staging_state, *args)
+        call = (e._llm_params, e._group_params, self.staging_state, *args)
+        if st.probe is None:
+            self.staging_state = self._fn("prefill")(*call)
+        else:
+            self._probe_chunk(st, call, count)
         st.fed += count
         self._staged = list(prompt[: st.fed])
         if not last:
             return size
-        self._fit(extra_rows=1)
+        self._fit(extra_rows=1, need=self.cache_need(len(prompt)))
+        if self.staging_capacity > self.capacity:  # the rows grow to the prompt's bucket now it joins them
+            self._fit(extra_rows=1, need=self.staging_capacity)
+        elif self.staging_capacity < self.capacity:
+            self._resize_staging(self.capacity)
         row = len(self.slots)
         self.state = self._fn("insert")(self.state, self.staging_state, jax.device_put(np.int32(row)))
         try:
@@ -732,13 +763,34 @@ class BatchEngine:
                 self._retire(slot, "error", error=f"{type(exc).__name__}: {exc}")
         return size
 
+    def _probe_chunk(self, st: _Staging, call: tuple, count: int) -> None:
+        """Feeds a probing prompt's chunk timed alone (the iteration in flight and the chunk before it done first,
+        its executable ready); once the probe's tokens are in, the chunk search hears their seconds."""
+        fn = self._fn("prefill")
+        exe = fn.executable(*call)
+        if exe is fn.jitted:  # no executable store: compiled apart, so the timing holds the run alone
+            exe = fn.jitted.lower(*call).compile()
+        if self._pending is not None:
+            jax.block_until_ready(self._pending.out.tokens)
+        jax.block_until_ready(call[2].root)
+        began = time.perf_counter()
+        self.staging_state = exe(*call)
+        jax.block_until_ready(self.staging_state.root)
+        st.probe_seconds += time.perf_counter() - began
+        width = self.chunks.candidate
+        if width is not None and st.fed + count >= width:
+            self.chunks.record(st.probe, width, st.probe_seconds)
+            if self.verbose is not None:
+                self.verbose(self.chunks.describe())
+        if width is None or st.fed + count >= width:
+            st.probe = None
+
     def _reuse_prefix(self, st: _Staging) -> None:
         """Starts ``st`` after the longest prefix of its prompt whose K/V are at hand: the staging row's own (the
         prompt fed before it) or the prefix cache's blocks, copied into the staging row."""
         prompt = st.ticket.request.prompt_ids
         if not self.reuse_prefix:
             return
-        self._fit()  # the staging row laid out for this prompt (a shrink cuts ``_staged`` with the slots)
         staged = self._staged
         shared = next((k for k, (a, b) in enumerate(zip(staged, prompt)) if a != b), min(len(staged), len(prompt)))
         chain = self.prefix.lookup(prompt)

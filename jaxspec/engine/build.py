@@ -180,12 +180,16 @@ def mesh_of(config: EngineConfig) -> Mesh | None:
 def build_scheduler(engine: Engine, config: SchedulerConfig, **hooks: Any) -> BatchEngine:
     """The scheduling loop over ``engine`` with ``config``'s limits; ``hooks`` are ``BatchEngine``'s callbacks and
     run-time companions (``on_iteration``, ``sync``, ``verbose``)."""
-    from jaxspec.engine.batch import PREFILL_BUCKETS, BatchEngine  # noqa: PLC0415
+    import jax  # noqa: PLC0415
 
-    chunk = PREFILL_BUCKETS[-1] if config.prefill_chunk is None else config.prefill_chunk
+    from jaxspec.engine.batch import PREFILL_STALL, BatchEngine  # noqa: PLC0415
+
+    # pacing reads this process's clock: a multi-process run (whose processes admit alike) runs unpaced
+    stall = (PREFILL_STALL if jax.process_count() == 1 else None) if config.prefill_stall is None else (
+        config.prefill_stall or None)
     return BatchEngine(engine, max_batch=config.max_batch, max_model_len=config.max_model_len,
-                       max_queue=config.max_queue, eager=config.eager, prefill_chunk=chunk,
-                       prefill_stall=config.prefill_stall, prefix_cache_bytes=config.prefix_cache_bytes, **hooks)
+                       max_queue=config.max_queue, eager=config.eager, prefill_chunk=config.prefill_chunk,
+                       prefill_stall=stall, prefix_cache_bytes=config.prefix_cache_bytes, **hooks)
 
 
 def device_line(engine: Engine) -> str:

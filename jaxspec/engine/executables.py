@@ -89,12 +89,17 @@ class Stored:
         self.loaded: dict = {}  # call signature -> compiled executable
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.executable(*args, **kwargs)(*args, **kwargs)
+
+    def executable(self, *args: Any, **kwargs: Any) -> Callable:
+        """The executable these arguments call (loaded, or compiled now where executables are stored), so a caller
+        can time a run apart from its compile; ``jitted`` where none is stored (its first call compiles)."""
         leaves, tree = jax.tree_util.tree_flatten((args[self.fixed:], kwargs))
         sig = (tree, tuple(map(_leaf, leaves)))
         compiled = self.loaded.get(sig)
         if compiled is None:
             compiled = self.loaded[sig] = self._prepare(args, kwargs)
-        return compiled(*args, **kwargs)
+        return compiled
 
     def _prepare(self, args: tuple, kwargs: dict) -> Callable:
         """The executable for this signature: loaded (by its key, else by its program once traced), else

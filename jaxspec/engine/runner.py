@@ -386,6 +386,18 @@ class Runner:
             return costs.load(ident)
         return costs.load_or_measure(ident, lambda: float(value), refresh=True)
 
+    def prefill_chunks(self, found: dict | None = None) -> dict | None:
+        """What the prompt chunk search found on this device (``jaxspec.engine.prefill.ChunkSizer.state``), kept
+        beside the calibrations per device, host and engine; given ``found``, records it."""
+        from jaxspec.engine import costs  # noqa: PLC0415
+
+        ident = {"what": "prefill-chunks", "revision": STEP_REVISION, "jax": jax.__version__,
+                 "host_cores": host_cores(), "device": jax.devices()[0].device_kind,
+                 "platform": jax.default_backend(), "devices": jax.device_count(), **self.identity()}
+        if found is None:
+            return costs.load(ident)
+        return costs.load_or_measure(ident, lambda: found, refresh=True)
+
     def _measure(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, reps: int = 5,
                  batch: int = 1, names: Sequence[str] | None = None) -> dict[str, float]:
         """Seconds per iteration of members (default all) on ``batch`` rows of ``capacity`` slots (reps 0: compile only)."""

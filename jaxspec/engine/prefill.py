@@ -1,0 +1,131 @@
+"""Which prompt chunk sizes the loop feeds: found on the device that runs them, by timing real prefills.
+
+A prompt enters in chunks of a ladder of sizes (one prefill executable each). The largest size in
+use is found by measurement, never fixed: starting from ``START``, the next size up (4x larger) is
+tried on the prompts that arrive, and taken when it feeds tokens at least ``GAIN`` faster per
+token; the climb stops at the first size that does not pay (on a compute-bound CPU a few hundred
+tokens already fill the matrix products; on a GPU a 135M model's prefill keeps gaining into the
+thousands). A comparison is fair by construction: a *probe* times the first ``W`` tokens of a
+prompt (``W`` = the larger size, from position 0, nothing reused) fed either as one chunk of the
+larger size or as chunks of the current one, so both sizes are timed over the same positions and
+the same attention work. What was found is kept in the cost cache (``jaxspec.engine.costs``) under
+the device's calibration key, so a machine searches once; ``--prefill-chunk`` fixes the largest
+size instead (no search), as does a multi-process run (its processes must feed alike: they take
+process 0's stored size).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+LADDER = (16, 64, 256, 1024, 4096)  # chunk shapes (4x apart: few executables, each a clear step in work)
+START = 256  # where the search starts: the size the loop feeds before anything is measured
+GAIN = 0.10  # a larger chunk is taken when its tokens cost at least 10% less each
+SAMPLES = 2  # probes per size before two sizes are compared
+
+
+def ladder(cap: int | None) -> tuple[int, ...]:
+    """The chunk sizes below ``cap`` and ``cap`` itself (None: the whole ladder)."""
+    if cap is None:
+        return LADDER
+    return tuple(b for b in LADDER if b < cap) + (cap,)
+
+
+class ChunkSizer:
+    """The chunk sizes one loop feeds, and the search for its largest (see the module's docstring).
+
+    ``cap``: ``--prefill-chunk`` (the largest size, fixed: no search); ``stored``: what an earlier
+    process found on this device (``state()``'s dict) or None; ``search``: False keeps the size it
+    starts from (a multi-process run); ``save``: called with ``state()`` whenever the search moves.
+    """
+
+    def __init__(self, cap: int | None = None, stored: dict | None = None, search: bool = True,
+                 save: Callable[[dict], None] | None = None) -> None:
+        if cap is not None and cap < 1:
+            raise ValueError(f"a prefill chunk must be >= 1 token, got {cap}")
+        self.sizes = ladder(cap)
+        self.save = save
+        self.samples: dict[int, list[float]] = {}  # size -> seconds per token of whole probes (this comparison)
+        self.history: list[dict] = []  # the comparisons decided: {"span": tokens, "tokens_per_s": {size: rate}}
+        self.settled = cap is not None or not search
+        start = self.sizes[-1] if cap is not None else min(START, self.sizes[-1])
+        if cap is None and stored:
+            start = stored.get("largest", start)
+            self.settled = self.settled or bool(stored.get("settled"))
+            self.samples = {int(k): list(v) for k, v in stored.get("samples", {}).items() if int(k) in self.sizes}
+            self.history = list(stored.get("history", []))
+        self.index = self.sizes.index(start) if start in self.sizes else self.sizes.index(min(START, self.sizes[-1]))
+
+    @property
+    def largest(self) -> int:
+        """The largest chunk fed now: a long prompt enters in chunks of this size."""
+        return self.sizes[self.index]
+
+    @property
+    def candidate(self) -> int | None:
+        """The size being tried against ``largest`` (None once the search ended)."""
+        if self.settled or self.index + 1 >= len(self.sizes):
+            return None
+        return self.sizes[self.index + 1]
+
+    def probe(self, start: int, length: int) -> int | None:
+        """The size a prompt of ``length`` tokens starting at ``start`` should probe with (None: no probe).
+
+        Only a prompt fed from position 0 that holds a whole candidate chunk (and a token after it) probes;
+        probes alternate between the two sizes, the one with fewer samples first.
+        """
+        top = self.candidate
+        if top is None or start != 0 or length <= top:
+            return None
+        have = {s: len(self.samples.get(s, [])) for s in (self.largest, top)}
+        return top if have[top] < have[self.largest] else self.largest
+
+    def size(self, fed: int, left: int, limit: int, probe: int | None = None) -> int:
+        """The next chunk's size for a prompt with ``fed`` tokens in and ``left`` to go, ending within ``limit``
+        cache slots: whole chunks of the largest size that fits what is left, the rest in the smallest that holds
+        it; a probing prompt feeds its first ``candidate`` tokens in chunks of ``probe``."""
+        top = self.largest
+        if probe is not None and fed < (self.candidate or 0):
+            top = probe
+        fits = [b for b in self.sizes if b <= top and fed + b <= limit] or [self.sizes[0]]
+        whole = [b for b in fits if b <= left]
+        if whole and whole[-1] == fits[-1]:
+            return whole[-1]  # a whole chunk of the largest size that fits
+        return next((b for b in fits if b >= left), fits[-1])
+
+    def record(self, size: int, tokens: int, seconds: float) -> None:
+        """One whole probe: ``tokens`` fed in chunks of ``size`` took ``seconds`` (its chunks timed alone)."""
+        if self.settled or size not in (self.largest, self.candidate) or tokens <= 0 or seconds <= 0:
+            return
+        self.samples.setdefault(size, []).append(seconds / tokens)
+        top = self.candidate
+        if min(len(self.samples.get(s, [])) for s in (self.largest, top)) < SAMPLES:
+            self._save()
+            return
+        rates = {s: statistics.median(self.samples[s]) for s in (self.largest, top)}
+        self.history.append({"span": top, "tokens_per_s": {str(s): round(1 / r, 1) for s, r in rates.items()}})
+        self.samples = {}  # a next comparison times a wider span: both its sizes afresh
+        if rates[top] <= (1 - GAIN) * rates[self.largest]:
+            self.index += 1
+            self.settled = self.candidate is None
+        else:
+            self.settled = True
+        self._save()
+
+    def state(self) -> dict:
+        """What the search found so far (JSON-able; ``stored`` of a later ``ChunkSizer``)."""
+        return {"largest": self.largest, "settled": self.settled, "history": self.history,
+                "samples": {str(k): v for k, v in sorted(self.samples.items())}}
+
+    def describe(self) -> str:
+        """One line for ``-v``: the largest chunk, and prefill tokens/s by chunk size as the comparisons found."""
+        found = "; ".join(f"over {h['span']} tokens " + " vs ".join(f"{s}: {r:,.0f} tok/s"
+                                                                   for s, r in h["tokens_per_s"].items())
+                          for h in self.history)
+        where = "settled" if self.settled else f"trying {self.candidate}"
+        return f"prefill chunks up to {self.largest} tokens ({where}{'; ' + found if found else ''})"
+
+    def _save(self) -> None:
+        if self.save is not None:
+            self.save(self.state())

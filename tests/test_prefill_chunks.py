@@ -1,0 +1,121 @@
+"""Prompt chunks sized by measurement on the device, a staging row laid out for its own prompt, and the default
+pacing of a long prompt beside decoding rows (issue 40)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import tiny_model
+from jaxspec.config import SchedulerConfig
+from jaxspec.engine import Engine
+from jaxspec.engine import prefill
+from jaxspec.engine.batch import PREFILL_STALL, BatchEngine, Request
+from jaxspec.engine.build import build_scheduler
+from jaxspec.engine.prefill import GAIN, SAMPLES, ChunkSizer
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return tiny_model()
+
+
+def test_chunk_sizes_feed_whole_chunks_then_one_that_holds_the_rest():
+    chunks = ChunkSizer(search=False)
+    assert chunks.largest == prefill.START and chunks.candidate is None
+    assert chunks.size(0, 3000, 10_000) == 256  # whole chunks of the largest
+    assert chunks.size(0, 184, 10_000) == 256  # the rest: the smallest chunk that holds it
+    assert chunks.size(0, 40, 10_000) == 64 and chunks.size(0, 5, 10_000) == 16
+    assert chunks.size(990, 184, 1040) == 16  # nothing larger ends within the cache
+    fixed = ChunkSizer(cap=100)
+    assert fixed.sizes == (16, 64, 100) and fixed.largest == 100 and fixed.candidate is None
+    assert fixed.size(0, 5000, 10_000) == 100
+    with pytest.raises(ValueError, match="prefill chunk"):
+        ChunkSizer(cap=0)
+
+
+def test_the_search_climbs_while_a_larger_chunk_pays_and_stops_where_it_does_not():
+    saved = []
+    chunks = ChunkSizer(save=saved.append)
+    top = chunks.candidate
+    assert top == 4 * chunks.largest
+    assert chunks.probe(0, top) is None and chunks.probe(16, 5000) is None  # too short; not from position 0
+    assert chunks.probe(0, 5000) == chunks.largest  # the size with fewer samples first
+    assert chunks.size(0, 5000, 10_000, probe=chunks.largest) == chunks.largest
+    assert chunks.size(0, 5000, 10_000, probe=top) == top
+    for _ in range(SAMPLES):  # the larger chunk's tokens cost 30% less: taken, and the next size tried
+        chunks.record(chunks.largest, top, 1.0 * top)
+        assert chunks.probe(0, 5000) == top
+        chunks.record(top, top, 0.7 * top)
+    assert chunks.largest == top and chunks.candidate == 4 * top and not chunks.settled
+    top = chunks.candidate
+    for _ in range(SAMPLES):  # only (GAIN / 2) faster: the search ends at the size before
+        chunks.record(chunks.largest, top, 1.0 * top)
+        chunks.record(top, top, (1 - GAIN / 2) * top)
+    assert chunks.largest == top // 4 and chunks.settled and chunks.candidate is None
+    assert chunks.probe(0, 10_000) is None
+    again = ChunkSizer(stored=saved[-1])  # what a later process starts from
+    assert (again.largest, again.settled, again.candidate) == (chunks.largest, True, None)
+    assert "prefill chunks up to 1024 tokens (settled" in again.describe()
+
+
+def test_the_loop_searches_chunk_sizes_on_real_prompts_and_keeps_what_it_found(llm, monkeypatch, tmp_path):
+    """End to end on a tiny model (the ladder starting at 16): probes time real prefills, the search moves, the
+    result is stored for the next loop, and no output token changes."""
+    engine = Engine(llm)
+    rng = np.random.default_rng(5)
+    prompts = [[int(x) for x in rng.integers(1, llm.cfg.vocab_size, 90)] for _ in range(2 * SAMPLES)]
+    want = [engine.generate(p, 4).token_ids for p in prompts]  # chunks of 256: shorter than a probe
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(prefill, "START", 16)
+    lines = []
+    batch = BatchEngine(engine, max_batch=2, max_model_len=200, verbose=lines.append)
+    assert batch.chunks.largest == 16 and batch.chunks.candidate == 64
+    got = batch.generate([Request(p, 4) for p in prompts])
+    assert [g.token_ids for g in got] == want
+    (decided,) = engine.prefill_chunks()["history"]  # 16 against 64 over 64-token spans, SAMPLES probes each
+    rates = {int(s): r for s, r in decided["tokens_per_s"].items()}
+    assert decided["span"] == 64 and set(rates) == {16, 64} and min(rates.values()) > 0
+    climbed = rates[64] >= rates[16] / (1 - GAIN)
+    assert (batch.chunks.largest, batch.chunks.candidate) == ((64, 256) if climbed else (16, None))
+    assert sum(line.startswith("prefill chunks up to") for line in lines) == 2 * SAMPLES
+    later = BatchEngine(engine, max_batch=2, max_model_len=200)
+    assert later.chunks.state() == batch.chunks.state()
+    assert BatchEngine(engine, max_model_len=200, prefill_chunk=32).buckets == (16, 32)  # fixed: no search
+
+
+def test_a_long_prompt_enters_beside_a_decoding_row_without_changing_its_bucket(llm):
+    """The staging row is laid out for its own prompt: while a prompt needing a larger cache bucket is fed, the
+    decoding row keeps its state (no re-layout, so no new step executable); at insert the rows grow."""
+    engine = Engine(llm)
+    long_prompt = [int(x) for x in np.random.default_rng(3).integers(1, llm.cfg.vocab_size, 700)]
+    requests = [Request([5, 3, 8], 40), Request(long_prompt, 4)]
+    want = [engine.generate(r.prompt_ids, r.max_new_tokens).token_ids for r in requests]
+    batch = BatchEngine(engine, max_batch=2, max_model_len=1024, prefill_chunk=64)
+    seen = []
+    decode = batch._decode
+
+    def watched():
+        seen.append((batch.staging is not None, batch.capacity, batch.staging_capacity))
+        decode()
+
+    batch._decode = watched
+    assert [g.token_ids for g in batch.generate(requests)] == want
+    entering = [s for s in seen if s[0]]
+    assert len(entering) >= 700 // 64 - 1
+    assert {cap for _, cap, _ in entering} == {batch.capacity_buckets[0]}  # the row decoding beside it: untouched
+    assert {staged for _, _, staged in entering} == {1024}  # the prompt's own bucket from its first chunk
+    grown = [k for k, (_, cap, _) in enumerate(seen) if cap == 1024]
+    assert grown and not any(seen[k][0] for k in grown)  # once it is inserted, the rows grow to its bucket
+
+
+def test_long_prompts_are_paced_beside_decoding_rows_by_default(llm):
+    engine = Engine(llm)
+    batch = build_scheduler(engine, SchedulerConfig(max_batch=2, max_model_len=320))
+    assert batch.prefill_stall == PREFILL_STALL
+    assert build_scheduler(engine, SchedulerConfig(max_model_len=320, prefill_stall=0)).prefill_stall is None
+    assert build_scheduler(engine, SchedulerConfig(max_model_len=320, prefill_stall=0.2)).prefill_stall == 0.2
+    long_prompt = [int(x) for x in np.random.default_rng(2).integers(1, llm.cfg.vocab_size, 300)]
+    requests = [Request([5, 3, 8], 30), Request(long_prompt, 6)]
+    want = [engine.generate(r.prompt_ids, r.max_new_tokens).token_ids for r in requests]
+    assert [g.token_ids for g in batch.generate(requests)] == want
