@@ -1,11 +1,12 @@
 """How much a long prompt entering a running ``jaxspec serve`` slows the requests already decoding.
 
-Four clients stream greedy completions of short prompts; after ``--delay`` seconds one prompt of about
-``--long-tokens`` tokens is sent. Prints the neighbours' inter-token gaps (p50, mean, p90) while it
-enters (sent to its first token) beside all their gaps, and its TTFT. ``--long-tokens 0`` gives the
-baseline. Run it against servers started with and without ``--prefill-stall``:
+``--clients`` clients stream greedy completions of short prompts back to back (each starts its next
+request when one ends, so they decode throughout). After ``--baseline`` seconds their inter-token gaps
+(between streamed chunks: one iteration each) give the baseline; then one prompt of about
+``--long-tokens`` tokens is sent, and their gaps from its sending to its first token are the ones
+while it entered. Prints both (p50, mean, p90), their p50 ratio and the long prompt's TTFT, in one run:
 
-    jaxspec serve --max-model-len 4608 --mode incremental --max-batch 8 [--prefill-stall 0.5] &
+    jaxspec serve --max-model-len 4608 &          # default pacing; --prefill-stall 0: unpaced
     python scripts/prefill_stall.py --port 8000 --prompt-file ../shared/prompts/dev_prompts.jsonl
 """
 
@@ -33,6 +34,17 @@ def stream(port: int, content: str, max_tokens: int, stamps: list[float]) -> Non
                 stamps.append(time.perf_counter())
 
 
+def client(port: int, prompts: list[str], max_tokens: int, gaps: list[tuple[float, float]],
+           stop: threading.Event) -> None:
+    """Streams requests back to back until ``stop``; records (gap seconds, arrival) within each request."""
+    k = 0
+    while not stop.is_set():
+        stamps: list[float] = []
+        stream(port, prompts[k % len(prompts)], max_tokens, stamps)
+        gaps.extend((b - a, b) for a, b in zip(stamps, stamps[1:]))
+        k += 1
+
+
 def summary(gaps: list[float]) -> str:
     """p50, mean and p90 of gaps in milliseconds, and their count."""
     ordered = sorted(gaps)
@@ -45,34 +57,42 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prompt-file", required=True, help="JSONL, field 'prompt': the neighbours' prompts and the text "
                    "the long prompt is cut from")
-    p.add_argument("--long-tokens", type=int, default=4000, help="about this many tokens (0: no long prompt)")
-    p.add_argument("--neighbour-tokens", type=int, default=160)
-    p.add_argument("--delay", type=float, default=6.0, help="seconds the neighbours decode before it is sent")
+    p.add_argument("--long-tokens", type=int, default=4000, help="about this many tokens")
+    p.add_argument("--clients", type=int, default=4, help="requests decoding beside it")
+    p.add_argument("--neighbour-tokens", type=int, default=96, help="max_tokens of each neighbour request")
+    p.add_argument("--baseline", type=float, default=10.0, help="seconds of neighbours alone before it is sent")
+    p.add_argument("--seed", type=int, default=0, help="which prompt the long prompt's text starts from")
     args = p.parse_args()
     with open(args.prompt_file, encoding="utf-8") as f:
         rows = [json.loads(line)["prompt"] for line in f if line.strip()]
-    stamps: list[list[float]] = [[] for _ in range(4)]
-    clients = [threading.Thread(target=stream, args=(args.port, rows[i % len(rows)], args.neighbour_tokens, s))
-               for i, s in enumerate(stamps)]
-    for c in clients:
-        c.start()
-    time.sleep(args.delay)
-    window = None
-    if args.long_tokens:
-        words = " ".join(rows * (args.long_tokens // 20 + 1)).split()[: int(args.long_tokens * 0.72)]
-        first: list[float] = []
-        sent = time.perf_counter()
-        stream(args.port, " ".join(words) + "\nSummarise the above in one line.", 4, first)
-        window = (sent, first[0])
-        print(f"long prompt: TTFT {first[0] - sent:.2f} s")
-    for c in clients:
-        c.join()
-    gaps = [(b - a, b) for s in stamps for a, b in zip(s, s[1:])]
-    print(f"neighbours, all gaps: {summary([g for g, _ in gaps])}")
-    if window:
-        inside = [g for g, at in gaps if window[0] <= at <= window[1]]
-        if inside:
-            print(f"neighbours, while it entered: {summary(inside)}")
+    stop = threading.Event()
+    gaps: list[list[tuple[float, float]]] = [[] for _ in range(args.clients)]
+    threads = [threading.Thread(target=client, args=(args.port, rows[i:] + rows[:i], args.neighbour_tokens, g, stop))
+               for i, g in enumerate(gaps)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)  # every client's first request admitted
+    begun = time.perf_counter()
+    time.sleep(args.baseline)
+    start = args.seed % len(rows)  # another seed, another long prompt (a repeat would be a prefix-cache hit)
+    text = " ".join((rows[start:] + rows[:start]) * (args.long_tokens // 20 + 1))
+    words = text.split()[: int(args.long_tokens * 0.72)]
+    first: list[float] = []
+    sent = time.perf_counter()
+    stream(args.port, " ".join(words) + "\nSummarise the above in one line.", 4, first)
+    stop.set()
+    for t in threads:
+        t.join()
+    every = [g for some in gaps for g in some]
+    alone = [g for g, at in every if begun <= at < sent]
+    inside = [g for g, at in every if sent <= at <= first[0]]
+    print(f"long prompt: TTFT {first[0] - sent:.2f} s")
+    print(f"neighbours alone:          {summary(alone)}")
+    if inside:
+        print(f"neighbours while it entered: {summary(inside)}")
+        print(f"p50 ratio: {statistics.median(inside) / statistics.median(alone):.2f}x")
+    else:
+        print("neighbours while it entered: no token")
 
 
 if __name__ == "__main__":

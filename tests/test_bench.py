@@ -234,8 +234,15 @@ def test_bench_prefill_reports_ttft_by_prompt_length(tiny_checkpoint, tmp_path, 
         assert "attention=blocks" in r["lowering"]
     assert out.with_suffix(".png").stat().st_size > 1000
     assert "tokens/s" in capsys.readouterr().out
+    assert cli.main(["bench", "prefill", "--model", str(tiny_checkpoint), "--mode", "incremental",
+                     "--lengths", "40,300", "--repeats", "1", "--chunks", "32,128", "--output", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))  # tokens/s by chunk size and prompt length
+    assert [(r["prefill_chunk"], int(r["prompt_tokens"])) for r in rows] == [("32", 40), ("32", 300), ("128", 40),
+                                                                            ("128", 300)]
+    assert all(float(r["prefill_tokens_per_s"]) > 0 for r in rows)
     for flags, words in ((["--lengths", "1,x"], "--lengths"), (["--lengths", "2000"], "context"),
-                         (["--prefill-chunk", "0"], "--prefill-chunk")):
+                         (["--prefill-chunk", "0"], "--prefill-chunk"), (["--chunks", "0"], "--chunks"),
+                         (["--chunks", "64", "--prefill-chunk", "64"], "give one")):
         assert cli.main(["bench", "prefill", "--model", str(tiny_checkpoint), "--mode", "incremental", *flags,
                          "--output", str(out)]) == 2
         assert words in capsys.readouterr().err

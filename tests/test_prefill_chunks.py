@@ -39,8 +39,10 @@ def test_the_search_climbs_while_a_larger_chunk_pays_and_stops_where_it_does_not
     chunks = ChunkSizer(save=saved.append)
     top = chunks.candidate
     assert top == 4 * chunks.largest
-    assert chunks.probe(0, top) is None and chunks.probe(16, 5000) is None  # too short; not from position 0
-    assert chunks.probe(0, 5000) == chunks.largest  # the size with fewer samples first
+    assert chunks.probe(0, top) is None and chunks.probe(100, 5000) is None  # too short; too far in
+    assert chunks.probe(0, 5000) == chunks.probe(16, 5000) == chunks.largest  # (after a cached system prompt too)
+    assert chunks.size(16, 5000, 10_000, probe=top, start=16) == top
+    assert chunks.size(16 + top, 5000, 10_000, probe=top, start=16) == chunks.largest  # the probe's span is in
     assert chunks.size(0, 5000, 10_000, probe=chunks.largest) == chunks.largest
     assert chunks.size(0, 5000, 10_000, probe=top) == top
     for _ in range(SAMPLES):  # the larger chunk's tokens cost 30% less: taken, and the next size tried

@@ -703,7 +703,7 @@ class BatchEngine:
             return 1
         prompt = req.prompt_ids
         left = len(prompt) - st.fed
-        size = self.chunks.size(st.fed, left, self.max_capacity, st.probe)
+        size = self.chunks.size(st.fed, left, self.max_capacity, st.probe, st.cached)
         count = min(left, size)
         last = count == left
         self._fit_staging(max(self.cache_need(len(prompt)), st.fed + size), grow_only=True)
@@ -778,11 +778,11 @@ class BatchEngine:
         jax.block_until_ready(self.staging_state.root)
         st.probe_seconds += time.perf_counter() - began
         width = self.chunks.candidate
-        if width is not None and st.fed + count >= width:
+        if width is not None and st.fed + count >= st.cached + width:
             self.chunks.record(st.probe, width, st.probe_seconds)
             if self.verbose is not None:
                 self.verbose(self.chunks.describe())
-        if width is None or st.fed + count >= width:
+        if width is None or st.fed + count >= st.cached + width:
             st.probe = None
 
     def _reuse_prefix(self, st: _Staging) -> None:

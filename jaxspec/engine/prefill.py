@@ -6,9 +6,9 @@ tried on the prompts that arrive, and taken when it feeds tokens at least ``GAIN
 token; the climb stops at the first size that does not pay (on a compute-bound CPU a few hundred
 tokens already fill the matrix products; on a GPU a 135M model's prefill keeps gaining into the
 thousands). A comparison is fair by construction: a *probe* times the first ``W`` tokens of a
-prompt (``W`` = the larger size, from position 0, nothing reused) fed either as one chunk of the
-larger size or as chunks of the current one, so both sizes are timed over the same positions and
-the same attention work. What was found is kept in the cost cache (``jaxspec.engine.costs``) under
+prompt (``W`` = the larger size; fed from its start, after at most W/16 reused tokens such as a
+cached system prompt) either as one chunk of the larger size or as chunks of the current one, so
+both sizes are timed over the same positions and the same attention work. What was found is kept in the cost cache (``jaxspec.engine.costs``) under
 the device's calibration key, so a machine searches once; ``--prefill-chunk`` fixes the largest
 size instead (no search), as does a multi-process run (its processes must feed alike: they take
 process 0's stored size).
@@ -72,21 +72,22 @@ class ChunkSizer:
     def probe(self, start: int, length: int) -> int | None:
         """The size a prompt of ``length`` tokens starting at ``start`` should probe with (None: no probe).
 
-        Only a prompt fed from position 0 that holds a whole candidate chunk (and a token after it) probes;
-        probes alternate between the two sizes, the one with fewer samples first.
+        Only a prompt that holds a whole candidate chunk past ``start`` (and a token after it) probes, and only
+        from near its beginning (``start`` at most 1/16 of the chunk: a cached system prompt; a later span would
+        weigh more attention per token); probes alternate between the two sizes, the one with fewer samples first.
         """
         top = self.candidate
-        if top is None or start != 0 or length <= top:
+        if top is None or start > top // 16 or length <= start + top:
             return None
         have = {s: len(self.samples.get(s, [])) for s in (self.largest, top)}
         return top if have[top] < have[self.largest] else self.largest
 
-    def size(self, fed: int, left: int, limit: int, probe: int | None = None) -> int:
+    def size(self, fed: int, left: int, limit: int, probe: int | None = None, start: int = 0) -> int:
         """The next chunk's size for a prompt with ``fed`` tokens in and ``left`` to go, ending within ``limit``
         cache slots: whole chunks of the largest size that fits what is left, the rest in the smallest that holds
-        it; a probing prompt feeds its first ``candidate`` tokens in chunks of ``probe``."""
+        it; a probing prompt (from ``start``) feeds its first ``candidate`` tokens in chunks of ``probe``."""
         top = self.largest
-        if probe is not None and fed < (self.candidate or 0):
+        if probe is not None and fed < start + (self.candidate or 0):
             top = probe
         fits = [b for b in self.sizes if b <= top and fed + b <= limit] or [self.sizes[0]]
         whole = [b for b in fits if b <= left]
