@@ -735,10 +735,8 @@ class BatchEngine:
         self._staged = list(prompt[: st.fed])
         if not last:
             return size
-        self._fit(extra_rows=1, need=self.cache_need(len(prompt)))
-        if self.staging_capacity > self.capacity:  # the rows grow to the prompt's bucket now it joins them
-            self._fit(extra_rows=1, need=self.staging_capacity)
-        elif self.staging_capacity < self.capacity:
+        self._fit(extra_rows=1, need=self.staging_capacity)  # the rows grow to the prompt's bucket as it joins them
+        if self.staging_capacity < self.capacity:  # (they grew past it meanwhile)
             self._resize_staging(self.capacity)
         row = len(self.slots)
         self.state = self._fn("insert")(self.state, self.staging_state, jax.device_put(np.int32(row)))
