@@ -107,7 +107,7 @@ def test_capacity_edge_writes_stay_in_bounds(tiny_llm, monkeypatch):
     prompt = repetitive_prompts(1, tiny_llm.cfg.vocab_size, seed=3)[0]
     new = 300 - len(prompt)
     batch = BatchEngine(engine, max_batch=1, max_model_len=300)
-    assert batch.capacity_buckets[:2] == (256, 512) and batch.capacity == 256
+    assert len(batch.capacity_buckets) == 2 and batch.capacity == 256  # 256, then max_model_len + a step's slack
     (gen,) = batch.generate([Request(prompt, new)])
     assert gen.token_ids == Engine(tiny_llm).generate(prompt, new).token_ids
     assert batch.resizes >= 2  # grown past 256 slots, and shrunk back once the request left

@@ -66,7 +66,7 @@ def chain_node_masks(table: jax.Array, tree, sources: tuple[str, ...], forced_de
     """
     forced = sources.index("forced") if "forced" in sources else -2
     depth = tree.depth
-    index = jnp.where(depth == 0, 0, jnp.where(tree.ssm == forced, depth, forced_depth + depth))  # [B, N]
+    index = jnp.where(depth == 0, 0, jnp.where(tree.source == forced, depth, forced_depth + depth))  # [B, N]
     index = jnp.clip(index, 0, table.shape[1] - 1)
     bits = jnp.take_along_axis(table, index[..., None], axis=1)  # [B, N, W]
     return jnp.where(tree.valid[..., None], bits, -1)

@@ -141,7 +141,7 @@ def feed_root(forward: Forward, params, cache: KVCache, history: jax.Array, leng
 
 
 def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree, history: jax.Array,
-                      length: jax.Array, root: jax.Array, ssm_id: int = 0,
+                      length: jax.Array, root: jax.Array, source: int = 0,
                       features: jax.Array | None = None, spec: sampling.WarpSpec = sampling.WarpSpec(),
                       values=None, noise: jax.Array | None = None,
                       masker: Masker | None = None) -> tuple[TokenTree, jax.Array, KVCache]:
@@ -229,8 +229,8 @@ def speculate_dynamic(forward: Forward, params, cache: KVCache, dyn: DynamicTree
         valid = valid & ((par_tree < 0) | jnp.take_along_axis(valid, jnp.maximum(par_tree, 0), axis=1))
     par_tree = jnp.where((jnp.arange(n) > 0)[None, :] & (par_tree < 0), 0, par_tree)
     node_depth = jnp.broadcast_to(depth_j[chosen], (b, n)).astype(jnp.int32)
-    ssm = jnp.where(jnp.arange(n)[None, :] > 0, ssm_id, -1).astype(jnp.int32) + jnp.zeros((b, n), jnp.int32)
-    tree = TokenTree(jnp.take_along_axis(tokens, chosen, axis=1), par_tree, node_depth, valid, ssm, par_tree)
+    sources = jnp.where(jnp.arange(n)[None, :] > 0, source, -1).astype(jnp.int32) + jnp.zeros((b, n), jnp.int32)
+    tree = TokenTree(jnp.take_along_axis(tokens, chosen, axis=1), par_tree, node_depth, valid, sources, par_tree)
     return tree, jnp.zeros((), jnp.float32), cache
 
 
@@ -245,7 +245,7 @@ def speculate(
     key: jax.Array,
     spec: sampling.WarpSpec,
     values,
-    ssm_id: int = 0,
+    source: int = 0,
     features: jax.Array | None = None,
     noise: jax.Array | None = None,
     masker: Masker | None = None,
@@ -316,6 +316,6 @@ def speculate(
         tokens, probs, states, cache = jax.lax.fori_loop(1, m, level, (tokens, probs, states, cache))
 
     depth = jnp.broadcast_to(jnp.asarray(topo.depth, jnp.int32), (b, n))
-    ssm = jnp.where(parent >= 0, ssm_id, -1).astype(jnp.int32)
-    tree = TokenTree(tokens[:, :n], parent, depth, jnp.ones((b, n), bool), ssm, parent)
+    sources = jnp.where(parent >= 0, source, -1).astype(jnp.int32)
+    tree = TokenTree(tokens[:, :n], parent, depth, jnp.ones((b, n), bool), sources, parent)
     return tree, (probs[:, :n] if stochastic else probs), cache

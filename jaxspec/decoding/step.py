@@ -189,7 +189,7 @@ def pad_tree(tree: TokenTree, n: int) -> TokenTree:
     pad = lambda x, v: jnp.pad(x, ((0, 0), (0, extra)), constant_values=v)  # noqa: E731
     return TokenTree(
         pad(tree.tokens, 0), pad(tree.parent, 0), pad(tree.depth, 1), pad(tree.valid, False),
-        pad(tree.ssm, -1), pad(tree.proposer, 0),
+        pad(tree.source, -1), pad(tree.proposer, 0),
     )
 
 
@@ -264,8 +264,8 @@ def draft(cfg: DecodeConfig, ssm_forwards, ssm_params, state: DecodeState, key, 
         body = [q if p == 0 else q[:, 1:] for p, q in enumerate(probs)]
         base = sum(q.shape[1] for q in body)
         draft_probs = jnp.concatenate(body + [q[:, :1] for q in probs[1:]], axis=1)
-        own_root = (tree.proposer == 0) & (tree.ssm > 0)
-        tree = tree.replace(proposer=jnp.where(own_root, base + tree.ssm - 1, tree.proposer))
+        own_root = (tree.proposer == 0) & (tree.source > 0)
+        tree = tree.replace(proposer=jnp.where(own_root, base + tree.source - 1, tree.proposer))
     return tree, draft_probs, tuple(caches), proposed
 
 
@@ -285,7 +285,7 @@ def source_depths(tree: TokenTree, proposed: jax.Array, emitted: jax.Array, num:
         return (tree.parent < 0) | (own & jnp.take_along_axis(ok, safe, axis=1))
 
     agree = jax.lax.fori_loop(0, max_depth, grow, tree.parent < 0) & proposed & (tree.parent >= 0)
-    per = (tree.ssm[:, :, None] == jnp.arange(max(num_sources, 1))[None, None, :]) & agree[:, :, None]  # [B, N, P]
+    per = (tree.source[:, :, None] == jnp.arange(max(num_sources, 1))[None, None, :]) & agree[:, :, None]  # [B, N, P]
     return jnp.max(jnp.where(per, tree.depth[:, :, None], 0), axis=1).astype(jnp.int32)
 
 

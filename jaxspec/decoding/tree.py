@@ -174,7 +174,7 @@ class TokenTree:
     parent: jax.Array  # [B, N] int32, -1 for the root
     depth: jax.Array  # [B, N] int32
     valid: jax.Array  # [B, N] bool; False for padding and merged-away duplicates
-    ssm: jax.Array  # [B, N] int32, which SSM proposed the node (-1 for the root)
+    source: jax.Array  # [B, N] int32, which speculator proposed the node, in merge order (-1 for the root)
     proposer: jax.Array  # [B, N] int32, row of draft_probs the node was drawn from (-1 root)
 
     @property
@@ -198,7 +198,7 @@ def merge(trees: Sequence[TokenTree], max_depth: int, dedup: bool = True) -> Tok
     once. ``proposer`` keeps pointing at the original parent's row, so the draft
     distribution each node was drawn from stays known.
     """
-    parts_tok, parts_par, parts_dep, parts_val, parts_ssm, parts_prop = [], [], [], [], [], []
+    parts_tok, parts_par, parts_dep, parts_val, parts_source, parts_prop = [], [], [], [], [], []
     offset = 0
     for j, t in enumerate(trees):
         sl = slice(0, None) if j == 0 else slice(1, None)
@@ -208,11 +208,11 @@ def merge(trees: Sequence[TokenTree], max_depth: int, dedup: bool = True) -> Tok
         parts_par.append(shift[:, sl])
         parts_dep.append(t.depth[:, sl])
         parts_val.append(t.valid[:, sl])
-        parts_ssm.append(t.ssm[:, sl])
+        parts_source.append(t.source[:, sl])
         parts_prop.append(pshift[:, sl])
         offset += t.num_nodes - (0 if j == 0 else 1)
     cat = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
-    tree = TokenTree(cat(parts_tok), cat(parts_par), cat(parts_dep), cat(parts_val), cat(parts_ssm), cat(parts_prop))
+    tree = TokenTree(cat(parts_tok), cat(parts_par), cat(parts_dep), cat(parts_val), cat(parts_source), cat(parts_prop))
     return deduplicate(tree, max_depth) if dedup else tree
 
 
