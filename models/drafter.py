@@ -107,12 +107,15 @@ DraftForward = Callable[..., tuple[jax.Array, KVCache, jax.Array]]
 
 def make_drafter_forward(cfg: ModelConfig, dtype=jnp.float32, draft_vocab: int = 0,
                          feature_layers: tuple[int, ...] = (), lowering: Lowering | None = None) -> DraftForward:
-    """``forward(params, tokens, features, positions, cache, mask, select=None) -> (logits, cache, states)``;
-    ``lowering``'s kv_write (default: this platform's)."""
+    """``forward(params, tokens, positions, cache, mask, select=None, features=...) -> (logits, cache, states)``:
+    the transformer's forward signature (``models.transformer.make_forward``) plus the states it reads, features
+    [B, T, D] (required); ``lowering``'s kv_write (default: this platform's)."""
     lowering = lowering or default_lowering()
     model = FeatureDrafter(cfg, dtype, draft_vocab, tuple(feature_layers), lowering.kv_write)
 
-    def forward(params, tokens, features, positions, cache, mask, select=None):
+    def forward(params, tokens, positions, cache, mask, select=None, features=None):
+        if features is None:
+            raise ValueError("a feature drafter reads the LLM's states: pass features=[B, T, D]")
         return model.apply({"params": params}, tokens, features, positions, cache, mask, select)
 
     return forward

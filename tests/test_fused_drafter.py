@@ -65,15 +65,15 @@ def test_unrolled_training_states_equal_drafting_states():
     for root in (0, 4, 8):
         cache = KVCache.create(dcfg, 1, t + 4)
         n = root + 1  # committed context: slots 0..root, fed with the LLM's states
-        _, cache, h = draft(params, tokens[:, :n], fed[:, :n], jnp.arange(n)[None], cache,
-                            causal_mask(jnp.zeros((1,), jnp.int32), n, t + 4))
+        _, cache, h = draft(params, tokens[:, :n], jnp.arange(n)[None], cache,
+                            causal_mask(jnp.zeros((1,), jnp.int32), n, t + 4), features=fed[:, :n])
         cache = cache.replace(length=jnp.full((1,), n, jnp.int32))
         state = h[:, -1:]
         np.testing.assert_allclose(state[0, 0], states[0][0, root], atol=2e-4)
         for level in (2, 3):
             slot = root + level - 1
-            _, cache, state = draft(params, tokens[:, slot: slot + 1], state, jnp.full((1, 1), slot), cache,
-                                    causal_mask(cache.length, 1, t + 4))
+            _, cache, state = draft(params, tokens[:, slot: slot + 1], jnp.full((1, 1), slot), cache,
+                                    causal_mask(cache.length, 1, t + 4), features=state)
             cache = cache.replace(length=cache.length + 1)
             np.testing.assert_allclose(state[0, 0], states[level - 1][0, slot], atol=2e-4)
 

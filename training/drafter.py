@@ -134,8 +134,8 @@ def make_step(llm, dcfg, ids: jax.Array, cfg: DrafterConfig, opt):
         b, t = tokens.shape
         cache = KVCache.create(dcfg, b, t)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        _, _, h = draft(params, jnp.maximum(tokens, 0), feats_in, pos, cache,
-                        causal_mask(jnp.zeros((b,), jnp.int32), t, t))
+        _, _, h = draft(params, jnp.maximum(tokens, 0), pos, cache, causal_mask(jnp.zeros((b,), jnp.int32), t, t),
+                        features=feats_in)
         return h, h @ head.T  # [B, T, D], [B, T, V']
 
     def losses(params, tokens, feats, target, key):

@@ -64,7 +64,7 @@ def unrolled_states(draft, params: dict, dcfg, tokens: jax.Array, feats: jax.Arr
                                   v=cache.v.at[:, :, :, : (j - 1) * t].set(prev_v),
                                   length=jnp.full((b,), (j - 1) * t, jnp.int32))
         mask = jnp.broadcast_to(ttt_mask(t, j)[None], (b, t, j * t))
-        _, cache, h = draft(params, tokens, fed, pos, cache, mask)
+        _, cache, h = draft(params, tokens, pos, cache, mask, features=fed)
         states.append(h)
         prev_k, prev_v = cache.k, cache.v
         fed = shift_features(h)  # step j+1 reads this step's state of the previous slot

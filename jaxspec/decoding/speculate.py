@@ -58,12 +58,10 @@ class LevelTables:
 
 
 def call(forward, params, toks, feats, positions, cache: KVCache, mask, select=None):
-    """(logits, cache, states or None) of any forward: a feature drafter reads feats [B, T, D]
-    (and returns its predicted states); a Transformer reads none (and returns its states only
+    """(logits, cache, states or None) of any forward (one signature): a feature drafter reads feats [B, T, D]
+    as ``features=`` (and returns its predicted states); a Transformer reads none (and returns its states only
     when made with ``hidden=True``)."""
-    if feats is not None:
-        return forward(params, toks, feats, positions, cache, mask, select)
-    out = forward(params, toks, positions, cache, mask, select)
+    out = forward(params, toks, positions, cache, mask, select, **({} if feats is None else {"features": feats}))
     return out[0], out[1], (out[2] if len(out) > 2 else None)
 
 
