@@ -60,6 +60,8 @@ class EngineConfig:
     ``$JAXSPEC_LOWERING``."""
     verbose: bool = False
     """Report the loaded model's host memory and where and how the engine runs (``-v``)."""
+    recalibrate: bool = False
+    """Auto: measure this device's cost curve again (``--recalibrate``) instead of reading the cost cache's."""
 
     def __post_init__(self) -> None:
         for field, value, known in (("--mode", self.mode, MODES), ("--dtype", self.dtype, DTYPE_NAMES),

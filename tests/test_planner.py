@@ -83,6 +83,8 @@ def test_auto_measures_the_curve_once_derives_its_trees_and_prices_unmeasured_bu
     assert "cost curve" in log.getvalue() and "T=64" in log.getvalue()
     again = engine_from(EngineConfig(mode="auto"), llm, speculators)
     assert len(measured) == 2 and again.cost_curve == curve  # read from the cost cache
+    engine_from(EngineConfig(mode="auto", recalibrate=True), llm, speculators)
+    assert len(measured) == 4  # --recalibrate measures the curve again
     given = engine_from(EngineConfig(mode="auto", expansion="1,1;1,1"), llm, speculators)
     assert given.cost_curve is None and given.family(sampling.SamplingParams())["ngram"].ngram_depth == 2
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())

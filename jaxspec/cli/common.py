@@ -152,7 +152,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "own, e.g. '1,1,3,1;1,2,1' (an n-gram proposes a chain as deep as its config); "
                    "dynamic:NODES[:DEPTH[:WIDTH]] grows an SSM's tree by its own confidence (greedy; EAGLE-2)")
     p.add_argument("--recalibrate", action="store_true",
-                   help="auto: measure the step costs again instead of reusing the cached calibration")
+                   help="auto: measure this device's cost curve and the step costs again instead of reusing the "
+                        "cached calibration")
     p.add_argument("-v", "--verbose", action="store_true", help="print the tree each step runs (auto) and costs")
     p.add_argument("--draft-vocab", type=int, metavar="N",
                    help="learned SSMs score only the N most frequent tokens (a pool's counts, else the first N ids); "
@@ -213,7 +214,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, mode=args.mode,
         speculators=tuple(args.ssm) if args.ssm else None, expansion=args.expansion,
         tree_budget=args.tree_budget, verify=args.verify, draft_vocab=args.draft_vocab, mesh=args.mesh,
-        offload=args.offload, forced_tokens=args.forced_tokens, lowering=args.lowering, verbose=args.verbose)
+        offload=args.offload, forced_tokens=args.forced_tokens, lowering=args.lowering, verbose=args.verbose,
+        recalibrate=getattr(args, "recalibrate", False))
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:

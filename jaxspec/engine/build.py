@@ -142,7 +142,7 @@ def auto_curve(config: EngineConfig, llm: LoadedModel, speculators: Sequence = (
     from jaxspec.engine.planner import CostCurve, measure_curve  # noqa: PLC0415
 
     learned = [s for s in speculators if not isinstance(s, NGramSpeculator)]
-    curve = measure_curve(llm, learned, lowering_of(config))
+    curve = measure_curve(llm, learned, lowering_of(config), refresh=config.recalibrate)
     if jax.process_count() > 1:
         import numpy as np  # noqa: PLC0415
         from jax.experimental import multihost_utils  # noqa: PLC0415
