@@ -90,8 +90,8 @@ class SchedulerConfig:
     prefill_stall: float | None = None
     """While requests decode, a long prompt's chunks take at most this fraction of their decoding time
     (``--prefill-stall``: 0.5 keeps the decoding rows' median per-token latency within about 1.5x while it enters,
-    at the cost of that prompt's time to first token); None: 0.5 in one process (a multi-process run cannot pace:
-    off); 0: off, one chunk every iteration."""
+    at the cost of that prompt's time to first token); None or 0: off, one chunk every iteration (``jaxspec serve``
+    passes 0.5 unless told otherwise; offline ``generate`` keeps its rows batched and its throughput)."""
     prefix_cache_bytes: int | None = None
     """Bound of the prefix cache (``--prefix-cache-gb``; ``jaxspec.engine.prefix``): prompts' K/V kept in blocks a
     later prompt sharing the prefix starts after; None: a share of free memory; 0: off."""

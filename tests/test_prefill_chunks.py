@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_model
+from jaxspec.cli.serve import serve_stall
 from jaxspec.config import SchedulerConfig
 from jaxspec.engine import Engine
 from jaxspec.engine import prefill
@@ -111,12 +112,13 @@ def test_a_long_prompt_enters_beside_a_decoding_row_without_changing_its_bucket(
     assert grown and not any(seen[k][0] for k in grown)  # once it is inserted, the rows grow to its bucket
 
 
-def test_long_prompts_are_paced_beside_decoding_rows_by_default(llm):
+def test_the_server_paces_long_prompts_by_default_and_generate_does_not(llm):
     engine = Engine(llm)
-    batch = build_scheduler(engine, SchedulerConfig(max_batch=2, max_model_len=320))
+    assert serve_stall(None) == PREFILL_STALL and serve_stall(0.2) == 0.2 and serve_stall(0) == 0
+    batch = build_scheduler(engine, SchedulerConfig(max_batch=2, max_model_len=320, prefill_stall=serve_stall(None)))
     assert batch.prefill_stall == PREFILL_STALL
     assert build_scheduler(engine, SchedulerConfig(max_model_len=320, prefill_stall=0)).prefill_stall is None
-    assert build_scheduler(engine, SchedulerConfig(max_model_len=320, prefill_stall=0.2)).prefill_stall == 0.2
+    assert build_scheduler(engine, SchedulerConfig(max_model_len=320)).prefill_stall is None  # generate, bench
     long_prompt = [int(x) for x in np.random.default_rng(2).integers(1, llm.cfg.vocab_size, 300)]
     requests = [Request([5, 3, 8], 30), Request(long_prompt, 6)]
     want = [engine.generate(r.prompt_ids, r.max_new_tokens).token_ids for r in requests]

@@ -184,9 +184,9 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
                         "that still feeds tokens faster; measure: jaxspec bench prefill --chunks)")
     p.add_argument("--prefill-stall", type=float, metavar="R",
                    help="while requests decode, a long prompt's chunks take at most R times their decoding time "
-                        "(default 0.5: their median per-token latency stays within ~1.5x while it enters, which "
-                        "then waits longer for its first token; 0: off, one chunk every iteration; a multi-process "
-                        "run is always off)")
+                        "(0.5: their median per-token latency stays within ~1.5x while it enters, which then waits "
+                        "longer for its first token; 0: off, one chunk every iteration). Default: 0.5 for serve "
+                        "(off in a multi-process run), off for generate and bench, which keep rows batched")
     p.add_argument("--prefix-cache-gb", type=float, metavar="GB",
                    help="bound of the prefix cache, which keeps prompts' K/V in 16-token blocks so a later prompt "
                         "sharing a prefix (a system prompt, a document, a chat's earlier turns) starts after it "

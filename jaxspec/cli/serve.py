@@ -48,6 +48,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def serve_stall(flag: float | None) -> float:
+    """The server's ``--prefill-stall``: as given, else 0.5 (a long prompt entering keeps the streams' latency);
+    0 (off) in a multi-process run, whose processes cannot pace by one clock (asking for pacing there is refused)."""
+    import jax  # noqa: PLC0415 (initialized before the command runs)
+
+    from jaxspec.engine.batch import PREFILL_STALL  # noqa: PLC0415
+
+    if jax.process_count() > 1:
+        if flag:
+            raise CliError("--prefill-stall paces admissions by this process's clock: a multi-process server "
+                           "cannot use it (its processes must admit in the same iterations)")
+        return 0.0
+    return PREFILL_STALL if flag is None else flag
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """``jaxspec serve``: refuses what serve cannot do before minutes of loading, then serves until stopped."""
     if args.no_chat:
@@ -67,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server.check_address(args.host, args.port)  # before minutes of loading and compiling
     check_prefill_args(args)
     scheduler = SchedulerConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, max_queue=args.max_queue,
-                                prefill_chunk=args.prefill_chunk, prefill_stall=args.prefill_stall,
+                                prefill_chunk=args.prefill_chunk, prefill_stall=serve_stall(args.prefill_stall),
                                 prefix_cache_bytes=prefix_cache_bytes(args))
     config = server.ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                 api_key=key, max_body_bytes=args.max_body_bytes, request_log=args.request_log,

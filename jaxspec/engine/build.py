@@ -180,13 +180,9 @@ def mesh_of(config: EngineConfig) -> Mesh | None:
 def build_scheduler(engine: Engine, config: SchedulerConfig, **hooks: Any) -> BatchEngine:
     """The scheduling loop over ``engine`` with ``config``'s limits; ``hooks`` are ``BatchEngine``'s callbacks and
     run-time companions (``on_iteration``, ``sync``, ``verbose``)."""
-    import jax  # noqa: PLC0415
+    from jaxspec.engine.batch import BatchEngine  # noqa: PLC0415
 
-    from jaxspec.engine.batch import PREFILL_STALL, BatchEngine  # noqa: PLC0415
-
-    # pacing reads this process's clock: a multi-process run (whose processes admit alike) runs unpaced
-    stall = (PREFILL_STALL if jax.process_count() == 1 else None) if config.prefill_stall is None else (
-        config.prefill_stall or None)
+    stall = config.prefill_stall or None  # 0: off, as None
     return BatchEngine(engine, max_batch=config.max_batch, max_model_len=config.max_model_len,
                        max_queue=config.max_queue, eager=config.eager, prefill_chunk=config.prefill_chunk,
                        prefill_stall=stall, prefix_cache_bytes=config.prefix_cache_bytes, **hooks)
