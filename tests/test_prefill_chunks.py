@@ -123,3 +123,22 @@ def test_the_server_paces_long_prompts_by_default_and_generate_does_not(llm):
     requests = [Request([5, 3, 8], 30), Request(long_prompt, 6)]
     want = [engine.generate(r.prompt_ids, r.max_new_tokens).token_ids for r in requests]
     assert [g.token_ids for g in batch.generate(requests)] == want
+
+
+def test_a_short_request_is_admitted_beside_a_long_prompt_still_entering(llm):
+    """A short prompt queued behind a long one gets its first token while the long one is still being fed (a second
+    staging row), a row stays free for the long one, and every request's tokens are its solo ones."""
+    engine = Engine(llm)
+    rng = np.random.default_rng(4)
+    long_prompt = [int(x) for x in rng.integers(1, llm.cfg.vocab_size, 300)]
+    requests = [Request([5, 3, 8], 30, id="a"), Request(long_prompt, 5, id="long"), Request([9, 2, 6, 1], 8, id="b")]
+    want = [engine.generate(r.prompt_ids, r.max_new_tokens).token_ids for r in requests]
+    firsts = []
+    batch = BatchEngine(engine, max_batch=3, max_model_len=320, prefill_chunk=64)
+    got = batch.generate(requests, on_event=lambda _, ev: ev.request_id in firsts or firsts.append(ev.request_id))
+    assert [g.token_ids for g in got] == want
+    assert firsts == ["a", "b", "long"]  # b came after long and did not wait for its 300 tokens
+    full = BatchEngine(engine, max_batch=2, max_model_len=320, prefill_chunk=64)  # no free row beside: b waits
+    firsts.clear()
+    got = full.generate(requests, on_event=lambda _, ev: ev.request_id in firsts or firsts.append(ev.request_id))
+    assert [g.token_ids for g in got] == want and firsts.index("b") > firsts.index("long")

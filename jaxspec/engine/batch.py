@@ -288,6 +288,7 @@ class BatchEngine:
         self.rows, self.capacity = self.row_buckets[0], self.capacity_buckets[0]
         self.state = engine.init_state(self.rows, self.capacity, sampling.MIXED, active=False)
         self.staging_capacity = self.capacity  # the staging row's own bucket: its prompt's, at least the rows'
+        self._spare: tuple | None = None  # (state, capacity): a second staging row, for prompts admitted beside
         self.staging_state = engine.init_state(1, self.capacity, sampling.MIXED, active=False)
         self.slots: list[_Slot] = []  # live requests; slots[i] owns row i of the state
         self.staging: _Staging | None = None
@@ -578,6 +579,7 @@ class BatchEngine:
             self.planner.harvest()
         for slot in [s for s in self.slots if self._cancelled(s.ticket)]:
             self._retire(slot, "cancelled")
+        beside = self._admit_beside()
         budget = self.chunks.largest
         paced = self.prefill_stall is not None and bool(self.slots)
         if not self.slots or self.staging is None:  # a prompt's first chunk is not paced: only a long one waits
@@ -604,7 +606,8 @@ class BatchEngine:
         if paced and fed_now:
             jax.block_until_ready(self.staging_state.root)
             self._prefill_debt += time.perf_counter() - began
-        self._chunk_queued = bool(fed_now) and not paced  # paced: the chunk is done before the next launch
+        # paced: the chunk is done before the next launch (a short prompt admitted beside is never waited for)
+        self._chunk_queued = bool(beside) or (bool(fed_now) and not paced)
         if not self.slots:
             self._pending = None  # an iteration of retired rows only: nothing left to read
             self._fit()
@@ -760,6 +763,40 @@ class BatchEngine:
             if slot.row >= 0:
                 self._retire(slot, "error", error=f"{type(exc).__name__}: {exc}")
         return size
+
+    def _admit_beside(self) -> int:
+        """Admits the waiting head in one chunk while a long prompt is still being fed, so a short request does not
+        wait for a long one's whole entry (its first token comes in this iteration): the long prompt's staging row
+        is set aside, a second one takes the short prompt through the usual admission, and the long one is put
+        back. A row stays free for the long prompt. Returns the tokens fed."""
+        st = self.staging
+        if st is None or len(st.ticket.request.prompt_ids) - st.fed <= self.chunks.largest:
+            return 0  # nothing long in the way
+        if len(self.slots) + 2 > self.max_batch:
+            return 0
+        with self.lock:
+            if not self.waiting or len(self.waiting[0][0].request.prompt_ids) > self.chunks.largest:
+                return 0
+        aside = (st, self.staging_state, self.staging_capacity, self._staged)
+        if self._spare is None:
+            self._spare = (self.engine.init_state(1, self.capacity, sampling.MIXED, active=False), self.capacity)
+        self.staging, self._staged = None, []  # the spare row's K/V are no prompt's record
+        self.staging_state, self.staging_capacity = self._spare
+        fed = 0
+        try:
+            while True:  # staged, fed (one chunk, or a few where the cache's end bounds them) and inserted here
+                some = self._admit()
+                fed += some
+                if not some or self.staging is None:
+                    break
+        except Exception as exc:  # noqa: BLE001 — the short request fails alone
+            self.sync.failed("admitting a request", exc)
+            short, fed = self.staging, 0
+            if short is not None:
+                _deliver(short.on_event, Event(short.ticket.request.id, [], "error", f"{type(exc).__name__}: {exc}"))
+        self._spare = (self.staging_state, self.staging_capacity)
+        self.staging, self.staging_state, self.staging_capacity, self._staged = aside
+        return fed
 
     def _probe_chunk(self, st: _Staging, call: tuple, count: int) -> None:
         """Feeds a probing prompt's chunk timed alone (the iteration in flight and the chunk before it done first,
