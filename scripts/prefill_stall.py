@@ -4,7 +4,8 @@
 request when one ends, so they decode throughout). After ``--baseline`` seconds their inter-token gaps
 (between streamed chunks: one iteration each) give the baseline; then one prompt of about
 ``--long-tokens`` tokens is sent, and their gaps from its sending to its first token are the ones
-while it entered. Prints both (p50, mean, p90), their p50 ratio and the long prompt's TTFT, in one run:
+while it entered. Prints both (p50, mean, p90), their p50 ratio, the TTFT of the neighbour requests
+sent while it entered (beside their TTFT before) and the long prompt's TTFT, in one run:
 
     jaxspec serve --max-model-len 4608 &          # default pacing; --prefill-stall 0: unpaced
     python scripts/prefill_stall.py --port 8000 --prompt-file ../shared/prompts/dev_prompts.jsonl
@@ -35,13 +36,17 @@ def stream(port: int, content: str, max_tokens: int, stamps: list[float]) -> Non
 
 
 def client(port: int, prompts: list[str], max_tokens: int, gaps: list[tuple[float, float]],
-           stop: threading.Event) -> None:
-    """Streams requests back to back until ``stop``; records (gap seconds, arrival) within each request."""
+           ttfts: list[tuple[float, float]], stop: threading.Event) -> None:
+    """Streams requests back to back until ``stop``; records (gap seconds, arrival) within each request and
+    (TTFT seconds, sending) of each."""
     k = 0
     while not stop.is_set():
         stamps: list[float] = []
+        sent = time.perf_counter()
         stream(port, prompts[k % len(prompts)], max_tokens, stamps)
         gaps.extend((b - a, b) for a, b in zip(stamps, stamps[1:]))
+        if stamps:
+            ttfts.append((stamps[0] - sent, sent))
         k += 1
 
 
@@ -67,8 +72,9 @@ def main() -> None:
         rows = [json.loads(line)["prompt"] for line in f if line.strip()]
     stop = threading.Event()
     gaps: list[list[tuple[float, float]]] = [[] for _ in range(args.clients)]
-    threads = [threading.Thread(target=client, args=(args.port, rows[i:] + rows[:i], args.neighbour_tokens, g, stop))
-               for i, g in enumerate(gaps)]
+    ttfts: list[tuple[float, float]] = []
+    threads = [threading.Thread(target=client, args=(args.port, rows[i:] + rows[:i], args.neighbour_tokens, g, ttfts,
+                                                     stop)) for i, g in enumerate(gaps)]
     for t in threads:
         t.start()
     time.sleep(2.0)  # every client's first request admitted
@@ -93,6 +99,10 @@ def main() -> None:
         print(f"p50 ratio: {statistics.median(inside) / statistics.median(alone):.2f}x")
     else:
         print("neighbours while it entered: no token")
+    before = [t for t, at in ttfts if begun <= at < sent]
+    during = [t for t, at in ttfts if sent <= at <= first[0]]
+    if before and during:
+        print(f"neighbour requests' TTFT: {summary(before)} before; {summary(during)} sent while it entered")
 
 
 if __name__ == "__main__":
