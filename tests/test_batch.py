@@ -380,6 +380,52 @@ def test_replayed_gpu_measurements_make_lazy_auto_speculate_from_the_first_reque
     assert BatchEngine(engine, max_batch=1, max_model_len=64).planner.build_share() == pytest.approx(1 - 2.50 / 6.56)
 
 
+def test_a_second_tree_is_judged_by_what_it_adds_and_a_share_never_measured_is_never_kept(llm, tmp_path,
+                                                                                            monkeypatch):
+    """Compile decisions price a tree against the best member the bucket has or is building, not the plain step
+    (the merged tree is worth what it adds to the drafter's); a build is judged on the iterations left once it is
+    ready (the loop runs plain while it builds); and the share of a build's time the loop lost is kept for later
+    runs only once plain steps were timed both alone and beside a build (a first build starts before any ran
+    alone: that was kept as "nothing lost" before)."""
+    from jaxspec.engine.auto import KINDS
+
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    engine = Engine(llm, speculators=[llm, NGramSpeculator(3)], expansion=[(1, 1, 1), (1, 1, 1)], auto=True)
+    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
+    batch = BatchEngine(engine, max_batch=1, max_model_len=64)
+    planner, chooser = batch.planner, engine.chooser(greedy)
+    for kind, rates in ((KINDS[0], (0.8, 0.7, 0.6)), (KINDS[3], (0.5, 0.4, 0.3))):  # drafter; 3+-token n-gram
+        for depth, rate in enumerate(rates, start=1):
+            chooser.global_stats[kind].trials[depth] += 400
+            chooser.global_stats[kind].hits[depth] += 400 * rate
+    bucket = (greedy, 1, batch.capacity_buckets[0])
+    every = {"none": 1e-2, "ssm": 1.2e-2, "ngram": 1.1e-2, "ssm+ngram": 1.3e-2}
+    rows = [(3, 3)]  # a 3-token proposal from a 3-token match
+    assert {"ssm", "ssm+ngram"} <= set(every) <= set(engine.family(greedy)) | {"none"}
+    planner.compile_seconds, planner.stored_share = 2.0, 0.5
+    rate = {n: chooser.mean_tokens(n, rows) / chooser.cost(n, every) for n in every}
+    assert rate["ssm+ngram"] > rate["ssm"] > rate["none"]
+    ahead = 2.0 / (1e-2 / 0.5)  # plain iterations run while the build is in (its 2 s, at the pace beside it)
+    over_plain = 1e-2 * rate["none"] * (1 / rate["none"] - 1 / rate["ssm+ngram"])
+    over_ssm = 1e-2 * rate["none"] * (1 / rate["ssm"] - 1 / rate["ssm+ngram"])
+    left = ahead + 1.1 * 1.0 / over_ssm  # after the build, the merged tree would save 1.1 s over the drafter's alone
+    assert planner.worth_compiling("ssm+ngram", chooser, rows, every, bucket, left=left)  # nothing built: 1.1 > 1
+    planner.regret.clear()
+    planner.bucket_costs[bucket] = {"none": 1e-2, "ssm": 1.2e-2}  # the drafter's tree is ready
+    left = ahead + 0.9 * 1.0 / over_ssm
+    assert over_plain * (left - ahead) > 1.0  # over the plain step it would still look worth its price
+    assert not planner.worth_compiling("ssm+ngram", chooser, rows, every, bucket, left=left)  # over ssm: 0.9 < 1
+    planner.regret.clear()
+    left = ahead / 2 + 1.0 / over_ssm  # saves over_ssm * left > 1 s in all, but < 1 s once the build is in
+    assert not planner.worth_compiling("ssm+ngram", chooser, rows, every, bucket, left=left)
+    planner.plain_beside.extend([2.0] * 8)  # beside a build, before any plain step ran alone
+    planner.close()
+    assert engine.build_share() is None and planner.measured_share() is None
+    planner.plain_alone.extend([1.0] * 8)
+    planner.close()
+    assert engine.build_share() == pytest.approx(0.5) == planner.measured_share()
+
+
 def test_a_failed_background_build_stays_out_and_multi_process_loops_build_in_the_loop(llm, monkeypatch):
     """A build that raises is not retried at every pick (its member stays out of that bucket) and the outputs are
     unchanged; a loop whose sync is not local (a multi-process run) never builds in the background."""

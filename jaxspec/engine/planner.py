@@ -275,6 +275,7 @@ class Planner:
         self.plain_beside: collections.deque[float] = collections.deque(maxlen=64)
         self.switch_interval: float | None = None  # the interpreter's, while builds lower it
         self.stored_share: float | None = None  # ``build_share`` as an earlier run on this device measured it
+        self.kept_share: float | None = None  # the share this process last recorded for later runs
         self.builds: list[tuple[int, tuple]] = []  # (iteration, (warp, rows, capacity, member)) of background builds
         self.builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: builds run one at a time
         self.building: dict[tuple, concurrent.futures.Future] = {}  # (warp, rows, capacity, member) -> its build
@@ -312,8 +313,9 @@ class Planner:
         return name
 
     def close(self) -> None:
-        """Drops the builds not started, lets a running one finish unused, restores the interpreter's switch
-        interval (a loop that stops must leave the process as it found it)."""
+        """Keeps the build share if measured, drops the builds not started, lets a running one finish unused,
+        restores the interpreter's switch interval (a loop that stops must leave the process as it found it)."""
+        self.keep_share()
         if self.builder is not None:
             self.builder.shutdown(wait=False, cancel_futures=True)
             self.builder = None
@@ -409,12 +411,29 @@ class Planner:
         a build), medians, as measured in this process, else as this machine measured it last (kept per device
         beside the calibrations). Never measured here: none, so the first build is the measurement (explore once
         per machine; its executable stays in the compile cache)."""
-        alone, beside = self.plain_alone, self.plain_beside
-        if len(alone) >= MIN_WATCHED and len(beside) >= MIN_WATCHED:
-            return float(np.clip(1.0 - np.median(alone) / np.median(beside), 0.0, 1.0))
+        measured = self.measured_share()
+        if measured is not None:
+            return measured
         if self.stored_share is None:
             self.stored_share = self.engine.build_share()
         return self.stored_share if self.stored_share is not None else 0.0
+
+    def measured_share(self) -> float | None:
+        """``build_share`` as this process measured it, or None until it has timed ``MIN_WATCHED`` plain steps
+        both alone and beside a build (a first build starts before any plain step ran alone: it is not a
+        measurement of nothing lost, and is never kept as one)."""
+        alone, beside = self.plain_alone, self.plain_beside
+        if len(alone) < MIN_WATCHED or len(beside) < MIN_WATCHED:
+            return None
+        return float(np.clip(1.0 - np.median(alone) / np.median(beside), 0.0, 1.0))
+
+    def keep_share(self) -> None:
+        """Records the measured share for this machine's next runs (once measured; on every harvest and at close,
+        since the plain steps alone that complete it may come after the builds)."""
+        share = self.measured_share()
+        if share is not None and share != self.kept_share:
+            self.engine.build_share(share)
+            self.kept_share = share
 
     def build_in_background(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str,
                             iteration: int) -> None:
@@ -461,8 +480,7 @@ class Planner:
             known = self.bucket_costs.setdefault((warp, rows, capacity), {})
             known[name] = self.estimated(warp, rows, capacity, known)[name]
             share = self.build_share()
-            if len(self.plain_beside) >= MIN_WATCHED:
-                self.engine.build_share(share)
+            self.keep_share()
             if self.verbose is not None:
                 self.verbose(f"built {name} for {rows} row(s) x {capacity} slots, {warp.label}: {seconds:.1f} s "
                              f"(background; the loop loses {share:.0%} of a build's time)")
@@ -560,23 +578,35 @@ class Planner:
                         drawn: dict[str, float] | None = None) -> bool:
         """Whether compiling ``name`` for ``bucket`` (warp, rows, capacity) now saves more than it costs.
 
-        The saving per iteration is the share of time ``name`` saves over no speculation (under the
-        pick's posterior draw ``drawn``, so a tree never built is explored as a built one is; else the
-        posterior means) times the plain step's cost; the price is what readying it costs on this
-        machine (``ready_seconds``: a compile, or a load where it was built before). Compile once the
-        iterations in sight (``left``: the live rows' and the queue's tokens, in iterations) would save the
-        compile time, or once the iterations already run without it lost that much (rent or buy: a long-lived server
-        whose requests are each too short still compiles the trees its load keeps wanting,
-        at most twice the best cost in hindsight).
+        The saving per iteration is the time ``name`` saves over the best member the bucket has or is
+        building (the plain step at least: a second tree is worth only what it adds to the first), in plain
+        steps' seconds; the price is what readying it costs on this machine (``build_price``: a compile, or a
+        load where it was built before). Compile once the iterations in sight (``left``: the live rows' and
+        the queue's tokens, in iterations) that remain after the builds ahead of it and its own (in the
+        background the loop runs plain meanwhile) would save the price at the posterior means, or once the
+        iterations already run without it lost that much under the picks' own posterior draws ``drawn``
+        (rent or buy: a long-lived server whose requests are each too short still compiles the trees its
+        load keeps wanting, at most twice the best cost in hindsight; the draws let a tree never built be
+        explored as a built one is, while one lucky draw is not multiplied by all the work in sight).
         """
-        if drawn and name in drawn and "none" in drawn:  # the pick's own draw: exploration reaches compiles too
-            rate = {n: drawn[n] for n in ("none", name)}
-        else:
-            rate = {n: chooser.mean_tokens(n, rows) / chooser.cost(n, costs) for n in ("none", name)}
-        if rate[name] <= rate["none"]:
-            return False
-        per_step = (1 - rate["none"] / rate[name]) * chooser.cost("none", costs)
-        key = (*bucket, name)
-        self.regret[key] = self.regret.get(key, 0.0) + per_step
-        return max(per_step * left, self.regret[key]) > self.build_price(*bucket, name)
+        have = [n for n in costs if n == "none" or n in self.bucket_costs.get(bucket, {})
+                or (*bucket, n) in self.building]
+        plain = chooser.cost("none", costs)
 
+        def saving(rate: dict[str, float]) -> float:
+            """Seconds ``name`` saves per plain step's tokens over the best of ``have`` at these rates."""
+            base = max(rate[n] for n in have)
+            return plain * rate["none"] * max(1 / base - 1 / rate[name], 0.0)
+
+        mean = saving({n: chooser.mean_tokens(n, rows) / chooser.cost(n, costs) for n in have + [name]})
+        drawn_saving = saving(drawn) if drawn and all(n in drawn for n in have + [name]) else mean
+        if max(mean, drawn_saving) <= 0:
+            return False
+        key = (*bucket, name)
+        self.regret[key] = self.regret.get(key, 0.0) + drawn_saving
+        price = self.build_price(*bucket, name)
+        ahead = 0.0
+        if self.background:  # iterations that run plain, at their pace beside a build, before it is ready
+            beside = plain / max(1.0 - self.build_share(), 1e-3)
+            ahead = (len(self.building) + 1) * self.ready_seconds(*bucket, name) / beside
+        return max(mean * max(left - ahead, 0.0), self.regret[key]) > price
