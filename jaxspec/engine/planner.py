@@ -14,6 +14,9 @@ engine replaces it with what it observes (``jaxspec.engine.auto``): the SSM's to
 with the LLM at each depth with ``auto.PRIOR_RATE``, and keeping k candidates per node shrinks the
 miss rate as k^-``WIDTH_DECAY`` (0.18 reproduces the shipped drafter's held-out top-1 0.487 and
 top-5 0.617). The n-gram speculator proposes a chain, so only its length is chosen.
+
+Over 600 lines: the curve that derives the family is the one the lazy path prices untimed trees
+on (``CostCurve.member_ratio``), so both halves read one definition of what a tree costs here.
 """
 
 from __future__ import annotations
