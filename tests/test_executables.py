@@ -53,3 +53,20 @@ def test_executables_stay_in_memory_where_the_store_is_off(monkeypatch):
     stored = STATS.executables_stored
     engine, _ = _run(tiny_model(seed=4))
     assert engine.compilations > 0 and STATS.executables_stored == stored
+
+
+def test_compiled_returns_a_ready_executable_once_per_signature(tmp_path, monkeypatch):
+    """``Stored.compiled`` (what the prompt chunk search times runs with): compiled before it returns, with or
+    without the store, and compiled once per signature, not at every call."""
+    import jax.numpy as jnp
+
+    from jaxspec.engine.executables import Stored
+
+    for setting in ("off", str(tmp_path / "executables")):
+        monkeypatch.setenv("JAXSPEC_EXECUTABLE_CACHE", setting)
+        fn = Stored(lambda x: x * 2 + 1, {"what": f"test-compiled-{setting}"})
+        x = jnp.arange(4.0)
+        exe = fn.compiled(x)
+        assert exe is not fn.jitted and exe is fn.compiled(x)
+        assert exe(x).tolist() == [1.0, 3.0, 5.0, 7.0] == fn(x).tolist()
+        assert fn.compiled(jnp.arange(3.0)) is not exe  # another signature: its own executable

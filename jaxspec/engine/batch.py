@@ -801,10 +801,7 @@ class BatchEngine:
     def _probe_chunk(self, st: _Staging, call: tuple, count: int) -> None:
         """Feeds a probing prompt's chunk timed alone (the iteration in flight and the chunk before it done first,
         its executable ready); once the probe's tokens are in, the chunk search hears their seconds."""
-        fn = self._fn("prefill")
-        exe = fn.executable(*call)
-        if exe is fn.jitted:  # no executable store: compiled apart, so the timing holds the run alone
-            exe = fn.jitted.lower(*call).compile()
+        exe = self._fn("prefill").compiled(*call)
         if self._pending is not None:
             jax.block_until_ready(self._pending.out.tokens)
         jax.block_until_ready(call[2].root)

@@ -86,20 +86,35 @@ class Stored:
         self.jitted = jax.jit(fn, donate_argnums=donate_argnums)
         self.ident = ident
         self.fixed = fixed
-        self.loaded: dict = {}  # call signature -> compiled executable
+        self.loaded: dict = {}  # call signature -> compiled executable (``jitted`` where none is stored)
+        self.apart: dict = {}  # call signature -> executable compiled apart from ``jitted`` (``compiled``)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.executable(*args, **kwargs)(*args, **kwargs)
 
-    def executable(self, *args: Any, **kwargs: Any) -> Callable:
-        """The executable these arguments call (loaded, or compiled now where executables are stored), so a caller
-        can time a run apart from its compile; ``jitted`` where none is stored (its first call compiles)."""
+    def _signature(self, args: tuple, kwargs: dict) -> tuple:
         leaves, tree = jax.tree_util.tree_flatten((args[self.fixed:], kwargs))
-        sig = (tree, tuple(map(_leaf, leaves)))
+        return tree, tuple(map(_leaf, leaves))
+
+    def executable(self, *args: Any, **kwargs: Any) -> Callable:
+        """The executable these arguments call: loaded, or compiled now where executables are stored; ``jitted``
+        where none is stored (its first call compiles)."""
+        sig = self._signature(args, kwargs)
         compiled = self.loaded.get(sig)
         if compiled is None:
             compiled = self.loaded[sig] = self._prepare(args, kwargs)
         return compiled
+
+    def compiled(self, *args: Any, **kwargs: Any) -> Callable:
+        """An executable for these arguments compiled before it returns, so a caller can time a run apart from its
+        compile: ``executable``'s, or where none is stored one lowered and compiled once per signature."""
+        compiled = self.executable(*args, **kwargs)
+        if compiled is not self.jitted:
+            return compiled
+        sig = self._signature(args, kwargs)
+        if sig not in self.apart:
+            self.apart[sig] = self.jitted.lower(*args, **kwargs).compile()
+        return self.apart[sig]
 
     def _prepare(self, args: tuple, kwargs: dict) -> Callable:
         """The executable for this signature: loaded (by its key, else by its program once traced), else
