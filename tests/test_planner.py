@@ -14,7 +14,8 @@ from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.decoding.step import DecodeConfig
 from jaxspec.decoding.tree import expansion_topology
 from jaxspec.engine import costs
-from jaxspec.engine.batch import BatchEngine
+from jaxspec.engine import Engine
+from jaxspec.engine.batch import BatchEngine, Request
 from jaxspec.engine.build import engine_from
 from jaxspec.engine.planner import CostCurve, best_expansion, derive_expansions, expected_tokens, tree_nodes
 from jaxspec.speculators.early_exit import early_exit
@@ -58,46 +59,84 @@ def test_the_curve_reads_as_a_non_decreasing_envelope_and_prices_rows_times_node
     assert H200.member_ratio(cfg, 8) < cpu3.member_ratio(cfg, 8) - 0.5
 
 
-def test_auto_measures_the_curve_once_derives_its_trees_and_prices_unmeasured_buckets_by_it(tmp_path, monkeypatch):
-    """End to end on a tiny pair: auto without --expansion measures this device's curve (the LLM and the learned
-    speculator, once: a second engine reads it from the cost cache), its trees are the ones the curve gives, the
-    log names them, and a tree never timed at a bucket is priced on the curve."""
+def test_auto_measures_the_curve_beside_its_first_requests_derives_its_trees_and_prices_buckets_by_it(
+        tmp_path, monkeypatch):
+    """End to end on a tiny pair: auto without --expansion on a device with no curve cached starts at once with the
+    plain step alone; its loop compiles the curve's passes in the background, times one per iteration with nothing
+    in flight, then adopts the trees the curve gives mid-request (the output is the plain step's, token for token).
+    The curve is kept: a second engine reads it and starts with the trees; --recalibrate measures it again before
+    the engine is built; a tree never timed at a bucket is priced on the curve."""
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
-    measured = []
-    real = costs.measure_llm_costs
+    finished = []
+    real = costs.CurveProbe.finish
 
-    def counted(model, *args, **kwargs):
-        measured.append(model.name)
-        return real(model, *args, **kwargs)
+    def counted(probe):
+        finished.append(probe)
+        return real(probe)
 
-    monkeypatch.setattr(costs, "measure_llm_costs", counted)
+    monkeypatch.setattr(costs.CurveProbe, "finish", counted)
     llm = tiny_model(seed=2)
     speculators = [early_exit(llm, 1), NGramSpeculator(3)]
     log = io.StringIO()
     engine = engine_from(EngineConfig(mode="auto"), llm, speculators, announce=log)
-    assert len(measured) == 2 and engine.cost_curve is not None  # the LLM's passes and the SSM's draft levels
+    assert engine.trees_pending and engine.cost_curve is None and engine.curve_probe is not None
+    assert list(engine.family(sampling.SamplingParams())) == ["none"] and "cost curve" in log.getvalue()
+    batch = BatchEngine(engine, max_batch=1, max_model_len=128)
+    prompt = [5, 9, 13, 2, 7, 11]
+    plain = Engine(llm, []).generate(prompt, 60, stop_ids=[]).token_ids
+    events = []
+    batch.submit(Request(prompt, 60, stop_ids=[]), events.append)
+    probe = engine.curve_probe
+    while not probe.started:
+        batch.step()
+    probe.compiling.result()  # the passes compiled in the worker
+    steps = 0
+    while engine.curve_probe is not None:
+        batch.step()
+        steps += 1
+    assert steps == len(probe.todo) and not finished  # one pass timed per iteration, none by ``finish``
     curve = engine.cost_curve
     ssm_tree, ngram_chain = derive_expansions(curve, ["ssm", "ngram"])
     family = engine.family(sampling.SamplingParams())
     assert family["ssm"].topologies[0].expansion == ssm_tree and family["ngram"].ngram_depth == len(ngram_chain)
-    assert "cost curve" in log.getvalue() and "T=64" in log.getvalue()
-    again = engine_from(EngineConfig(mode="auto"), llm, speculators)
-    assert len(measured) == 2 and again.cost_curve == curve  # read from the cost cache
-    engine_from(EngineConfig(mode="auto", recalibrate=True), llm, speculators)
-    assert len(measured) == 4  # --recalibrate measures the curve again
+    while not events or events[-1].finish_reason is None:
+        batch.step()
+    assert [t for ev in events for t in ev.token_ids] == plain
+    again = engine_from(EngineConfig(mode="auto"), llm, speculators, announce=log)
+    assert not again.trees_pending and again.cost_curve == curve and "T=64" in log.getvalue()  # from the cache
+    recalibrated = engine_from(EngineConfig(mode="auto", recalibrate=True), llm, speculators)
+    assert len(finished) == 1 and not recalibrated.trees_pending  # measured again, before the engine is built
     given = engine_from(EngineConfig(mode="auto", expansion="1,1;1,1"), llm, speculators)
     assert given.cost_curve is None and given.family(sampling.SamplingParams())["ngram"].ngram_depth == 2
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
-    batch = BatchEngine(engine, max_batch=8, max_model_len=64)
+    batch = BatchEngine(again, max_batch=8, max_model_len=64)
     cap = batch.capacity_buckets[0]
     estimated = batch.planner.estimated(greedy, 8, cap, {"none": 0.01})
-    for name, cfg in engine.family(greedy).items():  # nothing measured here: every tree priced on the curve
+    for name, cfg in again.family(greedy).items():  # nothing measured here: every tree priced on the curve
         assert estimated[name] == pytest.approx(0.01 * curve.member_ratio(cfg, 8))
     # a tree measured at one row carries what the curve missed there to the wider bucket
     batch.planner.bucket_costs[(greedy, 1, cap)] = {"none": 0.004, "ssm": 0.004 * 2.0}
-    cfg = engine.family(greedy)["ssm"]
+    cfg = again.family(greedy)["ssm"]
     want = 0.01 * max(1.0, 2.0 * curve.member_ratio(cfg, 8) / curve.member_ratio(cfg, 1))
     assert batch.planner.estimated(greedy, 8, cap, {"none": 0.01})["ssm"] == pytest.approx(want)
+
+
+def test_a_pending_curve_is_settled_where_every_member_compiles_at_once(tmp_path, monkeypatch):
+    """``--compile all`` (a loop that is not lazy) needs every member now: warming measures the curve on the spot
+    and compiles the trees it gives; an engine waiting for its curve reserves cache room for any of them."""
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    llm = tiny_model(seed=3)
+    engine = engine_from(EngineConfig(mode="auto"), llm, [early_exit(llm, 1), NGramSpeculator(3)])
+    nodes, emit = engine.step_bounds()
+    assert engine.trees_pending and nodes >= 64 and emit >= 9
+    batch = BatchEngine(engine, max_batch=1, max_model_len=64, eager=True)
+    batch.warm(sampled=False)
+    assert engine.curve_probe is None and not engine.trees_pending
+    assert set(engine.family(sampling.SamplingParams())) == {"none", "ngram", "ssm", "ssm+ngram"}
+    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
+    assert all(engine.is_warm(greedy, batch.capacity_buckets[0], 1, n) for n in engine.family(greedy))
+    later = engine.step_bounds()
+    assert later[0] <= nodes and later[1] <= emit
 
 
 def test_a_closed_loop_is_left_at_once_only_when_its_running_builds_write_just_the_executable_store(monkeypatch):

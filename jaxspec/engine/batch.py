@@ -313,7 +313,7 @@ class BatchEngine:
         self.resizes = 0  # state re-layouts (bucket changes)
         self._compiled: dict = {}
         self.planner = Planner(engine, lambda: self.sync, self.capacity_buckets[0], eager, background, verbose)
-        self._no_proposal: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self._no_proposal: dict[tuple[int, int], tuple[jax.Array, jax.Array]] = {}
         self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
         self._last_done = 0.0
         self.overlapped = 0  # iterations dispatched before the previous one's tokens were read
@@ -456,7 +456,9 @@ class BatchEngine:
         for warp in sampling.BATCH_WARPS:
             if not (greedy if warp.greedy else sampled):
                 continue
-            family = list(self.engine.family(warp))
+            if not self.planner.lazy:  # every member compiles now: the trees must be known
+                self.planner.settle_curve()
+            family = list(self.engine.family(warp))  # lazy, before the curve is in: the plain step alone
             if grammar:
                 self._check_structured()
             for b in rows or self.row_buckets:
@@ -577,6 +579,10 @@ class BatchEngine:
         self._drop_cancelled_waiting()
         if self.planner.building:
             self.planner.harvest()
+        if self.engine.curve_probe is not None and self.iterations:  # once the first compiles are behind
+            if self.planner.curve_due() and self._pending is not None:  # a pass is timed with nothing in flight
+                jax.block_until_ready(self._pending.out.tokens)
+            self.planner.advance_curve()
         for slot in [s for s in self.slots if self._cancelled(s.ticket)]:
             self._retire(slot, "cancelled")
         beside = self._admit_beside()
@@ -940,14 +946,14 @@ class BatchEngine:
         """Whether some live row may still run after the iteration in flight (each emits at least one token)."""
         return any(s.ticket.request.max_new_tokens - len(s.gen.token_ids) > 1 for s in self.slots)
 
-    def _proposal_arrays(self, proposals: list[list[int]]) -> tuple[jax.Array, jax.Array]:
-        """Device arrays (tokens [B, D], count [B]) of the rows' n-gram proposals; the empty one is sent once per B."""
-        depth = self.engine.ngram_depth
+    def _proposal_arrays(self, proposals: list[list[int]], depth: int) -> tuple[jax.Array, jax.Array]:
+        """Device arrays (tokens [B, D], count [B]) of the rows' n-gram proposals for a member whose chain is
+        ``depth`` tokens (the runner's widths); the empty one is sent once per B and D."""
         if any(proposals):
             return jax.device_put(ngram.proposal_arrays(proposals, depth))
-        if self.rows not in self._no_proposal:
-            self._no_proposal[self.rows] = jax.device_put(ngram.proposal_arrays(proposals, depth))
-        return self._no_proposal[self.rows]
+        if (self.rows, depth) not in self._no_proposal:
+            self._no_proposal[self.rows, depth] = jax.device_put(ngram.proposal_arrays(proposals, depth))
+        return self._no_proposal[self.rows, depth]
 
     def _dispatch(self, stale: bool) -> "_InFlight | None":
         """Picks this iteration's tree and launches it; None if ``stale`` and the pick drafts with the n-gram.
@@ -963,7 +969,7 @@ class BatchEngine:
         family = e.family(warp)
         proposals = [[] for _ in range(self.rows)]
         matched = [0] * self.rows
-        if e.ngram is not None:
+        if e.ngram is not None and e.ngram_depth:
             for i, s in live:
                 proposals[i] = s.index.propose(e.ngram_depth)
                 matched[i] = s.index.matched
@@ -1004,7 +1010,8 @@ class BatchEngine:
         ahead = self._max_emit if stale else 0  # tokens the iteration in flight may still commit
         for _, s in live:
             check_fits(s.committed + ahead + cfg.num_nodes, self.capacity, "a decoding step")
-        arrays = self._proposal_arrays(proposals if cfg.ngram_depth else [[]] * self.rows)  # no chain: sent once
+        arrays = self._proposal_arrays(proposals if cfg.ngram_depth else [[]] * self.rows,  # no chain: sent once
+                                       cfg.ngram_depth)
         if cfg.forced_depth:
             arrays = (*arrays, *jax.device_put(ngram.proposal_arrays(chains, cfg.forced_depth)))
         extra = {}
@@ -1017,7 +1024,7 @@ class BatchEngine:
         self.iterations += 1
         forced = [len(c) for c in chains] or [0] * self.rows
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
-                         bool(self.planner.building), self._chunk_queued)
+                         self.planner.busy, self._chunk_queued)
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""

@@ -100,15 +100,18 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
     was placed on (default: ``config.mesh``'s); ``announce`` hears the speculators and trees chosen."""
     from jaxspec.engine import Engine  # noqa: PLC0415
 
-    curve = auto_curve(config, llm, speculators)
-    expansion = expansion_for(config, speculators, curve)
+    later = curve_later(config, llm, speculators, mesh)
+    curve = None if later else auto_curve(config, llm, speculators)
+    # measured later: a placeholder groups the SSMs as any derived trees would (one learned speculator)
+    expansion = tuple((1,) for _ in speculators) if later else expansion_for(config, speculators, curve)
     if speculators:
         if len(expansion) not in (1, len(speculators)):
             raise CliError(f"--expansion gives {len(expansion)} ';'-separated configs for {len(speculators)} "
                            f"speculators ({', '.join(s.name for s in speculators)}): give one shared config or one "
                            "per speculator")
         if announce is not None:
-            shown = "; ".join(getattr(e, "label", None) or "<" + ",".join(map(str, e)) + ">" for e in expansion)
+            shown = ("; ".join(getattr(e, "label", None) or "<" + ",".join(map(str, e)) + ">" for e in expansion)
+                     if not later else "from this device's cost curve, measured while the first requests decode")
             names = ", ".join(s.name + (f" (draft vocabulary {s.draft_vocab})" if getattr(s, "draft_vocab", 0)
                                         else "") for s in speculators)
             print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {config.mode}",
@@ -124,9 +127,33 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
         forced = 0 if config.mode == "incremental" else DEFAULT_FORCED_TOKENS
     engine = Engine(llm, list(speculators), expansion, config.tree_budget, config.verify,
                     auto=config.mode == "auto", mesh=mesh if mesh is not None else mesh_of(config),
-                    offload=config.offload, forced_tokens=forced, lowering=lowering_of(config))
+                    offload=config.offload, forced_tokens=forced, lowering=lowering_of(config), trees_pending=later)
     engine.cost_curve = curve
+    if later:
+        from jaxspec.engine.planner import curve_probe  # noqa: PLC0415
+
+        # the engine's own weights and its weightless view of the LLM: the loaded tree is not held by the probe
+        engine.curve_probe = curve_probe(engine.llm, engine.ssms, engine.lowering, params=engine._llm_params)
     return engine
+
+
+def curve_later(config: EngineConfig, llm: LoadedModel, speculators: Sequence = (), mesh: Mesh | None = None) -> bool:
+    """Whether auto's cost curve is measured by the scheduling loop, beside its first requests, rather than before
+    the engine is built: where auto derives its trees from one (``auto_curve``), none is in the cost cache, and the
+    engine can adopt its trees later (one process, one device, one learned speculator, not ``--recalibrate``)."""
+    if config.mode != "auto" or config.expansion or not speculators or config.recalibrate:
+        return False
+    if mesh is not None or config.mesh or config.offload:
+        return False
+    import jax  # noqa: PLC0415
+
+    from jaxspec.speculators.ngram import NGramSpeculator  # noqa: PLC0415
+    from jaxspec.engine.planner import cached_curve  # noqa: PLC0415
+
+    learned = [s for s in speculators if not isinstance(s, NGramSpeculator)]
+    if jax.process_count() > 1 or len(learned) > 1:
+        return False
+    return cached_curve(llm, learned, lowering_of(config)) is None
 
 
 def auto_curve(config: EngineConfig, llm: LoadedModel, speculators: Sequence = ()) -> CostCurve | None:

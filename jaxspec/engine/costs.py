@@ -9,6 +9,7 @@ device kind, model, dtype and lowering (``calibration_key``), so a process measu
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -86,35 +87,75 @@ def measure_llm_costs(
         raise ValueError("repeats and batch must be >= 1")
     lowering = lowering or default_lowering()
     unrolled = lowering.unrolled if unrolled is None else unrolled
-    forward = (make_forward(model.cfg, model.dtype, True, lowering=lowering) if unrolled
-               else model.forward_with(lowering))
     params = decoding_layout(model.params) if unrolled else model.params
-    def run(params, toks, pos, cache, mask):  # a feature drafter also reads a state per token (zeros cost the same)
-        feats = jnp.zeros(toks.shape + (model.cfg.hidden_size,), model.dtype) if model.features else None
-        return call(forward, params, toks, feats, pos, cache, mask)[:2]
-
-    step = jax.jit(run, donate_argnums=(3,))
-    cache = KVCache.create(model.cfg, batch, capacity, model.dtype)
     costs = {}
     for t in tokens:
-        length = jnp.full((batch,), capacity - t, jnp.int32)  # [B]
-        cache = cache.replace(length=length)
-        toks = jnp.zeros((batch, t), jnp.int32)  # [B, T]
-        pos = length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
-        mask = causal_mask(length, t, capacity)  # [B, T, S]
+        timed = TimedPass(model, params, t, capacity, batch, unrolled, lowering)
         start = time.perf_counter()
-        logits, cache = step(params, toks, pos, cache, mask)  # compiles
-        jax.block_until_ready(logits)
+        timed.compile()
+        timed.run()
         if compiles is not None:
             compiles[int(t)] = time.perf_counter() - start
+        costs[int(t)] = timed.time(repeats, warm=False)
+    return costs
+
+
+class TimedPass:
+    """One forward of ``model`` over ``tokens`` new tokens per row, for ``batch`` rows, against a KV cache of
+    ``capacity`` slots holding ``capacity - tokens`` committed ones (donated, as in the engine).
+
+    Compiled apart from any run (``compile``, on any thread: a worker may compile while a loop decodes), then
+    timed (``time``) on the thread that owns the device meanwhile. ``params`` are ``model``'s weights in the layout
+    ``unrolled`` says (``decoding_layout`` where True); the executable goes through the executable store.
+    """
+
+    def __init__(self, model: LoadedModel, params: Any, tokens: int, capacity: int, batch: int = 1,
+                 unrolled: bool | None = None, lowering: Lowering | None = None) -> None:
+        lowering = lowering or default_lowering()
+        unrolled = lowering.unrolled if unrolled is None else unrolled
+        forward = (make_forward(model.cfg, model.dtype, True, lowering=lowering) if unrolled
+                   else model.forward_with(lowering))
+        width = model.cfg.hidden_size if model.features else 0
+
+        def run(params, toks, pos, cache, mask):  # a feature drafter also reads a state per token (zeros cost the same)
+            feats = jnp.zeros(toks.shape + (width,), model.dtype) if width else None
+            return call(forward, params, toks, feats, pos, cache, mask)[:2]
+
+        from jaxspec.engine.executables import Stored  # noqa: PLC0415 (the store reads jax's cache settings)
+
+        self.program = Stored(run, {"what": "timed-pass", "model": [repr(model.cfg), str(jnp.dtype(model.dtype))],
+                                    "lowering": lowering.label, "unrolled": unrolled}, fixed=1, donate_argnums=(3,))
+        self.params = params
+        length = jnp.full((batch,), capacity - tokens, jnp.int32)  # [B]
+        self.cache = KVCache.create(model.cfg, batch, capacity, model.dtype).replace(length=length)
+        self.toks = jnp.zeros((batch, tokens), jnp.int32)  # [B, T]
+        self.pos = length[:, None] + jnp.arange(tokens, dtype=jnp.int32)  # [B, T]
+        self.mask = causal_mask(length, tokens, capacity)  # [B, T, S]
+        self.executable: Callable | None = None
+
+    def compile(self) -> float:
+        """Readies the executable (loaded where stored, else compiled); returns the seconds it took."""
+        start = time.perf_counter()
+        self.executable = self.program.compiled(self.params, self.toks, self.pos, self.cache, self.mask)
+        return time.perf_counter() - start
+
+    def run(self) -> None:
+        """One pass, to ``block_until_ready``."""
+        if self.executable is None:
+            self.compile()
+        logits, self.cache = self.executable(self.params, self.toks, self.pos, self.cache, self.mask)
+        jax.block_until_ready(logits)
+
+    def time(self, repeats: int, warm: bool = True) -> float:
+        """Median seconds of ``repeats`` passes (after one untimed pass where ``warm``)."""
+        if warm:
+            self.run()
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            logits, cache = step(params, toks, pos, cache, mask)
-            jax.block_until_ready(logits)
+            self.run()
             times.append(time.perf_counter() - start)
-        costs[int(t)] = statistics.median(times)
-    return costs
+        return statistics.median(times)
 
 
 def measure_draft_costs(
@@ -211,3 +252,90 @@ def load_or_measure(key: dict, measure: Callable[[], dict], refresh: bool = Fals
     except OSError:
         pass
     return value
+
+
+Point = tuple[str, int, int]  # ("llm", 0, tokens) or ("draft", speculator index, width)
+
+
+class CurveProbe:
+    """A cost curve measured so that no loop waits on it: every pass compiles in a worker thread (``start``),
+    then the loop times one pass per ``advance``, on its own thread between its iterations (a pass timed beside a
+    compile or a running step would time the contention); ``finish`` does what is left at once, on the caller's
+    thread. The value, ``{"llm": {T: s}, "drafts": [{w: s}, ...]}``, is stored under ``key`` in the cost cache.
+
+    ``passes`` maps each point to what makes its ``TimedPass`` (made in the worker, so no device memory is held
+    for a point before it compiles)."""
+
+    def __init__(self, passes: dict[Point, Callable[[], TimedPass]], key: dict, drafts: int,
+                 repeats: int = 3) -> None:
+        self.todo = dict(passes)
+        self.key = key
+        self.drafts = drafts
+        self.repeats = repeats
+        self.ready: dict[Point, TimedPass] = {}  # compiled, not yet timed
+        self.seconds: dict[Point, float] = {}
+        self.compiling: concurrent.futures.Future | None = None
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
+
+    @property
+    def started(self) -> bool:
+        """Whether the passes are compiling (or compiled) in the worker."""
+        return self.compiling is not None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether every pass compiled (or a compile failed: ``advance`` raises it)."""
+        return self.compiling is not None and self.compiling.done()
+
+    def start(self) -> None:
+        """Compiles every pass in a worker thread, in order (the first of a cold machine's compiles come first)."""
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-curve")
+            self.compiling = self._worker.submit(self._compile_all)
+
+    def _compile_all(self) -> None:
+        for point, make in self.todo.items():
+            if self._closed:
+                return
+            if point not in self.ready and point not in self.seconds:
+                timed = make()
+                timed.compile()
+                self.ready[point] = timed
+
+    def advance(self) -> dict | None:
+        """Times the next compiled pass once all compiled (one per call); the curve once every pass is timed."""
+        if not self.compiled:
+            return None
+        self.compiling.result()  # a compile's error, raised here
+        if self.ready:
+            point = next(iter(self.ready))
+            self.seconds[point] = self.ready.pop(point).time(self.repeats)
+        return self.value() if len(self.seconds) == len(self.todo) else None
+
+    def finish(self) -> dict:
+        """The curve now: waits for the worker's compiles (or compiles on this thread where none started), then
+        times every pass left."""
+        if self.compiling is None:
+            self._compile_all()
+        else:
+            self.compiling.result()
+        while self.ready:
+            point = next(iter(self.ready))
+            self.seconds[point] = self.ready.pop(point).time(self.repeats)
+        return self.value()
+
+    def value(self) -> dict:
+        """The measured curve, stored in the cost cache (once complete)."""
+        if len(self.seconds) != len(self.todo):
+            raise RuntimeError(f"the cost curve has {len(self.seconds)} of {len(self.todo)} passes timed")
+        out = {"llm": {size: s for (what, _, size), s in self.seconds.items() if what == "llm"},
+               "drafts": [{size: s for (what, i, size), s in self.seconds.items() if what == "draft" and i == j}
+                          for j in range(self.drafts)]}
+        return load_or_measure(self.key, lambda: out, refresh=True)
+
+    def close(self) -> None:
+        """Drops the compiles not started (one running finishes unused: ``compiling`` tells when)."""
+        self._closed = True
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)

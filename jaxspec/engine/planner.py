@@ -196,26 +196,71 @@ def derive_expansions(curve: CostCurve, kinds: Sequence[str]) -> tuple[tuple[int
     return tuple(out)
 
 
+def curve_key(llm, ssms: Sequence = (), lowering=None) -> dict:
+    """What a cost curve depends on: the device, the LLM and the learned speculators (``LoadedModel``s), the
+    lowering, the points timed and the host's cores (its key in the cost cache)."""
+    from jaxspec.cache import host_cores  # noqa: PLC0415 (JAX loads only where a curve is measured)
+    from jaxspec.engine import costs  # noqa: PLC0415
+
+    return costs.calibration_key(llm, lowering, what="cost-curve", tokens=list(CURVE_TOKENS),
+                                 capacity=CURVE_CAPACITY, host_cores=host_cores(),
+                                 ssms=[[s.name, repr(s.cfg), str(s.dtype), s.draft_vocab, list(DRAFT_WIDTHS)]
+                                       for s in ssms])
+
+
+def curve_probe(llm, ssms: Sequence = (), lowering=None, params=None):
+    """A ``jaxspec.engine.costs.CurveProbe`` over this device's cost curve for ``llm`` and the learned speculators
+    ``ssms`` (``LoadedModel``s with weights); ``params``: the LLM's weights already in the lowering's layout (an
+    engine's), else laid out from ``llm``'s."""
+    from jaxspec.engine import costs  # noqa: PLC0415
+    from models.lowering import default_lowering  # noqa: PLC0415
+    from models.transformer import decoding_layout  # noqa: PLC0415
+
+    lowering = lowering or default_lowering()
+    unrolled = lowering.unrolled
+    if params is None:
+        params = decoding_layout(llm.params) if unrolled else llm.params
+
+    def llm_pass(t: int):
+        return lambda: costs.TimedPass(llm, params, t, CURVE_CAPACITY, 1, unrolled, lowering)
+
+    def draft_pass(ssm, w: int):
+        return lambda: costs.TimedPass(ssm, ssm.params, w, CURVE_CAPACITY, 1, False, lowering)
+
+    passes = {("llm", 0, t): llm_pass(t) for t in CURVE_TOKENS}
+    passes.update({("draft", i, w): draft_pass(s, w) for i, s in enumerate(ssms) for w in DRAFT_WIDTHS})
+    return costs.CurveProbe(passes, curve_key(llm, ssms, lowering), len(ssms))
+
+
+def cached_curve(llm, ssms: Sequence = (), lowering=None) -> CostCurve | None:
+    """This device's cost curve as the cost cache holds it, or None (nothing is measured)."""
+    from jaxspec.engine import costs  # noqa: PLC0415
+
+    value = costs.load(curve_key(llm, ssms, lowering))
+    return None if value is None else curve_of(value)
+
+
+def curve_of(value: dict) -> CostCurve:
+    """A ``CostCurve`` from a ``CurveProbe``'s value."""
+    return CostCurve(dict(value["llm"]), tuple(dict(d) for d in value["drafts"]))
+
+
 def measure_curve(llm, ssms: Sequence = (), lowering=None, refresh: bool = False) -> CostCurve:
     """This device's cost curve for ``llm`` and the learned speculators ``ssms`` (``LoadedModel``s with their
     weights), measured once per device, models, dtype and lowering and then read from the cost cache."""
-    from jaxspec.cache import host_cores  # noqa: PLC0415 (JAX loads only where a curve is measured)
-    from jaxspec.engine import costs  # noqa: PLC0415
-    from models.lowering import default_lowering  # noqa: PLC0415
+    stored = None if refresh else cached_curve(llm, ssms, lowering)
+    return stored or curve_of(curve_probe(llm, ssms, lowering).finish())
 
-    lowering = lowering or default_lowering()
-    key = costs.calibration_key(llm, lowering, what="cost-curve", tokens=list(CURVE_TOKENS), capacity=CURVE_CAPACITY,
-                                host_cores=host_cores(),
-                                ssms=[[s.name, repr(s.cfg), str(s.dtype), s.draft_vocab, list(DRAFT_WIDTHS)]
-                                      for s in ssms])
 
-    def measure() -> dict:
-        return {"llm": costs.measure_llm_costs(llm, CURVE_TOKENS, CURVE_CAPACITY, repeats=3, lowering=lowering),
-                "drafts": [costs.measure_draft_costs(s, DRAFT_WIDTHS, CURVE_CAPACITY, repeats=3, lowering=lowering)
-                           for s in ssms]}
-
-    value = costs.load_or_measure(key, measure, refresh)
-    return CostCurve(dict(value["llm"]), tuple(dict(d) for d in value["drafts"]))
+def derivable_bounds(kinds: Sequence[str]) -> tuple[int, int]:
+    """(most tree nodes, root included; deepest path) of any trees ``derive_expansions`` may give speculators of
+    ``kinds`` on any curve: what a loop reserves in its caches before the curve is in."""
+    nodes, depth = 1, 0
+    for kind in kinds:
+        candidates = _candidates(max(CURVE_TOKENS), kind == "ngram")
+        nodes += max(tree_nodes(e) for e in candidates) - 1
+        depth = max([depth] + [len(e) for e in candidates])
+    return nodes, depth
 
 
 def describe(curve: CostCurve) -> str:
@@ -316,14 +361,91 @@ class Planner:
         return name
 
     def close(self) -> None:
-        """Keeps the build share if measured, drops the builds not started, lets a running one finish unused,
-        restores the interpreter's switch interval (a loop that stops must leave the process as it found it)."""
+        """Keeps the build share if measured, drops the builds not started, lets a running one finish unused (the
+        cost curve's compiles too), restores the interpreter's switch interval (a loop that stops must leave the
+        process as it found it)."""
         self.keep_share()
+        probe = self.engine.curve_probe
+        if probe is not None and probe.started:
+            probe.close()
+            if not probe.compiled:
+                self.left_running.append(probe.compiling)
         if self.builder is not None:
             self.builder.shutdown(wait=False, cancel_futures=True)
             self.builder = None
         self.left_running += [f for f in self.building.values() if not f.done()]
         self.building.clear()
+        self._restore_switch_interval()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a worker thread compiles now (a tree's build, or the cost curve's passes): the plain steps
+        meanwhile are timed as beside a build."""
+        probe = self.engine.curve_probe
+        return bool(self.building) or (probe is not None and probe.started and not probe.compiled)
+
+    def curve_due(self) -> bool:
+        """Whether ``advance_curve`` would time a pass now (the loop first lets the device go idle)."""
+        probe = self.engine.curve_probe
+        return probe is not None and probe.compiled
+
+    def advance_curve(self) -> None:
+        """Moves this device's cost curve along where the engine still measures it (auto runs its plain step alone
+        meanwhile): starts its compiles in the worker, then times one pass per call; once every pass is timed, the
+        engine adopts the trees the curve gives. A curve that fails leaves auto plain, and says why."""
+        probe = self.engine.curve_probe
+        if probe is None:
+            return
+        if not probe.started:
+            self._lower_switch_interval()
+            probe.start()
+            if self.verbose is not None:
+                self.verbose("measuring this device's cost curve: its passes compile in the background")
+            return
+        if not probe.compiled:
+            return
+        if not self.building:
+            self._restore_switch_interval()
+        try:
+            value = probe.advance()
+        except Exception as exc:  # noqa: BLE001 — auto goes on without trees rather than stop the loop
+            self.engine.curve_probe = None
+            self.sync.failed("measuring the cost curve", exc)
+            if self.verbose is not None:
+                self.verbose(f"the cost curve failed, auto runs the plain step alone: {exc}")
+            return
+        if value is not None:
+            self.adopt_curve(value)
+
+    def settle_curve(self) -> None:
+        """Measures what is left of the cost curve now, on this thread, and adopts its trees (where every member
+        must be known at once: ``--compile all``, tests)."""
+        probe = self.engine.curve_probe
+        if probe is not None:
+            self.adopt_curve(probe.finish())
+            if not self.building:
+                self._restore_switch_interval()
+
+    def adopt_curve(self, value: dict) -> None:
+        """The engine's trees from a measured curve: every bucket's untried trees are then priced on it."""
+        e, curve = self.engine, curve_of(value)
+        e.adopt_trees(derive_expansions(curve, e.speculator_kinds()))
+        e.cost_curve, e.curve_probe = curve, None
+        self.anchors.clear()
+        self._estimate = (None, None)
+        if self.verbose is not None:
+            from jaxspec.decoding import sampling  # noqa: PLC0415, F811 (a type name above)
+
+            trees = "; ".join(f"{n}: {e.describe(n)}" for n in e.family(sampling.SamplingParams()) if n != "none")
+            self.verbose(f"auto's trees from this device's cost curve ({describe(curve)}): {trees}")
+
+    def _lower_switch_interval(self) -> None:
+        """A tracing worker holds the GIL; the loop gets it back within ``BUILD_SWITCH_INTERVAL``."""
+        if self.switch_interval is None:
+            self.switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self.switch_interval, BUILD_SWITCH_INTERVAL))
+
+    def _restore_switch_interval(self) -> None:
         if self.switch_interval is not None:
             sys.setswitchinterval(self.switch_interval)
             self.switch_interval = None
@@ -351,6 +473,8 @@ class Planner:
         """Readies a bucket: every member, or under lazy auto the plain step only; returns the costs measured there."""
         key = (warp, rows, capacity)
         if key not in self.bucket_costs:
+            if not self.lazy:  # every member readies now: the trees must be known
+                self.settle_curve()
             self.ready(warp, rows, capacity, ["none"] if self.lazy else list(self.engine.family(warp)))
         return self.bucket_costs[key]
 
@@ -453,9 +577,7 @@ class Planner:
             self.engine.warm(warp, capacity, rows, names=[name])
             return time.perf_counter() - began
 
-        if self.switch_interval is None:  # a tracing build holds the GIL; the loop gets it back within this
-            self.switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self.switch_interval, BUILD_SWITCH_INTERVAL))
+        self._lower_switch_interval()
         self.building[key] = self.builder.submit(build)
         self.builds.append((iteration, key))
         if self.verbose is not None:
@@ -487,12 +609,13 @@ class Planner:
             if self.verbose is not None:
                 self.verbose(f"built {name} for {rows} row(s) x {capacity} slots, {warp.label}: {seconds:.1f} s "
                              f"(background; the loop loses {share:.0%} of a build's time)")
-        if not self.building and self.switch_interval is not None:
-            sys.setswitchinterval(self.switch_interval)
-            self.switch_interval = None
+        if not self.busy:
+            self._restore_switch_interval()
 
     def settle(self) -> None:
-        """Waits for the background builds in flight and adopts them (tests, and a clean shutdown)."""
+        """Measures what is left of the cost curve, waits for the background builds in flight and adopts them
+        (tests, and a clean shutdown)."""
+        self.settle_curve()
         concurrent.futures.wait(list(self.building.values()))
         self.harvest()
 

@@ -101,6 +101,7 @@ class Runner:
         mesh: Mesh | None = None,
         offload: bool = False,
         forced_tokens: int = 0,
+        trees_pending: bool = False,
     ) -> None:
         """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward;
         ``lowering`` picks the graph forms of every forward (``models.lowering``; default: this platform's,
@@ -110,8 +111,12 @@ class Runner:
         before); a mesh with ``pipe`` > 1 runs the LLM's layers as pipeline stages (``models.pipeline``);
         ``offload`` keeps them in host memory and streams them in layer by layer (``jaxspec.parallel.offload``);
         ``forced_tokens``: how many tokens a grammar forces ahead of a constrained request's root ride in its tree
-        as a draft chain (0: none)."""
+        as a draft chain (0: none); ``trees_pending``: auto's trees come later (``adopt_trees``, once this device's
+        cost curve is measured): until then the family is the plain step alone (``expansion`` only groups SSMs, so
+        it must group them as the trees will: one learned speculator)."""
         expansions = _per_ssm(expansion, len(speculators))
+        self.speculators = tuple(speculators)
+        self.batch_ssms = batch_ssms
         ngrams = [s for s in speculators if isinstance(s, NGramSpeculator)]
         if len(ngrams) > 1:
             raise RequestError("give at most one n-gram speculator")
@@ -166,6 +171,9 @@ class Runner:
         # this device's cost curve where auto's trees were derived from it (``jaxspec.engine.build.auto_curve``):
         # what a tree never timed at a bucket is priced from
         self.cost_curve = None
+        # where the curve is still measured (``trees_pending``): its ``jaxspec.engine.costs.CurveProbe``, which the
+        # scheduling loop's planner moves along between iterations and which gives the trees once complete
+        self.curve_probe = None
         self.compilations = 0
         self._compiled: dict = {}
         self._costs: dict = {}
@@ -185,6 +193,9 @@ class Runner:
         if offload and mesh is not None:  # a one-device offload was laid out in host memory already
             self._llm_params = offload_params(self._llm_params)
         self._families: dict[sampling.WarpSpec, dict[str, DecodeConfig]] = {}
+        self.trees_pending = auto and trees_pending and bool(speculators)
+        if self.trees_pending:
+            self.ngram_depth = 0
         self.family(sampling.SamplingParams())  # validates every configuration
         # The engine runs its own layout: it keeps no reference to the loaded tree, which is freed as soon
         # as the caller drops its LoadedModel (jaxspec.engine.build.build_engine hands back this one).
@@ -198,7 +209,7 @@ class Runner:
         for a batch of greedy and sampled rows).
         """
         warp = _warp(params)
-        if warp not in self._families:  # read every iteration: built once per warp (the engine's trees are fixed)
+        if warp not in self._families:  # read every iteration: built once per warp and trees (``adopt_trees``)
             self._families[warp] = self._family(warp)
         return self._families[warp]
 
@@ -217,6 +228,8 @@ class Runner:
             name = "tree" if (self.topologies or self.ngram) else "none"
             return {name: cfg(topologies, self.ngram_depth, self.tree_budget)}
         out = {"none": cfg(off, 0)}
+        if self.trees_pending:
+            return out
         if self.ngram:
             out["ngram"] = cfg(off, self.ngram_depth)
         if self.topologies:
@@ -224,6 +237,27 @@ class Runner:
             if self.ngram:
                 out["ssm+ngram"] = cfg(topologies, self.ngram_depth)
         return out
+
+    def adopt_trees(self, expansion: Sequence[int] | Sequence[Sequence[int]]) -> None:
+        """Auto's trees, once derived from this device's cost curve (the engine ran its plain step alone until
+        then): the family grows to every member; the SSMs' groups, and so every state's layout, stay as they were."""
+        expansions = _per_ssm(expansion, len(self.speculators))
+        pairs = list(zip(self.speculators, expansions))
+        topologies = tuple(e if isinstance(e, DynamicTree) else expansion_topology(e)
+                           for s, e in pairs if not isinstance(s, NGramSpeculator))
+        if self.batch_ssms and ssm_groups(self.ssms, topologies) != self.groups:
+            raise RequestError("auto's trees would group the SSMs otherwise than the engine's state is laid out")
+        chain = next((e for s, e in pairs if s is self.ngram), ())
+        if isinstance(chain, DynamicTree):
+            raise RequestError("the n-gram speculator proposes a chain: give it a fixed expansion")
+        self.topologies, self.ngram_depth, self.trees_pending = topologies, len(chain), False
+        self._families.clear()
+        self._choosers.clear()
+        self.family(sampling.SamplingParams())  # validates every configuration
+
+    def speculator_kinds(self) -> list[str]:
+        """Each speculator's kind, in order: "ngram" or "ssm" (what ``jaxspec.engine.planner`` derives trees for)."""
+        return ["ngram" if isinstance(s, NGramSpeculator) else "ssm" for s in self.speculators]
 
     def constrained(self, cfg: DecodeConfig, forced: int | None = None) -> DecodeConfig:
         """A member's grammar step: masks from the host at every draft level and tree node, plus a chain of
@@ -350,7 +384,7 @@ class Runner:
             "device": jax.devices()[0].device_kind,
             "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))],
             "ssms": [[s.name, repr(s.cfg), str(jnp.dtype(s.dtype)), s.draft_vocab] for s in self.ssms],
-            "ngram": self.ngram_depth,
+            "ngram": self.family(params)[name].ngram_depth,
             "member": [name, self.describe(name)],
             "warp": repr(_warp(params)),
             "capacity": capacity,
@@ -401,11 +435,11 @@ class Runner:
     def _measure(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, reps: int = 5,
                  batch: int = 1, names: Sequence[str] | None = None) -> dict[str, float]:
         """Seconds per iteration of members (default all) on ``batch`` rows of ``capacity`` slots (reps 0: compile only)."""
-        toks, count = jax.device_put(ngram.proposal_arrays([list(range(1, self.ngram_depth + 1))] * batch,
-                                                           self.ngram_depth))
         family = self.family(params)
         out = {}
         for name in family if names is None else names:
+            depth = family[name].ngram_depth  # a member's chain width: the plain step's never changes with the trees
+            toks, count = jax.device_put(ngram.proposal_arrays([list(range(1, depth + 1))] * batch, depth))
             step_fn = self._step_fn(family[name])
             state = self._measured_state(params, batch, capacity)
             times = []
@@ -452,7 +486,7 @@ class Runner:
                 if (warp, capacity, batch, n, "grammar", f) not in self._warmed]
         for name, forced in cold:
             cfg = self.constrained(family[name], forced)
-            arrays = ngram.proposal_arrays([[]] * batch, self.ngram_depth)
+            arrays = ngram.proposal_arrays([[]] * batch, cfg.ngram_depth)
             if forced:
                 arrays = (*arrays, *ngram.proposal_arrays([[]] * batch, forced))
             extra = {}
@@ -496,7 +530,13 @@ class Runner:
         sampled: a sampled request drafts a dynamic tree's fixed fallback, which can outgrow its budget."""
         family = [*self.family(sampling.SamplingParams()).values(), *self.family(sampling.MIXED).values()]
         family += [self.constrained(c) for c in family]
-        return max(c.num_nodes for c in family), max(c.max_emit for c in family)
+        nodes, emit = max(c.num_nodes for c in family), max(c.max_emit for c in family)
+        if self.trees_pending:  # room for any trees the curve may give
+            from jaxspec.engine.planner import derivable_bounds  # noqa: PLC0415
+
+            most, deepest = derivable_bounds(self.speculator_kinds())
+            nodes, emit = max(nodes, most + self.forced_depth), max(emit, deepest + 1 + self.forced_depth)
+        return nodes, emit
 
     def init_state(self, batch: int, capacity: int, params: sampling.SamplingParams | sampling.WarpSpec,
                    active: bool = True) -> DecodeState:
