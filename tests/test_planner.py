@@ -82,6 +82,8 @@ def test_auto_measures_the_curve_beside_its_first_requests_derives_its_trees_and
     assert engine.trees_pending and engine.cost_curve is None and engine.curve_probe is not None
     assert list(engine.family(sampling.SamplingParams())) == ["none"] and "cost curve" in log.getvalue()
     batch = BatchEngine(engine, max_batch=1, max_model_len=128)
+    pending = engine.step_bounds()
+    assert batch.cache_need(0) == sum(pending)  # room for any trees the curve may give
     prompt = [5, 9, 13, 2, 7, 11]
     plain = Engine(llm, []).generate(prompt, 60, stop_ids=[]).token_ids
     events = []
@@ -95,6 +97,7 @@ def test_auto_measures_the_curve_beside_its_first_requests_derives_its_trees_and
         batch.step()
         steps += 1
     assert steps == len(probe.todo) and not finished  # one pass timed per iteration, none by ``finish``
+    assert batch.cache_need(0) == sum(engine.step_bounds()) < sum(pending)  # rows reserve room for these trees
     curve = engine.cost_curve
     ssm_tree, ngram_chain = derive_expansions(curve, ["ssm", "ngram"])
     family = engine.family(sampling.SamplingParams())

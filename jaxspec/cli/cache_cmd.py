@@ -1,5 +1,5 @@
 """``jaxspec cache``: what the per-user caches hold (compiled executables, measured costs, converted checkpoints),
-and clearing them."""
+clearing them, and preparing a machine (``--prepare``: its cost curve measured now)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from jaxspec.cache import cache_root, compile_cache_dir, weight_cache_dir
+from jaxspec.cli.common import add_model_args, config_from_args
 from jaxspec.errors import CliError
 
 
@@ -20,6 +21,11 @@ def add_parser(sub) -> None:
     """Registers ``jaxspec cache [--clear PART]``."""
     p = sub.add_parser("cache", help="show (or --clear) the caches: compiled executables, costs, converted weights")
     p.add_argument("--clear", choices=(*parts(), "all"), help="remove one cache, or all of them")
+    p.add_argument("--prepare", action="store_true",
+                   help="measure now this device's cost curve for the engine the model flags name (auto's trees "
+                        "come from it; a machine without one measures it beside its first requests, which run "
+                        "plain meanwhile)")
+    add_model_args(p)
     p.set_defaults(func=cmd_cache)
 
 
@@ -38,6 +44,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
             raise CliError(f"the {name} cache is switched off by the environment: nothing to clear")
         shutil.rmtree(directory, ignore_errors=True)
         print(f"cleared {name}: {directory}")
+    if args.prepare:
+        from jaxspec.engine.build import prepare  # noqa: PLC0415 (JAX loads only here)
+
+        print(prepare(config_from_args(args)))
     for name, directory in known.items():
         if directory is None:
             print(f"{name:<9} off (environment)")

@@ -277,8 +277,10 @@ class BatchEngine:
         searched = prefill_chunk is None and jax.process_count() == 1
         self.chunks = ChunkSizer(prefill_chunk, engine.prefill_chunks() if searched else None, search=searched,
                                  save=engine.prefill_chunks if searched else None)
-        # most cache slots one iteration writes per row, most tokens it commits (any member, greedy or sampled)
+        # most cache slots one iteration writes per row, most tokens it commits (any member, greedy or sampled;
+        # while auto's trees wait for the cost curve, any trees it may give: ``_trees_known`` narrows them)
         self._max_nodes, self._max_emit = engine.step_bounds()
+        self._bounds_pending = engine.trees_pending
         # Every write fits by construction: a row holds < max_model_len committed tokens before a
         # step that writes num_nodes more; a prefill chunk ends within the capacity (``ChunkSizer.size``).
         self.max_capacity = max_model_len + max(self._max_nodes + self._max_emit, self.chunks.sizes[0])
@@ -458,6 +460,7 @@ class BatchEngine:
                 continue
             if not self.planner.lazy:  # every member compiles now: the trees must be known
                 self.planner.settle_curve()
+                self._trees_known()
             family = list(self.engine.family(warp))  # lazy, before the curve is in: the plain step alone
             if grammar:
                 self._check_structured()
@@ -471,6 +474,12 @@ class BatchEngine:
                         if made and self.verbose is not None:
                             self.verbose(f"compiled {made} grammar step(s) for {b} row(s) x {cap} slots, "
                                          f"{warp.label}: {time.perf_counter() - began:.1f} s")
+
+    def _trees_known(self) -> None:
+        """Once auto's trees came from the cost curve, rows reserve cache room for those trees only."""
+        if self._bounds_pending and not self.engine.trees_pending:
+            self._max_nodes, self._max_emit = self.engine.step_bounds()
+            self._bounds_pending = False
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -583,6 +592,7 @@ class BatchEngine:
             if self.planner.curve_due() and self._pending is not None:  # a pass is timed with nothing in flight
                 jax.block_until_ready(self._pending.out.tokens)
             self.planner.advance_curve()
+            self._trees_known()
         for slot in [s for s in self.slots if self._cancelled(s.ticket)]:
             self._retire(slot, "cancelled")
         beside = self._admit_beside()

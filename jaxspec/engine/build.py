@@ -137,6 +137,32 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
     return engine
 
 
+def prepare(config: EngineConfig) -> str:
+    """Measures now what auto's first runs on this device would otherwise measure beside their requests: the cost
+    curve its trees come from (kept in the cost cache; ``recalibrate`` measures it again); says what it did."""
+    import time  # noqa: PLC0415
+
+    from jaxspec.speculators.ngram import NGramSpeculator  # noqa: PLC0415
+    from jaxspec.speculators.resolve import load_llm, load_speculators  # noqa: PLC0415
+    from jaxspec.engine.planner import cached_curve, derive_expansions, describe  # noqa: PLC0415
+
+    if config.mode != "auto" or config.expansion:
+        raise CliError("--prepare measures the cost curve auto derives its trees from: there is none to measure "
+                       "with --mode other than auto or with --expansion")
+    llm = load_llm(config.model, config.dtype, mesh=mesh_of(config), offload=config.offload)
+    speculators = load_speculators(speculator_specs(config), llm, config.dtype, config.draft_vocab)
+    learned = [s for s in speculators if not isinstance(s, NGramSpeculator)]
+    had = not config.recalibrate and cached_curve(llm, learned, lowering_of(config)) is not None
+    began = time.perf_counter()
+    curve = auto_curve(config, llm, speculators)
+    if curve is None:
+        raise CliError("--prepare: these speculators take no trees (give --ssm)")
+    kinds = ["ngram" if isinstance(s, NGramSpeculator) else "ssm" for s in speculators]
+    trees = "; ".join(f"{s.name} <{','.join(map(str, e))}>" for s, e in zip(speculators, derive_expansions(curve, kinds)))
+    how = "already measured" if had else f"measured in {time.perf_counter() - began:.1f} s"
+    return f"cost curve of {llm.name} on this device ({how}): {describe(curve)}; auto's trees: {trees}"
+
+
 def curve_later(config: EngineConfig, llm: LoadedModel, speculators: Sequence = (), mesh: Mesh | None = None) -> bool:
     """Whether auto's cost curve is measured by the scheduling loop, beside its first requests, rather than before
     the engine is built: where auto derives its trees from one (``auto_curve``), none is in the cost cache, and the
