@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 # a device runs auto for a model, then read from the cost cache.
 CURVE_TOKENS = (1, 4, 8, 16, 64)
 DRAFT_WIDTHS = (1, 4, 16)  # frontier nodes per draft level timed per learned speculator
+CURVE_REPEATS = 10  # passes timed per point, the fastest kept (``jaxspec.engine.costs.CurveProbe``)
 CURVE_CAPACITY = 256  # cache slots the curve is timed at (the smallest capacity bucket, where trees run most)
 WIDTH_DECAY = 0.18  # the miss rate of k draft candidates is (1 - p) * k**-WIDTH_DECAY (a prior, see above)
 MAX_DEPTH = 8  # deepest tree considered
@@ -203,7 +204,7 @@ def curve_key(llm, ssms: Sequence = (), lowering=None) -> dict:
     from jaxspec.engine import costs  # noqa: PLC0415
 
     return costs.calibration_key(llm, lowering, what="cost-curve", tokens=list(CURVE_TOKENS),
-                                 capacity=CURVE_CAPACITY, host_cores=host_cores(),
+                                 capacity=CURVE_CAPACITY, host_cores=host_cores(), fastest_of=CURVE_REPEATS,
                                  ssms=[[s.name, repr(s.cfg), str(s.dtype), s.draft_vocab, list(DRAFT_WIDTHS)]
                                        for s in ssms])
 
@@ -229,7 +230,7 @@ def curve_probe(llm, ssms: Sequence = (), lowering=None, params=None):
 
     passes = {("llm", 0, t): llm_pass(t) for t in CURVE_TOKENS}
     passes.update({("draft", i, w): draft_pass(s, w) for i, s in enumerate(ssms) for w in DRAFT_WIDTHS})
-    return costs.CurveProbe(passes, curve_key(llm, ssms, lowering), len(ssms))
+    return costs.CurveProbe(passes, curve_key(llm, ssms, lowering), len(ssms), CURVE_REPEATS)
 
 
 def cached_curve(llm, ssms: Sequence = (), lowering=None) -> CostCurve | None:
