@@ -166,3 +166,42 @@ def test_a_closed_loop_is_left_at_once_only_when_its_running_builds_write_just_t
     release.set()
     batch.planner.left_running[0].result(timeout=60)
     assert batch.planner.abandonable  # it finished: nothing left to wait for
+
+
+def test_a_curve_left_unfinished_by_a_closed_loop_is_finished_by_the_next_loop(tmp_path, monkeypatch):
+    """A loop that closes while the curve's passes compile drops the compiles not started; the next loop over the
+    same engine compiles what is left and adopts the trees (the curve never stalls half measured)."""
+    import threading
+
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    gate = threading.Event()  # the first loop's worker is held in its first compile until that loop closed
+    real = costs.TimedPass.compile
+
+    def held(timed):
+        gate.wait(60)
+        return real(timed)
+
+    monkeypatch.setattr(costs.TimedPass, "compile", held)
+    llm = tiny_model(seed=4)
+    engine = engine_from(EngineConfig(mode="auto"), llm, [early_exit(llm, 1), NGramSpeculator(3)])
+    probe = engine.curve_probe
+    first = BatchEngine(engine, max_batch=1, max_model_len=128)
+    first.submit(Request([3, 1, 4, 1, 5], 40, stop_ids=[]), lambda ev: None)
+    while not probe.started:
+        first.step()
+    running = probe.compiling
+    first.close()
+    gate.set()
+    assert not probe.started and engine.curve_probe is probe
+    running.result()  # the pass compiling when the loop closed finishes; the rest were dropped
+    assert len(probe.ready) == 1
+    second = BatchEngine(engine, max_batch=1, max_model_len=128)
+    events = []
+    second.submit(Request([3, 1, 4, 1, 5], 40, stop_ids=[]), events.append)
+    while not probe.started:
+        second.step()
+    probe.compiling.result()
+    assert len(probe.ready) == len(probe.todo)  # the second worker compiled the passes the first left
+    while engine.curve_probe is not None:
+        second.step()
+    assert not engine.trees_pending and engine.cost_curve is not None

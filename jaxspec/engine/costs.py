@@ -278,27 +278,27 @@ class CurveProbe:
         self.seconds: dict[Point, float] = {}
         self.compiling: concurrent.futures.Future | None = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self._closed = False
+        self._generation = 0  # bumped by ``close``: a worker of an earlier loop stops at its next pass
 
     @property
     def started(self) -> bool:
-        """Whether the passes are compiling (or compiled) in the worker."""
-        return self.compiling is not None
+        """Whether the passes are compiling (or compiled) in a worker of the loop now driving the probe."""
+        return self._worker is not None
 
     @property
     def compiled(self) -> bool:
-        """Whether every pass compiled (or a compile failed: ``advance`` raises it)."""
-        return self.compiling is not None and self.compiling.done()
+        """Whether the worker compiled every pass (or a compile failed: ``advance`` raises it)."""
+        return self.started and self.compiling.done()
 
     def start(self) -> None:
         """Compiles every pass in a worker thread, in order (the first of a cold machine's compiles come first)."""
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-curve")
-            self.compiling = self._worker.submit(self._compile_all)
+            self.compiling = self._worker.submit(self._compile_all, self._generation)
 
-    def _compile_all(self) -> None:
-        for point, make in self.todo.items():
-            if self._closed:
+    def _compile_all(self, generation: int | None = None) -> None:
+        for point, make in list(self.todo.items()):
+            if generation is not None and generation != self._generation:
                 return
             if point not in self.ready and point not in self.seconds:
                 timed = make()
@@ -318,10 +318,9 @@ class CurveProbe:
     def finish(self) -> dict:
         """The curve now: waits for the worker's compiles (or compiles on this thread where none started), then
         times every pass left."""
-        if self.compiling is None:
-            self._compile_all()
-        else:
+        if self.started:
             self.compiling.result()
+        self._compile_all()  # what no worker compiled (none started, or one closed before the end)
         while self.ready:
             point = next(iter(self.ready))
             self.seconds[point] = self.ready.pop(point).time(self.repeats, best=True)
@@ -337,7 +336,9 @@ class CurveProbe:
         return load_or_measure(self.key, lambda: out, refresh=True)
 
     def close(self) -> None:
-        """Drops the compiles not started (one running finishes unused: ``compiling`` tells when)."""
-        self._closed = True
+        """Drops the compiles not started (one running finishes, kept: ``compiling`` tells when); a later ``start``
+        (another loop over the same engine) compiles what is left."""
+        self._generation += 1
         if self._worker is not None:
             self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None

@@ -368,9 +368,10 @@ class Planner:
         self.keep_share()
         probe = self.engine.curve_probe
         if probe is not None and probe.started:
+            running = probe.compiling
             probe.close()
-            if not probe.compiled:
-                self.left_running.append(probe.compiling)
+            if not running.done():
+                self.left_running.append(running)
         if self.builder is not None:
             self.builder.shutdown(wait=False, cancel_futures=True)
             self.builder = None
