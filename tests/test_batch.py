@@ -221,6 +221,27 @@ def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm)
     assert any("ssm" in g.trees for g in gens)
 
 
+def test_work_in_sight_is_none_at_a_bucket_the_waiting_requests_will_widen(llm):
+    """Lazy auto prices a tree by the iterations its bucket has left: while requests wait for rows, the loop is
+    about to move to a wider bucket, so a tree built for this one would be left behind (rent or buy only)."""
+    engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)
+    batch = BatchEngine(engine, max_batch=4, max_model_len=64)
+    batch.submit(Request(PROMPTS[0], 10), lambda ev: None)
+    batch.step()
+    assert batch.rows == 1 and batch.work_in_sight() == 9  # one row, nine tokens to go, nothing waiting
+    for p in PROMPTS[1:3]:
+        batch.submit(Request(p, 10), lambda ev: None)
+    assert batch.work_in_sight() == 0  # two more rows are coming: the loop leaves the one-row bucket
+    while len(batch.slots) < 3:
+        batch.step()
+    assert batch.rows == 4 and batch.work_in_sight() > 0  # admitted: this bucket holds every row
+    solo = BatchEngine(engine, max_batch=1, max_model_len=64)
+    solo.submit(Request(PROMPTS[0], 10), lambda ev: None)
+    solo.step()
+    solo.submit(Request(PROMPTS[1], 10), lambda ev: None)
+    assert solo.work_in_sight() == 9 + 10  # one row at most: the queue's work is this bucket's
+
+
 def test_an_uncalibrated_machine_explores_trees_without_compiling_to_guess(llm, tmp_path, monkeypatch):
     """Auto's one-row ratios come from this machine's calibration cache; where it never measured them, a tree
     feeds its nodes as tokens, priced on the line through the plain step's own measurements at two row counts

@@ -369,6 +369,17 @@ class BatchEngine:
     def queue_depth(self) -> int:
         return len(self.waiting) + len(self.incoming) + (self.staging is not None)
 
+    def work_in_sight(self) -> float:
+        """Iterations the live rows' bucket still has before it: the longest live request's tokens left plus the
+        queue's share of a full batch; none where the requests waiting for a row will move the loop to a wider
+        bucket as they are admitted (a tree built for this one would be left behind: only the time already lost
+        without it, rent or buy, may buy it)."""
+        if bucket(min(len(self.slots) + self.queue_depth(), self.max_batch), self.row_buckets) > self.rows:
+            return 0.0
+        left = max((s.ticket.request.max_new_tokens - len(s.gen.token_ids) for s in self.slots), default=0)
+        queued = [*self.waiting, *self.incoming]
+        return left + sum(t.request.max_new_tokens for t, _ in queued) / self.max_batch
+
     # -- what a multi-process run's synchroniser (``jaxspec.engine.lockstep``) asks of the loop -------------
     def live_tickets(self) -> list[Ticket]:
         """Every admitted request's ticket: waiting, being prefilled, decoding."""
@@ -1001,8 +1012,7 @@ class BatchEngine:
         elif chooser is not None:
             rows = [(len(proposals[i]), matched[i]) for i, _ in live]
             if self.planner.lazy:
-                left = max((s.ticket.request.max_new_tokens - len(s.gen.token_ids) for _, s in live), default=0)
-                left += sum(t.request.max_new_tokens for t, _ in self.waiting) / self.max_batch
+                left = self.work_in_sight()
                 name = self.planner.pick(chooser, warp, self.rows, self.capacity, costs, rows, keys, left,
                                          self.iterations)
             else:
