@@ -43,7 +43,7 @@ def expansion_for(config: EngineConfig, speculators: Sequence = (),
     """The expansion configs: one shared by every speculator, or ";"-separated, one per speculator; under auto
     without ``--expansion``, each speculator's tree derived from this device's cost ``curve``
     (``jaxspec.engine.planner``; needed only when there are speculators)."""
-    from jaxspec.speculators.ngram import NGramSpeculator  # noqa: PLC0415
+    from jaxspec.speculators.ngram import speculator_kinds  # noqa: PLC0415
     from jaxspec.decoding.tree import DynamicTree, parse_expansion  # noqa: PLC0415
 
     if config.mode == "incremental":
@@ -57,7 +57,7 @@ def expansion_for(config: EngineConfig, speculators: Sequence = (),
             raise ValueError("auto's trees are derived from a cost curve: measure one (jaxspec.engine.planner)")
         from jaxspec.engine.planner import derive_expansions  # noqa: PLC0415
 
-        return derive_expansions(curve, ["ngram" if isinstance(s, NGramSpeculator) else "ssm" for s in speculators])
+        return derive_expansions(curve, speculator_kinds(speculators))
     text = config.expansion or (DEFAULT_TREE if config.mode == "tree" else DEFAULT_SEQUENCE)
     expansions = tuple(parse_expansion(part) for part in text.split(";"))
     if not all(expansions):
@@ -127,7 +127,8 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
         forced = 0 if config.mode == "incremental" else DEFAULT_FORCED_TOKENS
     engine = Engine(llm, list(speculators), expansion, config.tree_budget, config.verify,
                     auto=config.mode == "auto", mesh=mesh if mesh is not None else mesh_of(config),
-                    offload=config.offload, forced_tokens=forced, lowering=lowering_of(config), trees_pending=later)
+                    offload=config.offload, forced_tokens=forced, lowering=lowering_of(config),
+                    trees_pending=pending_bounds(speculators) if later else None)
     engine.cost_curve = curve
     if later:
         from jaxspec.engine.planner import curve_probe  # noqa: PLC0415
@@ -142,7 +143,7 @@ def prepare(config: EngineConfig) -> str:
     curve its trees come from (kept in the cost cache; ``recalibrate`` measures it again); says what it did."""
     import time  # noqa: PLC0415
 
-    from jaxspec.speculators.ngram import NGramSpeculator  # noqa: PLC0415
+    from jaxspec.speculators.ngram import NGramSpeculator, speculator_kinds  # noqa: PLC0415
     from jaxspec.speculators.resolve import load_llm, load_speculators  # noqa: PLC0415
     from jaxspec.engine.planner import cached_curve, derive_expansions, describe  # noqa: PLC0415
 
@@ -157,10 +158,18 @@ def prepare(config: EngineConfig) -> str:
     curve = auto_curve(config, llm, speculators)
     if curve is None:
         raise CliError("--prepare: these speculators take no trees (give --ssm)")
-    kinds = ["ngram" if isinstance(s, NGramSpeculator) else "ssm" for s in speculators]
-    trees = "; ".join(f"{s.name} <{','.join(map(str, e))}>" for s, e in zip(speculators, derive_expansions(curve, kinds)))
+    trees = "; ".join(f"{s.name} <{','.join(map(str, e))}>"
+                      for s, e in zip(speculators, derive_expansions(curve, speculator_kinds(speculators))))
     how = "already measured" if had else f"measured in {time.perf_counter() - began:.1f} s"
     return f"cost curve of {llm.name} on this device ({how}): {describe(curve)}; auto's trees: {trees}"
+
+
+def pending_bounds(speculators: Sequence) -> tuple[int, int]:
+    """(most nodes, deepest path) of any trees auto may derive for ``speculators`` (``planner.derivable_bounds``)."""
+    from jaxspec.speculators.ngram import speculator_kinds  # noqa: PLC0415
+    from jaxspec.engine.planner import derivable_bounds  # noqa: PLC0415
+
+    return derivable_bounds(speculator_kinds(speculators))
 
 
 def curve_later(config: EngineConfig, llm: LoadedModel, speculators: Sequence = (), mesh: Mesh | None = None) -> bool:

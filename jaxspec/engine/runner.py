@@ -29,7 +29,7 @@ from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.engine.executables import Stored
 from jaxspec.errors import RequestError, VocabularyMismatch  # noqa: F401 (importable from here as before)
-from jaxspec.speculators.ngram import NGramSpeculator
+from jaxspec.speculators.ngram import NGramSpeculator, speculator_kinds
 from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
 from jaxspec.parallel.sharding import describe as describe_mesh, pinned
 from jaxspec.decoding.step import DecodeConfig, DecodeState, SSMGroup, decode_step, set_lengths
@@ -101,7 +101,7 @@ class Runner:
         mesh: Mesh | None = None,
         offload: bool = False,
         forced_tokens: int = 0,
-        trees_pending: bool = False,
+        trees_pending: tuple[int, int] | None = None,
     ) -> None:
         """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward;
         ``lowering`` picks the graph forms of every forward (``models.lowering``; default: this platform's,
@@ -112,8 +112,9 @@ class Runner:
         ``offload`` keeps them in host memory and streams them in layer by layer (``jaxspec.parallel.offload``);
         ``forced_tokens``: how many tokens a grammar forces ahead of a constrained request's root ride in its tree
         as a draft chain (0: none); ``trees_pending``: auto's trees come later (``adopt_trees``, once this device's
-        cost curve is measured): until then the family is the plain step alone (``expansion`` only groups SSMs, so
-        it must group them as the trees will: one learned speculator)."""
+        cost curve is measured), and these are the most nodes (root included) and the deepest path of any they may
+        be (``jaxspec.engine.planner.derivable_bounds``): until then the family is the plain step alone
+        (``expansion`` only groups SSMs, so it must group them as the trees will: one learned speculator)."""
         expansions = _per_ssm(expansion, len(speculators))
         self.speculators = tuple(speculators)
         self.batch_ssms = batch_ssms
@@ -193,7 +194,8 @@ class Runner:
         if offload and mesh is not None:  # a one-device offload was laid out in host memory already
             self._llm_params = offload_params(self._llm_params)
         self._families: dict[sampling.WarpSpec, dict[str, DecodeConfig]] = {}
-        self.trees_pending = auto and trees_pending and bool(speculators)
+        self.trees_pending = auto and trees_pending is not None and bool(speculators)
+        self._pending_bounds = trees_pending
         if self.trees_pending:
             self.ngram_depth = 0
         self.family(sampling.SamplingParams())  # validates every configuration
@@ -257,7 +259,7 @@ class Runner:
 
     def speculator_kinds(self) -> list[str]:
         """Each speculator's kind, in order: "ngram" or "ssm" (what ``jaxspec.engine.planner`` derives trees for)."""
-        return ["ngram" if isinstance(s, NGramSpeculator) else "ssm" for s in self.speculators]
+        return speculator_kinds(self.speculators)
 
     def constrained(self, cfg: DecodeConfig, forced: int | None = None) -> DecodeConfig:
         """A member's grammar step: masks from the host at every draft level and tree node, plus a chain of
@@ -532,9 +534,7 @@ class Runner:
         family += [self.constrained(c) for c in family]
         nodes, emit = max(c.num_nodes for c in family), max(c.max_emit for c in family)
         if self.trees_pending:  # room for any trees the curve may give
-            from jaxspec.engine.planner import derivable_bounds  # noqa: PLC0415
-
-            most, deepest = derivable_bounds(self.speculator_kinds())
+            most, deepest = self._pending_bounds
             nodes, emit = max(nodes, most + self.forced_depth), max(emit, deepest + 1 + self.forced_depth)
         return nodes, emit
 

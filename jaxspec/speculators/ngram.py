@@ -30,6 +30,12 @@ class NGramSpeculator:
         return f"ngram:{self.max_n}"
 
 
+def speculator_kinds(speculators) -> list[str]:
+    """Each speculator's kind, in order: "ngram" (this prompt lookup) or "ssm" (a learned one): what auto derives a
+    tree for (``jaxspec.engine.planner.derive_expansions``)."""
+    return ["ngram" if isinstance(s, NGramSpeculator) else "ssm" for s in speculators]
+
+
 class NGramIndex:
     """Latest end position of every n-gram (``min_n`` ≤ n ≤ ``max_n``) of a growing token list."""
 
