@@ -15,8 +15,13 @@ with the LLM at each depth with ``auto.PRIOR_RATE``, and keeping k candidates pe
 miss rate as k^-``WIDTH_DECAY`` (0.18 reproduces the shipped drafter's held-out top-1 0.487 and
 top-5 0.617). The n-gram speculator proposes a chain, so only its length is chosen.
 
+A machine with no curve yet measures it beside its first requests (``curve_probe``, moved along by
+``Planner.advance_curve`` between iterations): the engine runs its plain step alone until the curve gives
+its trees (``Runner.adopt_trees``).
+
 Over 600 lines: the curve that derives the family is the one the lazy path prices untimed trees
-on (``CostCurve.member_ratio``), so both halves read one definition of what a tree costs here.
+on (``CostCurve.member_ratio``), and the one its loop measures beside the first requests, so the
+three read one definition of what a tree costs here.
 """
 
 from __future__ import annotations
