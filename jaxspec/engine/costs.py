@@ -265,8 +265,9 @@ class CurveProbe:
     thread. The value, ``{"llm": {T: s}, "drafts": [{w: s}, ...]}``, is stored under ``key`` in the cost cache.
 
     ``passes`` maps each point to what makes its ``TimedPass`` (made in the worker, so no device memory is held
-    for a point before it compiles). Each point is its fastest of ``repeats`` passes: on this project's 2-core
-    CPU the T=4 ratio of medians of 3 spread 2x between measurements of one machine, of minima of 10 1.2x."""
+    for a point before it compiles). Each point is its fastest of ``repeats`` passes: whatever else runs on the
+    host or device only ever adds time to a pass, so the minimum is the estimate of a pass's own cost that the
+    rest of the machine disturbs least, on any platform."""
 
     def __init__(self, passes: dict[Point, Callable[[], TimedPass]], key: dict, drafts: int,
                  repeats: int = 10) -> None:

@@ -194,8 +194,8 @@ class Runner:
         if offload and mesh is not None:  # a one-device offload was laid out in host memory already
             self._llm_params = offload_params(self._llm_params)
         self._families: dict[sampling.WarpSpec, dict[str, DecodeConfig]] = {}
-        self.trees_pending = auto and trees_pending is not None and bool(speculators)
-        self._pending_bounds = trees_pending
+        # (most nodes, deepest path) of the trees to come, until ``adopt_trees``; None once known
+        self._pending_bounds = trees_pending if auto and speculators else None
         if self.trees_pending:
             self.ngram_depth = 0
         self.family(sampling.SamplingParams())  # validates every configuration
@@ -252,10 +252,15 @@ class Runner:
         chain = next((e for s, e in pairs if s is self.ngram), ())
         if isinstance(chain, DynamicTree):
             raise RequestError("the n-gram speculator proposes a chain: give it a fixed expansion")
-        self.topologies, self.ngram_depth, self.trees_pending = topologies, len(chain), False
+        self.topologies, self.ngram_depth, self._pending_bounds = topologies, len(chain), None
         self._families.clear()
         self._choosers.clear()
         self.family(sampling.SamplingParams())  # validates every configuration
+
+    @property
+    def trees_pending(self) -> bool:
+        """Whether auto's trees still wait for this device's cost curve (the family is the plain step alone)."""
+        return self._pending_bounds is not None
 
     def speculator_kinds(self) -> list[str]:
         """Each speculator's kind, in order: "ngram" or "ssm" (what ``jaxspec.engine.planner`` derives trees for)."""
