@@ -143,7 +143,7 @@ def prepare(config: EngineConfig) -> str:
     curve its trees come from (kept in the cost cache; ``recalibrate`` measures it again); says what it did."""
     import time  # noqa: PLC0415
 
-    from jaxspec.speculators.ngram import NGramSpeculator, speculator_kinds  # noqa: PLC0415
+    from jaxspec.speculators.ngram import speculator_kinds  # noqa: PLC0415
     from jaxspec.speculators.resolve import load_llm, load_speculators  # noqa: PLC0415
     from jaxspec.engine.planner import cached_curve, derive_expansions, describe  # noqa: PLC0415
 
@@ -152,7 +152,7 @@ def prepare(config: EngineConfig) -> str:
                        "with --mode other than auto or with --expansion")
     llm = load_llm(config.model, config.dtype, mesh=mesh_of(config), offload=config.offload)
     speculators = load_speculators(speculator_specs(config), llm, config.dtype, config.draft_vocab)
-    learned = [s for s in speculators if not isinstance(s, NGramSpeculator)]
+    learned = learned_of(speculators)
     had = not config.recalibrate and cached_curve(llm, learned, lowering_of(config)) is not None
     began = time.perf_counter()
     curve = auto_curve(config, llm, speculators)
@@ -162,6 +162,13 @@ def prepare(config: EngineConfig) -> str:
                       for s, e in zip(speculators, derive_expansions(curve, speculator_kinds(speculators))))
     how = "already measured" if had else f"measured in {time.perf_counter() - began:.1f} s"
     return f"cost curve of {llm.name} on this device ({how}): {describe(curve)}; auto's trees: {trees}"
+
+
+def learned_of(speculators: Sequence) -> list:
+    """The learned speculators (SSMs, drafters) among ``speculators``, in order: the ones a cost curve times."""
+    from jaxspec.speculators.ngram import NGramSpeculator  # noqa: PLC0415
+
+    return [s for s in speculators if not isinstance(s, NGramSpeculator)]
 
 
 def pending_bounds(speculators: Sequence) -> tuple[int, int]:
@@ -182,10 +189,9 @@ def curve_later(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
         return False
     import jax  # noqa: PLC0415
 
-    from jaxspec.speculators.ngram import NGramSpeculator  # noqa: PLC0415
     from jaxspec.engine.planner import cached_curve  # noqa: PLC0415
 
-    learned = [s for s in speculators if not isinstance(s, NGramSpeculator)]
+    learned = learned_of(speculators)
     if jax.process_count() > 1 or len(learned) > 1:
         return False
     return cached_curve(llm, learned, lowering_of(config)) is None
@@ -200,10 +206,9 @@ def auto_curve(config: EngineConfig, llm: LoadedModel, speculators: Sequence = (
         return None
     import jax  # noqa: PLC0415
 
-    from jaxspec.speculators.ngram import NGramSpeculator  # noqa: PLC0415
     from jaxspec.engine.planner import CostCurve, measure_curve  # noqa: PLC0415
 
-    learned = [s for s in speculators if not isinstance(s, NGramSpeculator)]
+    learned = learned_of(speculators)
     curve = measure_curve(llm, learned, lowering_of(config), refresh=config.recalibrate)
     if jax.process_count() > 1:
         import numpy as np  # noqa: PLC0415
