@@ -207,7 +207,8 @@ def _cache_stats(stderr: str) -> tuple[int, int]:
 
 
 def test_second_run_of_a_command_compiles_nothing(tmp_path):
-    """Two processes, one command: the second reads every executable from the persistent cache."""
+    """Two processes, one command: the second reads every executable from the persistent cache; so does a third
+    whose prompt and token limit differ (jobs share cache buckets, not their exact lengths)."""
     cache = tmp_path / "xla"
     env = {**os.environ, "JAXSPEC_CACHE_STATS": "1"}
     args = ["generate", "--prompt", "Hi", "--max-new-tokens", "4", "--mode", "incremental", "--compile-cache", str(cache)]
@@ -220,6 +221,13 @@ def test_second_run_of_a_command_compiles_nothing(tmp_path):
     assert second.stdout == first.stdout
     hits, misses = _cache_stats(second.stderr)
     assert misses == 0 and hits > 0, second.stderr[-2000:]
+    # another job of another length: laid out on the same cache buckets, it reuses the first job's executables
+    other = ["generate", "--prompt", "Name three colours of the rainbow, please.", "--max-new-tokens", "9",
+             "--mode", "incremental", "--compile-cache", str(cache)]
+    third = run_cli(*other, env=env)
+    assert third.returncode == 0, third.stderr[-3000:]
+    hits, misses = _cache_stats(third.stderr)
+    assert misses == 0 and hits > 0, third.stderr[-2000:]
 
 
 def test_compile_cache_location_flags_and_environment(tmp_path, monkeypatch):

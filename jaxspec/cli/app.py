@@ -248,7 +248,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     """
     from jaxspec.config import SchedulerConfig
     from jaxspec.engine import lockstep
-    from jaxspec.engine.batch import Request
+    from jaxspec.engine.batch import Request, job_model_len
     from jaxspec.engine.build import build_scheduler
     from jaxspec.engine.stops import StopText
     from models.tokenizer import encode_prompt
@@ -265,7 +265,8 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     longest = max(len(r.prompt_ids) for _, _, r in jobs)
     say = (lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr)) if args.verbose else None  # noqa: E731
     limits = SchedulerConfig(max_batch=min(args.max_batch, len(jobs)),
-                             max_model_len=min(longest + args.max_new_tokens, llm.cfg.max_position_embeddings),
+                             max_model_len=job_model_len(longest + args.max_new_tokens,
+                                                         llm.cfg.max_position_embeddings),
                              eager=args.compile == "all", prefill_chunk=args.prefill_chunk,
                              prefill_stall=args.prefill_stall, prefix_cache_bytes=prefix_cache_bytes(args))
     batch = build_scheduler(engine, limits, sync=lockstep.loop_sync(), verbose=say)

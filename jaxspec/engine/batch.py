@@ -84,6 +84,17 @@ def capacity_buckets(top: int) -> tuple[int, ...]:
     return tuple(out) + (top,)
 
 
+def job_model_len(need: int, limit: int) -> int:
+    """The request length a batch job whose longest request needs ``need`` tokens is laid out for: the capacity
+    bucket at or above it (at most the model's ``limit``). A job's exact length would give it a cache bucket of its
+    own, so every prompt set would compile its steps afresh; on the shared buckets a job reuses the steps earlier
+    jobs (and auto's cost curve, timed at the smallest) compiled, and its rows fill only what they need."""
+    size = MIN_CAPACITY
+    while size < need:
+        size *= 2
+    return min(size, limit)
+
+
 def cut_tokens(done: list[int], new: list[int], limit: int, stop_ids: set[int],
                stop: Callable[[list[int]], int | None] | None) -> tuple[list[int], str | None]:
     """Truncates one step's tokens at the token limit, then at EOS or a stop string; returns (kept, reason).
