@@ -26,6 +26,9 @@ class LoadedModel:
     draft_vocab: int = 0  # > 0: a drafting SSM whose params carry a reduced head (``jaxspec.speculators.draft_vocab``)
     features: bool = False  # a feature drafter (``models.drafter``): reads the LLM's states, not a Transformer
     feature_layers: tuple[int, ...] = ()  # a fused feature drafter's LLM blocks (empty: the final-norm state)
+    # a speculator's top-1 agreement with the LLM's greedy token at draft depths 1, 2, ... given the path above agreed,
+    # as its training run measured it on held-out text (empty: not recorded; auto's trees then score with a prior)
+    acceptance: tuple[float, ...] = ()
 
     @property
     def forward(self) -> Forward:

@@ -132,14 +132,20 @@ def test_training_teaches_the_drafter_and_it_round_trips(llm, tmp_path):
         batch = jnp.asarray(rng.integers(0, VOCAB, (8, 32)), jnp.int32)
         own, opt_state, _, c = step(own, frozen, opt_state, batch, jax.random.PRNGKey(s))
         counts += np.asarray(c)
-    after = float(evaluate(own, frozen, held)["top1_1"])
+    scores = {k: float(v) for k, v in evaluate(own, frozen, held).items()}
+    after = scores["top1_1"]
     assert after > before + 0.05, (before, after)  # random-token text: the LLM itself is hard to predict
     assert counts.sum() == 200 * 8 * 32  # every position's greedy token was counted
 
-    path = save_drafter(tmp_path / "dr", dcfg, own, llm_identity(llm), counts, 0, {"steps": 60}, "float32")
+    run = {"steps": 200, "eval": scores}
+    path = save_drafter(tmp_path / "dr", dcfg, own, llm_identity(llm), counts, 0, run, "float32")
     loaded = load_speculators([f"drafter:{path}"], llm)[0]
     assert loaded.features and set(OWN) <= set(loaded.params)
+    # its held-out agreement by depth travels with it: auto scores its candidate trees with it
+    depths = sorted(int(k.rsplit("_", 1)[1]) for k in scores if k.startswith("top1_"))
+    assert depths[:2] == [1, 2] and loaded.acceptance == tuple(scores[f"top1_{d}"] for d in depths)
     slow = save_drafter(tmp_path / "raw", dcfg, untrained, llm_identity(llm), counts, 0, {}, "float32")
+    assert load_drafter(slow, llm).acceptance == ()  # none recorded: the prior's
     plain = Engine(llm)
     prompts = random_prompts(6, VOCAB, seed=9)
     gains = {}

@@ -42,6 +42,24 @@ def test_the_family_follows_the_device_small_trees_on_the_cpu_wide_ones_on_the_g
         assert gain > expected_tokens(other) / curve.tree_ratio(other, 0)
 
 
+def test_a_speculator_is_scored_with_its_own_recorded_acceptance():
+    """A learned speculator that ships its held-out agreement by depth is scored with it instead of the generic
+    prior: on this CPU's curve, a drafter whose agreement falls with depth gets a shallower chain, the n-gram's is
+    untouched; on the H200, where wide trees cost about one pass, a weaker drafter still gets a wide one."""
+    weak = (0.45, 0.40, 0.35)
+    (ssm_prior, ngram_prior) = derive_expansions(CPU, ["ssm", "ngram"])
+    (ssm_own, ngram_own) = derive_expansions(CPU, ["ssm", "ngram"], [weak])
+    assert len(ssm_own) < len(ssm_prior) and ngram_own == ngram_prior
+    gain = best_expansion(CPU, 0, weak)[1]
+    assert gain == pytest.approx(expected_tokens(ssm_own, rates=weak) / CPU.tree_ratio(ssm_own, 0))
+    assert gain > expected_tokens(ssm_prior, rates=weak) / CPU.tree_ratio(ssm_prior, 0)
+    assert expected_tokens((1, 1, 1), rates=weak) == pytest.approx(1 + 0.45 + 0.45 * 0.40 + 0.45 * 0.40 * 0.35)
+    assert expected_tokens((1,) * 5, rates=weak) == pytest.approx(
+        expected_tokens((1, 1, 1), rates=weak) + 0.45 * 0.40 * 0.35 ** 2 * (1 + 0.35))  # the last rate holds below
+    (wide,) = derive_expansions(H200, ["ssm"], [weak])
+    assert tree_nodes(wide) >= 16 and max(wide) > 1
+
+
 def test_the_curve_reads_as_a_non_decreasing_envelope_and_prices_rows_times_nodes():
     """A noisy point never makes a larger pass cheaper (the H200's 8 tokens cost more than its 16); past the largest
     measured pass the line through the two largest extends it; a member at R rows feeds R x N tokens."""
@@ -55,7 +73,9 @@ def test_the_curve_reads_as_a_non_decreasing_envelope_and_prices_rows_times_node
     assert cpu3.member_ratio(cfg, 1) == pytest.approx(cpu3.tree_ratio((1, 1, 1), 0))
     # 8 rows of a 4-node tree feed 32 tokens: on the CPU it costs far more than at one row, on the GPU hardly
     assert cpu3.member_ratio(cfg, 8) > 1.5 * cpu3.member_ratio(cfg, 1)
-    assert H200.member_ratio(cfg, 8) == pytest.approx((3.45 + 3 * 0.42) / 3.42)  # 32 tokens, 3 levels of 8 nodes
+    # 32 tokens; 3 levels of 8 rows: the first feeds each row's root and the 4 tokens it re-feeds (40, past the
+    # largest width timed: the line through the two largest), the others one node per row
+    assert H200.member_ratio(cfg, 8) == pytest.approx((3.45 + (0.42 + 0.02 / 12 * 24) + 2 * 0.42) / 3.42)
     assert H200.member_ratio(cfg, 8) < cpu3.member_ratio(cfg, 8) - 0.5
 
 

@@ -43,7 +43,6 @@ def expansion_for(config: EngineConfig, speculators: Sequence = (),
     """The expansion configs: one shared by every speculator, or ";"-separated, one per speculator; under auto
     without ``--expansion``, each speculator's tree derived from this device's cost ``curve``
     (``jaxspec.engine.planner``; needed only when there are speculators)."""
-    from jaxspec.speculators.ngram import speculator_kinds  # noqa: PLC0415
     from jaxspec.decoding.tree import DynamicTree, parse_expansion  # noqa: PLC0415
 
     if config.mode == "incremental":
@@ -55,9 +54,9 @@ def expansion_for(config: EngineConfig, speculators: Sequence = (),
             return ()
         if curve is None:
             raise ValueError("auto's trees are derived from a cost curve: measure one (jaxspec.engine.planner)")
-        from jaxspec.engine.planner import derive_expansions  # noqa: PLC0415
+        from jaxspec.engine.planner import speculator_trees  # noqa: PLC0415
 
-        return derive_expansions(curve, speculator_kinds(speculators))
+        return speculator_trees(curve, speculators)
     text = config.expansion or (DEFAULT_TREE if config.mode == "tree" else DEFAULT_SEQUENCE)
     expansions = tuple(parse_expansion(part) for part in text.split(";"))
     if not all(expansions):
@@ -143,9 +142,8 @@ def prepare(config: EngineConfig) -> str:
     curve its trees come from (kept in the cost cache; ``recalibrate`` measures it again); says what it did."""
     import time  # noqa: PLC0415
 
-    from jaxspec.speculators.ngram import speculator_kinds  # noqa: PLC0415
     from jaxspec.speculators.resolve import load_llm, load_speculators  # noqa: PLC0415
-    from jaxspec.engine.planner import cached_curve, derive_expansions, describe  # noqa: PLC0415
+    from jaxspec.engine.planner import cached_curve, describe, speculator_trees  # noqa: PLC0415
 
     if config.mode != "auto" or config.expansion:
         raise CliError("--prepare measures the cost curve auto derives its trees from: there is none to measure "
@@ -159,7 +157,7 @@ def prepare(config: EngineConfig) -> str:
     if curve is None:
         raise CliError("--prepare: these speculators take no trees (give --ssm)")
     trees = "; ".join(f"{s.name} <{','.join(map(str, e))}>"
-                      for s, e in zip(speculators, derive_expansions(curve, speculator_kinds(speculators))))
+                      for s, e in zip(speculators, speculator_trees(curve, speculators)))
     how = "already measured" if had else f"measured in {time.perf_counter() - began:.1f} s"
     return f"cost curve of {llm.name} on this device ({how}): {describe(curve)}; auto's trees: {trees}"
 

@@ -39,6 +39,7 @@ import numpy as np
 from jaxspec.cache import compile_cache_on
 from jaxspec.engine.executables import store_dir
 from jaxspec.engine.auto import PRIOR_RATE, TreeChooser
+from jaxspec.speculators.ngram import acceptance_priors, speculator_kinds
 
 if TYPE_CHECKING:
     from jaxspec.decoding import sampling
@@ -109,12 +110,13 @@ class CostCurve:
 
     def tree_ratio(self, expansion: Sequence[int], index: int | None = None) -> float:
         """One iteration with ``expansion``'s tree over a plain iteration: its LLM pass over every node, plus, for
-        learned speculator ``index``, one draft level per depth over the nodes of the level above."""
+        learned speculator ``index``, one draft level per depth over the nodes of the level above (the first over
+        the root and the tokens it re-feeds, ``root_feed``)."""
         ratio = self.llm_ratio(tree_nodes(expansion))
         if index is not None:
             frontier = 1
-            for k in expansion:
-                ratio += self.draft_ratio(index, frontier)
+            for depth, k in enumerate(expansion):
+                ratio += self.draft_ratio(index, root_feed(len(expansion)) if depth == 0 else frontier)
                 frontier *= k
         return ratio
 
@@ -134,11 +136,18 @@ def _envelope(points: dict[int, float], size: int) -> float:
 
 
 def frontiers(topology) -> list[int]:
-    """Nodes an SSM feeds at each draft level of a tree (a ``Topology`` or ``DynamicTree``): the root, then each
-    level above the last (a dynamic tree expands ``width`` nodes per level)."""
+    """Tokens an SSM feeds at each draft level of a tree (a ``Topology`` or ``DynamicTree``): first the root with
+    the m + 1 committed tokens before it (``jaxspec.decoding.speculate.feed_root`` re-feeds them, m the tree's
+    depth), then each level above the last (a dynamic tree expands ``width`` nodes per level)."""
     if hasattr(topology, "level_size"):
-        return [topology.level_size(i) for i in range(topology.max_depth)]
-    return [1] + [topology.width] * (topology.depth - 1)
+        return [root_feed(topology.max_depth)] + [topology.level_size(i) for i in range(1, topology.max_depth)]
+    return [root_feed(topology.depth)] + [topology.width] * (topology.depth - 1)
+
+
+def root_feed(depth: int) -> int:
+    """Tokens a learned speculator's first draft level feeds for a tree ``depth`` levels deep: the root and the
+    ``depth`` + 1 committed tokens it re-feeds before it (which keeps its cache exact whatever was accepted)."""
+    return depth + 2
 
 
 def tree_nodes(expansion: Sequence[int]) -> int:
@@ -155,12 +164,19 @@ def agreement(width: int, rate: float = PRIOR_RATE) -> float:
     return 1.0 - (1.0 - rate) * width ** -WIDTH_DECAY
 
 
-def expected_tokens(expansion: Sequence[int], rate: float = PRIOR_RATE, deeper: float | None = None) -> float:
+def expected_tokens(expansion: Sequence[int], rate: float = PRIOR_RATE, deeper: float | None = None,
+                    rates: Sequence[float] = ()) -> float:
     """Tokens one iteration emits with ``expansion``'s tree under the prior: 1 + sum over depths of P(reached);
-    ``deeper``: the agreement below the first level, given the parent agreed (default ``rate``)."""
+    ``deeper``: the agreement below the first level, given the parent agreed (default ``rate``); ``rates``: the
+    speculator's own top-1 agreement at depths 1, 2, ... given the parent agreed (the last holds below), in place
+    of both."""
     total, reach = 1.0, 1.0
     for depth, k in enumerate(expansion):
-        reach *= agreement(k, rate if depth == 0 or deeper is None else deeper)
+        if rates:
+            p = rates[min(depth, len(rates) - 1)]
+        else:
+            p = rate if depth == 0 or deeper is None else deeper
+        reach *= agreement(k, p)
         total += reach
     return total
 
@@ -178,28 +194,37 @@ def _candidates(largest: int, chain: bool) -> list[tuple[int, ...]]:
     return out
 
 
-def best_expansion(curve: CostCurve, index: int | None) -> tuple[tuple[int, ...], float]:
+def best_expansion(curve: CostCurve, index: int | None, rates: Sequence[float] = ()) -> tuple[tuple[int, ...], float]:
     """(expansion, its expected speed-up over plain decoding) with the most expected tokens per second on this
-    curve: for learned speculator ``index`` (its draft levels priced), or for None the n-gram's drafting-free chain."""
+    curve: for learned speculator ``index`` (its draft levels priced; ``rates``: its own agreement by depth, where
+    it ships one, else the prior's), or for None the n-gram's drafting-free chain."""
     chain = index is None
     deeper = NGRAM_CONTINUATION if chain else None
-    scored = [(expected_tokens(e, PRIOR_RATE, deeper) / curve.tree_ratio(e, index), e)
+    scored = [(expected_tokens(e, PRIOR_RATE, deeper, () if chain else rates) / curve.tree_ratio(e, index), e)
               for e in _candidates(curve.largest, chain)]
     gain, exp = max(scored, key=lambda se: (se[0], -tree_nodes(se[1])))  # ties: the smaller tree
     return exp, gain
 
 
-def derive_expansions(curve: CostCurve, kinds: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+def derive_expansions(curve: CostCurve, kinds: Sequence[str],
+                      rates: Sequence[Sequence[float]] = ()) -> tuple[tuple[int, ...], ...]:
     """Auto's tree per speculator (``kinds``: "ngram" or "ssm", in the engine's order; learned ones index the
-    curve's draft costs in that order)."""
+    curve's draft costs in that order, and ``rates``, their own agreement by depth (``LoadedModel.acceptance``;
+    empty or missing: the prior's), in that order too)."""
     out, learned = [], 0
     for kind in kinds:
         if kind == "ngram":
             out.append(best_expansion(curve, None)[0])
         else:
-            out.append(best_expansion(curve, learned)[0])
+            out.append(best_expansion(curve, learned, rates[learned] if learned < len(rates) else ())[0])
             learned += 1
     return tuple(out)
+
+
+def speculator_trees(curve: CostCurve, speculators: Sequence) -> tuple[tuple[int, ...], ...]:
+    """Auto's tree per speculator (loaded, in the engine's order) on this curve, each learned one scored with its
+    own recorded agreement where it ships one."""
+    return derive_expansions(curve, speculator_kinds(speculators), acceptance_priors(speculators))
 
 
 def curve_key(llm, ssms: Sequence = (), lowering=None) -> dict:
@@ -436,7 +461,7 @@ class Planner:
     def adopt_curve(self, value: dict) -> None:
         """The engine's trees from a measured curve: every bucket's untried trees are then priced on it."""
         e, curve = self.engine, curve_of(value)
-        e.adopt_trees(derive_expansions(curve, e.speculator_kinds()))
+        e.adopt_trees(speculator_trees(curve, e.speculators))
         e.cost_curve, e.curve_probe = curve, None
         self.anchors.clear()
         self._estimate = (None, None)

@@ -109,4 +109,18 @@ def load_drafter(path: str | Path, llm: LoadedModel, dtype: str = "float32",
     else:
         size = 0
     return dataclasses.replace(LoadedModel(f"{p.name}", cfg, params, DTYPES[dtype], llm.tokenizer, size),
-                               features=True, feature_layers=layers)
+                               features=True, feature_layers=layers, acceptance=recorded_acceptance(manifest))
+
+
+def recorded_acceptance(manifest: dict) -> tuple[float, ...]:
+    """The drafter's top-1 agreement by depth on its training run's held-out eval: on the LLM's own greedy answers
+    where it was measured there (what greedy serving drafts against), else on the training text; () if none."""
+    scores = (manifest.get("run") or {}).get("eval") or {}
+    for prefix in ("answers0_top1_", "top1_"):
+        rates, depth = [], 1
+        while f"{prefix}{depth}" in scores:
+            rates.append(float(scores[f"{prefix}{depth}"]))
+            depth += 1
+        if rates and all(0.0 < r < 1.0 for r in rates):
+            return tuple(rates)
+    return ()

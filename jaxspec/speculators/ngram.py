@@ -36,6 +36,13 @@ def speculator_kinds(speculators) -> list[str]:
     return ["ngram" if isinstance(s, NGramSpeculator) else "ssm" for s in speculators]
 
 
+def acceptance_priors(speculators) -> list[tuple[float, ...]]:
+    """Each learned speculator's recorded agreement by depth (``LoadedModel.acceptance``; () where it has none), in
+    order: what auto scores its candidate trees with (``jaxspec.engine.planner.derive_expansions``)."""
+    return [tuple(getattr(s, "acceptance", ())) for s, kind in zip(speculators, speculator_kinds(speculators))
+            if kind == "ssm"]
+
+
 class NGramIndex:
     """Latest end position of every n-gram (``min_n`` ≤ n ≤ ``max_n``) of a growing token list."""
 
