@@ -133,9 +133,9 @@ def test_auto_is_the_default_mode_and_keeps_the_output(tmp_path):
 def test_the_default_lazy_auto_path_speculates_where_it_pays(tmp_path):
     """`jaxspec generate` as users run it (default auto, lazy compiles, no step calibrated or build measured on this
     machine, no injected costs) on prompts that ask the model to copy passages: trees are built while plain steps
-    go on, then run and accept, and the text is incremental decoding's. The machine's cost curve is measured first
-    by `jaxspec cache --prepare` (a machine without one measures it beside its first requests: a job this short
-    would end before it)."""
+    go on, then run and accept, and the text is incremental decoding's. The machine is readied first by `jaxspec
+    cache --prepare`, which measures its cost curve (a machine without one measures it beside its first requests: a
+    job this short would end before it) and compiles and times the trees at one row: the job loads them."""
     passages = [
         "The river bends twice before it reaches the old mill, where the water slows and the stones are smooth from "
         "a hundred years of current. Children come in summer to watch the wheel turn, and the miller tells them the "
@@ -158,12 +158,16 @@ def test_the_default_lazy_auto_path_speculates_where_it_pays(tmp_path):
     env = {**os.environ, "JAXSPEC_CACHE": str(tmp_path / "fresh")}  # no calibration, no build measured here
     prepared = run_cli("cache", "--prepare", env=env, timeout=900)
     assert prepared.returncode == 0 and "auto's trees: " in prepared.stdout, prepared.stderr[-3000:]
-    auto = run_cli(*args, "-v", "--output", str(out), "--compile-cache", str(compile_cache_dir()), env=env,
-                   timeout=900)
+    assert "readied for one row x 256 slots" in prepared.stdout, prepared.stdout
+    auto = run_cli(*args, "-v", "--output", str(out), env=env, timeout=900)
     assert auto.returncode == 0, auto.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     trees = {k: sum(r["tree"].get(k, 0) for r in rows) for k in ("none", "ngram", "ssm", "ssm+ngram")}
     assert "in the background" in auto.stderr and sum(trees.values()) - trees["none"] > 0, (trees, auto.stderr[-2000:])
+    built = re.findall(r"built (\S+) for 1 row\(s\) x (\d+) slots, greedy: [\d.]+ s \((\w+) in the background",
+                       auto.stderr)
+    prepared_bucket = [how for _, slots, how in built if slots == "256"]  # the one --prepare readied (rows may
+    assert prepared_bucket and set(prepared_bucket) == {"loaded"}, built  # outgrow it: those compile as before)
     assert sum(len(r["token_ids"]) for r in rows) > sum(r["llm_steps"] for r in rows) + len(rows)  # accepted drafts
     # -v: host ms per iteration, then per member (auto's plain iterations beside its trees), counting every iteration
     iterations = int(re.search(r"host [\d.]+ ms per iteration \(p90 [\d.]+\) of [\d.]+ ms .*?; (\d+) iterations",

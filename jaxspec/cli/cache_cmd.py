@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from jaxspec.cache import cache_root, compile_cache_dir, weight_cache_dir
-from jaxspec.cli.common import add_model_args, config_from_args
+from jaxspec.cli.common import add_model_args, config_from_args, setup_compile_cache
 from jaxspec.errors import CliError
 
 
@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prepare", action="store_true",
                    help="measure now this device's cost curve for the engine the model flags name (auto's trees "
                         "come from it; a machine without one measures it beside its first requests, which run "
-                        "plain meanwhile)")
+                        "plain meanwhile), then compile and time those trees at one row, so a first job loads them")
     add_model_args(p)
     p.set_defaults(func=cmd_cache)
 
@@ -47,6 +47,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     if args.prepare:
         from jaxspec.engine.build import prepare  # noqa: PLC0415 (JAX loads only here)
 
+        setup_compile_cache(args)  # the trees it readies are kept where the commands after it look (the default)
         print(prepare(config_from_args(args)))
     for name, directory in known.items():
         if directory is None:

@@ -139,7 +139,10 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
 
 def prepare(config: EngineConfig) -> str:
     """Measures now what auto's first runs on this device would otherwise measure beside their requests: the cost
-    curve its trees come from (kept in the cost cache; ``recalibrate`` measures it again); says what it did."""
+    curve its trees come from (kept in the cost cache; ``recalibrate`` measures it again), then readies the trees
+    at one row and the smallest cache bucket, greedy and sampled (compiled into the persistent compile cache and
+    timed into the cost cache, as ``serve``'s warm-up does), so a first job there loads them instead of compiling
+    them; says what it did."""
     import time  # noqa: PLC0415
 
     from jaxspec.speculators.resolve import load_llm, load_speculators  # noqa: PLC0415
@@ -159,7 +162,16 @@ def prepare(config: EngineConfig) -> str:
     trees = "; ".join(f"{s.name} <{','.join(map(str, e))}>"
                       for s, e in zip(speculators, speculator_trees(curve, speculators)))
     how = "already measured" if had else f"measured in {time.perf_counter() - began:.1f} s"
-    return f"cost curve of {llm.name} on this device ({how}): {describe(curve)}; auto's trees: {trees}"
+    began = time.perf_counter()
+    from jaxspec.engine.batch import BatchEngine  # noqa: PLC0415
+
+    batch = BatchEngine(engine_from(config, llm, speculators), max_batch=1)
+    try:
+        batch.warm(rows=(1,))
+    finally:
+        batch.close()
+    return (f"cost curve of {llm.name} on this device ({how}): {describe(curve)}; auto's trees: {trees}; readied "
+            f"for one row x {batch.capacity_buckets[0]} slots in {time.perf_counter() - began:.1f} s")
 
 
 def learned_of(speculators: Sequence) -> list:

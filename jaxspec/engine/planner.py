@@ -629,7 +629,8 @@ class Planner:
                 if self.verbose is not None:
                     self.verbose(f"building {name} for {rows} row(s) x {capacity} slots failed: {exc}")
                 continue
-            if self.built_before(warp, rows, capacity, name):
+            loaded = self.built_before(warp, rows, capacity, name)
+            if loaded:
                 self.load_seconds = seconds
             else:
                 self.compile_seconds = seconds
@@ -640,7 +641,8 @@ class Planner:
             self.keep_share()
             if self.verbose is not None:
                 self.verbose(f"built {name} for {rows} row(s) x {capacity} slots, {warp.label}: {seconds:.1f} s "
-                             f"(background; the loop loses {share:.0%} of a build's time)")
+                             f"({'loaded' if loaded else 'compiled'} in the background; the loop loses {share:.0%} "
+                             f"of a build's time)")
         if not self.busy:
             self._restore_switch_interval()
 
