@@ -139,10 +139,10 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
 
 def prepare(config: EngineConfig) -> str:
     """Measures now what auto's first runs on this device would otherwise measure beside their requests: the cost
-    curve its trees come from (kept in the cost cache; ``recalibrate`` measures it again), then readies the trees
-    at one row and the smallest cache bucket, greedy and sampled (compiled into the persistent compile cache and
-    timed into the cost cache, as ``serve``'s warm-up does), so a first job there loads them instead of compiling
-    them; says what it did."""
+    curve its trees come from (kept in the cost cache; ``recalibrate`` measures it again), then readies the greedy
+    trees at one row and the smallest cache bucket (compiled into the persistent compile cache and timed into the
+    cost cache), so a first job there loads them instead of compiling them (``serve``'s warm-up readies the
+    sampled ones too, as it starts); says what it did."""
     import time  # noqa: PLC0415
 
     from jaxspec.speculators.resolve import load_llm, load_speculators  # noqa: PLC0415
@@ -167,7 +167,7 @@ def prepare(config: EngineConfig) -> str:
 
     batch = BatchEngine(engine_from(config, llm, speculators), max_batch=1)
     try:
-        batch.warm(rows=(1,))
+        batch.warm(sampled=False, rows=(1,))
     finally:
         batch.close()
     return (f"cost curve of {llm.name} on this device ({how}): {describe(curve)}; auto's trees: {trees}; readied "
