@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prepare", action="store_true",
                    help="measure now this device's cost curve for the engine the model flags name (auto's trees "
                         "come from it; a machine without one measures it beside its first requests, which run "
-                        "plain meanwhile), then compile and time its greedy trees at one row, so a first job loads them")
+                        "plain meanwhile), then compile and time its greedy trees at one row, so a first job "
+                        "loads them")
     add_model_args(p)
     p.set_defaults(func=cmd_cache)
 

@@ -11,7 +11,8 @@ expected tokens per second under that curve.
 
 The acceptance it scores with is a prior about speculators, not about machines, and the running
 engine replaces it with what it observes (``jaxspec.engine.auto``): the SSM's top-1 draft agrees
-with the LLM at each depth with ``auto.PRIOR_RATE``, and keeping k candidates per node shrinks the
+with the LLM at each depth as its own training eval recorded (``LoadedModel.acceptance``), else with
+``auto.PRIOR_RATE``, and keeping k candidates per node shrinks the
 miss rate as k^-``WIDTH_DECAY`` (0.18 reproduces the shipped drafter's held-out top-1 0.487 and
 top-5 0.617). The n-gram speculator proposes a chain, so only its length is chosen.
 
