@@ -29,7 +29,7 @@ from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.engine.executables import Stored
 from jaxspec.errors import RequestError, VocabularyMismatch  # noqa: F401 (importable from here as before)
-from jaxspec.speculators.ngram import NGramSpeculator, speculator_kinds
+from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
 from jaxspec.parallel.sharding import describe as describe_mesh, pinned
 from jaxspec.decoding.step import DecodeConfig, DecodeState, SSMGroup, decode_step, set_lengths
@@ -261,10 +261,6 @@ class Runner:
     def trees_pending(self) -> bool:
         """Whether auto's trees still wait for this device's cost curve (the family is the plain step alone)."""
         return self._pending_bounds is not None
-
-    def speculator_kinds(self) -> list[str]:
-        """Each speculator's kind, in order: "ngram" or "ssm" (what ``jaxspec.engine.planner`` derives trees for)."""
-        return speculator_kinds(self.speculators)
 
     def constrained(self, cfg: DecodeConfig, forced: int | None = None) -> DecodeConfig:
         """A member's grammar step: masks from the host at every draft level and tree node, plus a chain of
