@@ -69,11 +69,31 @@ class CompileCacheStats:
             self.local.hits = self.thread_hits + 1
         elif event == MISS_EVENT:
             self.misses += 1
+            self.local.compiles = self.thread_compiles + 1
 
     @property
     def thread_hits(self) -> int:
         """Cache hits of the compiles this thread ran (a background build and the loop compile side by side)."""
         return getattr(self.local, "hits", 0)
+
+    @property
+    def thread_loads(self) -> int:
+        """Executables this thread took from disk: XLA cache hits and stored executables loaded."""
+        return self.thread_hits + getattr(self.local, "loads", 0)
+
+    @property
+    def thread_compiles(self) -> int:
+        """Executables this thread compiled fresh (XLA cache misses, and fresh compiles for the executable store)."""
+        return getattr(self.local, "compiles", 0)
+
+    def loaded(self) -> None:
+        """Counts a stored executable loaded by this thread."""
+        self.executables_loaded += 1
+        self.local.loads = getattr(self.local, "loads", 0) + 1
+
+    def compiled(self) -> None:
+        """Counts a fresh compile for the executable store by this thread (XLA's own cache never saw it)."""
+        self.local.compiles = self.thread_compiles + 1
 
 
 STATS = CompileCacheStats()

@@ -35,6 +35,23 @@ def test_chunk_sizes_feed_whole_chunks_then_one_that_holds_the_rest():
         ChunkSizer(cap=0)
 
 
+def test_the_rest_of_a_prompt_is_fed_in_the_chunks_this_device_prices_cheapest():
+    """With a device's cost curve, the tokens left after the whole chunks go in the cheapest run of chunks: on the
+    recorded CPU curve 73 tokens as 64 + 16 (a padded 256-token pass costs 3x as much there), on the H200's as one
+    padded chunk (a pass costs about the same whatever its tokens: fewer calls win)."""
+    from test_planner import CPU, H200  # noqa: PLC0415 (the recorded curves)
+
+    chunks = ChunkSizer(search=False)
+    assert chunks.size(24, 73, 280) == 256  # no curve: the smallest chunk that holds the rest
+    assert chunks.size(24, 73, 280, pass_cost=CPU.llm_ratio) == 64
+    assert chunks.size(88, 9, 280, pass_cost=CPU.llm_ratio) == 16  # and then the rest
+    assert chunks.size(24, 73, 280, pass_cost=H200.llm_ratio) == 256
+    assert chunks.size(0, 3000, 10_000, pass_cost=CPU.llm_ratio) == 256  # whole chunks stay whole
+    assert prefill.cheapest_cover(73, (16, 64, 256), lambda t: 1.0) == 256  # equal prices: one call
+    assert prefill.cheapest_cover(73, (16, 64, 256), float) == 64  # priced by tokens: 80 padded beats 256
+    assert prefill.cheapest_cover(40, (16, 64, 256), lambda t: 1.0 + t / 64) == 64  # 64 (2.0) < 16 x 3 (3.75)
+
+
 def test_the_search_climbs_while_a_larger_chunk_pays_and_stops_where_it_does_not():
     saved = []
     chunks = ChunkSizer(save=saved.append)

@@ -744,7 +744,9 @@ class BatchEngine:
             return 1
         prompt = req.prompt_ids
         left = len(prompt) - st.fed
-        size = self.chunks.size(st.fed, left, self.max_capacity, st.probe, st.cached)
+        curve = self.engine.cost_curve  # this device's price of a pass by its tokens, where auto measured it
+        size = self.chunks.size(st.fed, left, self.max_capacity, st.probe, st.cached,
+                                curve.llm_ratio if curve is not None else None)
         count = min(left, size)
         last = count == left
         self._fit_staging(max(self.cache_need(len(prompt)), st.fed + size), grow_only=True)

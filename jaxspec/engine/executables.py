@@ -133,7 +133,7 @@ class Stored:
         if program is not None:  # this key was stored before: no trace at all
             compiled = _load(directory / f"{program}.bin", program)
             if compiled is not None:
-                STATS.executables_loaded += 1
+                STATS.loaded()
                 return compiled
         # Traced once, under a name of its own: XLA's persistent cache then cannot answer the compile below with
         # an executable it deserialized, which on a CPU does not serialize again (its code is missing from the blob:
@@ -144,11 +144,13 @@ class Stored:
         compiled = _load(directory / f"{program}.bin", program)  # the same program under another key (a new
         if compiled is None:                                     # jaxspec version that left it unchanged)
             compiled, fresh = _compile_fresh(lowered)
+            if fresh:
+                STATS.compiled()
             if not fresh or not _write(directory / f"{program}.bin", program, compiled):
                 return compiled
             STATS.executables_stored += 1
         else:
-            STATS.executables_loaded += 1
+            STATS.loaded()
         _write_text(index, program)
         return compiled
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from jaxspec.cache import compile_cache_on
+from jaxspec.cache import STATS, compile_cache_on
 from jaxspec.engine.executables import store_dir
 from jaxspec.engine.auto import PRIOR_RATE, TreeChooser
 from jaxspec.speculators.ngram import acceptance_priors, speculator_kinds
@@ -518,24 +518,35 @@ class Planner:
         known = self.bucket_costs.setdefault(key, {} if e.auto else None)
         todo = [n for n in names if known is None or n not in known]
         cold = [n for n in todo if not e.is_warm(warp, capacity, rows, n)]
-        built = [n for n in cold if self.built_before(warp, rows, capacity, n)]
         if todo and self.building:  # a build beside the measurement would slow it (and the calibration persists)
             self.settle()
-        began = time.perf_counter()
+        if cold:  # readied first, so what it took is the build alone (the costs are timed after it)
+            seconds, loaded = self.build(warp, rows, capacity, cold)
+            self.record_build(seconds / len(cold), loaded)
         if e.auto:
             known.update(e.calibrate(warp, capacity, refresh=self.sync.fresh_costs, batch=rows, names=todo))
-        e.warm(warp, capacity, rows, names=todo)
-        if cold:
-            seconds = time.perf_counter() - began
-            if len(built) == len(cold):
-                self.load_seconds = seconds / len(cold)
-            else:
-                self.compile_seconds = seconds / len(cold)
-                e.build_seconds(self.compile_seconds)
-            if self.verbose is not None:
-                measured = ("; " + ", ".join(f"{n} {known[n] * 1e3:.1f} ms/step" for n in cold)) if e.auto else ""
-                self.verbose(f"compiled {', '.join(cold)} for {rows} row(s) x {capacity} slots, {warp.label}: "
-                             f"{seconds:.1f} s{measured}")
+        if cold and self.verbose is not None:
+            measured = ("; " + ", ".join(f"{n} {known[n] * 1e3:.1f} ms/step" for n in cold)) if e.auto else ""
+            self.verbose(f"{'loaded' if loaded else 'compiled'} {', '.join(cold)} for {rows} row(s) x {capacity} "
+                         f"slots, {warp.label}: {seconds:.1f} s{measured}")
+
+    def build(self, warp: sampling.WarpSpec, rows: int, capacity: int, names: list[str]) -> tuple[float, bool]:
+        """Readies ``names`` for a bucket on this thread; returns (seconds, whether every executable came from disk:
+        the persistent cache's counts tell a load from a compile, whatever the calibration cache remembers)."""
+        loads, compiles = STATS.thread_loads, STATS.thread_compiles
+        began = time.perf_counter()
+        self.engine.warm(warp, capacity, rows, names=names)
+        seconds = time.perf_counter() - began
+        return seconds, STATS.thread_compiles == compiles and STATS.thread_loads > loads
+
+    def record_build(self, seconds: float, loaded: bool) -> None:
+        """Keeps what readying one member took: a load for this process, a compile also for this machine's next runs
+        (what their first build is priced at)."""
+        if loaded:
+            self.load_seconds = seconds
+        else:
+            self.compile_seconds = seconds
+            self.engine.build_seconds(seconds)
 
     def built_before(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> bool:
         """Whether this machine built ``name`` for the bucket before: its cost is in the calibration cache (auto
@@ -605,10 +616,8 @@ class Planner:
         if self.builder is None:
             self.builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-build")
 
-        def build() -> float:
-            began = time.perf_counter()
-            self.engine.warm(warp, capacity, rows, names=[name])
-            return time.perf_counter() - began
+        def build() -> tuple[float, bool]:
+            return self.build(warp, rows, capacity, [name])
 
         self._lower_switch_interval()
         self.building[key] = self.builder.submit(build)
@@ -623,19 +632,14 @@ class Planner:
             warp, rows, capacity, name = key
             future = self.building.pop(key)
             try:
-                seconds = future.result()
+                seconds, loaded = future.result()
             except Exception as exc:  # noqa: BLE001 — a build that failed leaves the member unready, for good
                 self.failed.add(key)
                 self.sync.failed(f"building {name} in the background", exc)
                 if self.verbose is not None:
                     self.verbose(f"building {name} for {rows} row(s) x {capacity} slots failed: {exc}")
                 continue
-            loaded = self.built_before(warp, rows, capacity, name)
-            if loaded:
-                self.load_seconds = seconds
-            else:
-                self.compile_seconds = seconds
-                self.engine.build_seconds(seconds)
+            self.record_build(seconds, loaded)
             known = self.bucket_costs.setdefault((warp, rows, capacity), {})
             known[name] = self.estimated(warp, rows, capacity, known)[name]
             share = self.build_share()

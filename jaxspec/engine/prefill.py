@@ -16,8 +16,9 @@ once; ``--prefill-chunk`` fixes the largest size instead (no search), and a mult
 
 from __future__ import annotations
 
+import functools
 import statistics
-from typing import Callable
+from typing import Callable, Sequence
 
 LADDER = (16, 64, 256, 1024, 4096)  # chunk shapes (4x apart: few executables, each a clear step in work)
 START = 256  # where the search starts: the size the loop feeds before anything is measured
@@ -30,6 +31,16 @@ def ladder(cap: int | None) -> tuple[int, ...]:
     if cap is None:
         return LADDER
     return tuple(b for b in LADDER if b < cap) + (cap,)
+
+
+def cheapest_cover(tokens: int, sizes: Sequence[int], pass_cost: Callable[[int], float]) -> int:
+    """The first chunk of the cheapest run of chunks (each one of ``sizes``) covering ``tokens``, by ``pass_cost``
+    per chunk; at equal cost the larger chunk (fewer calls)."""
+    @functools.lru_cache(maxsize=None)
+    def best(n: int) -> tuple[float, int]:  # (cost of covering n tokens, -its first chunk)
+        return min((pass_cost(b) + (best(n - b)[0] if b < n else 0.0), -b) for b in sizes)
+
+    return -best(tokens)[1]
 
 
 class ChunkSizer:
@@ -82,10 +93,14 @@ class ChunkSizer:
         have = {s: len(self.samples.get(s, [])) for s in (self.largest, top)}
         return top if have[top] < have[self.largest] else self.largest
 
-    def size(self, fed: int, left: int, limit: int, probe: int | None = None, start: int = 0) -> int:
+    def size(self, fed: int, left: int, limit: int, probe: int | None = None, start: int = 0,
+             pass_cost: Callable[[int], float] | None = None) -> int:
         """The next chunk's size for a prompt with ``fed`` tokens in and ``left`` to go, ending within ``limit``
-        cache slots: whole chunks of the largest size that fits what is left, the rest in the smallest that holds
-        it; a probing prompt (from ``start``) feeds its first ``candidate`` tokens in chunks of ``probe``."""
+        cache slots: whole chunks of the largest size that fits what is left; the rest in the smallest size that
+        holds it, or, given ``pass_cost`` (what one pass over T tokens costs on this device, any unit), in the
+        cheapest run of chunks that covers it (a compute-bound CPU feeds 73 tokens as 64 + 16 rather than padded
+        to 256; a launch-bound GPU as one chunk). A probing prompt (from ``start``) feeds its first
+        ``candidate`` tokens in chunks of ``probe``."""
         top = self.largest
         if probe is not None and fed < start + (self.candidate or 0):
             top = probe
@@ -93,6 +108,8 @@ class ChunkSizer:
         whole = [b for b in fits if b <= left]
         if whole and whole[-1] == fits[-1]:
             return whole[-1]  # a whole chunk of the largest size that fits
+        if pass_cost is not None and whole:
+            return cheapest_cover(left, fits, pass_cost)
         return next((b for b in fits if b >= left), fits[-1])
 
     def record(self, size: int, tokens: int, seconds: float) -> None:

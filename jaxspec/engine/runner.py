@@ -403,9 +403,10 @@ class Runner:
         return self._costs[key]
 
     def build_seconds(self, seconds: float | None = None) -> float | None:
-        """What compiling one step executable took on this device, as last measured; given ``seconds``, records
-        them. What auto's first build is priced at before this process has compiled anything itself."""
-        return self._build_record("build-seconds", seconds)
+        """What compiling one step executable took on this device, as last measured (a fresh compile: never a load
+        from the persistent cache); given ``seconds``, records them. What auto's first build is priced at before
+        this process has compiled anything itself."""
+        return self._build_record("compile-seconds", seconds)
 
     def build_share(self, share: float | None = None) -> float | None:
         """The share of a background build's seconds the scheduling loop lost on this device, as last measured;
