@@ -35,21 +35,29 @@ def test_chunk_sizes_feed_whole_chunks_then_one_that_holds_the_rest():
         ChunkSizer(cap=0)
 
 
-def test_the_rest_of_a_prompt_is_fed_in_the_chunks_this_device_prices_cheapest():
-    """With a device's cost curve, the tokens left after the whole chunks go in the cheapest run of chunks: on the
-    recorded CPU curve 73 tokens as 64 + 16 (a padded 256-token pass costs 3x as much there), on the H200's as one
-    padded chunk (a pass costs about the same whatever its tokens: fewer calls win)."""
-    from test_planner import CPU, H200  # noqa: PLC0415 (the recorded curves)
-
-    chunks = ChunkSizer(search=False)
-    assert chunks.size(24, 73, 280) == 256  # no curve: the smallest chunk that holds the rest
-    assert chunks.size(24, 73, 280, pass_cost=CPU.llm_ratio) == 64
-    assert chunks.size(88, 9, 280, pass_cost=CPU.llm_ratio) == 16  # and then the rest
-    assert chunks.size(24, 73, 280, pass_cost=H200.llm_ratio) == 256
-    assert chunks.size(0, 3000, 10_000, pass_cost=CPU.llm_ratio) == 256  # whole chunks stay whole
-    assert prefill.cheapest_cover(73, (16, 64, 256), lambda t: 1.0) == 256  # equal prices: one call
+def test_the_rest_of_a_prompt_is_fed_in_the_chunks_this_device_times_cheapest():
+    """Once every size was timed here, the tokens left after the whole chunks go in the cheapest run of chunks:
+    73 tokens as 64 + 16 where a padded 256-token chunk costs 3x a 64 (a compute-bound CPU), as one padded chunk
+    where every chunk costs about the same (a launch-bound GPU: fewer calls win). The timings persist."""
+    saved = []
+    cpu = ChunkSizer(search=True, save=saved.append)
+    assert cpu.size(24, 73, 280) == 256  # nothing timed yet: the smallest chunk that holds the rest
+    for size, seconds in ((16, 0.09), (64, 0.17), (256, 0.55)):
+        assert cpu.wants_timing(size)
+        for _ in range(prefill.TIMINGS):
+            cpu.time_chunk(size, seconds)
+        assert not cpu.wants_timing(size) and cpu.chunk_seconds(size) == seconds
+    assert cpu.size(24, 73, 280) == 64 and cpu.size(88, 9, 280) == 16  # 0.26 s instead of 0.55
+    assert cpu.size(24, 27, 280) == 64  # one 64 (0.17) beats 16 + 16 (0.18)
+    assert cpu.size(0, 3000, 10_000) == 256  # whole chunks stay whole
+    assert ChunkSizer(stored=saved[-1]).size(24, 73, 280) == 64  # a later process starts from the timings
+    gpu = ChunkSizer(search=True)
+    for size, seconds in ((16, 0.0034), (64, 0.0035), (256, 0.0040)):
+        for _ in range(prefill.TIMINGS):
+            gpu.time_chunk(size, seconds)
+    assert gpu.size(24, 73, 280) == 256
+    assert not ChunkSizer(search=False).wants_timing(16)  # processes that must feed alike time nothing
     assert prefill.cheapest_cover(73, (16, 64, 256), float) == 64  # priced by tokens: 80 padded beats 256
-    assert prefill.cheapest_cover(40, (16, 64, 256), lambda t: 1.0 + t / 64) == 64  # 64 (2.0) < 16 x 3 (3.75)
 
 
 def test_the_search_climbs_while_a_larger_chunk_pays_and_stops_where_it_does_not():
@@ -99,6 +107,8 @@ def test_the_loop_searches_chunk_sizes_on_real_prompts_and_keeps_what_it_found(l
     climbed = rates[64] >= rates[16] / (1 - GAIN)
     assert (batch.chunks.largest, batch.chunks.candidate) == ((64, 256) if climbed else (16, None))
     assert sum(line.startswith("prefill chunks up to") for line in lines) == 2 * SAMPLES
+    timed = engine.prefill_chunks()["seconds"]  # the chunks after each probe ran timed alone: kept per size
+    assert timed and all(0 < len(v) <= prefill.TIMINGS and min(v) > 0 for v in timed.values())
     later = BatchEngine(engine, max_batch=2, max_model_len=200)
     assert later.chunks.state() == batch.chunks.state()
     assert BatchEngine(engine, max_model_len=200, prefill_chunk=32).buckets == (16, 32)  # fixed: no search

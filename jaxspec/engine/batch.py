@@ -744,9 +744,7 @@ class BatchEngine:
             return 1
         prompt = req.prompt_ids
         left = len(prompt) - st.fed
-        curve = self.engine.cost_curve  # this device's price of a pass by its tokens, where auto measured it
-        size = self.chunks.size(st.fed, left, self.max_capacity, st.probe, st.cached,
-                                curve.llm_ratio if curve is not None else None)
+        size = self.chunks.size(st.fed, left, self.max_capacity, st.probe, st.cached)
         count = min(left, size)
         last = count == left
         self._fit_staging(max(self.cache_need(len(prompt)), st.fed + size), grow_only=True)
@@ -770,10 +768,12 @@ class BatchEngine:
             self.staging_state = self._fn("paste")(self.staging_state, self._fn("cut")(self.staging_state, at), at)
         self._staged = []  # invalid until the chunk is in
         call = (e._llm_params, e._group_params, self.staging_state, *args)
-        if st.probe is None:
-            self.staging_state = self._fn("prefill")(*call)
-        else:
+        if st.probe is not None:
             self._probe_chunk(st, call, count)
+        elif self.chunks.wants_timing(size):  # what each size costs here prices how a prompt's rest is fed
+            self.chunks.time_chunk(size, self._timed_prefill(call))
+        else:
+            self.staging_state = self._fn("prefill")(*call)
         st.fed += count
         self._staged = list(prompt[: st.fed])
         if not last:
@@ -841,14 +841,7 @@ class BatchEngine:
     def _probe_chunk(self, st: _Staging, call: tuple, count: int) -> None:
         """Feeds a probing prompt's chunk timed alone (the iteration in flight and the chunk before it done first,
         its executable ready); once the probe's tokens are in, the chunk search hears their seconds."""
-        exe = self._fn("prefill").compiled(*call)
-        if self._pending is not None:
-            jax.block_until_ready(self._pending.out.tokens)
-        jax.block_until_ready(call[2].root)
-        began = time.perf_counter()
-        self.staging_state = exe(*call)
-        jax.block_until_ready(self.staging_state.root)
-        st.probe_seconds += time.perf_counter() - began
+        st.probe_seconds += self._timed_prefill(call)
         width = self.chunks.candidate
         if width is not None and st.fed + count >= st.cached + width:
             self.chunks.record(st.probe, width, st.probe_seconds)
@@ -856,6 +849,18 @@ class BatchEngine:
                 self.verbose(self.chunks.describe())
         if width is None or st.fed + count >= st.cached + width:
             st.probe = None
+
+    def _timed_prefill(self, call: tuple) -> float:
+        """Feeds a prompt chunk timed alone (its executable ready, the iteration in flight and the chunk before it
+        done first); returns its seconds."""
+        exe = self._fn("prefill").compiled(*call)
+        if self._pending is not None:
+            jax.block_until_ready(self._pending.out.tokens)
+        jax.block_until_ready(call[2].root)
+        began = time.perf_counter()
+        self.staging_state = exe(*call)
+        jax.block_until_ready(self.staging_state.root)
+        return time.perf_counter() - began
 
     def _reuse_prefix(self, st: _Staging) -> None:
         """Starts ``st`` after the longest prefix of its prompt whose K/V are at hand: the staging row's own (the

@@ -24,6 +24,7 @@ LADDER = (16, 64, 256, 1024, 4096)  # chunk shapes (4x apart: few executables, e
 START = 256  # where the search starts: the size the loop feeds before anything is measured
 GAIN = 0.10  # a larger chunk is taken when its tokens cost at least 10% less each
 SAMPLES = 2  # probes per size before two sizes are compared
+TIMINGS = 3  # single chunks of a size timed alone before covers are priced by them
 
 
 def ladder(cap: int | None) -> tuple[int, ...]:
@@ -60,7 +61,11 @@ class ChunkSizer:
         self.samples: dict[int, list[float]] = {}  # size -> seconds per token of whole probes (this comparison)
         self.history: list[dict] = []  # the comparisons decided: {"span": tokens, "tokens_per_s": {size: rate}}
         self.settled = cap is not None or not search
+        self.timing = search  # whether chunks may be timed alone (not where processes must feed alike)
+        self.seconds: dict[int, list[float]] = {}  # size -> seconds of single chunks timed alone (``TIMINGS`` each)
         start = self.sizes[-1] if cap is not None else min(START, self.sizes[-1])
+        if stored:
+            self.seconds = {int(k): list(v) for k, v in stored.get("seconds", {}).items() if int(k) in self.sizes}
         if cap is None and stored:
             start = stored.get("largest", start)
             self.settled = self.settled or bool(stored.get("settled"))
@@ -93,14 +98,13 @@ class ChunkSizer:
         have = {s: len(self.samples.get(s, [])) for s in (self.largest, top)}
         return top if have[top] < have[self.largest] else self.largest
 
-    def size(self, fed: int, left: int, limit: int, probe: int | None = None, start: int = 0,
-             pass_cost: Callable[[int], float] | None = None) -> int:
+    def size(self, fed: int, left: int, limit: int, probe: int | None = None, start: int = 0) -> int:
         """The next chunk's size for a prompt with ``fed`` tokens in and ``left`` to go, ending within ``limit``
-        cache slots: whole chunks of the largest size that fits what is left; the rest in the smallest size that
-        holds it, or, given ``pass_cost`` (what one pass over T tokens costs on this device, any unit), in the
-        cheapest run of chunks that covers it (a compute-bound CPU feeds 73 tokens as 64 + 16 rather than padded
-        to 256; a launch-bound GPU as one chunk). A probing prompt (from ``start``) feeds its first
-        ``candidate`` tokens in chunks of ``probe``."""
+        cache slots: whole chunks of the largest size that fits what is left; the rest in the cheapest run of
+        chunks that covers it, once every size that fits was timed on this device (a compute-bound CPU feeds 73
+        tokens as 64 + 16 rather than padded to 256; a launch-bound GPU as one chunk), before that in the smallest
+        size that holds it. A probing prompt (from ``start``) feeds its first ``candidate`` tokens in chunks of
+        ``probe``."""
         top = self.largest
         if probe is not None and fed < start + (self.candidate or 0):
             top = probe
@@ -108,9 +112,24 @@ class ChunkSizer:
         whole = [b for b in fits if b <= left]
         if whole and whole[-1] == fits[-1]:
             return whole[-1]  # a whole chunk of the largest size that fits
-        if pass_cost is not None and whole:
-            return cheapest_cover(left, fits, pass_cost)
+        if whole and all(self.chunk_seconds(b) is not None for b in fits):
+            return cheapest_cover(left, fits, self.chunk_seconds)
         return next((b for b in fits if b >= left), fits[-1])
+
+    def chunk_seconds(self, size: int) -> float | None:
+        """What one chunk of ``size`` takes on this device (median of its timings; None until ``TIMINGS``)."""
+        seen = self.seconds.get(size, [])
+        return statistics.median(seen) if len(seen) >= TIMINGS else None
+
+    def wants_timing(self, size: int) -> bool:
+        """Whether the next chunk of ``size`` should run timed alone (until it was ``TIMINGS`` times)."""
+        return self.timing and len(self.seconds.get(size, [])) < TIMINGS
+
+    def time_chunk(self, size: int, seconds: float) -> None:
+        """One chunk of ``size`` took ``seconds`` timed alone (its executable ready, nothing else on the device)."""
+        if self.wants_timing(size) and seconds > 0:
+            self.seconds.setdefault(size, []).append(seconds)
+            self._save()
 
     def record(self, size: int, tokens: int, seconds: float) -> None:
         """One whole probe: ``tokens`` fed in chunks of ``size`` took ``seconds`` (its chunks timed alone)."""
@@ -134,7 +153,8 @@ class ChunkSizer:
     def state(self) -> dict:
         """What the search found so far (JSON-able; ``stored`` of a later ``ChunkSizer``)."""
         return {"largest": self.largest, "settled": self.settled, "history": self.history,
-                "samples": {str(k): v for k, v in sorted(self.samples.items())}}
+                "samples": {str(k): v for k, v in sorted(self.samples.items())},
+                "seconds": {str(k): v for k, v in sorted(self.seconds.items())}}
 
     def describe(self) -> str:
         """One line for ``-v``: the largest chunk, and prefill tokens/s by chunk size as the comparisons found."""
