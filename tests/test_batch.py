@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -445,6 +446,26 @@ def test_a_second_tree_is_judged_by_what_it_adds_and_a_share_never_measured_is_n
     planner.plain_alone.extend([1.0] * 8)
     planner.close()
     assert engine.build_share() == pytest.approx(0.5) == planner.measured_share()
+
+
+def test_a_machine_that_never_compiled_explores_one_build_at_a_time(llm, tmp_path, monkeypatch):
+    """Before any compile was measured on this machine a build is priced as a load (the first one is the
+    measurement), but while that build runs the next is priced at least at the seconds it has taken so far, so
+    a first run cannot queue builds by the dozen; a first build cut short by the loop's close is still kept as
+    what a compile takes here at least."""
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)
+    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
+    planner = BatchEngine(engine, max_batch=1, max_model_len=64).planner
+    bucket = (greedy, 1, 64)
+    planner.load_seconds = 0.2
+    assert engine.build_seconds() is None and planner.ready_seconds(*bucket, "ssm") == pytest.approx(0.2)
+    planner.build_began = time.perf_counter() - 6.0  # a build has run for 6 s
+    assert planner.ready_seconds(*bucket, "ssm") >= 6.0
+    planner.close()  # the loop stops while it runs: 6 s is what the next run prices a compile at, at least
+    assert engine.build_seconds() >= 6.0
+    planner.build_began = None
+    assert BatchEngine(engine, max_batch=1, max_model_len=64).planner.ready_seconds(*bucket, "ssm") >= 6.0
 
 
 def test_a_failed_background_build_stays_out_and_multi_process_loops_build_in_the_loop(llm, monkeypatch):

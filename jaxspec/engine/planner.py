@@ -363,6 +363,7 @@ class Planner:
         self.left_running: list = []  # builds still running when the loop closed (their futures)
         self._estimate: tuple = (None, None)  # (what ``estimated`` read, what it returned) for the last bucket asked
         self.regret: dict = {}  # (warp, rows, capacity, tree) -> seconds lost running without that tree
+        self.build_began: float | None = None  # when the build running now started (``running_for``)
 
     @property
     def sync(self) -> Any:
@@ -408,6 +409,9 @@ class Planner:
             self.builder = None
         self.left_running += [f for f in self.building.values() if not f.done()]
         self.building.clear()
+        if self.compile_seconds is None and self.engine.build_seconds() is None and self.running_for() > 0:
+            # a first build cut short still says what a compile takes here at least: the next run prices by it
+            self.engine.build_seconds(self.running_for())
         self._restore_switch_interval()
 
     @property
@@ -534,10 +538,18 @@ class Planner:
         """Readies ``names`` for a bucket on this thread; returns (seconds, whether every executable came from disk:
         the persistent cache's counts tell a load from a compile, whatever the calibration cache remembers)."""
         loads, compiles = STATS.thread_loads, STATS.thread_compiles
-        began = time.perf_counter()
-        self.engine.warm(warp, capacity, rows, names=names)
+        began = self.build_began = time.perf_counter()
+        try:
+            self.engine.warm(warp, capacity, rows, names=names)
+        finally:
+            self.build_began = None
         seconds = time.perf_counter() - began
         return seconds, STATS.thread_compiles == compiles and STATS.thread_loads > loads
+
+    def running_for(self) -> float:
+        """Seconds the build running now (in the worker or the loop) has taken so far; 0 when none runs."""
+        began = self.build_began
+        return 0.0 if began is None else time.perf_counter() - began
 
     def record_build(self, seconds: float, loaded: bool) -> None:
         """Keeps what readying one member took: a load for this process, a compile also for this machine's next runs
@@ -565,8 +577,8 @@ class Planner:
         compile_seconds = self.compile_seconds
         if compile_seconds is None:  # nothing compiled in this process yet: what this machine measured last
             compile_seconds = self.engine.build_seconds()
-        if compile_seconds is None:  # never measured here: a load at least
-            compile_seconds = self.load_seconds or 0.0
+        if compile_seconds is None:  # never measured here: a load at least, and at least what the build running
+            compile_seconds = max(self.load_seconds or 0.0, self.running_for())  # now took so far (one explores)
         if self.built_before(warp, rows, capacity, name) and self.load_seconds is not None:
             return min(self.load_seconds, compile_seconds)
         return compile_seconds
@@ -616,11 +628,8 @@ class Planner:
         if self.builder is None:
             self.builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-build")
 
-        def build() -> tuple[float, bool]:
-            return self.build(warp, rows, capacity, [name])
-
         self._lower_switch_interval()
-        self.building[key] = self.builder.submit(build)
+        self.building[key] = self.builder.submit(self.build, warp, rows, capacity, [name])
         self.builds.append((iteration, key))
         if self.verbose is not None:
             self.verbose(f"building {name} for {rows} row(s) x {capacity} slots, {warp.label}, in the background")
