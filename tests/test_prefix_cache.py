@@ -98,6 +98,25 @@ def test_a_second_turn_starts_after_the_first_turns_answer(llm, mode):
         assert len(first) // BLOCK * BLOCK < got[0].cached_tokens <= committed // BLOCK * BLOCK
 
 
+def test_a_row_whose_drafter_never_drafted_is_cached_without_a_read(llm, monkeypatch):
+    """Under auto running plain steps only (every tree priced far above its worth) the drafter holds exactly the
+    prompt: a finishing request's blocks are taken up to it with no read of the row's lengths (a read waits for
+    the iteration in flight), and a next request sharing that prompt still starts after its blocks."""
+    engine = Engine(llm, speculators=[drafter(llm)], expansion=[(1, 2, 1)], auto=True,
+                    costs={"none": 1.0, "ssm": 100.0})
+    batch = BatchEngine(engine, max_batch=2, max_model_len=200)
+    reads = []
+    committed = batch._fn("committed")
+    monkeypatch.setitem(batch._compiled, "committed", lambda *a: reads.append(a) or committed(*a))
+    prompt = SYSTEM[:40] + [5, 5]
+    (first,) = batch.generate([Request(prompt, 20, stop_ids=())])
+    assert set(first.trees) == {"none"} and not reads  # no tree ran: no read
+    batch.generate([Request(OTHER, 4)])  # takes the staging row: the next hit comes from the cached blocks
+    (again,) = batch.generate([Request(prompt + [7], 8, stop_ids=())])
+    assert again.cached_tokens == len(prompt) // BLOCK * BLOCK and not reads
+    assert again.token_ids == Engine(llm).generate(prompt + [7], 8, stop_ids=()).token_ids
+
+
 @pytest.mark.slow  # ~1 min cold; test_loop_random cancels requests between prefix reuses in the default run
 def test_cancelled_requests_between_hits_change_nothing(llm):
     """Requests cancelled while staged, mid-prefill or decoding leave the cache consistent for the next hit."""

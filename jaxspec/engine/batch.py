@@ -188,6 +188,7 @@ class _Slot:
     stop_ids: set[int]
     row: int  # the state row it owns; -1 once retired
     matcher: object = None  # llguidance matcher at the committed text (requests with a grammar)
+    drafted: bool = False  # an SSM drafted for its row (its cache may hold more than the prompt, but may lag)
 
 
 @dataclasses.dataclass
@@ -882,10 +883,11 @@ class BatchEngine:
         self.prefix.stats.hits += st.cached
         self.prefix_reuses += st.cached > 0
 
-    def _remember(self, tokens: Sequence[int], row: int | None = None) -> None:
+    def _remember(self, tokens: Sequence[int], row: int | None = None, exact: bool = False) -> None:
         """Caches the full blocks of ``tokens`` that the prefix cache lacks, cut from the staging row (None: the
         prompt it was just fed) or from live row ``row`` (a finishing request's prompt and answer, whose K/V are
-        committed there), so a conversation's next turn starts after its previous one."""
+        committed there), so a conversation's next turn starts after its previous one. ``exact``: every part of
+        the row is known to hold ``tokens`` (else an SSM that may lag is read first)."""
         if not self.prefix.max_bytes or len(tokens) < BLOCK:
             return
         chain = self.prefix.match(tokens)
@@ -893,7 +895,7 @@ class BatchEngine:
             return  # nothing new: no read of the row's lengths
         if row is not None:
             at = jax.device_put(np.int32(row))
-            if self.state.ssm_caches:  # an SSM may lag the LLM (one read: it waits for the iteration in flight)
+            if self.state.ssm_caches and not exact:  # an SSM may lag (one read: it waits for the iteration in flight)
                 tokens = tokens[: int(fetch(self._fn("committed")(self.state, at)))]
         parent = chain[-1].id if chain else -1
         for start in range(len(chain) * BLOCK, len(tokens) - BLOCK + 1, BLOCK):
@@ -928,7 +930,11 @@ class BatchEngine:
         req = slot.ticket.request
         if reason != "error" and self.prefix.max_bytes:
             try:  # the row's committed K/V: the prompt and every emitted token but the last (the root, never fed)
-                self._remember(list(req.prompt_ids) + slot.gen.token_ids[:-1], slot.row)
+                tokens = list(req.prompt_ids) + slot.gen.token_ids[:-1]
+                if self.state.ssm_caches and not slot.drafted:  # the SSMs hold the prompt, exactly: no read
+                    self._remember(tokens[: len(req.prompt_ids)], slot.row, exact=True)
+                else:
+                    self._remember(tokens, slot.row)
             except Exception as exc:  # noqa: BLE001 (the request still ends; only its blocks go uncached)
                 self.sync.failed("caching a finished request's blocks", exc)
         row, last = slot.row, len(self.slots) - 1
@@ -1043,6 +1049,9 @@ class BatchEngine:
         cfg = family[name]
         if stale and cfg.ngram_depth:  # the n-gram's proposal needs the tokens in flight
             return None
+        if cfg.draft_levels:
+            for _, s in live:
+                s.drafted = True
         if constrained:
             cfg = e.constrained(cfg, longest)
         ahead = self._max_emit if stale else 0  # tokens the iteration in flight may still commit
