@@ -149,9 +149,11 @@ def test_greedy_ngram_and_auto_are_token_identical(tiny_llm, speculators):
         assert gen.token_ids == base.generate(prompt, 40).token_ids
         accepted += sum(gen.step_tokens) - gen.llm_steps
     assert accepted > 0  # speculation did something
-    if speculators == "auto":  # prompts of <= 64 tokens: 16- and 64-token prefill chunks, one cache bucket
+    if speculators == "auto":  # prompts of <= 64 tokens: 16- and/or 64-token prefill chunks, one cache bucket
         assert 16 < max(map(len, prompts)) <= 64
-        assert engine.compilations == 2 + len(engine.family(sampling.SamplingParams()))
+        prefills = len(engine._solo._fn("prefill").loaded)  # the chunk shapes fed (this device's timings choose)
+        assert 1 <= prefills <= 2
+        assert engine.compilations == prefills + len(engine.family(sampling.SamplingParams()))
 
 
 def test_ngram_with_mss_generates_and_is_seeded(tiny_llm):
