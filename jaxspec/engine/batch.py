@@ -188,7 +188,6 @@ class _Slot:
     stop_ids: set[int]
     row: int  # the state row it owns; -1 once retired
     matcher: object = None  # llguidance matcher at the committed text (requests with a grammar)
-    drafted: bool = False  # an SSM drafted for its row (its cache may hold more than the prompt, but may lag)
 
 
 @dataclasses.dataclass
@@ -931,7 +930,9 @@ class BatchEngine:
         if reason != "error" and self.prefix.max_bytes:
             try:  # the row's committed K/V: the prompt and every emitted token but the last (the root, never fed)
                 tokens = list(req.prompt_ids) + slot.gen.token_ids[:-1]
-                if self.state.ssm_caches and not slot.drafted:  # the SSMs hold the prompt, exactly: no read
+                # drafts write past the prompt only, so an SSM that never drafted for the row holds exactly the
+                # prompt (one whose drafting iteration is still in flight does too): no read of the row's lengths
+                if self.state.ssm_caches and not slot.gen.ssm_steps:
                     self._remember(tokens[: len(req.prompt_ids)], slot.row, exact=True)
                 else:
                     self._remember(tokens, slot.row)
@@ -1049,9 +1050,6 @@ class BatchEngine:
         cfg = family[name]
         if stale and cfg.ngram_depth:  # the n-gram's proposal needs the tokens in flight
             return None
-        if cfg.draft_levels:
-            for _, s in live:
-                s.drafted = True
         if constrained:
             cfg = e.constrained(cfg, longest)
         ahead = self._max_emit if stale else 0  # tokens the iteration in flight may still commit

@@ -87,7 +87,6 @@ class Stored:
         self.ident = ident
         self.fixed = fixed
         self.loaded: dict = {}  # call signature -> compiled executable (``jitted`` where none is stored)
-        self.apart: dict = {}  # call signature -> executable compiled apart from ``jitted`` (``compiled``)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.executable(*args, **kwargs)(*args, **kwargs)
@@ -109,12 +108,9 @@ class Stored:
         """An executable for these arguments compiled before it returns, so a caller can time a run apart from its
         compile: ``executable``'s, or where none is stored one lowered and compiled once per signature."""
         compiled = self.executable(*args, **kwargs)
-        if compiled is not self.jitted:
-            return compiled
-        sig = self._signature(args, kwargs)
-        if sig not in self.apart:
-            self.apart[sig] = self.jitted.lower(*args, **kwargs).compile()
-        return self.apart[sig]
+        if compiled is self.jitted:  # compiled apart once, and then every call of this signature runs it
+            compiled = self.loaded[self._signature(args, kwargs)] = self.jitted.lower(*args, **kwargs).compile()
+        return compiled
 
     def _prepare(self, args: tuple, kwargs: dict) -> Callable:
         """The executable for this signature: loaded (by its key, else by its program once traced), else

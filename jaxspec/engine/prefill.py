@@ -64,9 +64,8 @@ class ChunkSizer:
         self.timing = search  # whether chunks may be timed alone (not where processes must feed alike)
         self.seconds: dict[int, list[float]] = {}  # size -> seconds of single chunks timed alone (``TIMINGS`` each)
         start = self.sizes[-1] if cap is not None else min(START, self.sizes[-1])
-        if stored:
-            self.seconds = {int(k): list(v) for k, v in stored.get("seconds", {}).items() if int(k) in self.sizes}
         if cap is None and stored:
+            self.seconds = {int(k): list(v) for k, v in stored.get("seconds", {}).items() if int(k) in self.sizes}
             start = stored.get("largest", start)
             self.settled = self.settled or bool(stored.get("settled"))
             self.samples = {int(k): list(v) for k, v in stored.get("samples", {}).items() if int(k) in self.sizes}
