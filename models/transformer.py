@@ -170,10 +170,10 @@ class Transformer(nn.Module):
             # a write precedes the reads of its layer, so XLA updates the donated cache in place.
             taps = {}  # layer index -> its output [B, T, D] (fused features)
             for i in range(cfg.num_layers):
-                def store(k, v, i=i):  # k, v [B, T, K, H] -> this layer's [B, K, S, H], new tokens included
+                def store(k, v, i=i):  # k, v [B, T, K, H] -> the cache [L, B, K, S, H], new tokens included, and i
                     nonlocal cache
                     cache = write_kv(cache, k[None], v[None], layer=i, scatter=scatter)
-                    return cache.k[i], cache.v[i]
+                    return cache.k, cache.v, i
 
                 x, _ = Block(cfg, self.dtype, True, self.lowering.dense, self.lowering.attention, name=f"layer_{i}")(
                     x, None, None, positions, mask, cache.length, store)
