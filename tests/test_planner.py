@@ -17,7 +17,8 @@ from jaxspec.engine import costs
 from jaxspec.engine import Engine
 from jaxspec.engine.batch import BatchEngine, Request
 from jaxspec.engine.build import engine_from
-from jaxspec.engine.planner import CostCurve, best_expansion, derive_expansions, expected_tokens, tree_nodes
+from jaxspec.engine.planner import (CURVE_TOKENS, CostCurve, best_expansion, could_use_larger, curve_probe,
+                                    derive_expansions, expected_tokens, tree_nodes)
 from jaxspec.speculators.early_exit import early_exit
 
 # Recorded, ms: `jaxspec bench step-costs --tokens 1,2,4,8,16,32,64 --ssm drafter --capacity 256` on this project's
@@ -40,6 +41,38 @@ def test_the_family_follows_the_device_small_trees_on_the_cpu_wide_ones_on_the_g
         gain = best_expansion(curve, 0)[1]
         assert gain == pytest.approx(expected_tokens(mine) / curve.tree_ratio(mine, 0))
         assert gain > expected_tokens(other) / curve.tree_ratio(other, 0)
+
+
+def test_the_largest_pass_is_measured_only_where_a_tree_could_use_it(tmp_path, monkeypatch):
+    """A cold machine compiles the curve's largest pass (64 tokens) only where the curve without it says a tree
+    that large could pay even priced at the largest measured pass: on this CPU's curve it could not (trees stay
+    small), on the H200's it could for a drafter (but not for the n-gram's chains alone). The probe then times
+    it or leaves it out, and the curve it stores says which."""
+    def upto16(curve: CostCurve) -> dict:
+        return {"llm": {t: c for t, c in curve.llm.items() if t <= 16}, "drafts": list(curve.drafts)}
+
+    class Drafter:
+        acceptance = (0.57, 0.52, 0.48)
+
+    assert not could_use_larger(upto16(CPU), [Drafter()]) and not could_use_larger(upto16(CPU), [])
+    assert could_use_larger(upto16(H200), [Drafter()]) and not could_use_larger(upto16(H200), [])
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    llm = tiny_model(seed=3)
+    for wanted, background in ((False, False), (True, False), (True, True)):
+        probe = curve_probe(llm)
+        asked = []
+        probe.wants_later = lambda value, wanted=wanted: asked.append(sorted(value["llm"])) or wanted
+        if background:  # as a loop drives it: compiles in the worker, one pass timed per call, the later ones too
+            probe.start()
+            value = None
+            while value is None:
+                probe.compiling.result()
+                value = probe.advance()
+            probe.close()
+        else:
+            value = probe.finish()
+        assert asked == [[t for t in CURVE_TOKENS if t < max(CURVE_TOKENS)]]  # decided once, on the rest
+        assert (max(CURVE_TOKENS) in value["llm"]) == wanted and len(probe.seconds) == len(probe.todo)
 
 
 def test_a_speculator_is_scored_with_its_own_recorded_acceptance():
@@ -126,7 +159,9 @@ def test_auto_measures_the_curve_beside_its_first_requests_derives_its_trees_and
         batch.step()
     assert [t for ev in events for t in ev.token_ids] == plain
     again = engine_from(EngineConfig(mode="auto"), llm, speculators, announce=log)
-    assert not again.trees_pending and again.cost_curve == curve and "T=64" in log.getvalue()  # from the cache
+    assert not again.trees_pending and again.cost_curve == curve and "T=16" in log.getvalue()  # from the cache
+    # this tiny pair's trees stay small on its curve, so the largest pass was neither compiled nor timed
+    assert curve.largest == 16 and not could_use_larger({"llm": curve.llm, "drafts": list(curve.drafts)}, [])
     recalibrated = engine_from(EngineConfig(mode="auto", recalibrate=True), llm, speculators)
     assert len(finished) == 1 and not recalibrated.trees_pending  # measured again, before the engine is built
     given = engine_from(EngineConfig(mode="auto", expansion="1,1;1,1"), llm, speculators)

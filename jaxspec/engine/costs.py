@@ -265,16 +265,22 @@ class CurveProbe:
     thread. The value, ``{"llm": {T: s}, "drafts": [{w: s}, ...]}``, is stored under ``key`` in the cost cache.
 
     ``passes`` maps each point to what makes its ``TimedPass`` (made in the worker, so no device memory is held
-    for a point before it compiles). Each point is its fastest of ``repeats`` passes: whatever else runs on the
+    for a point before it compiles); the ``later`` points are compiled and timed after them, and only where
+    ``wants_later`` of the curve so far says so. Each point is its fastest of ``repeats`` passes: whatever else runs on the
     host or device only ever adds time to a pass, so the minimum is the estimate of a pass's own cost that the
     rest of the machine disturbs least, on any platform."""
 
     def __init__(self, passes: dict[Point, Callable[[], TimedPass]], key: dict, drafts: int,
-                 repeats: int = 10) -> None:
+                 repeats: int = 10, later: dict[Point, Callable[[], TimedPass]] | None = None,
+                 wants_later: Callable[[dict], bool] | None = None) -> None:
         self.todo = dict(passes)
         self.key = key
         self.drafts = drafts
         self.repeats = repeats
+        # Points measured only where the curve without them says they could matter (``wants_later`` of its value):
+        # a cold machine then compiles no pass whose size no tree of its could use.
+        self.later = dict(later or {})
+        self.wants_later = wants_later or (lambda value: True)
         self.ready: dict[Point, TimedPass] = {}  # compiled, not yet timed
         self.seconds: dict[Point, float] = {}
         self.compiling: concurrent.futures.Future | None = None
@@ -314,27 +320,46 @@ class CurveProbe:
         if self.ready:
             point = next(iter(self.ready))
             self.seconds[point] = self.ready.pop(point).time(self.repeats, best=True)
-        return self.value() if len(self.seconds) == len(self.todo) else None
+        if len(self.seconds) < len(self.todo):
+            return None
+        if self._take_later():
+            self.compiling = self._worker.submit(self._compile_all, self._generation)
+            return None
+        return self.value()
+
+    def _take_later(self) -> bool:
+        """Once every point so far is timed: whether the ``later`` points join them (then they are to measure)."""
+        later, self.later = self.later, {}
+        if not later or not self.wants_later(self._measured()):
+            return False
+        self.todo.update(later)
+        return True
 
     def finish(self) -> dict:
         """The curve now: waits for the worker's compiles (or compiles on this thread where none started), then
         times every pass left."""
         if self.started:
             self.compiling.result()
-        self._compile_all()  # what no worker compiled (none started, or one closed before the end)
-        while self.ready:
-            point = next(iter(self.ready))
-            self.seconds[point] = self.ready.pop(point).time(self.repeats, best=True)
-        return self.value()
+        while True:
+            self._compile_all()  # what no worker compiled (none started, or one closed before the end)
+            while self.ready:
+                point = next(iter(self.ready))
+                self.seconds[point] = self.ready.pop(point).time(self.repeats, best=True)
+            if not self._take_later():
+                return self.value()
 
     def value(self) -> dict:
         """The measured curve, stored in the cost cache (once complete)."""
         if len(self.seconds) != len(self.todo):
             raise RuntimeError(f"the cost curve has {len(self.seconds)} of {len(self.todo)} passes timed")
-        out = {"llm": {size: s for (what, _, size), s in self.seconds.items() if what == "llm"},
-               "drafts": [{size: s for (what, i, size), s in self.seconds.items() if what == "draft" and i == j}
-                          for j in range(self.drafts)]}
+        out = self._measured()
         return load_or_measure(self.key, lambda: out, refresh=True)
+
+    def _measured(self) -> dict:
+        """The curve as timed so far: ``{"llm": {T: s}, "drafts": [{w: s}, ...]}``."""
+        return {"llm": {size: s for (what, _, size), s in self.seconds.items() if what == "llm"},
+                "drafts": [{size: s for (what, i, size), s in self.seconds.items() if what == "draft" and i == j}
+                           for j in range(self.drafts)]}
 
     def close(self) -> None:
         """Drops the compiles not started (one running finishes, kept: ``compiling`` tells when); a later ``start``

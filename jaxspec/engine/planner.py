@@ -259,9 +259,22 @@ def curve_probe(llm, ssms: Sequence = (), lowering=None, params=None):
     def draft_pass(ssm, w: int):
         return lambda: costs.TimedPass(ssm, ssm.params, w, CURVE_CAPACITY, 1, False, lowering)
 
-    passes = {("llm", 0, t): llm_pass(t) for t in CURVE_TOKENS}
+    *first, last = CURVE_TOKENS
+    passes = {("llm", 0, t): llm_pass(t) for t in first}
     passes.update({("draft", i, w): draft_pass(s, w) for i, s in enumerate(ssms) for w in DRAFT_WIDTHS})
-    return costs.CurveProbe(passes, curve_key(llm, ssms, lowering), len(ssms), CURVE_REPEATS)
+    return costs.CurveProbe(passes, curve_key(llm, ssms, lowering), len(ssms), CURVE_REPEATS,
+                            later={("llm", 0, last): llm_pass(last)}, wants_later=lambda v: could_use_larger(v, ssms))
+
+
+def could_use_larger(value: dict, ssms: Sequence = ()) -> bool:
+    """Whether a pass larger than any in a curve's ``value`` (a ``CurveProbe``'s) could carry a better tree for the
+    learned speculators ``ssms`` or the n-gram: the trees derived with that larger pass priced at the largest
+    measured one's cost (a pass over more tokens never costs less) would use it. Where none would, it is not
+    measured: the trees a cheaper price cannot make pay cannot pay at its real one."""
+    curve = curve_of(value)
+    optimistic = CostCurve({**curve.llm, max(CURVE_TOKENS): curve.llm[curve.largest]}, curve.drafts)
+    trees = derive_expansions(optimistic, ["ssm"] * len(ssms) + ["ngram"], [getattr(s, "acceptance", ()) for s in ssms])
+    return max(tree_nodes(e) for e in trees) > curve.largest
 
 
 def cached_curve(llm, ssms: Sequence = (), lowering=None) -> CostCurve | None:
