@@ -266,9 +266,9 @@ class CurveProbe:
 
     ``passes`` maps each point to what makes its ``TimedPass`` (made in the worker, so no device memory is held
     for a point before it compiles); the ``later`` points are compiled and timed after them, and only where
-    ``wants_later`` of the curve so far says so. Each point is its fastest of ``repeats`` passes: whatever else runs on the
-    host or device only ever adds time to a pass, so the minimum is the estimate of a pass's own cost that the
-    rest of the machine disturbs least, on any platform."""
+    ``wants_later`` of the curve so far says so. Each point is its fastest of ``repeats`` passes: whatever else
+    runs on the host or device only ever adds time to a pass, so the minimum is the estimate of a pass's own cost
+    that the rest of the machine disturbs least, on any platform."""
 
     def __init__(self, passes: dict[Point, Callable[[], TimedPass]], key: dict, drafts: int,
                  repeats: int = 10, later: dict[Point, Callable[[], TimedPass]] | None = None,
