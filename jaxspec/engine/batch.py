@@ -882,11 +882,14 @@ class BatchEngine:
         self.prefix.stats.hits += st.cached
         self.prefix_reuses += st.cached > 0
 
-    def _remember(self, tokens: Sequence[int], row: int | None = None, exact: bool = False) -> None:
+    def _remember(self, tokens: Sequence[int], row: int | None = None, held: int | None = None) -> None:
         """Caches the full blocks of ``tokens`` that the prefix cache lacks, cut from the staging row (None: the
         prompt it was just fed) or from live row ``row`` (a finishing request's prompt and answer, whose K/V are
-        committed there), so a conversation's next turn starts after its previous one. ``exact``: every part of
-        the row is known to hold ``tokens`` (else an SSM that may lag is read first)."""
+        committed there), so a conversation's next turn starts after its previous one. An SSM may lag the LLM
+        there: only the tokens every cache of the row holds are cached, ``held`` of them where the caller knows
+        it, else as the row's lengths read (one read: it waits for the iteration in flight)."""
+        if row is not None and self.state.ssm_caches and held is not None:
+            tokens = tokens[:held]
         if not self.prefix.max_bytes or len(tokens) < BLOCK:
             return
         chain = self.prefix.match(tokens)
@@ -894,7 +897,7 @@ class BatchEngine:
             return  # nothing new: no read of the row's lengths
         if row is not None:
             at = jax.device_put(np.int32(row))
-            if self.state.ssm_caches and not exact:  # an SSM may lag (one read: it waits for the iteration in flight)
+            if self.state.ssm_caches and held is None:
                 tokens = tokens[: int(fetch(self._fn("committed")(self.state, at)))]
         parent = chain[-1].id if chain else -1
         for start in range(len(chain) * BLOCK, len(tokens) - BLOCK + 1, BLOCK):
@@ -929,13 +932,10 @@ class BatchEngine:
         req = slot.ticket.request
         if reason != "error" and self.prefix.max_bytes:
             try:  # the row's committed K/V: the prompt and every emitted token but the last (the root, never fed)
-                tokens = list(req.prompt_ids) + slot.gen.token_ids[:-1]
                 # drafts write past the prompt only, so an SSM that never drafted for the row holds exactly the
                 # prompt (one whose drafting iteration is still in flight does too): no read of the row's lengths
-                if self.state.ssm_caches and not slot.gen.ssm_steps:
-                    self._remember(tokens[: len(req.prompt_ids)], slot.row, exact=True)
-                else:
-                    self._remember(tokens, slot.row)
+                held = None if slot.gen.ssm_steps else len(req.prompt_ids)
+                self._remember(list(req.prompt_ids) + slot.gen.token_ids[:-1], slot.row, held)
             except Exception as exc:  # noqa: BLE001 (the request still ends; only its blocks go uncached)
                 self.sync.failed("caching a finished request's blocks", exc)
         row, last = slot.row, len(self.slots) - 1

@@ -273,7 +273,7 @@ def could_use_larger(value: dict, ssms: Sequence = ()) -> bool:
     measured: the trees a cheaper price cannot make pay cannot pay at its real one."""
     curve = curve_of(value)
     optimistic = CostCurve({**curve.llm, max(CURVE_TOKENS): curve.llm[curve.largest]}, curve.drafts)
-    trees = derive_expansions(optimistic, ["ssm"] * len(ssms) + ["ngram"], [getattr(s, "acceptance", ()) for s in ssms])
+    trees = derive_expansions(optimistic, speculator_kinds(ssms) + ["ngram"], acceptance_priors(ssms))
     return max(tree_nodes(e) for e in trees) > curve.largest
 
 
