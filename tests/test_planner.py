@@ -17,7 +17,7 @@ from jaxspec.engine import costs
 from jaxspec.engine import Engine
 from jaxspec.engine.batch import BatchEngine, Request
 from jaxspec.engine.build import engine_from
-from jaxspec.engine.planner import (CURVE_TOKENS, CostCurve, best_expansion, could_use_larger, curve_probe,
+from jaxspec.engine.planner import (CURVE_REPEATS, CURVE_TOKENS, CostCurve, best_expansion, could_use_larger, curve_probe,
                                     derive_expansions, expected_tokens, tree_nodes)
 from jaxspec.speculators.early_exit import early_exit
 
@@ -73,6 +73,36 @@ def test_the_largest_pass_is_measured_only_where_a_tree_could_use_it(tmp_path, m
             value = probe.finish()
         assert asked == [[t for t in CURVE_TOKENS if t < max(CURVE_TOKENS)]]  # decided once, on the rest
         assert (max(CURVE_TOKENS) in value["llm"]) == wanted and len(probe.seconds) == len(probe.todo)
+        assert all(len(probe.samples[p]) == CURVE_REPEATS and probe.seconds[p] == min(probe.samples[p])
+                   for p in probe.todo)
+
+
+def test_the_curve_times_its_points_in_interleaved_rounds(tmp_path, monkeypatch):
+    """Each round times every point once (a machine whose speed drifts then drifts under all of them alike), in the
+    loop's path one round per call, and each point keeps its fastest pass."""
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    order = []
+    real = costs.TimedPass.once
+
+    def once(timed):
+        order.append(timed.toks.shape[1])
+        return real(timed)
+
+    monkeypatch.setattr(costs.TimedPass, "once", once)
+    probe = curve_probe(tiny_model(seed=5))
+    probe.wants_later = lambda value: False
+    probe.start()
+    probe.compiling.result()
+    rounds = []
+    value = None
+    while value is None:
+        before = len(order)
+        value = probe.advance()
+        rounds.append(order[before:])
+    probe.close()
+    first = [t for t in CURVE_TOKENS if t < max(CURVE_TOKENS)]
+    assert rounds == [first] * CURVE_REPEATS
+    assert value["llm"] == {t: min(probe.samples[("llm", 0, t)]) for t in first}
 
 
 def test_a_speculator_is_scored_with_its_own_recorded_acceptance():
@@ -115,8 +145,8 @@ def test_the_curve_reads_as_a_non_decreasing_envelope_and_prices_rows_times_node
 def test_auto_measures_the_curve_beside_its_first_requests_derives_its_trees_and_prices_buckets_by_it(
         tmp_path, monkeypatch):
     """End to end on a tiny pair: auto without --expansion on a device with no curve cached starts at once with the
-    plain step alone; its loop compiles the curve's passes in the background, times one per iteration with nothing
-    in flight, then adopts the trees the curve gives mid-request (the output is the plain step's, token for token).
+    plain step alone; its loop compiles the curve's passes in the background, times one round of them per
+    iteration with nothing in flight, then adopts the trees the curve gives mid-request (the output is the plain step's, token for token).
     The curve is kept: a second engine reads it and starts with the trees; --recalibrate measures it again before
     the engine is built; a tree never timed at a bucket is priced on the curve."""
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
@@ -149,7 +179,8 @@ def test_auto_measures_the_curve_beside_its_first_requests_derives_its_trees_and
     while engine.curve_probe is not None:
         batch.step()
         steps += 1
-    assert steps == len(probe.todo) and not finished  # one pass timed per iteration, none by ``finish``
+    # one round per iteration (each point's pass once), none by ``finish``
+    assert steps == CURVE_REPEATS * (1 + (max(CURVE_TOKENS) in engine.cost_curve.llm)) and not finished
     assert batch.cache_need(0) == sum(engine.step_bounds()) < sum(pending)  # rows reserve room for these trees
     curve = engine.cost_curve
     ssm_tree, ngram_chain = derive_expansions(curve, ["ssm", "ngram"])

@@ -146,16 +146,18 @@ class TimedPass:
         logits, self.cache = self.executable(self.params, self.toks, self.pos, self.cache, self.mask)
         jax.block_until_ready(logits)
 
+    def once(self) -> float:
+        """Seconds of one pass, to ``block_until_ready``."""
+        start = time.perf_counter()
+        self.run()
+        return time.perf_counter() - start
+
     def time(self, repeats: int, warm: bool = True, best: bool = False) -> float:
         """Median seconds of ``repeats`` passes (after one untimed pass where ``warm``); ``best``: the fastest (a
         busy host only ever adds time, so ratios of minima are steadier than ratios of medians)."""
         if warm:
             self.run()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            self.run()
-            times.append(time.perf_counter() - start)
+        times = [self.once() for _ in range(repeats)]
         return min(times) if best else statistics.median(times)
 
 
@@ -260,15 +262,18 @@ Point = tuple[str, int, int]  # ("llm", 0, tokens) or ("draft", speculator index
 
 class CurveProbe:
     """A cost curve measured so that no loop waits on it: every pass compiles in a worker thread (``start``),
-    then the loop times one pass per ``advance``, on its own thread between its iterations (a pass timed beside a
-    compile or a running step would time the contention); ``finish`` does what is left at once, on the caller's
-    thread. The value, ``{"llm": {T: s}, "drafts": [{w: s}, ...]}``, is stored under ``key`` in the cost cache.
+    then the loop times one round per ``advance`` (each point's pass once), on its own thread between its
+    iterations (a pass timed beside a compile or a running step would time the contention); ``finish`` does what
+    is left at once, on the caller's thread. The value, ``{"llm": {T: s}, "drafts": [{w: s}, ...]}``, is stored
+    under ``key`` in the cost cache.
 
     ``passes`` maps each point to what makes its ``TimedPass`` (made in the worker, so no device memory is held
     for a point before it compiles); the ``later`` points are compiled and timed after them, and only where
     ``wants_later`` of the curve so far says so. Each point is its fastest of ``repeats`` passes: whatever else
     runs on the host or device only ever adds time to a pass, so the minimum is the estimate of a pass's own cost
-    that the rest of the machine disturbs least, on any platform."""
+    that the rest of the machine disturbs least, on any platform. The points are timed in interleaved rounds, not
+    one after another: a machine whose speed drifts (a shared host, a clock that settles) then drifts under every
+    point alike, and the ratios between them, which choose the trees, hold."""
 
     def __init__(self, passes: dict[Point, Callable[[], TimedPass]], key: dict, drafts: int,
                  repeats: int = 10, later: dict[Point, Callable[[], TimedPass]] | None = None,
@@ -281,7 +286,8 @@ class CurveProbe:
         # a cold machine then compiles no pass whose size no tree of its could use.
         self.later = dict(later or {})
         self.wants_later = wants_later or (lambda value: True)
-        self.ready: dict[Point, TimedPass] = {}  # compiled, not yet timed
+        self.ready: dict[Point, TimedPass] = {}  # compiled, not yet timed ``repeats`` times
+        self.samples: dict[Point, list[float]] = {}  # seconds of each pass timed so far, per point
         self.seconds: dict[Point, float] = {}
         self.compiling: concurrent.futures.Future | None = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
@@ -313,19 +319,29 @@ class CurveProbe:
                 self.ready[point] = timed
 
     def advance(self) -> dict | None:
-        """Times the next compiled pass once all compiled (one per call); the curve once every pass is timed."""
+        """Times one round once all compiled (``_round``: one call); the curve once every point is timed."""
         if not self.compiled:
             return None
         self.compiling.result()  # a compile's error, raised here
-        if self.ready:
-            point = next(iter(self.ready))
-            self.seconds[point] = self.ready.pop(point).time(self.repeats, best=True)
+        self._round()
         if len(self.seconds) < len(self.todo):
             return None
         if self._take_later():
             self.compiling = self._worker.submit(self._compile_all, self._generation)
             return None
         return self.value()
+
+    def _round(self) -> None:
+        """Times every compiled point still short of ``repeats`` passes once, in order (a point's first round runs
+        one untimed pass before it); a point with all its passes keeps the fastest."""
+        for point, timed in list(self.ready.items()):
+            got = self.samples.setdefault(point, [])
+            if not got:
+                timed.run()
+            got.append(timed.once())
+            if len(got) >= self.repeats:
+                self.seconds[point] = min(got)
+                del self.ready[point]
 
     def _take_later(self) -> bool:
         """Once every point so far is timed: whether the ``later`` points join them (then they are to measure)."""
@@ -343,8 +359,7 @@ class CurveProbe:
         while True:
             self._compile_all()  # what no worker compiled (none started, or one closed before the end)
             while self.ready:
-                point = next(iter(self.ready))
-                self.seconds[point] = self.ready.pop(point).time(self.repeats, best=True)
+                self._round()
             if not self._take_later():
                 return self.value()
 
