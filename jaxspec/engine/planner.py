@@ -50,7 +50,9 @@ if TYPE_CHECKING:
 # LLM tokens per row whose pass is timed (the largest tree considered: 64): five compiles of the LLM the first time
 # a device runs auto for a model, then read from the cost cache.
 CURVE_TOKENS = (1, 4, 8, 16, 64)
-DRAFT_WIDTHS = (1, 4, 16)  # frontier nodes per draft level timed per learned speculator
+# frontier nodes per draft level timed per learned speculator (8: a first level re-feeds depth + 2 tokens, which
+# a coarser grid prices at 16)
+DRAFT_WIDTHS = (1, 4, 8, 16)
 CURVE_REPEATS = 10  # passes timed per point, the fastest kept (``jaxspec.engine.costs.CurveProbe``)
 CURVE_CAPACITY = 256  # cache slots the curve is timed at (the smallest capacity bucket, where trees run most)
 WIDTH_DECAY = 0.18  # the miss rate of k draft candidates is (1 - p) * k**-WIDTH_DECAY (a prior, see above)
@@ -236,6 +238,7 @@ def curve_key(llm, ssms: Sequence = (), lowering=None) -> dict:
 
     return costs.calibration_key(llm, lowering, what="cost-curve", tokens=list(CURVE_TOKENS),
                                  capacity=CURVE_CAPACITY, host_cores=host_cores(), fastest_of=CURVE_REPEATS,
+                                 timed="interleaved rounds",
                                  ssms=[[s.name, repr(s.cfg), str(s.dtype), s.draft_vocab, list(DRAFT_WIDTHS)]
                                        for s in ssms])
 
@@ -441,7 +444,7 @@ class Planner:
 
     def advance_curve(self) -> None:
         """Moves this device's cost curve along where the engine still measures it (auto runs its plain step alone
-        meanwhile): starts its compiles in the worker, then times one pass per call; once every pass is timed, the
+        meanwhile): starts its compiles in the worker, then times one round per call; once every point is timed, the
         engine adopts the trees the curve gives. A curve that fails leaves auto plain, and says why."""
         probe = self.engine.curve_probe
         if probe is None:
