@@ -16,6 +16,7 @@ from conftest import DEV_PROMPTS, tiny_model
 from jaxspec.decoding import sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.engine.batch import BatchEngine, Event, LoopSync, QueueFull, Request
+from jaxspec.engine.planner import MAX_STRIDE
 from jaxspec.engine import Engine, RequestError, early_exit
 from jaxspec.speculators.ngram import NGramSpeculator
 
@@ -211,7 +212,8 @@ def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm)
     assert regret > 0  # the time lost without the tree is counted
     # rent or buy: once the time lost exceeds the compile cost, a request too short to pay for it alone compiles it
     batch.planner.compile_seconds = batch.planner.load_seconds = regret / 2
-    batch.generate([Request(PROMPTS[0], 4), Request(PROMPTS[1], 4)])  # a few picks (each a posterior draw)
+    # long enough for the plain-only bucket to weigh its trees again (once every few iterations at most MAX_STRIDE)
+    batch.generate([Request(PROMPTS[0], MAX_STRIDE + 2), Request(PROMPTS[1], MAX_STRIDE + 2)])
     assert engine.is_warm(greedy, batch.capacity_buckets[0], 2, "ssm")
     batch = BatchEngine(engine, max_batch=2, max_model_len=64, background=False)  # fresh: nothing readied or lost
     batch.planner.anchors[greedy] = {"none": 1.0, "ssm": 1.0}
@@ -220,6 +222,47 @@ def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm)
     assert [g.token_ids for g in gens] == want
     assert "ssm" in batch.planner.bucket_costs[(greedy, 2, batch.capacity_buckets[0])]  # readied and measured here
     assert any("ssm" in g.trees for g in gens)
+
+
+@pytest.mark.parametrize("share", [1e9, 1e-12])
+def test_a_plain_only_bucket_weighs_its_trees_once_every_few_iterations_and_each_weighing_counts_them(
+        llm, monkeypatch, share):
+    """Where a bucket has only its plain step, the chooser's draws and the compile decision run once every few
+    iterations (so that weighing costs the host at most ``WEIGH_SHARE`` of a plain iteration: every iteration where
+    it is cheap, every ``MAX_STRIDE``-th where it is not); each weighing stands for the iterations since the last,
+    so no iteration's regret is lost, and the output is the plain step's."""
+    from jaxspec.engine import planner as planner_module
+
+    monkeypatch.setattr(planner_module, "WEIGH_SHARE", share)
+    engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)
+    want = [Engine(llm).generate(p, 40).token_ids for p in PROMPTS[:2]]
+    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
+    batch = BatchEngine(engine, max_batch=2, max_model_len=64, background=False)
+    batch.planner.anchors[greedy] = {"none": 1.0, "ssm": 1.0}
+    batch.planner.compile_seconds = batch.planner.load_seconds = 1e9  # never built: the bucket stays plain-only
+    picks, weighed = {}, {}
+    pick, weigh = batch.planner.pick, batch.planner._pick
+
+    def counted_pick(chooser, warp, rows, capacity, *rest):
+        picks[rows] = picks.get(rows, 0) + 1
+        return pick(chooser, warp, rows, capacity, *rest)
+
+    def counted_weigh(chooser, warp, bucket, *rest, stood=1):
+        weighed.setdefault(bucket, []).append(stood)
+        return weigh(chooser, warp, bucket, *rest, stood=stood)
+
+    monkeypatch.setattr(batch.planner, "pick", counted_pick)
+    monkeypatch.setattr(batch.planner, "_pick", counted_weigh)
+    assert [g.token_ids for g in batch.generate([Request(p, 40) for p in PROMPTS[:2]])] == want
+    assert picks and set(weighed) == {(greedy, rows, batch.capacity_buckets[0]) for rows in picks}
+    for bucket, stoods in weighed.items():
+        n = picks[bucket[1]]
+        wait, pending = batch.planner.strides[bucket]
+        assert sum(stoods) + pending - 1 == n  # every iteration stood for by exactly one weighing (or the next)
+        if share > 1:
+            assert stoods == [1] * n  # cheap weighing: every iteration
+        else:
+            assert len(stoods) == -(-n // MAX_STRIDE) and set(stoods[1:]) <= {MAX_STRIDE}
 
 
 def test_work_in_sight_is_none_at_a_bucket_the_waiting_requests_will_widen(llm):

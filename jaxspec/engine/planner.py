@@ -31,6 +31,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+import math
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -62,6 +63,13 @@ WIDTHS = (1, 2, 3, 4, 6, 8)  # children per node considered at a level
 # token of its chain is taken to agree with this chance given its parent did (a prior; the chooser learns the rest).
 NGRAM_CONTINUATION = 0.8
 MIN_WATCHED = 8  # plain steps timed alone and beside a build before their ratio prices builds
+# Where a bucket has only its plain step, the trees it might build are weighed (draws, compile decisions) once every
+# few iterations, so that weighing costs the host at most this share of a plain iteration (measured: the weighing's
+# own seconds over the plain step's, on the machine that runs it); a weighing then stands for the iterations since
+# the last (its regret counts each). On a 2-core CPU the host's work slows the device's own threads; on a GPU a host
+# slower than the device starves it.
+WEIGH_SHARE = 0.005
+MAX_STRIDE = 32  # iterations between two weighings at most (a tree worth building waits this long at most)
 BUILD_SWITCH_INTERVAL = 2e-4  # seconds a thread holds the GIL while a build runs (the loop must not wait 5 ms)
 
 
@@ -379,6 +387,9 @@ class Planner:
         self.left_running: list = []  # builds still running when the loop closed (their futures)
         self._estimate: tuple = (None, None)  # (what ``estimated`` read, what it returned) for the last bucket asked
         self.regret: dict = {}  # (warp, rows, capacity, tree) -> seconds lost running without that tree
+        # (warp, rows, capacity) of a bucket with only its plain step -> (iterations its trees go unweighed before
+        # the next weighing, iterations the last weighing stood for)
+        self.strides: dict[tuple, tuple[int, int]] = {}
         self.build_began: float | None = None  # when the build running now started (``running_for``)
 
     @property
@@ -391,18 +402,35 @@ class Planner:
              iteration: int) -> str:
         """Lazy auto's member for an iteration: the chooser's pick over every member at its estimated cost; one
         not ready at the bucket runs as the plain step while it builds (in the background, or it is readied by
-        the caller after agreement, in a multi-process run) once it is worth building."""
+        the caller after agreement, in a multi-process run) once it is worth building. At a bucket with only its
+        plain step that weighing runs once every few iterations (``WEIGH_SHARE``), the plain step in between."""
         if self.building:
             self.harvest()
-        every = self.estimated(warp, rows, capacity, costs)
+        bucket = (warp, rows, capacity)
+        if len(costs) == 1:  # nothing to choose from: its trees are weighed once every few iterations (``WEIGH_SHARE``)
+            wait, stood = self.strides.get(bucket, (0, 1))
+            if wait:
+                self.strides[bucket] = (wait - 1, stood + 1)
+                return "none"
+            began = time.perf_counter()
+            name = self._pick(chooser, warp, bucket, costs, proposals, keys, left, iteration, stood=stood)
+            stride = math.ceil((time.perf_counter() - began) / (WEIGH_SHARE * costs["none"]))
+            self.strides[bucket] = (min(max(stride, 1), MAX_STRIDE) - 1, 1)
+            return name
+        return self._pick(chooser, warp, bucket, costs, proposals, keys, left, iteration)
+
+    def _pick(self, chooser: TreeChooser, warp: sampling.WarpSpec, bucket: tuple, costs: dict[str, float],
+              proposals: list[tuple[int, int]], keys: Sequence, left: float, iteration: int, stood: int = 1) -> str:
+        """``pick``'s weighing: the chooser's draw over every member, then the compile decision for a tree it
+        picks that the bucket lacks (``stood``: the iterations this weighing stands for)."""
+        every = self.estimated(warp, bucket[1], bucket[2], costs)
         drawn: dict[str, float] = {}
         name = chooser.pick_batch(proposals, every, keys=keys, scores=drawn)
-        bucket = (warp, rows, capacity)
         if name in costs:
             return name
         if (*bucket, name) in self.building or (*bucket, name) in self.failed:  # not (yet) built
             return "none"
-        if not self.worth_compiling(name, chooser, proposals, every, bucket, left, drawn):
+        if not self.worth_compiling(name, chooser, proposals, every, bucket, left, drawn, stood):
             return "none"
         if self.background:
             self.build_in_background(*bucket, name, iteration)
@@ -765,7 +793,7 @@ class Planner:
 
     def worth_compiling(self, name: str, chooser: TreeChooser, rows: list[tuple[int, int]],
                         costs: dict[str, float], bucket: tuple, left: float,
-                        drawn: dict[str, float] | None = None) -> bool:
+                        drawn: dict[str, float] | None = None, stood: int = 1) -> bool:
         """Whether compiling ``name`` for ``bucket`` (warp, rows, capacity) now saves more than it costs.
 
         The saving per iteration is the time ``name`` saves over the best member the bucket has or is
@@ -777,7 +805,9 @@ class Planner:
         iterations already run without it lost that much under the picks' own posterior draws ``drawn``
         (rent or buy: a long-lived server whose requests are each too short still compiles the trees its
         load keeps wanting, at most twice the best cost in hindsight; the draws let a tree never built be
-        explored as a built one is, while one lucky draw is not multiplied by all the work in sight).
+        explored as a built one is, while one lucky draw is not multiplied by all the work in sight). A weighing
+        that stands for ``stood`` iterations (``pick`` weighs a plain-only bucket once every few) adds its draw's
+        saving that many times.
         """
         have = [n for n in costs if n == "none" or n in self.bucket_costs.get(bucket, {})
                 or (*bucket, n) in self.building]
@@ -793,7 +823,7 @@ class Planner:
         if max(mean, drawn_saving) <= 0:
             return False
         key = (*bucket, name)
-        self.regret[key] = self.regret.get(key, 0.0) + drawn_saving
+        self.regret[key] = self.regret.get(key, 0.0) + drawn_saving * stood
         price = self.build_price(*bucket, name)
         ahead = 0.0
         if self.background:  # iterations that run plain, at their pace beside a build, before it is ready
