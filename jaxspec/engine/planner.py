@@ -66,8 +66,8 @@ MIN_WATCHED = 8  # plain steps timed alone and beside a build before their ratio
 # Where a bucket has only its plain step, the trees it might build are weighed (draws, compile decisions) once every
 # few iterations, so that weighing costs the host at most this share of a plain iteration (measured: the weighing's
 # own seconds over the plain step's, on the machine that runs it); a weighing then stands for the iterations since
-# the last (its regret counts each). On a 2-core CPU the host's work slows the device's own threads; on a GPU a host
-# slower than the device starves it.
+# the last (its regret counts each, the skipped ones at the posterior means). On a 2-core CPU the host's work slows
+# the device's own threads; on a GPU a host slower than the device starves it.
 WEIGH_SHARE = 0.005
 MAX_STRIDE = 32  # iterations between two weighings at most (a tree worth building waits this long at most)
 BUILD_SWITCH_INTERVAL = 2e-4  # seconds a thread holds the GIL while a build runs (the loop must not wait 5 ms)
@@ -807,7 +807,8 @@ class Planner:
         load keeps wanting, at most twice the best cost in hindsight; the draws let a tree never built be
         explored as a built one is, while one lucky draw is not multiplied by all the work in sight). A weighing
         that stands for ``stood`` iterations (``pick`` weighs a plain-only bucket once every few) adds its draw's
-        saving that many times.
+        saving once and the saving at the posterior means for each iteration it skipped: one lucky draw is not
+        multiplied by the stride either.
         """
         have = [n for n in costs if n == "none" or n in self.bucket_costs.get(bucket, {})
                 or (*bucket, n) in self.building]
@@ -823,7 +824,7 @@ class Planner:
         if max(mean, drawn_saving) <= 0:
             return False
         key = (*bucket, name)
-        self.regret[key] = self.regret.get(key, 0.0) + drawn_saving * stood
+        self.regret[key] = self.regret.get(key, 0.0) + drawn_saving + mean * (stood - 1)
         price = self.build_price(*bucket, name)
         ahead = 0.0
         if self.background:  # iterations that run plain, at their pace beside a build, before it is ready
