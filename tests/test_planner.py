@@ -17,8 +17,8 @@ from jaxspec.engine import costs
 from jaxspec.engine import Engine
 from jaxspec.engine.batch import BatchEngine, Request
 from jaxspec.engine.build import engine_from
-from jaxspec.engine.planner import (CURVE_REPEATS, CURVE_TOKENS, CostCurve, best_expansion, could_use_larger, curve_probe,
-                                    derive_expansions, expected_tokens, tree_nodes)
+from jaxspec.engine.planner import (CURVE_REPEATS, CURVE_TOKENS, CostCurve, best_expansion, could_use_larger,
+                                    curve_probe, derive_expansions, expected_tokens, tree_nodes)
 from jaxspec.speculators.early_exit import early_exit
 
 # Recorded, ms: `jaxspec bench step-costs --tokens 1,2,4,8,16,32,64 --ssm drafter --capacity 256` on this project's
@@ -146,7 +146,8 @@ def test_auto_measures_the_curve_beside_its_first_requests_derives_its_trees_and
         tmp_path, monkeypatch):
     """End to end on a tiny pair: auto without --expansion on a device with no curve cached starts at once with the
     plain step alone; its loop compiles the curve's passes in the background, times one round of them per
-    iteration with nothing in flight, then adopts the trees the curve gives mid-request (the output is the plain step's, token for token).
+    iteration with nothing in flight, then adopts the trees the curve gives mid-request (the output is the plain
+    step's, token for token).
     The curve is kept: a second engine reads it and starts with the trees; --recalibrate measures it again before
     the engine is built; a tree never timed at a bucket is priced on the curve."""
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
