@@ -407,7 +407,7 @@ class Planner:
         if self.building:
             self.harvest()
         bucket = (warp, rows, capacity)
-        if len(costs) == 1:  # nothing to choose from: its trees are weighed once every few iterations (``WEIGH_SHARE``)
+        if len(costs) == 1:  # nothing to choose from: its trees are weighed every few iterations
             wait, stood = self.strides.get(bucket, (0, 1))
             if wait:
                 self.strides[bucket] = (wait - 1, stood + 1)
