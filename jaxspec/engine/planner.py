@@ -66,8 +66,9 @@ MIN_WATCHED = 8  # plain steps timed alone and beside a build before their ratio
 # Where a bucket has only its plain step, the trees it might build are weighed (draws, compile decisions) once every
 # few iterations, so that weighing costs the host at most this share of a plain iteration (measured: the weighing's
 # own seconds over the plain step's, on the machine that runs it); a weighing then stands for the iterations since
-# the last (its regret counts each, the skipped ones at the posterior means). On a 2-core CPU the host's work slows
-# the device's own threads; on a GPU a host slower than the device starves it.
+# the last (its regret counts each, the skipped ones at the posterior means). The loop's host work per iteration is
+# what the device step must hide on any platform: a share of the step, not seconds, so the stride follows each
+# machine's own ratio of host to device speed.
 WEIGH_SHARE = 0.005
 MAX_STRIDE = 32  # iterations between two weighings at most (a tree worth building waits this long at most)
 BUILD_SWITCH_INTERVAL = 2e-4  # seconds a thread holds the GIL while a build runs (the loop must not wait 5 ms)
