@@ -255,6 +255,7 @@ class Attention(nn.Module):
     transposed: bool = False  # kernels stored output-major (Dense.transposed)
     dense: str = "barrier"  # how those are multiplied (Lowering.dense)
     attention: str = "dense"  # over a cache written in place (store): "blocks" reads only filled slots (Lowering)
+    fused: bool = False  # one output-major ``qkv`` kernel [N + 2K, H, D] instead of q, k, v (Lowering.proj)
 
     @nn.compact
     def __call__(self, x, positions, mask, k_cache, v_cache, write_at, store=None):
@@ -268,9 +269,13 @@ class Attention(nn.Module):
             (d,), (heads, h), (axes.EMBED,), (hname, axes.HEAD_DIM), cfg.attention_bias, self.dtype, self.transposed,
             self.dense, name=name,
         )
-        q = proj("q", n, axes.HEADS)(x)  # [B, T, N, H]
-        k = proj("k", kv, axes.KV_HEADS)(x)  # [B, T, K, H]
-        val = proj("v", kv, axes.KV_HEADS)(x)  # [B, T, K, H]
+        if self.fused:
+            qkv = proj("qkv", n + 2 * kv, axes.HEADS)(x)  # [B, T, N + 2K, H]
+            q, k, val = qkv[..., :n, :], qkv[..., n:n + kv, :], qkv[..., n + kv:, :]
+        else:
+            q = proj("q", n, axes.HEADS)(x)  # [B, T, N, H]
+            k = proj("k", kv, axes.KV_HEADS)(x)  # [B, T, K, H]
+            val = proj("v", kv, axes.KV_HEADS)(x)  # [B, T, K, H]
         if cfg.arch != "opt":
             inv = rope_frequencies(cfg)
             q, k = apply_rope(q, positions, inv), apply_rope(k, positions, inv)
@@ -301,6 +306,7 @@ class MLP(nn.Module):
     dtype: jnp.dtype = jnp.float32
     transposed: bool = False  # kernels stored output-major (Dense.transposed)
     dense: str = "barrier"  # how those are multiplied (Lowering.dense)
+    fused: bool = False  # SwiGLU's gate and up as one output-major ``gate_up`` kernel [2, F, D] (Lowering.proj)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -313,4 +319,8 @@ class MLP(nn.Module):
         if self.cfg.arch == "opt":
             act = {"relu": jax.nn.relu, "gelu": jax.nn.gelu}[self.cfg.activation]
             return down("fc2", True)(act(up("fc1", True)(x)))
+        if self.fused:
+            gate_up = Dense((d,), (2, f), (axes.EMBED,), (None, axes.MLP), False, self.dtype, t, dense,
+                            name="gate_up")(x)  # [..., 2, F]
+            return down("down", False)(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
         return down("down", False)(jax.nn.silu(up("gate", False)(x)) * up("up", False)(x))

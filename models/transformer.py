@@ -86,6 +86,7 @@ class Block(nn.Module):
     transposed: bool = False  # kernels stored output-major (Dense.transposed)
     dense: str = "barrier"  # how those are multiplied (Lowering.dense)
     attention: str = "dense"  # attention over the cache written in place (Lowering.attention)
+    fused: bool = False  # fused q/k/v and gate/up kernels (Lowering.proj; the unrolled layout only)
 
     @nn.compact
     def __call__(self, x, k_cache, v_cache, positions, mask, write_at, store=None):
@@ -96,8 +97,8 @@ class Block(nn.Module):
             norm = lambda name: LayerNorm(1e-5, self.dtype, name=name)  # noqa: E731
         else:
             norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, name=name)  # noqa: E731
-        attn = Attention(cfg, self.dtype, self.transposed, self.dense, self.attention, name="attn")
-        mlp = MLP(cfg, self.dtype, self.transposed, self.dense, name="mlp")
+        attn = Attention(cfg, self.dtype, self.transposed, self.dense, self.attention, self.fused, name="attn")
+        mlp = MLP(cfg, self.dtype, self.transposed, self.dense, self.fused, name="mlp")
         pre = cfg.arch != "opt" or cfg.do_layer_norm_before
         attn_norm, mlp_norm = norm("attn_norm"), norm("mlp_norm")
         h = attn_norm(x) if pre else x
@@ -175,8 +176,8 @@ class Transformer(nn.Module):
                     cache = write_kv(cache, k[None], v[None], layer=i, scatter=scatter)
                     return cache.k, cache.v, i
 
-                x, _ = Block(cfg, self.dtype, True, self.lowering.dense, self.lowering.attention, name=f"layer_{i}")(
-                    x, None, None, positions, mask, cache.length, store)
+                x, _ = Block(cfg, self.dtype, True, self.lowering.dense, self.lowering.attention, self.lowering.fused,
+                             name=f"layer_{i}")(x, None, None, positions, mask, cache.length, store)
                 taps[i] = x
         else:
             blocks = nn.scan(
@@ -271,11 +272,16 @@ def make_forward(cfg: ModelConfig, dtype=jnp.float32, unrolled: bool = False, dr
 
 
 KERNEL_IN_DIMS = {"o": 2}  # Dense modules whose kernel has several input axes; every other has one
+# The unrolled layout's fused kernels (``Lowering.proj``): (block module, fused name, the parts, stacked or joined).
+# q, k, v [*, H, D] output-major join along the head axis into qkv [N + 2K, H, D]; gate and up [F, D] stack into
+# gate_up [2, F, D]; biases follow their kernels.
+FUSED = (("attn", "qkv", ("q", "k", "v"), False), ("mlp", "gate_up", ("gate", "up"), True))
 
 
-def decoding_layout(params: dict) -> dict:
-    """The parameter tree of an unrolled forward: ``layers`` [L, ...] split into ``layer_0 …``
-    and every Dense kernel transposed output-major (``transpose_kernel``)."""
+def decoding_layout(params: dict, fused: bool = True) -> dict:
+    """The parameter tree of an unrolled forward: ``layers`` [L, ...] split into ``layer_0 …``,
+    every Dense kernel transposed output-major (``transpose_kernel``) and, ``fused``, each layer's
+    q/k/v and gate/up kernels joined (``FUSED``; ``Lowering.proj``)."""
 
     def transpose(path, leaf):
         names = [getattr(k, "key", None) for k in path]
@@ -283,11 +289,26 @@ def decoding_layout(params: dict) -> dict:
             return leaf
         return transpose_kernel(leaf, KERNEL_IN_DIMS.get(names[-2], 1))
 
-    out = {k: v for k, v in params.items() if k != "layers"}
+    out = jax.tree_util.tree_map_with_path(transpose, {k: v for k, v in params.items() if k != "layers"})
     num = jax.tree_util.tree_leaves(params["layers"])[0].shape[0]
     for i in range(num):
-        out[f"layer_{i}"] = jax.tree_util.tree_map(lambda x, i=i: x[i], params["layers"])
-    return jax.tree_util.tree_map_with_path(transpose, out)
+        layer = jax.tree_util.tree_map_with_path(transpose, jax.tree_util.tree_map(lambda x, i=i: x[i],
+                                                                                   params["layers"]))
+        out[f"layer_{i}"] = fuse_layer(layer) if fused else layer
+    return out
+
+
+def fuse_layer(layer: dict) -> dict:
+    """One block's output-major parameters with ``FUSED``'s parts joined (a module without them is kept as is)."""
+    layer = dict(layer)
+    for module, name, parts, stacked in FUSED:
+        sub = layer.get(module, {})
+        if not all(p in sub for p in parts):
+            continue
+        join = jnp.stack if stacked else jnp.concatenate
+        joined = {leaf: join([sub[p][leaf] for p in parts]) for leaf in sub[parts[0]]}
+        layer[module] = {**{k: v for k, v in sub.items() if k not in parts}, name: joined}
+    return layer
 
 
 def with_draft_head(params: dict, cfg: ModelConfig, ids: jax.Array) -> dict:

@@ -29,6 +29,7 @@ from jaxspec.engine import Engine, LoadedModel, early_exit  # noqa: E402
 from jaxspec.decoding.kv_cache import tree_mask  # noqa: E402
 from jaxspec.decoding.sampling import SamplingParams  # noqa: E402
 from jaxspec.decoding.tree import ancestor_mask  # noqa: E402
+from models.lowering import Lowering  # noqa: E402
 from models.transformer import KVCache, decoding_layout, make_forward  # noqa: E402
 
 FAMILIES = {  # tiny models whose head counts divide the tensor sizes they are tested with
@@ -70,7 +71,7 @@ def tree_logits(m: LoadedModel, params, mesh) -> np.ndarray:
     shape = (cfg.num_layers, b, cfg.num_kv_heads, cap, cfg.head_dim)  # KVCache layout [L, B, K, S, H]
     cache = KVCache(jax.random.normal(jax.random.PRNGKey(1), shape), jax.random.normal(jax.random.PRNGKey(2), shape),
                     length)
-    fwd = make_forward(cfg, unrolled=True)
+    fwd = make_forward(cfg, unrolled=True, lowering=Lowering(proj="split"))  # the split layout a tensor axis runs
     if mesh is not None:
         cache = jax.device_put(cache, sharding.cache_shardings(cache, mesh))
 
@@ -111,8 +112,10 @@ def tensor_parallel(family: str, mesh_spec: str, modes: tuple[str, ...]) -> dict
         warm = many.compilations
         got += generations(many, prompts[1:], params)
         out[mode] = {"one": want, "mesh": got, "compilations": [before, warm, many.compilations]}
-    params = decoding_layout(m.params)
-    placed = sharding.place_params(params, sharding.param_names(m.cfg, unrolled=True), mesh, f"LLM {m.name}")
+    out["proj"] = [pair[1].lowering.proj for pair in engines.values()]  # a tensor axis keeps q/k/v kernels apart
+    params = decoding_layout(m.params, fused=False)
+    placed = sharding.place_params(params, sharding.param_names(m.cfg, unrolled=True, fused=False), mesh,
+                                   f"LLM {m.name}")
     out["logits_max_diff"] = float(np.max(np.abs(tree_logits(m, params, None) - tree_logits(m, placed, mesh))))
     names = ["embed/embedding", "layer_0/mlp/up/kernel", "layer_0/attn/q/kernel", "layer_0/attn/k/kernel",
              "layer_0/attn/o/kernel"]

@@ -23,14 +23,15 @@ from models.transformer import KVCache, decoding_layout, make_forward, write_kv
 
 DEFAULT = Lowering()  # the CPU's forms: what every other test of the suite runs
 # every distinct graph: ``dense`` only changes the unrolled layout (a scanned stack multiplies input-major kernels)
-VARIANTS = [Lowering(d, k, layer) for d, k, layer in itertools.product(("barrier", "plain"), ("rows", "scatter"),
-                                                                         ("unroll", "scan"))
-            if layer == "unroll" or d == "barrier"]
+# and ``proj`` only the unrolled layout's kernels
+VARIANTS = [Lowering(d, k, layer, proj=p) for d, k, layer, p in itertools.product(
+    ("barrier", "plain"), ("rows", "scatter"), ("unroll", "scan"), ("fused", "split"))
+    if layer == "unroll" or (d == "barrier" and p == "fused")]
 
 
 def name(low: Lowering) -> str:
-    """A test id: the three values, e.g. plain-scatter-unroll."""
-    return f"{low.dense}-{low.kv_write}-{low.layers}"
+    """A test id: the values that vary, e.g. plain-scatter-unroll-split."""
+    return f"{low.dense}-{low.kv_write}-{low.layers}-{low.proj}"
 FAMILIES = {
     "llama-tied": dict(tie_word_embeddings=True),
     "qwen2-untied": dict(arch="qwen2", attention_bias=True, tie_word_embeddings=False),
@@ -50,7 +51,9 @@ def test_the_cpu_keeps_todays_forms_and_a_gpu_gets_one_gemm_and_one_scatter():
 def test_specs_override_field_by_field_and_refuse_unknown_names(monkeypatch):
     assert DEFAULT.override("dense=plain, layers=scan") == Lowering("plain", "rows", "scan")
     assert DEFAULT.override("gpu") == platform_lowering("gpu")
-    assert DEFAULT.override("gpu,layers=scan").label == "dense=plain,kv_write=scatter,layers=scan,attention=dense"
+    assert DEFAULT.override("gpu,layers=scan").label == \
+        "dense=plain,kv_write=scatter,layers=scan,attention=dense,proj=fused"
+    assert DEFAULT.override("proj=split") == Lowering(proj="split") and not Lowering(proj="split").fused
     assert Lowering().override(Lowering("plain", "scatter", "scan").label) == Lowering("plain", "scatter", "scan")
     monkeypatch.setenv(ENV, "kv_write=scatter")
     assert default_lowering() == Lowering("barrier", "scatter", "unroll")
@@ -83,7 +86,7 @@ def test_every_lowering_computes_the_default_forward(family, lowering):
     params, toks, pos, cache, mask = ragged_forward_case(cfg, batch=3, tokens=5)
 
     def run(low: Lowering):
-        layout = decoding_layout(params) if low.unrolled else params
+        layout = decoding_layout(params, low.fused) if low.unrolled else params
         return jax.jit(make_forward(cfg, unrolled=low.unrolled, lowering=low))(layout, toks, pos, cache, mask)
 
     ref, ref_cache = run(DEFAULT)
@@ -172,7 +175,8 @@ def reference(llm) -> list[list[int]]:
     return [engine.generate(p, 24).token_ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("lowering", [platform_lowering("gpu"), Lowering("barrier", "scatter", "scan")], ids=name)
+@pytest.mark.parametrize("lowering", [platform_lowering("gpu"), Lowering("barrier", "scatter", "scan"),
+                                      Lowering(proj="split")], ids=name)
 def test_greedy_tokens_are_the_defaults_under_the_gpu_lowering_and_scanned_layers(llm, reference, lowering):
     """A batch of three rows through the merged tree of a feature drafter and the n-gram, prefill and tree steps
     alike (each field's every value is covered by the forward test above; here the engine runs them together)."""
@@ -210,7 +214,7 @@ def test_verbose_names_the_device_precision_and_lowering(llm):
 
     line = device_line(Engine(llm, lowering=Lowering("plain", "scatter", "unroll")))
     assert "(cpu, jax " in line and "precision float32" in line
-    assert line.endswith("lowering dense=plain,kv_write=scatter,layers=unroll,attention=blocks")
+    assert line.endswith("lowering dense=plain,kv_write=scatter,layers=unroll,attention=blocks,proj=fused")
 
 
 def test_a_bad_lowering_is_one_error_line(capsys):
@@ -224,3 +228,35 @@ def test_offloaded_layers_follow_the_lowering_and_keep_the_tokens(llm, reference
     """The stacked paths (offload here; pipeline stages share ``scan_layers``' block and write) take the lowering."""
     engine = Engine(llm, offload=True, lowering=platform_lowering("gpu"))
     assert [engine.generate(p, 24).token_ids for p in PROMPTS] == reference
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_fused_layout_joins_each_layers_projection_kernels_and_nothing_else(family):
+    """``decoding_layout(fused=True)`` holds qkv [N + 2K, H, D] (q, k, v joined along the heads, biases alike) and,
+    for SwiGLU, gate_up [2, F, D]: exactly the split layout's kernels, every other leaf the same array."""
+    cfg = tiny_config(num_layers=2, **FAMILIES[family])
+    params, *_ = ragged_forward_case(cfg, batch=1, tokens=1)
+    split, fused = decoding_layout(params, False), decoding_layout(params, True)
+    n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    for i in range(cfg.num_layers):
+        a, b = split[f"layer_{i}"], fused[f"layer_{i}"]
+        assert set(b["attn"]) == {"qkv", "o"} and b["attn"]["qkv"]["kernel"].shape == (n + 2 * k, h, d)
+        for leaf in b["attn"]["qkv"]:
+            np.testing.assert_array_equal(b["attn"]["qkv"][leaf], np.concatenate([a["attn"][p][leaf] for p in "qkv"]))
+        if cfg.arch == "opt":
+            assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda x, y: bool(jnp.all(x == y)), b["mlp"],
+                                                                 a["mlp"]))
+        else:
+            assert set(b["mlp"]) == {"gate_up", "down"} and b["mlp"]["gate_up"]["kernel"].shape == (
+                2, cfg.intermediate_size, d)
+            np.testing.assert_array_equal(b["mlp"]["gate_up"]["kernel"][1], a["mlp"]["up"]["kernel"])
+    rest = lambda tree: {k: v for k, v in tree.items() if not k.startswith("layer_")}  # noqa: E731
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda x, y: bool(jnp.all(x == y)), rest(split),
+                                                         rest(fused)))
+
+
+def test_one_device_mesh_keeps_the_fused_kernels():
+    """Only a tensor axis over several devices splits them (tests/test_sharding.py: tensor=2 runs proj=split)."""
+    from jaxspec.parallel import sharding  # noqa: PLC0415
+
+    assert Engine(tiny_model(), mesh=sharding.parse_mesh("tensor=1")).lowering.proj == "fused"

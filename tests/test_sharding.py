@@ -98,21 +98,25 @@ FAMILIES = [dict(), dict(arch="qwen2", attention_bias=True),
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("unrolled", [False, True])
-def test_logical_names_match_both_layouts(family, unrolled):
-    """Every parameter of the scanned and the decoding layout has one name per dimension, naming its size."""
+@pytest.mark.parametrize("layout", ["scanned", "decoding", "decoding-split"])
+def test_logical_names_match_every_layout(family, layout):
+    """Every parameter of the scanned and the decoding layouts (fused or split q/k/v and gate/up kernels) has one
+    name per dimension, naming its size (a fused qkv's heads axis holds N + 2K heads)."""
     cfg = tiny_config(**{"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 48, **family})
     params = init_params(cfg, 0)
-    flat = flatten(decoding_layout(params) if unrolled else params)
-    names = sharding.param_names(cfg, unrolled)
+    unrolled, fused = layout != "scanned", layout == "decoding"
+    flat = flatten(decoding_layout(params, fused) if unrolled else params)
+    names = sharding.param_names(cfg, unrolled, fused=fused)
     assert set(names) == set(flat)
+    assert any("/qkv/" in k for k in names) == fused
     size = {axes.LAYERS: cfg.num_layers, axes.VOCAB: cfg.vocab_size, axes.HEADS: cfg.num_heads,
             axes.KV_HEADS: cfg.num_kv_heads, axes.HEAD_DIM: cfg.head_dim, axes.MLP: cfg.intermediate_size}
     for key, leaf in flat.items():
         assert len(names[key]) == leaf.ndim, key
         for name, dim in zip(names[key], leaf.shape):
             if name in size:
-                assert dim == size[name], (key, names[key], leaf.shape)
+                want = cfg.num_heads + 2 * cfg.num_kv_heads if "/qkv/" in key and name == axes.HEADS else size[name]
+                assert dim == want, (key, names[key], leaf.shape)
 
 
 def test_mesh_parsing_and_its_errors():
@@ -159,6 +163,7 @@ def test_tree_verification_logits_within_1e4(default_checks, name):
 
 
 def test_parameters_and_kv_cache_are_split(default_checks):
+    assert set(check(default_checks, "tp_llama_2")["proj"]) == {"split"}  # fused q/k/v cannot split by heads
     llama = check(default_checks, "tp_llama_2")["shards"]
     want_axis = {"embed/embedding": 0, "layer_0/mlp/up/kernel": 0, "layer_0/attn/q/kernel": 0,
                  "layer_0/attn/k/kernel": 0, "layer_0/attn/o/kernel": 1}  # the vocab / mlp / heads dimension

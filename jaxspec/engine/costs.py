@@ -87,7 +87,7 @@ def measure_llm_costs(
         raise ValueError("repeats and batch must be >= 1")
     lowering = lowering or default_lowering()
     unrolled = lowering.unrolled if unrolled is None else unrolled
-    params = decoding_layout(model.params) if unrolled else model.params
+    params = decoding_layout(model.params, lowering.fused) if unrolled else model.params
     costs = {}
     for t in tokens:
         timed = TimedPass(model, params, t, capacity, batch, unrolled, lowering)

@@ -263,7 +263,7 @@ def curve_probe(llm, ssms: Sequence = (), lowering=None, params=None):
     lowering = lowering or default_lowering()
     unrolled = lowering.unrolled
     if params is None:
-        params = decoding_layout(llm.params) if unrolled else llm.params
+        params = decoding_layout(llm.params, lowering.fused) if unrolled else llm.params
 
     def llm_pass(t: int):
         return lambda: costs.TimedPass(llm, params, t, CURVE_CAPACITY, 1, unrolled, lowering)

@@ -34,7 +34,7 @@ from jaxspec.parallel.offload import make_offload_forward, offload_layout, offlo
 from jaxspec.parallel.sharding import describe as describe_mesh, pinned
 from jaxspec.decoding.step import DecodeConfig, DecodeState, SSMGroup, decode_step, set_lengths
 from jaxspec.decoding.tree import DynamicTree, expansion_topology
-from models.pipeline import make_pipeline_forward, pipe_size, stacked_layout, stacked_names
+from models.pipeline import make_pipeline_forward, pipe_size, stacked_layout, stacked_names, tensor_size
 from models.loaded import LoadedModel, forward_for
 from models.lowering import Lowering, default_lowering
 from models.transformer import Forward, KVCache, decoding_layout
@@ -129,12 +129,16 @@ class Runner:
                                          f"but the LLM {llm.name!r} has {llm.cfg.hidden_size}")
         self.llm = llm
         self.lowering = lowering or default_lowering()
+        if self.lowering.fused and tensor_size(mesh) > 1:  # a joined q/k/v axis cannot be split head by head
+            self.lowering = dataclasses.replace(self.lowering, proj="split")
         self.unroll = unroll = self.lowering.unrolled
         self.stacked = offload or pipe_size(mesh) > 1  # the LLM runs models.pipeline.stacked_layout
         # one layout of the weights, built straight from the loaded tree (no intermediate copy)
         self._llm_params = None if self.stacked else llm.params
         if unroll and not self.stacked:  # one stored program (the re-layout is hundreds of slices and transposes)
-            layout = Stored(decoding_layout, {"what": "layout", "llm": [repr(llm.cfg), str(jnp.dtype(llm.dtype))]})
+            layout = Stored(functools.partial(decoding_layout, fused=self.lowering.fused),
+                            {"what": "layout", "llm": [repr(llm.cfg), str(jnp.dtype(llm.dtype))],
+                             "fused": self.lowering.fused})
             self._llm_params = layout(llm.params)
         self.features = any(getattr(s, "features", False) for s in speculators)  # a feature drafter reads the LLM's states
         taps = {tuple(getattr(s, "feature_layers", ())) for s in speculators if getattr(s, "features", False)}
@@ -580,7 +584,7 @@ class Runner:
 
         llm = self.llm
         names = (stacked_names(sharding.param_names(llm.cfg)) if self.stacked
-                 else sharding.param_names(llm.cfg, self.unroll))
+                 else sharding.param_names(llm.cfg, self.unroll, fused=self.lowering.fused))
         self._llm_params = sharding.place_params(self._llm_params, names, self.mesh, f"LLM {llm.name}")
         self._group_params = tuple(
             sharding.place_params(p, sharding.group_names(sharding.param_names(self.ssms[g.members[0]].cfg, False,

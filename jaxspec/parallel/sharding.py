@@ -165,19 +165,23 @@ def _flat_specs(tree) -> dict[str, Names]:
     return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(spec) for path, spec in leaves}
 
 
-def param_names(cfg: ModelConfig, unrolled: bool = False, draft_vocab: int = 0) -> dict[str, Names]:
+def param_names(cfg: ModelConfig, unrolled: bool = False, draft_vocab: int = 0,
+                fused: bool = True) -> dict[str, Names]:
     """Flattened parameter name -> logical axis names, for the scanned or the decoding layout
-    (``draft_vocab``: with a drafting SSM's reduced head, ``jaxspec.speculators.draft_vocab``)."""
+    (``draft_vocab``: with a drafting SSM's reduced head, ``jaxspec.speculators.draft_vocab``; ``fused``: the
+    decoding layout's joined q/k/v and gate/up kernels, ``Lowering.proj``)."""
     from models.transformer import logical_axes  # noqa: PLC0415
 
     names = _flat_specs(logical_axes(cfg, draft_vocab))
-    return decoding_names(names, cfg.num_layers) if unrolled else names
+    return decoding_names(names, cfg.num_layers, fused) if unrolled else names
 
 
-def decoding_names(names: Mapping[str, Names], num_layers: int) -> dict[str, Names]:
+def decoding_names(names: Mapping[str, Names], num_layers: int, fused: bool = True) -> dict[str, Names]:
     """The names of ``decoding_layout``'s tree, derived as it derives the arrays: ``layers/…`` split
-    into ``layer_i/…`` (the layer axis dropped) and every Dense kernel's names output-major."""
-    from models.transformer import KERNEL_IN_DIMS  # noqa: PLC0415
+    into ``layer_i/…`` (the layer axis dropped), every Dense kernel's names output-major and, ``fused``,
+    each joined kernel named as its first part (q's heads: a fused axis shards where the mesh divides it)
+    with a replicated leading axis where its parts are stacked."""
+    from models.transformer import FUSED, KERNEL_IN_DIMS  # noqa: PLC0415
 
     out: dict[str, Names] = {}
     for key, n in names.items():
@@ -194,6 +198,15 @@ def decoding_names(names: Mapping[str, Names], num_layers: int) -> dict[str, Nam
             out.update({"/".join([f"layer_{i}"] + parts[1:]): n for i in range(num_layers)})
         else:
             out[key] = n
+    if not fused:
+        return out
+    for key in [k for k in out if k.startswith("layer_")]:  # layer_i/module/part/leaf
+        parts = key.split("/")
+        for module, name, joined, stacked in FUSED:
+            if len(parts) == 4 and parts[1] == module and parts[2] in joined:
+                n = out.pop(key)
+                if parts[2] == joined[0]:
+                    out["/".join([parts[0], module, name, parts[3]])] = (None,) + n if stacked else n
     return out
 
 
