@@ -154,10 +154,11 @@ costs big_bf16_rows 80 --shape "$BIG" --dtype bfloat16 --tokens 1 --batch "$ROWS
 # 3. end to end (this script again, as one command `timeout` can bound)
 part e2e "$E2E_CAP" bash "$0" __e2e
 
-# 1 (continued). the default model's shape in bf16, and its CPU forms and scanned layers in fp32
+# 1 (continued). the default model's shape in bf16, and its CPU forms, scanned layers and split q/k/v and gate/up
+# kernels (a launch-bound step: the fused default's gain is measured here) in fp32
 costs small_bf16 50 --shape "$SMALL" --dtype bfloat16 --tokens "$CURVE" --repeats "$REPEATS"
-costs small_fp32_variants 50 --shape "$SMALL" --dtype float32 --tokens "$SHORT" --repeats "$REPEATS" \
-  --lowering cpu --lowering layers=scan
+costs small_fp32_variants 60 --shape "$SMALL" --dtype float32 --tokens "$SHORT" --repeats "$REPEATS" \
+  --lowering cpu --lowering layers=scan --lowering proj=split
 
 ELAPSED=$(( $(date +%s) - START ))
 say "all parts done in ${ELAPSED} s; the table:"
