@@ -23,9 +23,8 @@ differs is what XLA is given to compile:
 - ``proj``: ``fused`` multiplies each layer's query, key and value kernels as one output-major kernel
   ``qkv`` and SwiGLU's gate and up kernels as one ``gate_up`` (the unrolled layout,
   ``models.transformer.decoding_layout``): one product where there were three and one where there were
-  two, so a step launches fewer, larger kernels (a GPU's small-model step is bound by launches, which the
-  device check measures against ``split``; on a 2-core CPU the default model's one-token pass took 39.8 ms
-  fused vs 44.1 ms split, fastest of 25 interleaved, with 2-8 rows and 4-token trees equal within noise);
+  two: the same weight bytes read by fewer, larger kernels, which no platform reads more slowly (whether a
+  device gains, and how much, ``bench step-costs --lowering proj=split`` and the device check measure there);
   ``split`` keeps the checkpoint's separate kernels (what a tensor-parallel mesh shards head by head).
 
 ``default_lowering()`` is the platform's choice (``jax.default_backend()``), overridden field by
@@ -65,7 +64,7 @@ class Lowering:
 
     @property
     def label(self) -> str:
-        """``dense=…,kv_write=…,layers=…,attention=…,proj=…``: the spec that rebuilds this lowering (logs, CSVs, keys)."""
+        """``dense=…,kv_write=…,layers=…,attention=…,proj=…``: the spec that rebuilds this lowering (logs, keys)."""
         return ",".join(f"{f}={getattr(self, f)}" for f in CHOICES)
 
     @property

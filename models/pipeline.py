@@ -31,7 +31,6 @@ from models.lowering import Lowering, default_lowering
 from models.transformer import KERNEL_IN_DIMS, Block, Forward, KVCache, Transformer, write_kv
 
 PIPE = "pipe"  # the mesh axis the stages run along
-TENSOR = "tensor"  # the mesh axis tensor-parallel shards run along (jaxspec.parallel.sharding.TENSOR)
 
 
 class PipelineError(ValueError):
@@ -78,11 +77,6 @@ def stacked_names(names: Mapping[str, tuple]) -> dict[str, tuple]:
 def pipe_size(mesh: Mesh | None) -> int:
     """Stages of a mesh: its ``pipe`` axis size, 1 without one."""
     return 1 if mesh is None else dict(mesh.shape).get(PIPE, 1)
-
-
-def tensor_size(mesh: Mesh | None) -> int:
-    """Tensor-parallel shards of a mesh: its ``tensor`` axis size, 1 without one."""
-    return 1 if mesh is None else dict(mesh.shape).get(TENSOR, 1)
 
 
 def check_stages(cfg: ModelConfig, mesh: Mesh) -> int:

@@ -31,10 +31,10 @@ from jaxspec.engine.executables import Stored
 from jaxspec.errors import RequestError, VocabularyMismatch  # noqa: F401 (importable from here as before)
 from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
-from jaxspec.parallel.sharding import describe as describe_mesh, pinned
+from jaxspec.parallel.sharding import TENSOR, describe as describe_mesh, pinned
 from jaxspec.decoding.step import DecodeConfig, DecodeState, SSMGroup, decode_step, set_lengths
 from jaxspec.decoding.tree import DynamicTree, expansion_topology
-from models.pipeline import make_pipeline_forward, pipe_size, stacked_layout, stacked_names, tensor_size
+from models.pipeline import make_pipeline_forward, pipe_size, stacked_layout, stacked_names
 from models.loaded import LoadedModel, forward_for
 from models.lowering import Lowering, default_lowering
 from models.transformer import Forward, KVCache, decoding_layout
@@ -129,7 +129,7 @@ class Runner:
                                          f"but the LLM {llm.name!r} has {llm.cfg.hidden_size}")
         self.llm = llm
         self.lowering = lowering or default_lowering()
-        if self.lowering.fused and tensor_size(mesh) > 1:  # a joined q/k/v axis cannot be split head by head
+        if self.lowering.fused and mesh is not None and dict(mesh.shape).get(TENSOR, 1) > 1:  # heads split apart
             self.lowering = dataclasses.replace(self.lowering, proj="split")
         self.unroll = unroll = self.lowering.unrolled
         self.stacked = offload or pipe_size(mesh) > 1  # the LLM runs models.pipeline.stacked_layout
