@@ -188,7 +188,9 @@ def test_compilations_stay_at_warm_up_across_100_admissions(llm):
     make = lambda k: Request(rng.integers(1, 60, size=int(rng.integers(1, 30))).tolist(), int(rng.integers(1, 4)),
                              dataclasses.replace(warps[k % 3], seed=k))  # noqa: E731
     batch.warm()  # every batch warp (greedy, temperature only, top-k/top-p)
-    batch.generate([make(k) for k in range(8)])  # every prefill chunk shape
+    fits = [b for b in batch.buckets if b <= batch.staging_capacity]
+    assert batch.warm_prefill() == len(fits) >= 2 and batch.warm_prefill() == 0  # every chunk size, once
+    batch.generate([make(k) for k in range(8)])  # the row moves and retirements
     compiled = engine.compilations
     gens = batch.generate([make(k) for k in range(100)])
     assert len(gens) == 100 and all(1 <= len(g.token_ids) <= 3 for g in gens)

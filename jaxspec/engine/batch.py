@@ -436,7 +436,7 @@ class BatchEngine:
             ssm_fwds = tuple(e.ssm_forwards[g.members[0]] for g in cfg.ssm_groups)
             if name == "prefill":
                 def fn(llm_params, ssm_params, staged, tokens, start, count, last, seed, values, first_mask=None):
-                    e.compilations += 1
+                    e.count_trace(f"prefill of {tokens.shape[1]} tokens", staged.llm_cache)
                     return pinned(prefill_row, e.mesh)(cfg, e._llm_forward, ssm_fwds, llm_params, ssm_params, staged,
                                                        jnp.int32(0), tokens, start, count, last, seed, values,
                                                        first_mask)
@@ -757,8 +757,6 @@ class BatchEngine:
         first_mask = np.full((1, constrain.words(self.vocab)), -1, np.int32)
         if st.matcher is not None:
             first_mask = self.engine.row_masks().vocab.mask(st.matcher)[None, :]
-        args = jax.device_put((tokens, np.int32(st.fed), np.int32(count), np.bool_(last),
-                               np.uint32(req.params.seed % 2**32), values, first_mask))
         e = self.engine
         if self.prefix.max_bytes and self.staging_capacity not in self._prefix_ready:
             # the cache's cut and paste compile with this capacity's first chunk (a hit later compiles nothing):
@@ -767,7 +765,7 @@ class BatchEngine:
             at = jax.device_put(np.int32(0))
             self.staging_state = self._fn("paste")(self.staging_state, self._fn("cut")(self.staging_state, at), at)
         self._staged = []  # invalid until the chunk is in
-        call = (e._llm_params, e._group_params, self.staging_state, *args)
+        call = self._prefill_call(tokens, st.fed, count, last, req.params.seed, values, first_mask)
         if st.probe is not None:
             self._probe_chunk(st, call, count)
         elif self.chunks.wants_timing(size):  # what each size costs here prices how a prompt's rest is fed
@@ -849,6 +847,30 @@ class BatchEngine:
                 self.verbose(self.chunks.describe())
         if width is None or st.fed + count >= st.cached + width:
             st.probe = None
+
+    def _prefill_call(self, tokens: np.ndarray, fed: int, count: int, last: bool, seed: int, values: dict,
+                      first_mask: np.ndarray) -> tuple:
+        """The prefill executable's arguments for one chunk into the staging row: ``tokens`` [1, size] (its first
+        ``count`` real), fed from slot ``fed``; ``first_mask`` [1, words] the first token's grammar mask."""
+        args = jax.device_put((tokens, np.int32(fed), np.int32(count), np.bool_(last), np.uint32(seed % 2**32),
+                               values, first_mask))
+        return (self.engine._llm_params, self.engine._group_params, self.staging_state, *args)
+
+    def warm_prefill(self) -> int:
+        """Compiles the prefill of every chunk size fed now (``buckets``) at the staging row's capacity, without
+        running one; returns how many it compiled. Which sizes a prompt is fed in follows this device's timings
+        (``ChunkSizer.size``), so warm-up prompts alone may leave a size that a later prompt needs uncompiled."""
+        fn, made = self._fn("prefill"), 0
+        values = sampling.row_values([sampling.SamplingParams()], self.vocab)
+        first_mask = np.full((1, constrain.words(self.vocab)), -1, np.int32)
+        for size in self.buckets:
+            if size > self.staging_capacity:
+                continue
+            call = self._prefill_call(np.zeros((1, size), np.int32), 0, size, True, 0, values, first_mask)
+            if not fn.has(*call):
+                fn.compiled(*call)
+                made += 1
+        return made
 
     def _timed_prefill(self, call: tuple) -> float:
         """Feeds a prompt chunk timed alone (its executable ready, the iteration in flight and the chunk before it

@@ -95,6 +95,10 @@ class Stored:
         leaves, tree = jax.tree_util.tree_flatten((args[self.fixed:], kwargs))
         return tree, tuple(map(_leaf, leaves))
 
+    def has(self, *args: Any, **kwargs: Any) -> bool:
+        """Whether these arguments' signature already has its executable (loaded, compiled or traced by a call)."""
+        return self._signature(args, kwargs) in self.loaded
+
     def executable(self, *args: Any, **kwargs: Any) -> Callable:
         """The executable these arguments call: loaded, or compiled now where executables are stored; ``jitted``
         where none is stored (its first call compiles)."""

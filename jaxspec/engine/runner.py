@@ -180,6 +180,7 @@ class Runner:
         # scheduling loop's planner moves along between iterations and which gives the trees once complete
         self.curve_probe = None
         self.compilations = 0
+        self.traced: list[str] = []  # what each of ``compilations`` compiled, e.g. "prefill of 16 tokens, 1 x 256"
         self._compiled: dict = {}
         self._costs: dict = {}
         self._injected_costs = dict(costs) if costs else None
@@ -333,7 +334,7 @@ class Runner:
 
             def step(llm_params, ssm_params, state, proposal_tokens, proposal_count, forced_tokens=None,
                      forced_count=None, chain_masks=None):
-                self.compilations += 1  # runs once per trace, i.e. per compilation
+                self.count_trace(f"step of {cfg.num_nodes} tree node(s)", state.llm_cache)  # once per trace
                 forced = (forced_tokens, forced_count) if cfg.forced_depth else None
                 return pinned(decode_step, self.mesh)(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state,
                                                       (proposal_tokens, proposal_count), forced, masker, chain_masks)
@@ -343,6 +344,11 @@ class Runner:
                                    Stored(step, {"what": "step", "cfg": repr(cfg), **self.identity()}, fixed=2,
                                           donate_argnums=(2,)))
         return self._compiled[cfg]
+
+    def count_trace(self, what: str, cache) -> None:
+        """Counts one trace of a model-running executable (``compilations``) and records its shape (``traced``)."""
+        self.compilations += 1
+        self.traced.append(f"{what}, {cache.length.shape[0]} row(s) x {cache.capacity} slots")
 
     def identity(self) -> dict:
         """What this engine's executables compute beyond their arguments (weights are arguments): the models'

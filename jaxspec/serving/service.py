@@ -145,6 +145,7 @@ class Service:
         self.metrics = ServerMetrics(batch.queue_depth, batch.active_slots, lambda: batch.engine.compilations)
         self.created = int(time.time())
         self.observing = False  # warm-up iterations are not counted
+        self._traced_seen = 0  # executables compiled before the last iteration observed (``Runner.traced``)
         self.dead: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxspec-engine", daemon=True)
@@ -166,6 +167,10 @@ class Service:
     def on_iteration(self, stats) -> None:
         if self.observing:
             self.metrics.observe_iteration(stats)
+            traced = self.batch.engine.traced
+            for what in traced[self._traced_seen:]:  # a stall of every slot (lazy auto's trees build aside)
+                log.info("compiled while serving: %s", what)
+            self._traced_seen = len(traced)
         if self.verbose:
             log.info("iteration: tree %s, %d active, %d queued, %d tokens, %.1f ms", stats.tree, stats.active,
                      stats.queued, sum(stats.emitted), stats.seconds * 1e3)
@@ -181,11 +186,13 @@ class Service:
         """Compiles before serving: the decoding family (``BatchEngine.warm``; with ``grammar`` its
         structured-output steps too), then greedy and sampled requests whose prompts reach every prefill
         chunk shape (``BatchEngine.buckets``), through the loop; their synthetic tokens teach auto's chooser
-        nothing (``learn=False``)."""
+        nothing (``learn=False``). Every chunk size's prefill is compiled first (``BatchEngine.warm_prefill``): the
+        sizes those prompts are fed in follow this device's chunk timings."""
         from jaxspec.engine.batch import Request  # noqa: PLC0415
         from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
 
         self.batch.warm(grammar=grammar)
+        self.batch.warm_prefill()
         longest = self.batch.max_model_len - WARMUP_TOKENS
         lengths = sorted({max(1, min(b, longest)) for b in getattr(self.batch, "buckets", (16,))})
         done = threading.Semaphore(0)
@@ -206,6 +213,7 @@ class Service:
                     raise RuntimeError(self.dead)
         if errors:
             raise RuntimeError(f"warm-up request failed: {errors[0]}")
+        self._traced_seen = len(self.batch.engine.traced)
         self.observing = True
 
     # -- requests ------------------------------------------------------------------------------
