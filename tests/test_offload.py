@@ -137,3 +137,20 @@ def test_offload_loads_the_layers_straight_to_host_memory(tiny_hf_checkpoint):
     assert memory_kinds(engine._llm_params)["layers"] == {HOST}
     assert device_bytes() - base <= rest
     assert engine.generate([3, 1, 4, 1, 5], 8).token_ids == want
+
+
+def test_an_early_exit_ssm_of_an_offloaded_llm_runs_on_device_copies(tiny_hf_checkpoint):
+    """``--offload --ssm layers:N``: the LLM loaded straight to host memory keeps its layers there, the SSM's first
+    N layers are device copies (it runs no streaming forward), and the tree run emits the plain run's tokens
+    (before, its prefill multiplied device activations by host-memory weights and failed)."""
+    from jaxspec.speculators.resolve import load_llm
+
+    directory, _ = tiny_hf_checkpoint("llama_gqa")
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = Engine(load_llm(str(directory), with_tokenizer=False)).generate(prompt, 12).token_ids
+    llm = load_llm(str(directory), with_tokenizer=False, offload=True)
+    ssm = early_exit(llm, 1)
+    assert memory_kinds(llm.params)["layers"] == {HOST} and memory_kinds(ssm.params)["layers"] == {"device"}
+    engine = Engine(llm, [ssm], (1, 2), offload=True)
+    gen = engine.generate(prompt, 12)
+    assert gen.token_ids == want and gen.llm_steps < len(want)  # the early exit's drafts were accepted
