@@ -74,3 +74,19 @@ def test_compiled_returns_a_ready_executable_once_per_signature(tmp_path, monkey
         assert exe is not fn.jitted and exe is fn.compiled(x)
         assert exe(x).tolist() == [1.0, 3.0, 5.0, 7.0] == fn(x).tolist()
         assert fn.compiled(jnp.arange(3.0)) is not exe  # another signature: its own executable
+
+
+def test_an_unused_argument_of_another_shape_is_another_executable(tmp_path, monkeypatch):
+    """jit prunes unused arguments from the program (a prefill never reads the draft head), so two signatures can
+    lower to one program text; a loaded executable still checks every argument, so each signature gets its own
+    (``--draft-vocab 16384`` after a run at 8192 failed with "compiled with float32[8192,576]")."""
+    import jax.numpy as jnp
+
+    from jaxspec.engine.executables import Stored
+
+    monkeypatch.setenv("JAXSPEC_EXECUTABLE_CACHE", str(tmp_path / "executables"))
+    x = jnp.arange(4.0)
+    for n, unused in ((8, jnp.zeros(8)), (16, jnp.zeros(16)), ("tree", {"head": jnp.zeros(8), "ids": jnp.ones(8)})):
+        fn = Stored(lambda used, _: used * 2 + 1, {"what": "test-unused", "n": n})
+        assert fn(x, unused).tolist() == [1.0, 3.0, 5.0, 7.0]
+    assert len(list((tmp_path / "executables").glob("*.bin"))) == 3

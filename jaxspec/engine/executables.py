@@ -126,8 +126,8 @@ class Stored:
         device = jax.devices()[0]
         machine = {"jax": jax.__version__, "platform": device.platform, "device": device.device_kind,
                    "devices": jax.device_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
-        key = _digest({"ident": self.ident, "args": repr((tree, tuple(map(_described, leaves)))),
-                       "source": source_digest(), **machine})
+        described = repr((tree, tuple(map(_described, leaves))))
+        key = _digest({"ident": self.ident, "args": described, "source": source_digest(), **machine})
         index = directory / "index" / key
         program = _read_text(index)
         if program is not None:  # this key was stored before: no trace at all
@@ -140,7 +140,9 @@ class Stored:
         # "Function ... not found" when loaded). The name is left out of the program's digest.
         name = f"jaxspec_{uuid.uuid4().hex}"
         lowered = jax.jit(_renamed(self.fn, name), donate_argnums=self.donate_argnums).lower(*args, **kwargs)
-        program = _digest({"program": lowered.as_text().replace(name, "jaxspec"), **machine})
+        # the arguments enter too: jit prunes the unused ones from the program (a prefill never reads the draft head),
+        # but a loaded executable checks every argument it was compiled with
+        program = _digest({"program": lowered.as_text().replace(name, "jaxspec"), "args": described, **machine})
         compiled = _load(directory / f"{program}.bin", program)  # the same program under another key (a new
         if compiled is None:                                     # jaxspec version that left it unchanged)
             compiled, fresh = _compile_fresh(lowered)
