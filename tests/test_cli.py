@@ -70,6 +70,10 @@ def test_bad_prompt_file_and_mode_flags(tmp_path, capsys):
     assert "--prefill-chunk must be >= 1" in capsys.readouterr().err
     assert cli.main(["generate", "--prompt", "hi", "--prefill-stall", "-1"]) == 2
     assert "--prefill-stall must be >= 0" in capsys.readouterr().err
+    for size in ("-5", "100000"):  # above the vocabulary it once meant "full" without a word
+        assert cli.main(["generate", "--prompt", "hi", "--ssm", "layers:4", "--draft-vocab", size]) == 2
+        assert f"--draft-vocab must be between 1 and the vocabulary size 49152 (0: full), got {size}" in \
+            capsys.readouterr().err
 
 
 def test_prompt_longer_than_context_subprocess():

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from jaxspec.cache import weight_cache_dir
 from jaxspec.errors import RequestError
-from jaxspec.speculators.draft_vocab import read_counts, restrict
+from jaxspec.speculators.draft_vocab import DraftVocabError, read_counts, restrict
 from jaxspec.speculators.drafter_io import is_drafter, load_drafter
 from jaxspec.speculators.early_exit import early_exit
 from jaxspec.speculators.ngram import NGramSpeculator
@@ -89,6 +89,10 @@ def load_speculators(specs: Sequence[str], llm: LoadedModel, dtype: str = "float
     ``draft_vocab``: learned SSMs draft over that many of the most frequent tokens (0: the
     full vocabulary; None: a pool's own default from its manifest, others the full one).
     """
+    vocab = llm.cfg.vocab_size
+    if draft_vocab is not None and not 0 <= draft_vocab <= vocab:  # (a size above it would silently mean full)
+        raise DraftVocabError(f"--draft-vocab must be between 1 and the vocabulary size {vocab} (0: full), got "
+                              f"{draft_vocab}")
     out: list[LoadedModel | NGramSpeculator] = []
     for spec in specs:
         if spec == "default":
