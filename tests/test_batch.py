@@ -190,11 +190,14 @@ def test_compilations_stay_at_warm_up_across_100_admissions(llm):
     batch.warm()  # every batch warp (greedy, temperature only, top-k/top-p)
     fits = [b for b in batch.buckets if b <= batch.staging_capacity]
     assert batch.warm_prefill() == len(fits) >= 2 and batch.warm_prefill() == 0  # every chunk size, once
-    batch.generate([make(k) for k in range(8)])  # the row moves and retirements
+    assert batch.warm_rows() >= 3 * len(batch.row_buckets) and batch.warm_rows() == 0  # insert, move, retire, ...
     compiled = engine.compilations
+    names = ("prefill", "insert", "move", "retire", "cut", "paste", "committed")
+    signatures = {name: len(batch._fn(name).loaded) for name in names}
     gens = batch.generate([make(k) for k in range(100)])
     assert len(gens) == 100 and all(1 <= len(g.token_ids) <= 3 for g in gens)
     assert engine.compilations == compiled
+    assert {name: len(batch._fn(name).loaded) for name in names} == signatures  # the bookkeeping too
 
 
 def test_lazy_auto_compiles_a_tree_only_where_the_work_in_sight_pays_for_it(llm):

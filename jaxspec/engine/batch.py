@@ -758,12 +758,7 @@ class BatchEngine:
         if st.matcher is not None:
             first_mask = self.engine.row_masks().vocab.mask(st.matcher)[None, :]
         e = self.engine
-        if self.prefix.max_bytes and self.staging_capacity not in self._prefix_ready:
-            # the cache's cut and paste compile with this capacity's first chunk (a hit later compiles nothing):
-            # a block cut and pasted back where it was
-            self._prefix_ready.add(self.staging_capacity)
-            at = jax.device_put(np.int32(0))
-            self.staging_state = self._fn("paste")(self.staging_state, self._fn("cut")(self.staging_state, at), at)
+        self._ready_prefix()
         self._staged = []  # invalid until the chunk is in
         call = self._prefill_call(tokens, st.fed, count, last, req.params.seed, values, first_mask)
         if st.probe is not None:
@@ -856,10 +851,20 @@ class BatchEngine:
                                values, first_mask))
         return (self.engine._llm_params, self.engine._group_params, self.staging_state, *args)
 
+    def _ready_prefix(self) -> None:
+        """The prefix cache's cut and paste compile with the staging capacity's first chunk (a hit later compiles
+        nothing): a block cut and pasted back where it was."""
+        if self.prefix.max_bytes and self.staging_capacity not in self._prefix_ready:
+            self._prefix_ready.add(self.staging_capacity)
+            at = jax.device_put(np.int32(0))
+            self.staging_state = self._fn("paste")(self.staging_state, self._fn("cut")(self.staging_state, at), at)
+
     def warm_prefill(self) -> int:
         """Compiles the prefill of every chunk size fed now (``buckets``) at the staging row's capacity, without
-        running one; returns how many it compiled. Which sizes a prompt is fed in follows this device's timings
-        (``ChunkSizer.size``), so warm-up prompts alone may leave a size that a later prompt needs uncompiled."""
+        running one (and the prefix cache's copies at that capacity); returns how many prefills it compiled. Which
+        sizes a prompt is fed in follows this device's timings (``ChunkSizer.size``), so warm-up prompts alone may
+        leave a size that a later prompt needs uncompiled."""
+        self._ready_prefix()
         fn, made = self._fn("prefill"), 0
         values = sampling.row_values([sampling.SamplingParams()], self.vocab)
         first_mask = np.full((1, constrain.words(self.vocab)), -1, np.int32)
@@ -870,6 +875,30 @@ class BatchEngine:
             if not fn.has(*call):
                 fn.compiled(*call)
                 made += 1
+        return made
+
+    def warm_rows(self) -> int:
+        """Compiles, without running one, each row's bookkeeping at every batch bucket of the live rows' capacity: a
+        prompt's insertion, a retirement (the last row moved into the freed one, or the last row ended) and the
+        prefix cache's reads of a finishing row; returns how many it compiled. Left to first use, each compiles
+        while every live row waits. The states are grown bucket by bucket, as load grows them."""
+        made, state = 0, self.state
+        put = lambda v: jax.device_put(np.int32(v))  # noqa: E731 (a row index or slot, as the loop passes them)
+        for rows in (b for b in self.row_buckets if b >= self.rows):
+            if rows != self.rows:
+                state = self._resize(state, rows, self.capacity)
+            calls = [("move", (state, put(0), put(0))), ("retire", (state, put(0)))]
+            if self.staging_capacity == self.capacity:
+                calls.append(("insert", (state, self.staging_state, put(0))))
+            if self.prefix.max_bytes:
+                calls.append(("cut", (state, put(0), put(0))))
+                if state.ssm_caches:
+                    calls.append(("committed", (state, put(0))))
+            for name, args in calls:
+                fn = self._fn(name)
+                if not fn.has(*args):
+                    fn.compiled(*args)
+                    made += 1
         return made
 
     def _timed_prefill(self, call: tuple) -> float:

@@ -186,13 +186,15 @@ class Service:
         """Compiles before serving: the decoding family (``BatchEngine.warm``; with ``grammar`` its
         structured-output steps too), then greedy and sampled requests whose prompts reach every prefill
         chunk shape (``BatchEngine.buckets``), through the loop; their synthetic tokens teach auto's chooser
-        nothing (``learn=False``). Every chunk size's prefill is compiled first (``BatchEngine.warm_prefill``): the
-        sizes those prompts are fed in follow this device's chunk timings."""
+        nothing (``learn=False``). Every chunk size's prefill is compiled first (``BatchEngine.warm_prefill``: the
+        sizes those prompts are fed in follow this device's chunk timings), and every bucket's row bookkeeping
+        (``BatchEngine.warm_rows``: which buckets see a retirement follows the traffic)."""
         from jaxspec.engine.batch import Request  # noqa: PLC0415
         from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
 
         self.batch.warm(grammar=grammar)
         self.batch.warm_prefill()
+        self.batch.warm_rows()
         longest = self.batch.max_model_len - WARMUP_TOKENS
         lengths = sorted({max(1, min(b, longest)) for b in getattr(self.batch, "buckets", (16,))})
         done = threading.Semaphore(0)
