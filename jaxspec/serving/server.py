@@ -80,11 +80,10 @@ def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: Serve
         return 0  # another process of a multi-host server: it followed process 0 until its stop
     service = Service(batch, llm.tokenizer, llm.cfg.vocab_size, name, scheduler.max_queue,
                       verbose=engine_config.verbose, request_log=request_log)
+    log.info("compiling (warm-up requests; %d slots, max model length %d)", batch.max_batch, batch.max_model_len)
+    t0 = time.perf_counter()
     service.start()
     try:
-        log.info("compiling (warm-up requests; %d slots, max model length %d)", batch.max_batch,
-                 batch.max_model_len)
-        t0 = time.perf_counter()
         service.warm_up(grammar=config.warm_structured)
         log.info("ready in %.1f s: model '%s'", time.perf_counter() - t0, name)
         app = create_app(service, config.api_key, config.shutdown_timeout, config.max_body_bytes)

@@ -154,6 +154,13 @@ class Service:
 
     # -- the engine thread -------------------------------------------------------------------
     def start(self) -> None:
+        """Starts the engine loop; in one process, first compiles what the warm-up requests may not reach (every
+        prompt chunk size's prefill, every batch bucket's row bookkeeping: ``BatchEngine.warm_prefill`` and
+        ``warm_rows``), here because they touch the loop's state. (Across processes every call would have to be
+        made by all of them: the loop compiles those shapes at their first use there.)"""
+        if self.batch.sync.local:
+            self.batch.warm_prefill()
+            self.batch.warm_rows()
         self._thread.start()
 
     def _run(self) -> None:
@@ -186,15 +193,11 @@ class Service:
         """Compiles before serving: the decoding family (``BatchEngine.warm``; with ``grammar`` its
         structured-output steps too), then greedy and sampled requests whose prompts reach every prefill
         chunk shape (``BatchEngine.buckets``), through the loop; their synthetic tokens teach auto's chooser
-        nothing (``learn=False``). Every chunk size's prefill is compiled first (``BatchEngine.warm_prefill``: the
-        sizes those prompts are fed in follow this device's chunk timings), and every bucket's row bookkeeping
-        (``BatchEngine.warm_rows``: which buckets see a retirement follows the traffic)."""
+        nothing (``learn=False``). What they may not reach was compiled as the loop started (``start``)."""
         from jaxspec.engine.batch import Request  # noqa: PLC0415
         from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
 
         self.batch.warm(grammar=grammar)
-        self.batch.warm_prefill()
-        self.batch.warm_rows()
         longest = self.batch.max_model_len - WARMUP_TOKENS
         lengths = sorted({max(1, min(b, longest)) for b in getattr(self.batch, "buckets", (16,))})
         done = threading.Semaphore(0)
