@@ -459,12 +459,16 @@ class BatchEngine:
         return self._compiled[name]
 
     def _resize(self, state, rows: int, capacity: int):
+        return self._resizer(rows, capacity)(state)
+
+    def _resizer(self, rows: int, capacity: int) -> Stored:
+        """The executable laying a state out for ``rows`` x ``capacity`` (one per source shape)."""
         key = ("resize", rows, capacity)
         if key not in self._compiled:
             self._compiled[key] = Stored(pinned(lambda s: resize(s, rows, capacity), self.engine.mesh),
                                          {"what": "resize", "rows": rows, "capacity": capacity,
                                           "cfg": repr(self._prefill_cfg()), **self.engine.identity()})
-        return self._compiled[key](state)
+        return self._compiled[key]
 
     def warm(self, greedy: bool = True, sampled: bool = True, rows: Sequence[int] | None = None,
              capacities: Sequence[int] | None = None, grammar: bool = False) -> None:
@@ -879,15 +883,18 @@ class BatchEngine:
 
     def warm_rows(self) -> int:
         """Compiles, without running one, each row's bookkeeping at every batch bucket of the live rows' capacity: a
-        prompt's insertion, a retirement (the last row moved into the freed one, or the last row ended) and the
-        prefix cache's reads of a finishing row; returns how many it compiled. Left to first use, each compiles
-        while every live row waits. The states are grown bucket by bucket, as load grows them."""
-        made, state = 0, self.state
+        prompt's insertion, a retirement (the last row moved into the freed one, or the last row ended; the state
+        shrunk a bucket) and the prefix cache's reads of a finishing row; returns how many it compiled. Left to
+        first use, each compiles while every live row waits. The states grow bucket by bucket, as load grows them."""
+        made, state, smaller = 0, self.state, None
         put = lambda v: jax.device_put(np.int32(v))  # noqa: E731 (a row index or slot, as the loop passes them)
         for rows in (b for b in self.row_buckets if b >= self.rows):
             if rows != self.rows:
                 state = self._resize(state, rows, self.capacity)
             calls = [("move", (state, put(0), put(0))), ("retire", (state, put(0)))]
+            if smaller is not None:  # and back down a bucket as rows retire
+                calls.append((("resize", smaller), (state,)))
+            smaller = rows
             if self.staging_capacity == self.capacity:
                 calls.append(("insert", (state, self.staging_state, put(0))))
             if self.prefix.max_bytes:
@@ -895,7 +902,7 @@ class BatchEngine:
                 if state.ssm_caches:
                     calls.append(("committed", (state, put(0))))
             for name, args in calls:
-                fn = self._fn(name)
+                fn = self._resizer(name[1], self.capacity) if isinstance(name, tuple) else self._fn(name)
                 if not fn.has(*args):
                     fn.compiled(*args)
                     made += 1
