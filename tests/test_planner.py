@@ -17,8 +17,9 @@ from jaxspec.engine import costs
 from jaxspec.engine import Engine
 from jaxspec.engine.batch import BatchEngine, Request
 from jaxspec.engine.build import engine_from
-from jaxspec.engine.planner import (CURVE_REPEATS, CURVE_TOKENS, CostCurve, best_expansion, could_use_larger,
-                                    curve_probe, derive_expansions, expected_tokens, tree_nodes)
+from jaxspec.engine.planner import (CURVE_REPEATS, CURVE_TOKENS, CUT_ROWS, NGRAM_CONTINUATION, PRIOR_RATE, CostCurve,
+                                    best_expansion, could_use_larger, curve_probe, derive_expansions,
+                                    expected_tokens, speculator_cuts, speculator_trees, tree_cuts, tree_nodes)
 from jaxspec.speculators.early_exit import early_exit
 
 # Recorded, ms: `jaxspec bench step-costs --tokens 1,2,4,8,16,32,64 --ssm drafter --capacity 256` on this project's
@@ -41,6 +42,29 @@ def test_the_family_follows_the_device_small_trees_on_the_cpu_wide_ones_on_the_g
         gain = best_expansion(curve, 0)[1]
         assert gain == pytest.approx(expected_tokens(mine) / curve.tree_ratio(mine, 0))
         assert gain > expected_tokens(other) / curve.tree_ratio(other, 0)
+
+
+def test_wide_buckets_get_shallower_cuts_where_the_curve_climbs():
+    """A bucket of R rows feeds R x nodes tokens: on this CPU's curve the whole trees auto derives for one row are
+    too deep for a wide batch, so their cuts become members (each the best depth at some row count, shallower than
+    the whole tree); on the H200's flat curve no batch up to 16 rows wants one."""
+    rates = [(0.57, 0.52, 0.48)]
+    trees = derive_expansions(CPU, ["ssm", "ngram"], rates)
+    cuts = tree_cuts(CPU, ["ssm", "ngram"], trees, rates)
+    assert ("ssm", 1) in cuts and any(kind == "ngram" for kind, _ in cuts)
+    for kind, depth in cuts:
+        tree, index, deeper = (trees[0], 0, None) if kind == "ssm" else (trees[1], None, NGRAM_CONTINUATION)
+        own = rates[0] if kind == "ssm" else ()
+        assert depth < len(tree)
+
+        def gain(d: int, r: int) -> float:
+            return expected_tokens(tree[:d], PRIOR_RATE, deeper, own) / CPU.tree_ratio(tree[:d], index, r)
+
+        wins = [r for r in CUT_ROWS if gain(depth, r) == max(gain(d, r) for d in range(1, len(tree) + 1))]
+        assert wins and all(gain(depth, r) > gain(len(tree), r) for r in wins)  # the cut beats the whole tree there
+    assert CPU.tree_ratio(trees[0], 0, 1) == pytest.approx(CPU.tree_ratio(trees[0], 0))  # one row: as before
+    wide = derive_expansions(H200, ["ssm", "ngram"], rates)
+    assert tree_cuts(H200, ["ssm", "ngram"], wide, rates, rows=(2, 4, 8, 16)) == ()
 
 
 def test_the_largest_pass_is_measured_only_where_a_tree_could_use_it(tmp_path, monkeypatch):
@@ -222,7 +246,9 @@ def test_a_pending_curve_is_settled_where_every_member_compiles_at_once(tmp_path
     batch = BatchEngine(engine, max_batch=1, max_model_len=64, eager=True)
     batch.warm(sampled=False)
     assert engine.curve_probe is None and not engine.trees_pending
-    assert set(engine.family(sampling.SamplingParams())) == {"none", "ngram", "ssm", "ssm+ngram"}
+    trees = speculator_trees(engine.cost_curve, engine.speculators)
+    cuts = {f"{kind}/{depth}" for kind, depth in speculator_cuts(engine.cost_curve, engine.speculators, trees)}
+    assert set(engine.family(sampling.SamplingParams())) == {"none", "ngram", "ssm", "ssm+ngram"} | cuts
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     assert all(engine.is_warm(greedy, batch.capacity_buckets[0], 1, n) for n in engine.family(greedy))
     later = engine.step_bounds()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -639,7 +640,8 @@ def test_auto_and_tree_servers_keep_greedy_output_through_streams_stops_and_disc
         ran = {dict(labels)["tree"] for (name, labels), v in spec.metrics().items()
                if name == "jaxspec_iterations_total" and v > 0}
         family = {"none", "ssm", "ngram", "ssm+ngram"} if flags[1] == "auto" else {"tree"}
-        assert ran and ran <= family, ran
+        cuts = {t for t in ran if flags[1] == "auto" and re.fullmatch(r"(ssm|ngram)/\d+", t)}  # auto's shallower cuts
+        assert ran and ran <= family | cuts, ran
     finally:
         spec.stop()
 

@@ -193,6 +193,27 @@ def test_auto_picks_a_tree_when_it_wins(tiny_llm):
     assert chooser.cost("ssm") == 1.5  # an injected cost table is kept as given
 
 
+def test_a_cut_of_auto_s_trees_runs_where_it_pays_and_changes_no_token(tiny_llm):
+    """Auto's shallower cuts (``ssm/1``, ``ngram/2``: the whole trees' first levels) are family members of their
+    own: where the whole trees cost too much to pay (a wide bucket on a device the step fills) and a cut does, auto
+    runs the cut, and its tokens are plain decoding's."""
+    deep = tiny_model()  # agrees with the LLM on everything
+    engine = Engine(tiny_llm, [deep, NGramSpeculator()], [(1, 1, 1), (1, 1, 1, 1)], auto=True,
+                    costs={"none": 1.0, "ngram": 5.0, "ssm": 5.0, "ssm+ngram": 6.0, "ssm/1": 1.2, "ngram/2": 5.0},
+                    cuts=[("ssm", 1), ("ngram", 2), ("ngram", 4)])  # a cut as deep as the whole chain is none
+    family = engine.family(sampling.SamplingParams())
+    assert set(family) == {"none", "ngram", "ssm", "ssm+ngram", "ssm/1", "ngram/2"}
+    assert family["ssm/1"].topologies == (expansion_topology((1,)),) and family["ssm/1"].ngram_depth == 0
+    assert family["ngram/2"].ngram_depth == 2 and family["ngram/2"].topologies == (None,)
+    assert engine.describe("ssm/1") == "1 SSM <1>"
+    prompt = random_prompts(1, 64, seed=8)[0]
+    gen = engine.generate(prompt, 40)
+    assert gen.token_ids == Engine(tiny_llm).generate(prompt, 40).token_ids
+    assert gen.tree_counts.get("ssm/1", 0) >= gen.llm_steps - 1  # a pessimistic first draw may try "none" once
+    assert gen.step_tokens.count(2) >= gen.llm_steps - 2  # the cut's one draft and the bonus token
+    assert Engine(tiny_llm, [deep], (1, 1), cuts=[("ssm", 1)]).cuts == ()  # outside auto: the given tree alone
+
+
 def _simulate(chooser: TreeChooser, rate: float, iterations: int, seed: int) -> list[str]:
     """Runs the chooser against an SSM whose every level agrees with probability ``rate``; returns its picks."""
     rng = np.random.default_rng(seed)

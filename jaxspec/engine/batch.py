@@ -51,7 +51,7 @@ from jaxspec.engine.executables import Stored
 from jaxspec.engine.planner import Planner
 from jaxspec.engine.prefill import ChunkSizer
 from jaxspec.engine.prefix import BLOCK, PrefixCache, committed, cut_block, default_bytes, paste_block
-from jaxspec.engine.runner import Generation, RequestError, Runner, check_fits
+from jaxspec.engine.runner import Generation, RequestError, Runner, check_fits, is_cut
 from jaxspec.engine.stops import check_stops
 from jaxspec.parallel.sharding import fetch, pinned
 from jaxspec.decoding.step import (DecodeConfig, StepOutput, bucket, insert_row, move_row, prefill_row, resize,
@@ -476,9 +476,9 @@ class BatchEngine:
 
         Defaults: every batch bucket at the smallest capacity bucket (longer caches compile
         when a request first needs one). Every family member, except under lazy auto: there
-        every bucket's plain step and every tree at one row (auto's low-load trees, and the
-        ratios other buckets start from); a tree at a wider bucket compiles once it pays
-        (``Planner.worth_compiling``). ``grammar``: also those members' grammar steps at every
+        every bucket's plain step and every whole tree at one row (auto's low-load trees, and the
+        ratios other buckets start from); a tree at a wider bucket, or a tree's cut (``ssm/1``: what
+        wider buckets may want), compiles once it pays (``Planner.worth_compiling``). ``grammar``: also those members' grammar steps at every
         forced-chain depth (structured output's requests then compile nothing either).
         """
         for warp in sampling.BATCH_WARPS:
@@ -492,7 +492,9 @@ class BatchEngine:
                 self._check_structured()
             for b in rows or self.row_buckets:
                 for cap in capacities or self.capacity_buckets[:1]:
-                    names = ["none"] if self.planner.lazy and b > 1 else family
+                    names = family
+                    if self.planner.lazy:
+                        names = ["none"] if b > 1 else [n for n in family if not is_cut(n)]
                     self.planner.ready(warp, b, cap, names)
                     if grammar:
                         began = time.perf_counter()

@@ -103,6 +103,11 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
     curve = None if later else auto_curve(config, llm, speculators)
     # measured later: a placeholder groups the SSMs as any derived trees would (one learned speculator)
     expansion = tuple((1,) for _ in speculators) if later else expansion_for(config, speculators, curve)
+    cuts = ()
+    if curve is not None:  # auto's trees derived from this device's curve: their shallower cuts too
+        from jaxspec.engine.planner import speculator_cuts  # noqa: PLC0415
+
+        cuts = speculator_cuts(curve, speculators, expansion)
     if speculators:
         if len(expansion) not in (1, len(speculators)):
             raise CliError(f"--expansion gives {len(expansion)} ';'-separated configs for {len(speculators)} "
@@ -127,7 +132,7 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
     engine = Engine(llm, list(speculators), expansion, config.tree_budget, config.verify,
                     auto=config.mode == "auto", mesh=mesh if mesh is not None else mesh_of(config),
                     offload=config.offload, forced_tokens=forced, lowering=lowering_of(config),
-                    trees_pending=pending_bounds(speculators) if later else None)
+                    trees_pending=pending_bounds(speculators) if later else None, cuts=cuts)
     engine.cost_curve = curve
     if later:
         from jaxspec.engine.planner import curve_probe  # noqa: PLC0415

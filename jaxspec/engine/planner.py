@@ -58,6 +58,9 @@ CURVE_REPEATS = 10  # passes timed per point, the fastest kept (``jaxspec.engine
 CURVE_CAPACITY = 256  # cache slots the curve is timed at (the smallest capacity bucket, where trees run most)
 WIDTH_DECAY = 0.18  # the miss rate of k draft candidates is (1 - p) * k**-WIDTH_DECAY (a prior, see above)
 MAX_DEPTH = 8  # deepest tree considered
+# Row counts a batch may run (the batch engine's buckets are powers of two) at which auto's trees are cut shorter
+# where that pays more there (``tree_cuts``): the curve prices a bucket's rows x nodes tokens.
+CUT_ROWS = (2, 4, 8, 16, 32, 64)
 WIDTHS = (1, 2, 3, 4, 6, 8)  # children per node considered at a level
 # Prompt lookup copies: once its first token agrees, the copy tends to go on (text repeats in runs), so each deeper
 # token of its chain is taken to agree with this chance given its parent did (a prior; the chooser learns the rest).
@@ -120,17 +123,17 @@ class CostCurve:
                 total += sum(self.draft_ratio(index, rows * fed) for fed in frontiers(topology))
         return total / self.llm_ratio(rows)
 
-    def tree_ratio(self, expansion: Sequence[int], index: int | None = None) -> float:
-        """One iteration with ``expansion``'s tree over a plain iteration: its LLM pass over every node, plus, for
-        learned speculator ``index``, one draft level per depth over the nodes of the level above (the first over
-        the root and the tokens it re-feeds, ``root_feed``)."""
-        ratio = self.llm_ratio(tree_nodes(expansion))
+    def tree_ratio(self, expansion: Sequence[int], index: int | None = None, rows: int = 1) -> float:
+        """One iteration with ``expansion``'s tree on ``rows`` rows over a plain iteration there: its LLM pass over
+        every node of every row, plus, for learned speculator ``index``, one draft level per depth over the nodes
+        of the level above (the first over the root and the tokens it re-feeds, ``root_feed``)."""
+        ratio = self.llm_ratio(rows * tree_nodes(expansion))
         if index is not None:
             frontier = 1
             for depth, k in enumerate(expansion):
-                ratio += self.draft_ratio(index, root_feed(len(expansion)) if depth == 0 else frontier)
+                ratio += self.draft_ratio(index, rows * (root_feed(len(expansion)) if depth == 0 else frontier))
                 frontier *= k
-        return ratio
+        return ratio / self.llm_ratio(rows)
 
 
 def _envelope(points: dict[int, float], size: int) -> float:
@@ -231,6 +234,38 @@ def derive_expansions(curve: CostCurve, kinds: Sequence[str],
             out.append(best_expansion(curve, learned, rates[learned] if learned < len(rates) else ())[0])
             learned += 1
     return tuple(out)
+
+
+def tree_cuts(curve: CostCurve, kinds: Sequence[str], trees: Sequence, rates: Sequence[Sequence[float]] = (),
+              rows: Sequence[int] = CUT_ROWS) -> tuple[tuple[str, int], ...]:
+    """Shorter cuts of auto's trees worth a member of their own: (kind, depth) for each depth at which a tree cut
+    there (its first ``depth`` levels) gives the most expected tokens per second on ``rows`` rows, where that is
+    shallower than the whole tree. A batch feeds rows x nodes tokens, so where the curve climbs (a device the step
+    fills) a wide batch wants shallower trees than one row does; where it is flat there are none. ``kinds``,
+    ``trees`` and ``rates`` as ``derive_expansions`` takes and gives them; a dynamic tree is not cut. Cuts keep
+    every level's width, so the chooser's acceptance by depth holds for them too."""
+    out, learned = set(), 0
+    for kind, tree in zip(kinds, trees):
+        index = None if kind == "ngram" else learned
+        learned += kind != "ngram"
+        if not isinstance(tree, tuple) or len(tree) < 2:
+            continue
+        own = () if index is None or index >= len(rates) else rates[index]
+        deeper = NGRAM_CONTINUATION if index is None else None
+
+        def gain(depth: int, r: int, tree=tree, index=index, own=own, deeper=deeper) -> float:
+            return expected_tokens(tree[:depth], PRIOR_RATE, deeper, own) / curve.tree_ratio(tree[:depth], index, r)
+
+        for r in rows:
+            best = max(range(1, len(tree) + 1), key=lambda d, r=r: (gain(d, r), -d))  # ties: the shallower
+            if best < len(tree):
+                out.add(("ngram" if index is None else "ssm", best))
+    return tuple(sorted(out))
+
+
+def speculator_cuts(curve: CostCurve, speculators: Sequence, trees: Sequence) -> tuple[tuple[str, int], ...]:
+    """``tree_cuts`` of the trees ``speculators`` (loaded, in the engine's order) were given on this curve."""
+    return tree_cuts(curve, speculator_kinds(speculators), trees, acceptance_priors(speculators))
 
 
 def speculator_trees(curve: CostCurve, speculators: Sequence) -> tuple[tuple[int, ...], ...]:
@@ -511,7 +546,8 @@ class Planner:
     def adopt_curve(self, value: dict) -> None:
         """The engine's trees from a measured curve: every bucket's untried trees are then priced on it."""
         e, curve = self.engine, curve_of(value)
-        e.adopt_trees(speculator_trees(curve, e.speculators))
+        trees = speculator_trees(curve, e.speculators)
+        e.adopt_trees(trees, speculator_cuts(curve, e.speculators, trees))
         e.cost_curve, e.curve_probe = curve, None
         self.anchors.clear()
         self._estimate = (None, None)

@@ -33,7 +33,7 @@ from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
 from jaxspec.parallel.sharding import TENSOR, describe as describe_mesh, pinned
 from jaxspec.decoding.step import DecodeConfig, DecodeState, SSMGroup, decode_step, set_lengths
-from jaxspec.decoding.tree import DynamicTree, expansion_topology
+from jaxspec.decoding.tree import DynamicTree, Topology, expansion_topology
 from models.pipeline import make_pipeline_forward, pipe_size, stacked_layout, stacked_names
 from models.loaded import LoadedModel, forward_for
 from models.lowering import Lowering, default_lowering
@@ -102,6 +102,7 @@ class Runner:
         offload: bool = False,
         forced_tokens: int = 0,
         trees_pending: tuple[int, int] | None = None,
+        cuts: Sequence[tuple[str, int]] = (),
     ) -> None:
         """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward;
         ``lowering`` picks the graph forms of every forward (``models.lowering``; default: this platform's,
@@ -114,7 +115,8 @@ class Runner:
         as a draft chain (0: none); ``trees_pending``: auto's trees come later (``adopt_trees``, once this device's
         cost curve is measured), and these are the most nodes (root included) and the deepest path of any they may
         be (``jaxspec.engine.planner.derivable_bounds``): until then the family is the plain step alone
-        (``expansion`` only groups SSMs, so it must group them as the trees will: one learned speculator)."""
+        (``expansion`` only groups SSMs, so it must group them as the trees will: one learned speculator);
+        ``cuts``: auto's shallower members, (kind, depth) as ``jaxspec.engine.planner.tree_cuts`` gives them."""
         expansions = _per_ssm(expansion, len(speculators))
         self.speculators = tuple(speculators)
         self.batch_ssms = batch_ssms
@@ -165,6 +167,7 @@ class Runner:
         self.ssm_forwards = tuple(s.forward_with(self.lowering) for s in self.ssms)  # one per SSM, as ``ssms``
         self.topologies = tuple(e if isinstance(e, DynamicTree) else expansion_topology(e) for _, e in models)
         self.tree_budget = tree_budget
+        self.cuts: tuple[tuple[str, int], ...] = tuple(cuts) if auto else ()
         if forced_tokens < 0:
             raise RequestError(f"--forced-tokens must be >= 0, got {forced_tokens}")
         self.forced_depth = forced_tokens
@@ -243,11 +246,18 @@ class Runner:
             out["ssm"] = cfg(topologies, 0)
             if self.ngram:
                 out["ssm+ngram"] = cfg(topologies, self.ngram_depth)
+        for kind, depth in self.cuts:  # "ssm/1": every SSM's tree cut to its first level; "ngram/2": a 2-token chain
+            if kind == "ngram" and 0 < depth < self.ngram_depth:
+                out[f"ngram/{depth}"] = cfg(off, depth)
+            elif kind == "ssm" and any(_cut(t, depth) != t for t in topologies):
+                out[f"ssm/{depth}"] = cfg(tuple(_cut(t, depth) for t in topologies), 0)
         return out
 
-    def adopt_trees(self, expansion: Sequence[int] | Sequence[Sequence[int]]) -> None:
+    def adopt_trees(self, expansion: Sequence[int] | Sequence[Sequence[int]],
+                    cuts: Sequence[tuple[str, int]] = ()) -> None:
         """Auto's trees, once derived from this device's cost curve (the engine ran its plain step alone until
-        then): the family grows to every member; the SSMs' groups, and so every state's layout, stay as they were."""
+        then), and their ``cuts`` (as the constructor takes them): the family grows to every member; the SSMs'
+        groups, and so every state's layout, stay as they were."""
         expansions = _per_ssm(expansion, len(self.speculators))
         pairs = list(zip(self.speculators, expansions))
         topologies = tuple(e if isinstance(e, DynamicTree) else expansion_topology(e)
@@ -258,6 +268,7 @@ class Runner:
         if isinstance(chain, DynamicTree):
             raise RequestError("the n-gram speculator proposes a chain: give it a fixed expansion")
         self.topologies, self.ngram_depth, self._pending_bounds = topologies, len(chain), None
+        self.cuts = tuple(cuts) if self.auto else ()
         self._families.clear()
         self._choosers.clear()
         self.family(sampling.SamplingParams())  # validates every configuration
@@ -657,6 +668,18 @@ def stack_params(params: Sequence[dict], shared: Sequence[str] = ()) -> dict:
         return params[0]
     flats = [flatten(p) for p in params]
     return unflatten({k: v if k in shared else jnp.stack([f[k] for f in flats]) for k, v in flats[0].items()})
+
+
+def is_cut(name: str) -> bool:
+    """Whether a family member is a cut of auto's trees (``ssm/1``, ``ngram/2``), not a whole tree."""
+    return "/" in name
+
+
+def _cut(topology: Topology | DynamicTree, depth: int) -> Topology | DynamicTree:
+    """A fixed tree's first ``depth`` levels (every level keeps its width); a dynamic tree as it is."""
+    if isinstance(topology, DynamicTree) or topology.max_depth <= depth:
+        return topology
+    return expansion_topology(topology.expansion[:depth])
 
 
 def _per_ssm(expansion, num_ssms: int) -> tuple[tuple[int, ...] | DynamicTree, ...]:
