@@ -478,8 +478,9 @@ class BatchEngine:
         when a request first needs one). Every family member, except under lazy auto: there
         every bucket's plain step and every whole tree at one row (auto's low-load trees, and the
         ratios other buckets start from); a tree at a wider bucket, or a tree's cut (``ssm/1``: what
-        wider buckets may want), compiles once it pays (``Planner.worth_compiling``). ``grammar``: also those members' grammar steps at every
-        forced-chain depth (structured output's requests then compile nothing either).
+        wider buckets may want), compiles once it pays (``Planner.worth_compiling``). ``grammar``:
+        also those members' grammar steps at every forced-chain depth (structured output's requests
+        then compile nothing either).
         """
         for warp in sampling.BATCH_WARPS:
             if not (greedy if warp.greedy else sampled):
