@@ -576,3 +576,24 @@ def test_prefill_stall_paces_a_long_prompt_beside_a_decoding_row_and_changes_no_
 
     with pytest.raises(RequestError, match="multi-process"):
         BatchEngine(engine, prefill_stall=0.5, sync=Lockstep())
+
+
+def test_the_host_report_counts_what_the_loop_ran_since_its_timings_were_reset(tiny_llm):
+    """``-v``'s host line (generate prints it at the end, serve as it stops): host and whole-iteration milliseconds
+    over the iterations since ``reset_timings`` (a server's warm-up is not its serving), and per member under auto."""
+    engine = Engine(tiny_llm, [NGramSpeculator(2)], (1, 1), auto=True, costs={"none": 1.0, "ngram": 1.02})
+    batch = BatchEngine(engine, max_batch=2, max_model_len=64)
+    assert batch.host_report() == []
+    batch.generate([Request([5, 9, 13, 5, 9, 13, 5, 9], 12, stop_ids=[])])
+    lines = batch.host_report()
+    ran = len(batch.host_times)
+    assert ran == len(batch.iteration_times) > 0 and f"{batch.iterations} iterations" in lines[0]
+    host, wall = (float(x) for x in re.match(r"host ([\d.]+) ms per iteration \(p90 [\d.]+\) of ([\d.]+) ms",
+                                              lines[0]).groups())
+    assert host > 0 and wall > 0  # (with the next launch overlapping a read, a tiny step's wall can be below it)
+    if len(set(batch.iteration_trees)) > 1:  # auto ran more than one member: each gets its own median
+        assert lines[1].startswith("per member, median: ") and all(t in lines[1] for t in set(batch.iteration_trees))
+    batch.reset_timings()
+    assert batch.host_report() == [] and batch.iterations > 0
+    batch.generate([Request([3, 4, 5], 4, stop_ids=[])])
+    assert 0 < len(batch.host_times) < ran + 4

@@ -109,7 +109,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("serve")
-    s = Server(home / "server.log", ("--mode", "incremental", "--verify", "coupled",
+    s = Server(home / "server.log", ("--mode", "incremental", "--verify", "coupled", "-v",
                                      "--request-log", str(home / "requests.jsonl")))
     s.request_log = home / "requests.jsonl"
     yield s
@@ -689,5 +689,8 @@ def test_sigterm_drains_and_exits_zero(server):
     assert server.proc.wait(60) == 0, server.tail()
     log = server.tail(20000)
     assert "Traceback" not in log and "draining" in log
+    # -v: what the loop's host work cost per iteration while serving (warm-up excluded), said as it stops
+    host = re.search(r"host ([\d.]+) ms per iteration \(p90 [\d.]+\) of ([\d.]+) ms .*?; (\d+) iterations", log)
+    assert host and float(host.group(1)) > 0 and float(host.group(2)) > 0 and int(host.group(3)) > 0, log[-3000:]
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.url}/health", timeout=5)

@@ -207,16 +207,9 @@ def report_host(batch: "BatchEngine", args) -> None:
     """``-v``: host milliseconds per iteration (choosing, launching, reading) beside the whole iteration's, as
     medians (an iteration that compiled or resized is an outlier, not the loop's cost) and 90th percentiles;
     then per family member, so auto's plain iterations compare with incremental's."""
-    if args.verbose and batch.host_times:
-        host, wall = np.asarray(batch.host_times) * 1e3, np.asarray(batch.iteration_times) * 1e3
-        print(f"[jaxspec] host {np.median(host):.2f} ms per iteration (p90 {np.percentile(host, 90):.2f}) of "
-              f"{np.median(wall):.2f} ms (p90 {np.percentile(wall, 90):.2f}); {batch.iterations} iterations, "
-              f"{batch.overlapped} overlapped", file=sys.stderr)
-        trees = np.asarray(batch.iteration_trees)
-        if len(trees) == len(wall) and len(set(trees)) > 1:
-            parts = [f"{name} {np.median(wall[trees == name]):.2f} ms (host {np.median(host[trees == name]):.2f}, "
-                     f"{int((trees == name).sum())})" for name in dict.fromkeys(trees)]
-            print(f"[jaxspec] per member, median: {'; '.join(parts)}", file=sys.stderr)
+    if args.verbose:
+        for line in batch.host_report():
+            print(f"[jaxspec] {line}", file=sys.stderr)
 
 
 def report_startup(args, first: list[float]) -> None:

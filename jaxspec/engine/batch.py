@@ -336,6 +336,30 @@ class BatchEngine:
         self.iteration_times: collections.deque[float] = collections.deque(maxlen=4096)
         self.iteration_trees: collections.deque[str] = collections.deque(maxlen=4096)  # the member each one ran
 
+    def host_report(self) -> list[str]:
+        """Host milliseconds per iteration (choosing, launching, reading) beside the whole iteration's, as medians
+        (an iteration that compiled or resized is an outlier, not the loop's cost) and 90th percentiles over the
+        iterations kept (the newest 4096, since ``reset_timings``); then per family member, so auto's plain
+        iterations compare with incremental's. Empty before any iteration."""
+        if not self.host_times:
+            return []
+        host, wall = np.asarray(self.host_times) * 1e3, np.asarray(self.iteration_times) * 1e3
+        lines = [f"host {np.median(host):.2f} ms per iteration (p90 {np.percentile(host, 90):.2f}) of "
+                 f"{np.median(wall):.2f} ms (p90 {np.percentile(wall, 90):.2f}); {self.iterations} iterations, "
+                 f"{self.overlapped} overlapped"]
+        trees = np.asarray(self.iteration_trees)
+        if len(trees) == len(wall) and len(set(trees)) > 1:
+            parts = [f"{name} {np.median(wall[trees == name]):.2f} ms (host {np.median(host[trees == name]):.2f}, "
+                     f"{int((trees == name).sum())})" for name in dict.fromkeys(trees)]
+            lines.append(f"per member, median: {'; '.join(parts)}")
+        return lines
+
+    def reset_timings(self) -> None:
+        """Forgets the iterations timed so far (a server's warm-up is not its serving)."""
+        self.host_times.clear()
+        self.iteration_times.clear()
+        self.iteration_trees.clear()
+
     # -- requests ---------------------------------------------------------------------
     def check(self, req: Request) -> None:
         """Raises RequestError / SamplingError naming what is wrong with ``req``."""

@@ -187,6 +187,9 @@ class Service:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.verbose and not self._thread.is_alive():  # what the loop's host work cost while serving
+            for line in self.batch.host_report():
+                log.info("%s", line)
         return not self._thread.is_alive()
 
     def warm_up(self, grammar: bool = False) -> None:
@@ -219,6 +222,7 @@ class Service:
         if errors:
             raise RuntimeError(f"warm-up request failed: {errors[0]}")
         self._traced_seen = len(self.batch.engine.traced)
+        self.batch.reset_timings()
         self.observing = True
 
     # -- requests ------------------------------------------------------------------------------
