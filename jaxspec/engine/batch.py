@@ -341,14 +341,17 @@ class BatchEngine:
         (an iteration that compiled or resized is an outlier, not the loop's cost) and 90th percentiles over the
         iterations kept (the newest 4096, since ``reset_timings``); then per family member, so auto's plain
         iterations compare with incremental's. Empty before any iteration."""
-        if not self.host_times:
+        # the newest of each, aligned: another thread (a server's) may read or reset them between two appends
+        kept = min(len(self.host_times), len(self.iteration_times), len(self.iteration_trees))
+        if not kept:
             return []
-        host, wall = np.asarray(self.host_times) * 1e3, np.asarray(self.iteration_times) * 1e3
+        host = np.asarray(list(self.host_times)[-kept:]) * 1e3
+        wall = np.asarray(list(self.iteration_times)[-kept:]) * 1e3
+        trees = np.asarray(list(self.iteration_trees)[-kept:])
         lines = [f"host {np.median(host):.2f} ms per iteration (p90 {np.percentile(host, 90):.2f}) of "
-                 f"{np.median(wall):.2f} ms (p90 {np.percentile(wall, 90):.2f}); {self.iterations} iterations, "
-                 f"{self.overlapped} overlapped"]
-        trees = np.asarray(self.iteration_trees)
-        if len(trees) == len(wall) and len(set(trees)) > 1:
+                 f"{np.median(wall):.2f} ms (p90 {np.percentile(wall, 90):.2f}); {kept} iterations timed of "
+                 f"{self.iterations}, {self.overlapped} overlapped"]
+        if len(set(trees)) > 1:
             parts = [f"{name} {np.median(wall[trees == name]):.2f} ms (host {np.median(host[trees == name]):.2f}, "
                      f"{int((trees == name).sum())})" for name in dict.fromkeys(trees)]
             lines.append(f"per member, median: {'; '.join(parts)}")

@@ -415,6 +415,7 @@ class Planner:
         self.plain_beside: collections.deque[float] = collections.deque(maxlen=64)
         self.switch_interval: float | None = None  # the interpreter's, while builds lower it
         self.stored_share: float | None = None  # ``build_share`` as an earlier run on this device measured it
+        self.stored_compile: tuple[float | None] | None = None  # (``build_seconds`` as read from disk,) once read
         self.kept_share: float | None = None  # the share this process last recorded for later runs
         self.builds: list[tuple[int, tuple]] = []  # (iteration, (warp, rows, capacity, member)) of background builds
         self.builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: builds run one at a time
@@ -657,7 +658,9 @@ class Planner:
         (each as last measured on this machine; a load not measured yet is taken as a compile)."""
         compile_seconds = self.compile_seconds
         if compile_seconds is None:  # nothing compiled in this process yet: what this machine measured last
-            compile_seconds = self.engine.build_seconds()
+            if self.stored_compile is None:  # read once: a weighing must not read the disk every time
+                self.stored_compile = (self.engine.build_seconds(),)
+            compile_seconds = self.stored_compile[0]
         if compile_seconds is None:  # never measured here: a load at least, and at least what the build running
             compile_seconds = max(self.load_seconds or 0.0, self.running_for())  # now took so far (one explores)
         if self.built_before(warp, rows, capacity, name) and self.load_seconds is not None:

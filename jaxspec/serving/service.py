@@ -145,6 +145,7 @@ class Service:
         self.metrics = ServerMetrics(batch.queue_depth, batch.active_slots, lambda: batch.engine.compilations)
         self.created = int(time.time())
         self.observing = False  # warm-up iterations are not counted
+        self._reported = False  # -v's host report, said once as the loop stops
         self._traced_seen = 0  # executables compiled before the last iteration observed (``Runner.traced``)
         self.dead: str | None = None
         self._stop = threading.Event()
@@ -187,9 +188,13 @@ class Service:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if self.verbose and not self._thread.is_alive():  # what the loop's host work cost while serving
-            for line in self.batch.host_report():
-                log.info("%s", line)
+        if self.verbose and not self._thread.is_alive() and not self._reported:  # the loop's host work, serving
+            self._reported = True  # (stop is called by the app's shutdown and again by the command's exit)
+            try:
+                for line in self.batch.host_report():
+                    log.info("%s", line)
+            except Exception as exc:  # noqa: BLE001 — a report must not fail a shutdown
+                log.warning("no host report: %s: %s", type(exc).__name__, exc)
         return not self._thread.is_alive()
 
     def warm_up(self, grammar: bool = False) -> None:
