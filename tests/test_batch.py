@@ -476,7 +476,7 @@ def test_a_second_tree_is_judged_by_what_it_adds_and_a_share_never_measured_is_n
     every = {"none": 1e-2, "ssm": 1.2e-2, "ngram": 1.1e-2, "ssm+ngram": 1.3e-2}
     rows = [(3, 3)]  # a 3-token proposal from a 3-token match
     assert {"ssm", "ssm+ngram"} <= set(every) <= set(engine.family(greedy)) | {"none"}
-    planner.compile_seconds, planner.stored_share = 2.0, 0.5
+    planner.compile_seconds, planner.stored["build_share"] = 2.0, 0.5
     rate = {n: chooser.mean_tokens(n, rows) / chooser.cost(n, every) for n in every}
     assert rate["ssm+ngram"] > rate["ssm"] > rate["none"]
     ahead = 2.0 / (1e-2 / 0.5)  # plain iterations run while the build is in (its 2 s, at the pace beside it)

@@ -114,26 +114,25 @@ class CostCurve:
         return _envelope(self.drafts[index], width) / self.one
 
     def member_ratio(self, cfg, rows: int) -> float:
-        """An iteration of family member ``cfg`` (a ``DecodeConfig``) on ``rows`` rows over a plain iteration there:
-        the LLM's pass over rows x N tokens and each drafting SSM's levels over rows x its frontier, priced on this
-        curve as one row's passes (what a device charges for that many tokens)."""
-        total = self.llm_ratio(rows * cfg.num_nodes)
-        for index, topology in enumerate(cfg.topologies):
-            if topology is not None:
-                total += sum(self.draft_ratio(index, rows * fed) for fed in frontiers(topology))
-        return total / self.llm_ratio(rows)
+        """An iteration of family member ``cfg`` (a ``DecodeConfig``) on ``rows`` rows over a plain iteration there
+        (``iteration_ratio`` of its nodes and each drafting SSM's levels)."""
+        levels = {i: frontiers(t) for i, t in enumerate(cfg.topologies) if t is not None}
+        return self.iteration_ratio(cfg.num_nodes, levels, rows)
 
     def tree_ratio(self, expansion: Sequence[int], index: int | None = None, rows: int = 1) -> float:
-        """One iteration with ``expansion``'s tree on ``rows`` rows over a plain iteration there: its LLM pass over
-        every node of every row, plus, for learned speculator ``index``, one draft level per depth over the nodes
-        of the level above (the first over the root and the tokens it re-feeds, ``root_feed``)."""
-        ratio = self.llm_ratio(rows * tree_nodes(expansion))
-        if index is not None:
-            frontier = 1
-            for depth, k in enumerate(expansion):
-                ratio += self.draft_ratio(index, rows * (root_feed(len(expansion)) if depth == 0 else frontier))
-                frontier *= k
-        return ratio / self.llm_ratio(rows)
+        """One iteration with ``expansion``'s tree on ``rows`` rows over a plain iteration there, drafted by learned
+        speculator ``index`` (None: a drafting-free chain)."""
+        levels = {} if index is None else {index: expansion_frontiers(expansion)}
+        return self.iteration_ratio(tree_nodes(expansion), levels, rows)
+
+    def iteration_ratio(self, nodes: int, levels: dict[int, Sequence[int]], rows: int) -> float:
+        """An iteration over a plain one on ``rows`` rows: the LLM's pass over rows x ``nodes`` tokens and, per learned
+        speculator index in ``levels``, its draft levels over rows x each level's fed tokens, priced on this curve as
+        one row's passes (what a device charges for that many tokens)."""
+        total = self.llm_ratio(rows * nodes)
+        for index, fed in levels.items():
+            total += sum(self.draft_ratio(index, rows * f) for f in fed)
+        return total / self.llm_ratio(rows)
 
 
 def _envelope(points: dict[int, float], size: int) -> float:
@@ -157,6 +156,15 @@ def frontiers(topology) -> list[int]:
     if hasattr(topology, "level_size"):
         return [root_feed(topology.max_depth)] + [topology.level_size(i) for i in range(1, topology.max_depth)]
     return [root_feed(topology.depth)] + [topology.width] * (topology.depth - 1)
+
+
+def expansion_frontiers(expansion: Sequence[int]) -> list[int]:
+    """``frontiers`` of an expansion config's tree: the root's feed, then each level's nodes above the last."""
+    out, level = [root_feed(len(expansion))], 1
+    for k in expansion[:-1]:
+        level *= k
+        out.append(level)
+    return out
 
 
 def root_feed(depth: int) -> int:
@@ -213,12 +221,32 @@ def best_expansion(curve: CostCurve, index: int | None, rates: Sequence[float] =
     """(expansion, its expected speed-up over plain decoding) with the most expected tokens per second on this
     curve: for learned speculator ``index`` (its draft levels priced; ``rates``: its own agreement by depth, where
     it ships one, else the prior's), or for None the n-gram's drafting-free chain."""
-    chain = index is None
-    deeper = NGRAM_CONTINUATION if chain else None
-    scored = [(expected_tokens(e, PRIOR_RATE, deeper, () if chain else rates) / curve.tree_ratio(e, index), e)
-              for e in _candidates(curve.largest, chain)]
+    scored = [(speed_up(curve, e, index, rates), e) for e in _candidates(curve.largest, index is None)]
     gain, exp = max(scored, key=lambda se: (se[0], -tree_nodes(se[1])))  # ties: the smaller tree
     return exp, gain
+
+
+def speed_up(curve: CostCurve, expansion: Sequence[int], index: int | None, rates: Sequence[float] = (),
+             rows: int = 1) -> float:
+    """Expected tokens per second of ``expansion``'s tree over plain decoding's on ``rows`` rows of this curve: for
+    learned speculator ``index`` with its own agreement by depth ``rates`` (empty: the prior's), or for None the
+    n-gram's chain (its continuation prior)."""
+    chain = index is None
+    tokens = expected_tokens(expansion, PRIOR_RATE, NGRAM_CONTINUATION if chain else None, () if chain else rates)
+    return tokens / curve.tree_ratio(expansion, index, rows)
+
+
+def _indexed(kinds: Sequence[str], rates: Sequence[Sequence[float]]) -> list[tuple[int | None, Sequence[float]]]:
+    """Per speculator kind ("ngram" or "ssm", in the engine's order): (its index among the learned ones, None for
+    the n-gram; its own agreement by depth, empty where ``rates`` has none)."""
+    out, learned = [], 0
+    for kind in kinds:
+        if kind == "ngram":
+            out.append((None, ()))
+        else:
+            out.append((learned, rates[learned] if learned < len(rates) else ()))
+            learned += 1
+    return out
 
 
 def derive_expansions(curve: CostCurve, kinds: Sequence[str],
@@ -226,14 +254,7 @@ def derive_expansions(curve: CostCurve, kinds: Sequence[str],
     """Auto's tree per speculator (``kinds``: "ngram" or "ssm", in the engine's order; learned ones index the
     curve's draft costs in that order, and ``rates``, their own agreement by depth (``LoadedModel.acceptance``;
     empty or missing: the prior's), in that order too)."""
-    out, learned = [], 0
-    for kind in kinds:
-        if kind == "ngram":
-            out.append(best_expansion(curve, None)[0])
-        else:
-            out.append(best_expansion(curve, learned, rates[learned] if learned < len(rates) else ())[0])
-            learned += 1
-    return tuple(out)
+    return tuple(best_expansion(curve, index, own)[0] for index, own in _indexed(kinds, rates))
 
 
 def tree_cuts(curve: CostCurve, kinds: Sequence[str], trees: Sequence, rates: Sequence[Sequence[float]] = (),
@@ -244,20 +265,13 @@ def tree_cuts(curve: CostCurve, kinds: Sequence[str], trees: Sequence, rates: Se
     fills) a wide batch wants shallower trees than one row does; where it is flat there are none. ``kinds``,
     ``trees`` and ``rates`` as ``derive_expansions`` takes and gives them; a dynamic tree is not cut. Cuts keep
     every level's width, so the chooser's acceptance by depth holds for them too."""
-    out, learned = set(), 0
-    for kind, tree in zip(kinds, trees):
-        index = None if kind == "ngram" else learned
-        learned += kind != "ngram"
+    out = set()
+    for (index, own), tree in zip(_indexed(kinds, rates), trees):
         if not isinstance(tree, tuple) or len(tree) < 2:
             continue
-        own = () if index is None or index >= len(rates) else rates[index]
-        deeper = NGRAM_CONTINUATION if index is None else None
-
-        def gain(depth: int, r: int, tree=tree, index=index, own=own, deeper=deeper) -> float:
-            return expected_tokens(tree[:depth], PRIOR_RATE, deeper, own) / curve.tree_ratio(tree[:depth], index, r)
-
         for r in rows:
-            best = max(range(1, len(tree) + 1), key=lambda d, r=r: (gain(d, r), -d))  # ties: the shallower
+            best = max(range(1, len(tree) + 1),
+                       key=lambda d, r=r: (speed_up(curve, tree[:d], index, own, r), -d))  # ties: the shallower
             if best < len(tree):
                 out.add(("ngram" if index is None else "ssm", best))
     return tuple(sorted(out))
@@ -414,8 +428,9 @@ class Planner:
         self.plain_alone: collections.deque[float] = collections.deque(maxlen=64)
         self.plain_beside: collections.deque[float] = collections.deque(maxlen=64)
         self.switch_interval: float | None = None  # the interpreter's, while builds lower it
-        self.stored_share: float | None = None  # ``build_share`` as an earlier run on this device measured it
-        self.stored_compile: tuple[float | None] | None = None  # (``build_seconds`` as read from disk,) once read
+        # ``Runner.build_seconds`` / ``build_share`` as earlier runs on this device recorded them, read once each
+        # (a weighing must not read the disk every time; None: never recorded)
+        self.stored: dict[str, float | None] = {}
         self.kept_share: float | None = None  # the share this process last recorded for later runs
         self.builds: list[tuple[int, tuple]] = []  # (iteration, (warp, rows, capacity, member)) of background builds
         self.builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: builds run one at a time
@@ -658,9 +673,7 @@ class Planner:
         (each as last measured on this machine; a load not measured yet is taken as a compile)."""
         compile_seconds = self.compile_seconds
         if compile_seconds is None:  # nothing compiled in this process yet: what this machine measured last
-            if self.stored_compile is None:  # read once: a weighing must not read the disk every time
-                self.stored_compile = (self.engine.build_seconds(),)
-            compile_seconds = self.stored_compile[0]
+            compile_seconds = self._stored("build_seconds")
         if compile_seconds is None:  # never measured here: a load at least, and at least what the build running
             compile_seconds = max(self.load_seconds or 0.0, self.running_for())  # now took so far (one explores)
         if self.built_before(warp, rows, capacity, name) and self.load_seconds is not None:
@@ -681,9 +694,14 @@ class Planner:
         measured = self.measured_share()
         if measured is not None:
             return measured
-        if self.stored_share is None:
-            self.stored_share = self.engine.build_share()
-        return self.stored_share if self.stored_share is not None else 0.0
+        stored = self._stored("build_share")
+        return stored if stored is not None else 0.0
+
+    def _stored(self, what: str) -> float | None:
+        """A build record (``what``: "build_seconds" or "build_share") as this machine kept it, read once."""
+        if what not in self.stored:
+            self.stored[what] = getattr(self.engine, what)()
+        return self.stored[what]
 
     def measured_share(self) -> float | None:
         """``build_share`` as this process measured it, or None until it has timed ``MIN_WATCHED`` plain steps

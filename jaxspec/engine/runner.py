@@ -249,8 +249,8 @@ class Runner:
         for kind, depth in self.cuts:  # "ssm/1": every SSM's tree cut to its first level; "ngram/2": a 2-token chain
             if kind == "ngram" and 0 < depth < self.ngram_depth:
                 out[f"ngram/{depth}"] = cfg(off, depth)
-            elif kind == "ssm" and any(_cut(t, depth) != t for t in topologies):
-                out[f"ssm/{depth}"] = cfg(tuple(_cut(t, depth) for t in topologies), 0)
+            elif kind == "ssm" and (cut := tuple(_cut(t, depth) for t in topologies)) != topologies:
+                out[f"ssm/{depth}"] = cfg(cut, 0)
         return out
 
     def adopt_trees(self, expansion: Sequence[int] | Sequence[Sequence[int]],

@@ -145,7 +145,6 @@ class Service:
         self.metrics = ServerMetrics(batch.queue_depth, batch.active_slots, lambda: batch.engine.compilations)
         self.created = int(time.time())
         self.observing = False  # warm-up iterations are not counted
-        self._reported = False  # -v's host report, said once as the loop stops
         self._traced_seen = 0  # executables compiled before the last iteration observed (``Runner.traced``)
         self.dead: str | None = None
         self._stop = threading.Event()
@@ -171,6 +170,13 @@ class Service:
             self.dead = f"the engine loop stopped: {type(e).__name__}: {e}"
             log.exception("engine loop crashed")
             self._fail_live(self.dead)
+            return
+        if self.verbose:  # what the loop's host work cost while serving, said once as it stops
+            try:
+                for line in self.batch.host_report():
+                    log.info("%s", line)
+            except Exception as exc:  # noqa: BLE001 — a report must not fail a shutdown
+                log.warning("no host report: %s: %s", type(exc).__name__, exc)
 
     def on_iteration(self, stats) -> None:
         if self.observing:
@@ -188,13 +194,6 @@ class Service:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if self.verbose and not self._thread.is_alive() and not self._reported:  # the loop's host work, serving
-            self._reported = True  # (stop is called by the app's shutdown and again by the command's exit)
-            try:
-                for line in self.batch.host_report():
-                    log.info("%s", line)
-            except Exception as exc:  # noqa: BLE001 — a report must not fail a shutdown
-                log.warning("no host report: %s: %s", type(exc).__name__, exc)
         return not self._thread.is_alive()
 
     def warm_up(self, grammar: bool = False) -> None:
