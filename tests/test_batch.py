@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -398,9 +400,19 @@ def test_lazy_auto_builds_trees_in_the_background_while_plain_steps_go_on(llm):
     batch.planner.anchors[greedy] = {"none": 1.0, "ssm": 1.0}
     batch.planner.costs(greedy, 1, batch.capacity_buckets[0])  # the plain step readied (its compile is timed) first
     batch.planner.compile_seconds = 0.0  # building always pays
+    classes = []  # (thread name, its scheduling class) of each build
+    build = batch.planner.build
+
+    def watched(*args):
+        classes.append((threading.current_thread().name, os.sched_getscheduler(threading.get_native_id())))
+        return build(*args)
+
+    batch.planner.build = watched
     first = batch.generate([Request(PROMPTS[2], 12)])
     assert first[0].token_ids == want[2]
     assert [key[3] for _, key in batch.builds] == ["ssm"] and batch.builds[0][0] == 0  # asked at the first pick
+    assert [c for name, c in classes if name.startswith("jaxspec-build")] == [os.SCHED_IDLE]  # only idle cycles
+    assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER  # the loop keeps its own class
     batch.settle()
     assert engine.is_warm(greedy, batch.capacity_buckets[0], 1, "ssm") and not batch.planner.building
     gens = batch.generate([Request(p, 12) for p in PROMPTS])

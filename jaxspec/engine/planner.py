@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from jaxspec.cache import STATS, compile_cache_on
+from jaxspec.cache import STATS, background_worker, compile_cache_on
 from jaxspec.engine.executables import store_dir
 from jaxspec.engine.auto import PRIOR_RATE, TreeChooser
 from jaxspec.speculators.ngram import acceptance_priors, speculator_kinds
@@ -728,7 +728,7 @@ class Planner:
         if key in self.building:
             return
         if self.builder is None:
-            self.builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-build")
+            self.builder = background_worker("jaxspec-build")
 
         self._lower_switch_interval()
         self.building[key] = self.builder.submit(self.build, warp, rows, capacity, [name])
