@@ -113,10 +113,13 @@ BACKGROUND_NICE = 19  # the lowest nice value, where the idle scheduling class i
 
 def lower_priority() -> None:
     """Puts the calling thread in the scheduler's idle class (Linux schedules threads apart, so the rest of the
-    process keeps its own priority): a compile for later then runs only on cycles the step running now leaves.
-    On this 2-core CPU a worker compiling LLM passes slowed the one-token step beside it by 40-70% at the usual
-    priority, 16-38% at nice 19 and 10-11% in the idle class (median steps; its compiles took 1.5x as long, and
-    the loop lost less than half the seconds it lost at the usual priority). Where the platform has neither, nothing."""
+    process keeps its own priority): work for later then runs only on cycles the step running now leaves.
+    Measured on this 2-core CPU, a worker compiling LLM passes beside the one-token step slowed it by 40-70% at
+    the usual priority, 16-38% at nice 19 and 10-11% in the idle class (median steps; its compiles took 1.5x as
+    long). It covers the worker's own thread: its tracing and lowering, and a compile XLA runs on the calling
+    thread; XLA's own compile threads keep their priority (in a cold ``generate`` the cost curve's codegen ran
+    there, and the first run's plain steps were as slow as before). Where the platform has neither class,
+    nothing."""
     tid = threading.get_native_id()
     try:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
