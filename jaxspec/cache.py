@@ -111,7 +111,7 @@ def host_cores() -> int:
 BACKGROUND_NICE = 19  # the lowest nice value, where the idle scheduling class is not to be had
 
 
-def lower_priority() -> None:
+def lower_priority(tid: int | None = None) -> None:
     """Puts the calling thread in the scheduler's idle class (Linux schedules threads apart, so the rest of the
     process keeps its own priority): work for later then runs only on cycles the step running now leaves.
     Measured on this 2-core CPU, a worker compiling LLM passes beside the one-token step slowed it by 40-70% at
@@ -120,7 +120,7 @@ def lower_priority() -> None:
     thread; XLA's own compile threads keep their priority (in a cold ``generate`` the cost curve's codegen ran
     there, and the first run's plain steps were as slow as before). Where the platform has neither class,
     nothing."""
-    tid = threading.get_native_id()
+    tid = threading.get_native_id() if tid is None else tid  # another thread of this process, or this one
     try:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         return

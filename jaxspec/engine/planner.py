@@ -40,6 +40,7 @@ import numpy as np
 
 from jaxspec.cache import STATS, background_worker, compile_cache_on
 from jaxspec.engine.executables import store_dir
+from jaxspec.engine.priority import CompileThreads
 from jaxspec.engine.auto import PRIOR_RATE, TreeChooser
 from jaxspec.speculators.ngram import acceptance_priors, speculator_kinds
 
@@ -443,6 +444,7 @@ class Planner:
         # the next weighing, iterations the last weighing stood for)
         self.strides: dict[tuple, tuple[int, int]] = {}
         self.build_began: float | None = None  # when the build running now started (``running_for``)
+        self.compile_threads = CompileThreads()  # XLA's compile threads, lowered before any background compile
 
     @property
     def sync(self) -> Any:
@@ -531,6 +533,7 @@ class Planner:
             return
         if not probe.started:
             self._lower_switch_interval()
+            self._lower_compile_threads()
             probe.start()
             if self.verbose is not None:
                 self.verbose("measuring this device's cost curve: its passes compile in the background")
@@ -579,6 +582,15 @@ class Planner:
             self.switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self.switch_interval, BUILD_SWITCH_INTERVAL))
 
+    def _lower_compile_threads(self) -> None:
+        """XLA's compile threads seen so far into the idle class (``jaxspec.engine.priority``), once the step's own
+        threads were seen too (else nothing: a thread that runs steps must keep its priority)."""
+        if self.compile_threads.running:
+            lowered = self.compile_threads.lower()
+            if lowered and self.verbose is not None:
+                self.verbose(f"{len(lowered)} XLA compile thread(s) at the idle priority: background compiles take "
+                             f"only the cycles the steps leave")
+
     def _restore_switch_interval(self) -> None:
         if self.switch_interval is not None:
             sys.setswitchinterval(self.switch_interval)
@@ -622,10 +634,12 @@ class Planner:
         if todo and self.building:  # a build beside the measurement would slow it (and the calibration persists)
             self.settle()
         if cold:  # readied first, so what it took is the build alone (the costs are timed after it)
-            seconds, loaded = self.build(warp, rows, capacity, cold)
+            with self.compile_threads.watch_compile():  # the loop waits: whichever threads work now compile
+                seconds, loaded = self.build(warp, rows, capacity, cold)
             self.record_build(seconds / len(cold), loaded)
         if e.auto:
-            known.update(e.calibrate(warp, capacity, refresh=self.sync.fresh_costs, batch=rows, names=todo))
+            with self.compile_threads.watch_run():  # (where the costs are timed now) the step's own threads
+                known.update(e.calibrate(warp, capacity, refresh=self.sync.fresh_costs, batch=rows, names=todo))
         if cold and self.verbose is not None:
             measured = ("; " + ", ".join(f"{n} {known[n] * 1e3:.1f} ms/step" for n in cold)) if e.auto else ""
             self.verbose(f"{'loaded' if loaded else 'compiled'} {', '.join(cold)} for {rows} row(s) x {capacity} "
@@ -731,6 +745,7 @@ class Planner:
             self.builder = background_worker("jaxspec-build")
 
         self._lower_switch_interval()
+        self._lower_compile_threads()
         self.building[key] = self.builder.submit(self.build, warp, rows, capacity, [name])
         self.builds.append((iteration, key))
         if self.verbose is not None:
