@@ -12,10 +12,6 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import concurrent.futures
 
 COMPILE_CACHE_ENV = "JAXSPEC_COMPILE_CACHE"  # a directory, or off / 0 / false / none
 WEIGHT_CACHE_ENV = "JAXSPEC_WEIGHT_CACHE"  # a directory, or off / 0 / false / none
@@ -106,38 +102,6 @@ STATS = CompileCacheStats()
 def host_cores() -> int:
     """CPU cores this process may run on (a machine fact that keys measurements and sizes thread pools)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-BACKGROUND_NICE = 19  # the lowest nice value, where the idle scheduling class is not to be had
-
-
-def lower_priority(tid: int | None = None) -> None:
-    """Puts the calling thread in the scheduler's idle class (Linux schedules threads apart, so the rest of the
-    process keeps its own priority): work for later then runs only on cycles the step running now leaves.
-    Measured on this 2-core CPU, a worker compiling LLM passes beside the one-token step slowed it by 40-70% at
-    the usual priority, 16-38% at nice 19 and 10-11% in the idle class (median steps; its compiles took 1.5x as
-    long). It covers the worker's own thread: its tracing and lowering, and a compile XLA runs on the calling
-    thread; XLA's own compile threads keep their priority (in a cold ``generate`` the cost curve's codegen ran
-    there, and the first run's plain steps were as slow as before). Where the platform has neither class,
-    nothing."""
-    tid = threading.get_native_id() if tid is None else tid  # another thread of this process, or this one
-    try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        return
-    except (AttributeError, OSError):  # not Linux, or not permitted: a nice value if it can be had
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
-    except (AttributeError, OSError):
-        pass
-
-
-def background_worker(name: str) -> concurrent.futures.ThreadPoolExecutor:
-    """One worker thread, at the lowest CPU priority, for work that must never hold up the loop (builds and the
-    cost curve's compiles; ``name`` prefixes the thread's name)."""
-    import concurrent.futures  # noqa: PLC0415, F811 (the module loads no more than it uses)
-
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name, initializer=lower_priority)
 
 
 def compile_cache_on() -> bool:

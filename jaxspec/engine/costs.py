@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxspec.cache import background_worker, cache_root
+from jaxspec.cache import cache_root
 from jaxspec.decoding.kv_cache import causal_mask
 from jaxspec.decoding.speculate import call
 from models.config import ModelConfig
@@ -303,10 +303,12 @@ class CurveProbe:
         """Whether the worker compiled every pass (or a compile failed: ``advance`` raises it)."""
         return self.started and self.compiling.done()
 
-    def start(self) -> None:
-        """Compiles every pass in a worker thread, in order (the first of a cold machine's compiles come first)."""
+    def start(self, on_worker: Callable[[], None] | None = None) -> None:
+        """Compiles every pass in a worker thread, in order (the first of a cold machine's compiles come first);
+        ``on_worker`` runs first on that thread (a loop lowers its priority there)."""
         if self._worker is None:
-            self._worker = background_worker("jaxspec-curve")
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-curve",
+                                                                 initializer=on_worker)
             self.compiling = self._worker.submit(self._compile_all, self._generation)
 
     def _compile_all(self, generation: int | None = None) -> None:

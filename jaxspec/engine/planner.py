@@ -33,14 +33,15 @@ import dataclasses
 import itertools
 import math
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from jaxspec.cache import STATS, background_worker, compile_cache_on
+from jaxspec.cache import STATS, compile_cache_on
 from jaxspec.engine.executables import store_dir
-from jaxspec.engine.priority import CompileThreads
+from jaxspec.engine.priority import CompileThreads, Demotion
 from jaxspec.engine.auto import PRIOR_RATE, TreeChooser
 from jaxspec.speculators.ngram import acceptance_priors, speculator_kinds
 
@@ -444,7 +445,10 @@ class Planner:
         # the next weighing, iterations the last weighing stood for)
         self.strides: dict[tuple, tuple[int, int]] = {}
         self.build_began: float | None = None  # when the build running now started (``running_for``)
-        self.compile_threads = CompileThreads()  # XLA's compile threads, lowered before any background compile
+        self.compile_threads = CompileThreads()  # XLA's compile threads, found by watching the loop's compiles
+        self.worker_ids: set[int] = set()  # the build worker's native thread id
+        self.demotion = Demotion()  # the threads held at the idle priority while background compiles run
+        self.said_demoted = False  # (verbose) the demotion is said once
 
     @property
     def sync(self) -> Any:
@@ -510,7 +514,7 @@ class Planner:
         if self.compile_seconds is None and self.engine.build_seconds() is None and self.running_for() > 0:
             # a first build cut short still says what a compile takes here at least: the next run prices by it
             self.engine.build_seconds(self.running_for())
-        self._restore_switch_interval()
+        self._background_off()
 
     @property
     def busy(self) -> bool:
@@ -532,16 +536,15 @@ class Planner:
         if probe is None:
             return
         if not probe.started:
-            self._lower_switch_interval()
-            self._lower_compile_threads()
-            probe.start()
+            self._background_on()
+            probe.start(on_worker=self._on_worker)
             if self.verbose is not None:
                 self.verbose("measuring this device's cost curve: its passes compile in the background")
             return
         if not probe.compiled:
             return
         if not self.building:
-            self._restore_switch_interval()
+            self._background_off()
         try:
             value = probe.advance()
         except Exception as exc:  # noqa: BLE001 — auto goes on without trees rather than stop the loop
@@ -560,7 +563,7 @@ class Planner:
         if probe is not None:
             self.adopt_curve(probe.finish())
             if not self.building:
-                self._restore_switch_interval()
+                self._background_off()
 
     def adopt_curve(self, value: dict) -> None:
         """The engine's trees from a measured curve: every bucket's untried trees are then priced on it."""
@@ -576,25 +579,34 @@ class Planner:
             trees = "; ".join(f"{n}: {e.describe(n)}" for n in e.family(sampling.SamplingParams()) if n != "none")
             self.verbose(f"auto's trees from this device's cost curve ({describe(curve)}): {trees}")
 
-    def _lower_switch_interval(self) -> None:
-        """A tracing worker holds the GIL; the loop gets it back within ``BUILD_SWITCH_INTERVAL``."""
+    def _background_on(self) -> None:
+        """Background compiles are in flight beside the loop's steps: a tracing worker holds the GIL, so the loop
+        gets it back within ``BUILD_SWITCH_INTERVAL``; the workers and XLA's compile threads take only the cycles
+        the steps leave (``jaxspec.engine.priority``)."""
         if self.switch_interval is None:
             self.switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self.switch_interval, BUILD_SWITCH_INTERVAL))
+        found = self.compile_threads.found
+        self.demotion.lower(found | self.worker_ids)
+        if self.verbose is not None and self.demotion.saved and not self.said_demoted:
+            self.said_demoted = True
+            self.verbose(f"background compiles at the idle priority beside steps: the workers and {len(found)} of "
+                         f"XLA's compile threads")
 
-    def _lower_compile_threads(self) -> None:
-        """XLA's compile threads seen so far into the idle class (``jaxspec.engine.priority``), once the step's own
-        threads were seen too (else nothing: a thread that runs steps must keep its priority)."""
-        if self.compile_threads.running:
-            lowered = self.compile_threads.lower()
-            if lowered and self.verbose is not None:
-                self.verbose(f"{len(lowered)} XLA compile thread(s) at the idle priority: background compiles take "
-                             f"only the cycles the steps leave")
-
-    def _restore_switch_interval(self) -> None:
+    def _background_off(self) -> None:
+        """No background compile beside the loop's steps (or the loop waits for them): everything at its own
+        priority and switch interval again."""
         if self.switch_interval is not None:
             sys.setswitchinterval(self.switch_interval)
             self.switch_interval = None
+        self.demotion.restore()
+
+    def _on_worker(self) -> None:
+        """A background worker's first act, on its own thread: it joins the threads held low beside steps."""
+        tid = threading.get_native_id()
+        self.worker_ids.add(tid)
+        if self.switch_interval is not None:
+            self.demotion.lower([tid])
 
     @property
     def abandonable(self) -> bool:
@@ -742,10 +754,10 @@ class Planner:
         if key in self.building:
             return
         if self.builder is None:
-            self.builder = background_worker("jaxspec-build")
+            self.builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-build",
+                                                                 initializer=self._on_worker)
 
-        self._lower_switch_interval()
-        self._lower_compile_threads()
+        self._background_on()
         self.building[key] = self.builder.submit(self.build, warp, rows, capacity, [name])
         self.builds.append((iteration, key))
         if self.verbose is not None:
@@ -775,11 +787,12 @@ class Planner:
                              f"({'loaded' if loaded else 'compiled'} in the background; the loop loses {share:.0%} "
                              f"of a build's time)")
         if not self.busy:
-            self._restore_switch_interval()
+            self._background_off()
 
     def settle(self) -> None:
         """Measures what is left of the cost curve, waits for the background builds in flight and adopts them
-        (tests, and a clean shutdown)."""
+        (tests, and a clean shutdown); what the loop waits for runs at its own priority."""
+        self.demotion.restore()
         self.settle_curve()
         concurrent.futures.wait(list(self.building.values()))
         self.harvest()

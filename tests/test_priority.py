@@ -1,0 +1,67 @@
+"""Background compiles at the idle priority: XLA's compile threads found by watching, held low and put back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxspec.engine.priority import restorable
+
+# run in a process of its own: a fresh XLA client (nothing compiled yet), and this process's threads untouched
+SCRIPT = r"""
+import json, os, threading
+import jax, jax.numpy as jnp
+from jaxspec.engine.priority import CompileThreads, Demotion
+
+def comm(tid):
+    return open(f"/proc/self/task/{tid}/comm").read().strip()
+
+def policy(tid):
+    return os.sched_getscheduler(tid)
+
+x = jnp.ones((256, 256), jnp.float32)
+watch = CompileThreads()
+before = set(watch.found)
+def f(x):
+    for i in range(40):
+        x = jnp.tanh(x @ x + i) * 0.5
+    return x
+with watch.watch_compile():
+    run = jax.jit(f).lower(x).compile()
+with watch.watch_run():
+    for _ in range(20):
+        out = run(x)
+    out.block_until_ready()
+found = watch.found
+demotion = Demotion()
+demotion.lower(found)
+low = [policy(t) for t in found]
+names = sorted({comm(t) for t in found})
+demotion.restore()
+print(json.dumps({"before": sorted(before), "compiling": len(watch.compiling), "running": len(watch.running),
+                  "found": len(found), "low": low, "names": names,
+                  "running_names": sorted(comm(t) for t in watch.running),
+                  "after": sorted({policy(t) for t in found}), "main": policy(threading.get_native_id()),
+                  "overlap": len(found & watch.running)}))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads are watched through Linux's /proc")
+def test_compile_threads_are_found_by_watching_held_idle_and_put_back():
+    """The threads busy while a compile is waited for, less those busy while its steps run, are XLA's compile
+    threads: there are some, none of them runs steps (the step's own threads, XLA's Eigen pool among them, are
+    seen running and never lowered), the demotion holds them in the idle class and puts them back; the main
+    thread keeps its own class throughout."""
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXSPEC_COMPILE_CACHE": "off"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["before"] == []  # nothing is a compile thread before a step was watched
+    assert got["found"] >= 1 and got["overlap"] == 0
+    assert "tf_XLAEigen" in got["running_names"] and "tf_XLAEigen" not in got["names"]
+    assert got["low"] == [os.SCHED_IDLE if restorable() else os.SCHED_OTHER] * got["found"]
+    assert got["after"] == [os.SCHED_OTHER] and got["main"] == os.SCHED_OTHER
