@@ -646,9 +646,12 @@ class Planner:
         if todo and self.building:  # a build beside the measurement would slow it (and the calibration persists)
             self.settle()
         if cold:  # readied first, so what it took is the build alone (the costs are timed after it)
+            self.demotion.restore()  # the loop waits for this compile: at full priority (the curve's, if any, too)
             with self.compile_threads.watch_compile():  # the loop waits: whichever threads work now compile
                 seconds, loaded = self.build(warp, rows, capacity, cold)
             self.record_build(seconds / len(cold), loaded)
+            if self.busy:  # the curve's compiles go on beside the steps again
+                self._background_on()
         if e.auto:
             with self.compile_threads.watch_run():  # (where the costs are timed now) the step's own threads
                 known.update(e.calibrate(warp, capacity, refresh=self.sync.fresh_costs, batch=rows, names=todo))
