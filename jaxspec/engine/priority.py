@@ -4,9 +4,10 @@ A background build or the cost curve's passes compile partly on the Python worke
 lowering) and mostly on threads XLA's client made at start-up (codegen), all at the process's usual priority.
 Where the device is the host's own cores (a CPU) they take cycles from the step beside them: on this 2-core
 CPU a cold ``generate`` ran its plain steps at 39.9 ms on average while auto's cost curve compiled, against
-27.3 ms alone. Nothing names XLA's compile threads, so they are found by watching (``CompileThreads``): the
+27.3 ms alone (27.0 ms with the compiles held low; the first run of ``bench modes`` went from 0.66x to 0.95x
+incremental, the curve then finishing in a later run). Nothing names XLA's compile threads, so they are found by watching (``CompileThreads``): the
 threads that burn CPU while the loop waits for a compile are compile threads, unless they also burn CPU while
-a step runs (a step's own threads are never touched). While background compiles are in flight, those threads
+a step runs (a step's own threads are never touched) or are Python's (a server's own). While background compiles are in flight, those threads
 and the workers sit in the scheduler's idle class (``Demotion``): a step preempts them at once, and they take
 only the cycles the steps leave. Whenever the loop itself waits for a compile (nothing background in flight,
 or a settle) they are back at their own priority, so a compile the loop waits for is never starved by other
@@ -138,6 +139,10 @@ class CompileThreads:
 
     @property
     def found(self) -> set[int]:
-        """The compile threads: busy in a compile, never in a step; none before a step was watched (a thread
-        that runs steps must never be lowered, and until one ran, which those are is not known)."""
-        return self.compiling - self.running if self.running else set()
+        """The compile threads: busy in a compile, never in a step, and none of Python's (a server's request
+        threads may be busy during a compile; the loop's workers are held low by their own ids); none before a
+        step was watched (a thread that runs steps must never be lowered, and until one ran, which those are
+        is not known)."""
+        if not self.running:
+            return set()
+        return self.compiling - self.running - {t.native_id for t in threading.enumerate()}
