@@ -42,7 +42,12 @@ demotion.lower(found)
 low = [policy(t) for t in found]
 names = sorted({comm(t) for t in found})
 demotion.restore()
-print(json.dumps({"before": sorted(before), "compiling": len(watch.compiling), "running": len(watch.running),
+ident = CompileThreads()
+ident.identify()  # a warm start's way: a small compile of its own, kept by no cache
+python = {t.native_id for t in threading.enumerate()}
+print(json.dumps({"identified": len(ident.found), "ident_names": sorted({comm(t) for t in ident.found}),
+                  "ident_python": len(ident.found & python), "ident_overlap": len(ident.found & ident.running),
+                  "before": sorted(before), "compiling": len(watch.compiling), "running": len(watch.running),
                   "found": len(found), "low": low, "names": names,
                   "running_names": sorted(comm(t) for t in watch.running),
                   "after": sorted({policy(t) for t in found}), "main": policy(threading.get_native_id()),
@@ -55,7 +60,8 @@ def test_compile_threads_are_found_by_watching_held_idle_and_put_back():
     """The threads busy while a compile is waited for, less those busy while its steps run, are XLA's compile
     threads: there are some, none of them runs steps (the step's own threads, XLA's Eigen pool among them, are
     seen running and never lowered), the demotion holds them in the idle class and puts them back; the main
-    thread keeps its own class throughout."""
+    thread keeps its own class throughout; ``identify`` finds compile threads the same way with a compile of its
+    own."""
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXSPEC_COMPILE_CACHE": "off"})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -65,3 +71,6 @@ def test_compile_threads_are_found_by_watching_held_idle_and_put_back():
     assert "tf_XLAEigen" in got["running_names"] and "tf_XLAEigen" not in got["names"]
     assert got["low"] == [os.SCHED_IDLE if restorable() else os.SCHED_OTHER] * got["found"]
     assert got["after"] == [os.SCHED_OTHER] and got["main"] == os.SCHED_OTHER
+    # where no compile of the loop's was watched (a warm start), ``identify`` finds them with a compile of its own
+    assert got["identified"] >= 1 and got["ident_overlap"] == 0 and got["ident_python"] == 0
+    assert "tf_XLAEigen" not in got["ident_names"]

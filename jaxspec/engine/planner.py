@@ -41,7 +41,7 @@ import numpy as np
 
 from jaxspec.cache import STATS, compile_cache_on
 from jaxspec.engine.executables import store_dir
-from jaxspec.engine.priority import CompileThreads, Demotion
+from jaxspec.engine.priority import CompileThreads, Demotion, restorable
 from jaxspec.engine.auto import PRIOR_RATE, TreeChooser
 from jaxspec.speculators.ngram import acceptance_priors, speculator_kinds
 
@@ -586,6 +586,8 @@ class Planner:
         if self.switch_interval is None:
             self.switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self.switch_interval, BUILD_SWITCH_INTERVAL))
+        if not self.compile_threads.watched and not self.busy and restorable():  # a warm start compiled nothing
+            self.compile_threads.identify()
         found = self.compile_threads.found
         self.demotion.lower(found | self.worker_ids)
         if self.verbose is not None and self.demotion.saved and not self.said_demoted:

@@ -29,14 +29,21 @@ RUN_SHARE = 0.01  # CPU seconds over a run's wall seconds at which a thread coun
 
 
 def thread_seconds() -> dict[int, float]:
-    """CPU seconds (user + system) per thread of this process, by native thread id; empty where /proc is absent."""
-    tick = os.sysconf("SC_CLK_TCK")
+    """CPU seconds per thread of this process, by native thread id: the scheduler's nanoseconds on a CPU
+    (``schedstat``), else user + system clock ticks (``stat``); empty where /proc is absent."""
     out = {}
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return out
+    tick = os.sysconf("SC_CLK_TCK")
     for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
+            continue
+        except (OSError, IndexError, ValueError):
+            pass
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
@@ -111,6 +118,7 @@ class CompileThreads:
     def __init__(self) -> None:
         self.compiling: set[int] = set()
         self.running: set[int] = set()
+        self.watched = False  # whether a compile was watched (the loop's or ``identify``'s)
 
     @contextlib.contextmanager
     def _watch(self, share: float) -> Iterator[set[int]]:
@@ -129,6 +137,30 @@ class CompileThreads:
         with self._watch(COMPILE_SHARE) as seen:
             yield
         self.compiling |= seen
+        self.watched = True
+
+    def identify(self) -> None:
+        """Watches a small compile of its own and its runs, where no compile of the loop's was watched (a warm
+        start loads its executables): a program no cache holds (a constant of its own), compiled with XLA's
+        persistent cache told not to keep it (on this thread only), then run a few times."""
+        import jax  # noqa: PLC0415 (this module is read where no JAX is loaded)
+        import jax.numpy as jnp  # noqa: PLC0415
+        from jax._src import config as jax_config  # noqa: PLC0415 (the per-thread cache threshold)
+
+        salt = float(time.perf_counter_ns() % 9973)
+
+        def chain(x):  # [256, 256]: matrix products large enough for XLA's step threads to run them
+            for i in range(16):
+                x = jnp.tanh(x @ x * 1e-3 + salt + i)
+            return x
+
+        x = jnp.ones((256, 256), jnp.float32)
+        with jax_config.persistent_cache_min_compile_time_secs(float("inf")), self.watch_compile():
+            run = jax.jit(chain).lower(x).compile()
+        with self.watch_run():
+            for _ in range(8):
+                x = run(x)
+            jax.block_until_ready(x)
 
     @contextlib.contextmanager
     def watch_run(self) -> Iterator[None]:
