@@ -118,7 +118,7 @@ class CompileThreads:
     def __init__(self) -> None:
         self.compiling: set[int] = set()
         self.running: set[int] = set()
-        self.watched = False  # whether a compile was watched (the loop's or ``identify``'s)
+        self.watched = False  # whether a compile was seen on threads of XLA's (the loop's or ``identify``'s)
 
     @contextlib.contextmanager
     def _watch(self, share: float) -> Iterator[set[int]]:
@@ -137,7 +137,7 @@ class CompileThreads:
         with self._watch(COMPILE_SHARE) as seen:
             yield
         self.compiling |= seen
-        self.watched = True
+        self.watched = self.watched or bool(seen)  # (a build that loaded its executable shows no compile threads)
 
     def identify(self) -> None:
         """Watches a small compile of its own and its runs, where no compile of the loop's was watched (a warm
