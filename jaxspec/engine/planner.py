@@ -561,6 +561,7 @@ class Planner:
         must be known at once: ``--compile all``, tests)."""
         probe = self.engine.curve_probe
         if probe is not None:
+            self.demotion.restore()  # the loop waits for what is left: at full priority
             self.adopt_curve(probe.finish())
             if not self.building:
                 self._background_off()
