@@ -587,10 +587,9 @@ class Planner:
         if self.switch_interval is None:
             self.switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self.switch_interval, BUILD_SWITCH_INTERVAL))
-        threads = self.compile_threads
-        if not (threads.watched and threads.running) and not self.busy and restorable():
-            threads.identify()  # a warm start: nothing compiled, or no step timed, in the loop's sight
-        found = threads.found
+        if not self.busy and restorable():  # (with nothing compiling beside it to blur what it watches)
+            self.compile_threads.identify()
+        found = self.compile_threads.found
         self.demotion.lower(found | self.worker_ids)
         if self.verbose is not None and self.demotion.saved and not self.said_demoted:
             self.said_demoted = True

@@ -1,18 +1,19 @@
-"""Compiles for later at the idle priority while they run beside steps, so they never slow the step running now.
+"""Compiles for later at the idle priority while they run beside steps, so they never take cycles a step wants.
 
 A background build or the cost curve's passes compile partly on the Python worker that asks (tracing,
 lowering) and mostly on threads XLA's client made at start-up (codegen), all at the process's usual priority.
-Where the device is the host's own cores (a CPU) they take cycles from the step beside them: on this 2-core
-CPU a cold ``generate`` ran its plain steps at 39.9 ms on average while auto's cost curve compiled, against
-27.3 ms alone (27.0 ms with the compiles held low; the first run of ``bench modes`` went from 0.66x to 0.95x
-incremental, the curve then finishing in a later run). Nothing names XLA's compile threads, so they are found by watching (``CompileThreads``): the
-threads that burn CPU while the loop waits for a compile are compile threads, unless they also burn CPU while
-a step runs (a step's own threads are never touched) or are Python's (a server's own). While background compiles are in flight, those threads
-and the workers sit in the scheduler's idle class (``Demotion``): a step preempts them at once, and they take
-only the cycles the steps leave. Whenever the loop itself waits for a compile (nothing background in flight,
-or a settle) they are back at their own priority, so a compile the loop waits for is never starved by other
-processes. Linux only; and only where the process may put a thread back (the idle class is one-way for an
-unprivileged thread): elsewhere nothing changes.
+Whether they slow the step beside them depends on the device: where the steps run on the host's own cores
+they compete with them, where the steps leave the host's cores idle (a GPU's host) they do not. The rule
+here needs no measurement of which case holds, because it is right in both: in the scheduler's idle class a
+thread runs only on cycles no other thread wants, so a step preempts it at once where cores are scarce, and
+it runs at full speed where they are idle. Nothing names XLA's compile threads, so they are found by watching
+(``CompileThreads``): the threads that burn CPU while the loop waits for a compile are compile threads,
+unless they also burn CPU while a step runs (a step's own threads are never touched) or are Python's (a
+server's own). While background compiles are in flight, those threads and the workers sit in the idle class
+(``Demotion``); whenever the loop itself waits for a compile (nothing background in flight, or a settle) they
+are back at their own priority, so a compile the loop waits for is never starved by other processes. Linux
+only; and only where the process may put a thread back (the idle class is one-way for an unprivileged
+thread): elsewhere nothing changes.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class CompileThreads:
     def __init__(self) -> None:
         self.compiling: set[int] = set()
         self.running: set[int] = set()
-        self.watched = False  # whether a compile was seen on threads of XLA's (the loop's or ``identify``'s)
+        self.identified = False  # ``identify`` ran (once at most)
 
     @contextlib.contextmanager
     def _watch(self, share: float) -> Iterator[set[int]]:
@@ -137,12 +138,14 @@ class CompileThreads:
         with self._watch(COMPILE_SHARE) as seen:
             yield
         self.compiling |= seen
-        self.watched = self.watched or bool(seen)  # (a build that loaded its executable shows no compile threads)
 
     def identify(self) -> None:
-        """Watches a small compile of its own and its runs, where no compile of the loop's was watched (a warm
-        start loads its executables): a program no cache holds (a constant of its own), compiled with XLA's
-        persistent cache told not to keep it (on this thread only), then run a few times."""
+        """Watches a small compile of its own and its runs, once, where the loop's own were not both seen (a warm
+        start loads its executables and reads its costs): a program no cache holds (a constant of its own),
+        compiled with XLA's persistent cache told not to keep it (on this thread only), then run a few times."""
+        if self.identified or (self.compiling and self.running):
+            return
+        self.identified = True
         import jax  # noqa: PLC0415 (this module is read where no JAX is loaded)
         import jax.numpy as jnp  # noqa: PLC0415
         from jax._src import config as jax_config  # noqa: PLC0415 (the per-thread cache threshold)
