@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from jaxspec import cli
-from jaxspec.cache import compile_cache_dir
+from jaxspec.cache import WEIGHT_CACHE_ENV, compile_cache_dir, weight_cache_dir
 from jaxspec.engine.runner import is_cut
 
 
@@ -222,9 +222,12 @@ def _cache_stats(stderr: str) -> tuple[int, int]:
 
 def test_second_run_of_a_command_compiles_nothing(tmp_path):
     """Two processes, one command: the second reads every executable from the persistent cache; so does a third
-    whose prompt and token limit differ (jobs share cache buckets, not their exact lengths)."""
+    whose prompt and token limit differ (jobs share cache buckets, not their exact lengths). The three share a
+    cost cache of their own (the converted weights read from the suite's): which prefill chunks a prompt is fed
+    in follows the timings kept there, which the tests running beside would otherwise move between the runs."""
     cache = tmp_path / "xla"
-    env = {**os.environ, "JAXSPEC_CACHE_STATS": "1"}
+    env = {**os.environ, "JAXSPEC_CACHE_STATS": "1", "JAXSPEC_CACHE": str(tmp_path / "root"),
+           WEIGHT_CACHE_ENV: str(weight_cache_dir() or "off")}
     args = ["generate", "--prompt", "Hi", "--max-new-tokens", "4", "--mode", "incremental", "--compile-cache", str(cache)]
     first = run_cli(*args, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
