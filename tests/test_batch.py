@@ -425,6 +425,60 @@ def test_lazy_auto_builds_trees_in_the_background_while_plain_steps_go_on(llm):
     assert any("ssm" in g.trees for g in gens) and len(batch.builds) == 1
 
 
+def test_a_job_finishes_the_build_its_machine_already_paid_for_and_keeps_what_the_others_lost(llm, tmp_path,
+                                                                                               monkeypatch):
+    """Rent or buy across runs: a short job ends before its background build, which is lost at exit (each run
+    would start it again, in vain). The seconds a machine's runs lose without a tree are kept (the ledger, which
+    counts the iterations a build is in flight too); a job that ends with the build in flight finishes it, waiting,
+    once they reach what a build takes there, so later runs load it; a smaller loss leaves it cut short."""
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))  # a machine with an empty ledger
+    engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)  # drafts agree: the tree saves
+    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
+
+    def job(compile_seconds: float, release: threading.Event, cut: bool) -> BatchEngine:
+        batch = BatchEngine(engine, max_batch=1, max_model_len=64)
+        batch.planner.anchors[greedy] = {"none": 1.0, "ssm": 1.0}
+        batch.planner.costs(greedy, 1, batch.capacity_buckets[0])
+        batch.planner.compile_seconds = compile_seconds  # what a build takes on this "machine"
+        build = batch.planner.build
+
+        def held(*args):  # a background build the job outlasts: it starts compiling once released
+            if threading.current_thread().name.startswith("jaxspec-build"):
+                release.wait(60)
+                if cut:
+                    raise RuntimeError("cut short")
+            return build(*args)
+
+        batch.planner.build = held
+        batch.generate([Request(PROMPTS[2], 12)])
+        assert [key[3] for _, key in batch.builds] == ["ssm"]  # asked for, still in flight at the job's end
+        return batch
+
+    said: list[str] = []
+    release = threading.Event()
+    first = job(1e6, release, cut=True)  # a build costs far more than the job lost
+    key = first.planner.builds[0][1]
+    cap = key[2]
+    lost = first.planner.regret[key]
+    assert lost > 0
+    first.close(buy=True, say=said.append)
+    release.set()
+    assert not said and not engine.is_warm(greedy, cap, 1, "ssm")  # cut short: nobody waited
+    ledger = engine.build_regret()
+    assert ledger == {first.planner.ledger_key(key): pytest.approx(lost)}
+
+    release = threading.Event()
+    second = job(lost * 0.9, release, cut=False)  # the machine's runs lost more than a build takes now
+    assert second.planner.regret[key] > lost  # it went on from the first job's loss
+    threading.Timer(1.0, release.set).start()
+    second.close(buy=True, say=said.append)
+    assert engine.is_warm(greedy, cap, 1, "ssm")  # the job waited for it: later runs load it
+    assert len(said) == 1 and said[0].startswith(f"finishing ssm for 1 row(s) x {cap} slots")
+    assert engine.build_regret() == {}  # bought: it leaves the ledger
+    gens = BatchEngine(engine, max_batch=1, max_model_len=64).generate([Request(PROMPTS[0], 12)])
+    assert gens[0].token_ids == Engine(llm).generate(PROMPTS[0], 12).token_ids
+
+
 def test_replayed_gpu_measurements_make_lazy_auto_speculate_from_the_first_request(llm, tmp_path, monkeypatch):
     """The planner fed the GPU runs' records (H200, default model's shape: a plain step 2.5 ms, a 4-node tree
     1.20x of it, compiles of 5 s, the shipped drafter's held-out top-1 acceptance 0.49 / 0.44 / 0.41 by depth)

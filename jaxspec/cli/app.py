@@ -263,10 +263,15 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
                              eager=args.compile == "all", prefill_chunk=args.prefill_chunk,
                              prefill_stall=args.prefill_stall, prefix_cache_bytes=prefix_cache_bytes(args))
     batch = build_scheduler(engine, limits, sync=lockstep.loop_sync(), verbose=say)
+    done = False
     try:
-        return _run_jobs(engine, llm, rows, args, out, batch, jobs)
+        code = _run_jobs(engine, llm, rows, args, out, batch, jobs)
+        done = True
+        return code
     finally:
-        batch.close()  # a background build still running is not waited for here (nor adopted)
+        # the job ran to its end: a background build this machine's runs already paid for finishes (later runs
+        # load it); any other still running is not waited for here (nor adopted), nor is any after a failure
+        batch.close(buy=done, say=lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr))
         global exit_at_once
         exit_at_once = batch.planner.abandonable and distributed.active() is None
 

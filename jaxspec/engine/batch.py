@@ -575,10 +575,12 @@ class BatchEngine:
             self.close()
         self.cancel_all("cancelled")
 
-    def close(self) -> None:
+    def close(self, buy: bool = False, say: Callable[[str], None] | None = None) -> None:
         """Drops the builds not started, lets a running one finish unused, restores the interpreter's switch
-        interval (a loop that stops must leave the process as it found it)."""
-        self.planner.close()
+        interval (a loop that stops must leave the process as it found it). ``buy``: the loop ran a job whose
+        work was all known to its end; the builds this machine's runs already paid for finish first
+        (``Planner.buy``; ``say`` tells the user the job waits for them)."""
+        self.planner.close(buy, say)
 
     def cancel_all(self, reason: str) -> None:
         """Ends every waiting, staged and running request with ``reason``."""

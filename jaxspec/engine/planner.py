@@ -432,7 +432,7 @@ class Planner:
         self.switch_interval: float | None = None  # the interpreter's, while builds lower it
         # ``Runner.build_seconds`` / ``build_share`` as earlier runs on this device recorded them, read once each
         # (a weighing must not read the disk every time; None: never recorded)
-        self.stored: dict[str, float | None] = {}
+        self.stored: dict[str, Any] = {}
         self.kept_share: float | None = None  # the share this process last recorded for later runs
         self.builds: list[tuple[int, tuple]] = []  # (iteration, (warp, rows, capacity, member)) of background builds
         self.builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: builds run one at a time
@@ -484,9 +484,10 @@ class Planner:
         every = self.estimated(warp, bucket[1], bucket[2], costs)
         drawn: dict[str, float] = {}
         name = chooser.pick_batch(proposals, every, keys=keys, scores=drawn)
-        if name in costs:
-            return name
-        if (*bucket, name) in self.building or (*bucket, name) in self.failed:  # not (yet) built
+        if name in costs or (*bucket, name) in self.failed:
+            return name if name in costs else "none"
+        if (*bucket, name) in self.building:  # not built yet: what the iterations meanwhile lose still counts
+            self.lose(name, chooser, proposals, every, bucket, drawn, stood)
             return "none"
         if not self.worth_compiling(name, chooser, proposals, every, bucket, left, drawn, stood):
             return "none"
@@ -495,11 +496,15 @@ class Planner:
             return "none"
         return name
 
-    def close(self) -> None:
-        """Keeps the build share if measured, drops the builds not started, lets a running one finish unused (the
-        cost curve's compiles too), restores the interpreter's switch interval (a loop that stops must leave the
-        process as it found it)."""
+    def close(self, buy: bool = False, say: Callable[[str], None] | None = None) -> None:
+        """Keeps the build share if measured and the regret ledger, drops the builds not started, lets a running one
+        finish unused (the cost curve's compiles too), restores the interpreter's switch interval (a loop that stops
+        must leave the process as it found it). ``buy``: the job's work was all known; the builds it paid for
+        finish first (``buy``, which tells with ``say``)."""
         self.keep_share()
+        if buy:
+            self.buy(say)
+        self.keep_ledger()
         probe = self.engine.curve_probe
         if probe is not None and probe.started:
             running = probe.compiling
@@ -902,8 +907,25 @@ class Planner:
         saving once and the saving at the posterior means for each iteration it skipped: one lucky draw is not
         multiplied by the stride either.
         """
-        have = [n for n in costs if n == "none" or n in self.bucket_costs.get(bucket, {})
-                or (*bucket, n) in self.building]
+        mean = self.lose(name, chooser, rows, costs, bucket, drawn, stood)
+        if mean is None:
+            return False
+        key = (*bucket, name)
+        price = self.build_price(*bucket, name)
+        ahead = 0.0
+        if self.background:  # iterations that run plain, at their pace beside a build, before it is ready
+            beside = chooser.cost("none", costs) / max(1.0 - self.build_share(), 1e-3)
+            ahead = (len(self.building) + 1) * self.ready_seconds(*bucket, name) / beside
+        return max(mean * max(left - ahead, 0.0), self.regret[key]) > price
+
+    def lose(self, name: str, chooser: TreeChooser, rows: list[tuple[int, int]], costs: dict[str, float],
+             bucket: tuple, drawn: dict[str, float] | None = None, stood: int = 1) -> float | None:
+        """Adds to ``regret`` the seconds the iterations a weighing stands for lost without ``name`` at ``bucket``
+        (its draw's saving once, the posterior means' for the ``stood - 1`` it skipped; see ``worth_compiling``),
+        over the best member the bucket has or is building besides it; returns the saving per iteration at the
+        posterior means, or None where ``name`` saves nothing (the regret is left as it was)."""
+        have = [n for n in costs if n != name and (n == "none" or n in self.bucket_costs.get(bucket, {})
+                                                   or (*bucket, n) in self.building)]
         plain = chooser.cost("none", costs)
 
         def saving(rate: dict[str, float]) -> float:
@@ -914,12 +936,71 @@ class Planner:
         mean = saving({n: chooser.mean_tokens(n, rows) / chooser.cost(n, costs) for n in have + [name]})
         drawn_saving = saving(drawn) if drawn and all(n in drawn for n in have + [name]) else mean
         if max(mean, drawn_saving) <= 0:
-            return False
+            return None
         key = (*bucket, name)
-        self.regret[key] = self.regret.get(key, 0.0) + drawn_saving + mean * (stood - 1)
-        price = self.build_price(*bucket, name)
-        ahead = 0.0
-        if self.background:  # iterations that run plain, at their pace beside a build, before it is ready
-            beside = plain / max(1.0 - self.build_share(), 1e-3)
-            ahead = (len(self.building) + 1) * self.ready_seconds(*bucket, name) / beside
-        return max(mean * max(left - ahead, 0.0), self.regret[key]) > price
+        self.regret[key] = self.lost(key) + drawn_saving + mean * (stood - 1)
+        return mean
+
+    def lost(self, key: tuple) -> float:
+        """``regret`` for (warp, rows, capacity, member): this process's, else what this machine's runs lost before
+        without it (the ledger ``close`` keeps), else none."""
+        if key in self.regret:
+            return self.regret[key]
+        return self.ledger().get(self.ledger_key(key), 0.0)
+
+    def ledger(self) -> dict[str, float]:
+        """The seconds earlier runs on this machine lost without each tree they never had ready (read once)."""
+        if "regret" not in self.stored:
+            e = self.engine
+            self.stored["regret"] = (e.build_regret() if e.auto and e.measures_costs else None) or {}
+        return self.stored["regret"]
+
+    def ledger_key(self, key: tuple) -> str:
+        """A (warp, rows, capacity, member) key as the ledger keeps it: with the member's tree, which this
+        machine's cost curve chose (another curve's ``ssm`` is another tree)."""
+        warp, rows, capacity, name = key
+        return f"{warp.label}|{rows}|{capacity}|{name}|{self.engine.describe(name)}"
+
+    def keep_ledger(self) -> None:
+        """Records this process's regret for the machine's later runs: a tree that is ready at its bucket now (or
+        loads from the compile cache: measured there) leaves the ledger, the others keep what they lost."""
+        if not self.regret or not (self.engine.auto and self.engine.measures_costs):
+            return
+        before = self.ledger()
+        ledger = dict(before)
+        for key, lost in self.regret.items():
+            if key[3] in (self.bucket_costs.get(key[:3]) or {}):
+                ledger.pop(self.ledger_key(key), None)
+            else:
+                ledger[self.ledger_key(key)] = lost
+        if ledger != before:
+            self.engine.build_regret(ledger)
+            self.stored["regret"] = ledger
+
+    def buy(self, say: Callable[[str], None] | None = None) -> list[tuple]:
+        """The end of a job whose work was all known (``jaxspec generate``): each background build still in
+        flight or queued is finished now, the job waiting at full priority, where this machine's runs already
+        lost at least the seconds it takes (rent or buy across runs: its executable stays in the compile cache,
+        so every later run loads it, where a build cut short at exit is lost and a short job would start it
+        again, in vain, every time); the others are dropped. Returns the keys bought."""
+        if not (self.building and self.background and compile_cache_on()):
+            return []
+        wanted = []
+        for key, future in list(self.building.items()):
+            lost, seconds = self.lost(key), self.ready_seconds(*key)
+            if future.done() or lost >= seconds:
+                wanted.append((key, lost, seconds))
+            elif future.cancel():
+                del self.building[key]
+        if not wanted:
+            return []
+        self.demotion.restore()  # the job waits for these: at full priority
+        for key, lost, seconds in wanted:
+            future = self.building[key]
+            if not future.done() and say is not None:
+                warp, rows, capacity, name = key
+                say(f"finishing {name} for {rows} row(s) x {capacity} slots ({warp.label}) for later runs: this "
+                    f"machine's runs lost {lost:.1f} s without it, a build takes about {seconds:.0f} s")
+            concurrent.futures.wait([future])
+        self.harvest()
+        return [key for key, _, _ in wanted]

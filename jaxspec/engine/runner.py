@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -427,23 +427,29 @@ class Runner:
         """What compiling one step executable took on this device, as last measured (a fresh compile: never a load
         from the persistent cache); given ``seconds``, records them. What auto's first build is priced at before
         this process has compiled anything itself."""
-        return self._build_record("compile-seconds", seconds)
+        return self._build_record("compile-seconds", None if seconds is None else float(seconds))
 
     def build_share(self, share: float | None = None) -> float | None:
         """The share of a background build's seconds the scheduling loop lost on this device, as last measured;
         given ``share``, records it."""
-        return self._build_record("build-share", share)
+        return self._build_record("build-share", None if share is None else float(share))
 
-    def _build_record(self, what: str, value: float | None) -> float | None:
+    def build_regret(self, regret: dict[str, float] | None = None) -> dict[str, float] | None:
+        """Seconds the runs on this device lost without each tree they wanted and never had ready (lazy auto's
+        rent-or-buy ledger, ``Planner.close``), by ``Planner.ledger_key``; given ``regret``, records the table."""
+        return self._build_record("build-regret", regret,
+                                  ssms=[[s.name, repr(s.cfg), s.draft_vocab] for s in self.ssms])
+
+    def _build_record(self, what: str, value: Any, **extra: Any) -> Any:
         """A measurement about building executables, cached per device and LLM beside the calibrations."""
         from jaxspec.engine import costs  # noqa: PLC0415
 
         ident = {"what": what, "revision": STEP_REVISION, "jax": jax.__version__, "host_cores": host_cores(),
                  "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
-                 "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))]}
+                 "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))], **extra}
         if value is None:
             return costs.load(ident)
-        return costs.load_or_measure(ident, lambda: float(value), refresh=True)
+        return costs.load_or_measure(ident, lambda: value, refresh=True)
 
     def prefill_chunks(self, found: dict | None = None) -> dict | None:
         """What the prompt chunk search found on this device (``jaxspec.engine.prefill.ChunkSizer.state``), kept
