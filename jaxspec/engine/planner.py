@@ -430,8 +430,8 @@ class Planner:
         self.plain_alone: collections.deque[float] = collections.deque(maxlen=64)
         self.plain_beside: collections.deque[float] = collections.deque(maxlen=64)
         self.switch_interval: float | None = None  # the interpreter's, while builds lower it
-        # ``Runner.build_seconds`` / ``build_share`` as earlier runs on this device recorded them, read once each
-        # (a weighing must not read the disk every time; None: never recorded)
+        # ``Runner.build_seconds`` / ``build_share`` / ``build_regret`` (the ledger) as earlier runs on this device
+        # recorded them, read once each (a weighing must not read the disk every time; None: never recorded)
         self.stored: dict[str, Any] = {}
         self.kept_share: float | None = None  # the share this process last recorded for later runs
         self.builds: list[tuple[int, tuple]] = []  # (iteration, (warp, rows, capacity, member)) of background builds
