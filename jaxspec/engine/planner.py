@@ -484,8 +484,10 @@ class Planner:
         every = self.estimated(warp, bucket[1], bucket[2], costs)
         drawn: dict[str, float] = {}
         name = chooser.pick_batch(proposals, every, keys=keys, scores=drawn)
-        if name in costs or (*bucket, name) in self.failed:
-            return name if name in costs else "none"
+        if name in costs:
+            return name
+        if (*bucket, name) in self.failed:
+            return "none"
         if (*bucket, name) in self.building:  # not built yet: what the iterations meanwhile lose still counts
             self.lose(name, chooser, proposals, every, bucket, drawn, stood)
             return "none"
@@ -962,8 +964,8 @@ class Planner:
         return f"{warp.label}|{rows}|{capacity}|{name}|{self.engine.describe(name)}"
 
     def keep_ledger(self) -> None:
-        """Records this process's regret for the machine's later runs: a tree that is ready at its bucket now (or
-        loads from the compile cache: measured there) leaves the ledger, the others keep what they lost."""
+        """Records this process's regret for the machine's later runs: a tree ready at its bucket now leaves the
+        ledger (its executable is in the compile cache: later runs load it), the others keep what they lost."""
         if not self.regret or not (self.engine.auto and self.engine.measures_costs):
             return
         before = self.ledger()
@@ -977,14 +979,14 @@ class Planner:
             self.engine.build_regret(ledger)
             self.stored["regret"] = ledger
 
-    def buy(self, say: Callable[[str], None] | None = None) -> list[tuple]:
+    def buy(self, say: Callable[[str], None] | None = None) -> None:
         """The end of a job whose work was all known (``jaxspec generate``): each background build still in
         flight or queued is finished now, the job waiting at full priority, where this machine's runs already
         lost at least the seconds it takes (rent or buy across runs: its executable stays in the compile cache,
         so every later run loads it, where a build cut short at exit is lost and a short job would start it
-        again, in vain, every time); the others are dropped. Returns the keys bought."""
-        if not (self.building and self.background and compile_cache_on()):
-            return []
+        again, in vain, every time); the others are dropped."""
+        if not (self.building and compile_cache_on()):  # (builds run in the background only)
+            return
         wanted = []
         for key, future in list(self.building.items()):
             lost, seconds = self.lost(key), self.ready_seconds(*key)
@@ -993,7 +995,7 @@ class Planner:
             elif future.cancel():
                 del self.building[key]
         if not wanted:
-            return []
+            return
         self.demotion.restore()  # the job waits for these: at full priority
         for key, lost, seconds in wanted:
             future = self.building[key]
@@ -1003,4 +1005,3 @@ class Planner:
                     f"machine's runs lost {lost:.1f} s without it, a build takes about {seconds:.0f} s")
             concurrent.futures.wait([future])
         self.harvest()
-        return [key for key, _, _ in wanted]
