@@ -174,10 +174,12 @@ def test_the_default_lazy_auto_path_speculates_where_it_pays(tmp_path):
     assert "in the background" in auto.stderr and sum(trees.values()) - trees["none"] > 0, (trees, auto.stderr[-2000:])
     built = re.findall(r"built (\S+) for 1 row\(s\) x (\d+) slots, greedy: [\d.]+ s \((\w+) in the background",
                        auto.stderr)
-    # the whole trees at the bucket --prepare readied (rows may outgrow it: those compile as before; a cut of a tree,
-    # such as ngram/3, is readied only once the loop finds it pays, here or at a wider bucket)
+    # what --prepare readied loads: the plain step at its bucket always, and every whole tree the loop wants there
+    # (rows may outgrow the bucket: those compile as before; a cut of a tree, such as ngram/3, is readied only once
+    # the loop finds it pays; which trees the chooser's draws reach first follows this machine's timings)
+    assert re.search(r"loaded none for 1 row\(s\) x 256 slots", auto.stderr), auto.stderr[-2000:]
     prepared_bucket = [how for name, slots, how in built if slots == "256" and "/" not in name]
-    assert prepared_bucket and set(prepared_bucket) == {"loaded"}, built
+    assert set(prepared_bucket) <= {"loaded"}, built
     assert sum(len(r["token_ids"]) for r in rows) > sum(r["llm_steps"] for r in rows) + len(rows)  # accepted drafts
     # -v: host ms per iteration, then per member (auto's plain iterations beside its trees), counting every iteration
     iterations = int(re.search(r"host [\d.]+ ms per iteration \(p90 [\d.]+\) of [\d.]+ ms .*?; (\d+) iterations",
