@@ -277,6 +277,37 @@ def test_a_plain_only_bucket_weighs_its_trees_once_every_few_iterations_and_each
             assert len(stoods) == -(-n // MAX_STRIDE) and set(stoods[1:]) <= {MAX_STRIDE}
 
 
+def test_rows_stay_in_their_bucket_near_a_batch_end_unless_the_smaller_one_is_ready(llm):
+    """A batch draining to one long request: the loop does not ready (compile, on a cold machine) a one-row step for
+    the few iterations left unless they would save what that costs; where the smaller bucket is ready in the
+    process it moves there at once. Either way the tokens are one-at-a-time decoding's."""
+    engine = Engine(llm)
+    want = [engine.generate(p, n).token_ids for p, n in zip(PROMPTS[:4], (3, 3, 3, 30))]
+
+    def drain(batch: BatchEngine) -> list[int]:
+        rows = []
+        events = {i: [] for i in range(4)}
+        for i, (p, n) in enumerate(zip(PROMPTS[:4], (3, 3, 3, 30))):
+            batch.submit(Request(p, n, id=str(i)), events[i].append)
+        while batch.slots or batch.queue_depth():
+            batch.step()
+            rows.append((len(batch.slots), batch.rows))
+        got = [[t for ev in events[i] for t in ev.token_ids] for i in range(4)]
+        assert got == want
+        return rows
+
+    cold = BatchEngine(engine, max_batch=4, max_model_len=64)
+    cold.planner.compile_seconds, cold.planner.load_seconds = 30.0, None  # a compile here takes 30 s
+    rows = drain(cold)
+    assert (1, 4) in rows and (1, 1) not in rows, rows  # the long request's tail ran in the four-row bucket
+    assert cold.shrink_lost[(1, cold.capacity)] > 0  # what staying cost is counted (rent or buy)
+    warm = BatchEngine(engine, max_batch=4, max_model_len=64)
+    warm.planner.compile_seconds, warm.planner.load_seconds = 30.0, None
+    warm.generate([Request(PROMPTS[5], 2)])  # the one-row bucket readied first
+    rows = drain(warm)
+    assert (1, 1) in rows and (1, 4) not in rows[-3:], rows
+
+
 def test_work_in_sight_is_none_at_a_bucket_the_waiting_requests_will_widen(llm):
     """Lazy auto prices a tree by the iterations its bucket has left: while requests wait for rows, the loop is
     about to move to a wider bucket, so a tree built for this one would be left behind (rent or buy only)."""

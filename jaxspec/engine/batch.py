@@ -334,6 +334,7 @@ class BatchEngine:
         # device), and wall seconds from its launch (or the previous read) to its tokens on the host
         self.host_times: collections.deque[float] = collections.deque(maxlen=4096)
         self.iteration_times: collections.deque[float] = collections.deque(maxlen=4096)
+        self.shrink_lost: dict[tuple[int, int], float] = {}  # (rows, capacity) -> seconds spent wider than it
         self.iteration_trees: collections.deque[str] = collections.deque(maxlen=4096)  # the member each one ran
 
     def host_report(self) -> list[str]:
@@ -407,14 +408,23 @@ class BatchEngine:
     def queue_depth(self) -> int:
         return len(self.waiting) + len(self.incoming) + (self.staging is not None)
 
+    def widening(self) -> bool:
+        """Whether the requests waiting for a row will move the loop to a wider bucket as they are admitted (whose
+        plain step the loop then readies, and waits for)."""
+        return bucket(min(len(self.slots) + self.queue_depth(), self.max_batch), self.row_buckets) > self.rows
+
+    def tokens_left(self) -> int:
+        """The longest live request's tokens still to come: the iterations its row has left, at most."""
+        return max((s.ticket.request.max_new_tokens - len(s.gen.token_ids) for s in self.slots), default=0)
+
     def work_in_sight(self) -> float:
         """Iterations the live rows' bucket still has before it: the longest live request's tokens left plus the
         queue's share of a full batch; none where the requests waiting for a row will move the loop to a wider
         bucket as they are admitted (a tree built for this one would be left behind: only the time already lost
         without it, rent or buy, may buy it)."""
-        if bucket(min(len(self.slots) + self.queue_depth(), self.max_batch), self.row_buckets) > self.rows:
+        if self.widening():
             return 0.0
-        left = max((s.ticket.request.max_new_tokens - len(s.gen.token_ids) for s in self.slots), default=0)
+        left = self.tokens_left()
         queued = [*self.waiting, *self.incoming]
         return left + sum(t.request.max_new_tokens for t, _ in queued) / self.max_batch
 
@@ -646,7 +656,10 @@ class BatchEngine:
         self._drop_cancelled_waiting()
         if self.planner.building:
             self.planner.harvest()
-        if self.engine.curve_probe is not None and self.iterations:  # once the first compiles are behind
+        # once the first compiles are behind, and none is coming for a wider bucket: the curve's compiles would take
+        # half the cores the loop then waits for
+        curve = self.engine.curve_probe
+        if curve is not None and self.iterations and (curve.started or not self.widening()):
             if self.planner.curve_due() and self._pending is not None:  # a pass is timed with nothing in flight
                 jax.block_until_ready(self._pending.out.tokens)
             self.planner.advance_curve()
@@ -717,20 +730,41 @@ class BatchEngine:
         """Cache slots a row of ``committed`` tokens may touch before the host reads its next tokens."""
         return committed + self._max_emit + self._max_nodes
 
-    def _fit(self, extra_rows: int = 0, need: int = 0) -> None:
+    def _fit(self, extra_rows: int = 0, need: int = 0, iteration: bool = False) -> None:
         """Lays the state out for the live rows (+ ``extra_rows``) and the longest cache (at least ``need``).
 
         Grows at once; shrinks only to a smaller bucket (rows only grow while they live, so
-        a bucket changes a few times per request at most).
+        a bucket changes a few times per request at most), once that pays (``_shrink_pays``;
+        ``iteration``: called once per iteration, which counts what staying costs).
         """
         rows = bucket(max(len(self.slots) + extra_rows, 1), self.row_buckets)
         want = max([need] + [self.cache_need(s.committed) for s in self.slots])
         capacity = bucket(min(want, self.max_capacity), self.capacity_buckets)
         if (rows, capacity) == (self.rows, self.capacity):
             return
+        if rows <= self.rows and capacity <= self.capacity and not self._shrink_pays(rows, capacity, iteration):
+            return
         self.state = self._resize(self.state, rows, capacity)
         self.rows, self.capacity = rows, capacity
         self.resizes += 1
+
+    def _shrink_pays(self, rows: int, capacity: int, iteration: bool) -> bool:
+        """Whether the rows move to the smaller bucket ``rows`` x ``capacity`` now: at once where its plain step is
+        ready in this process, else once the iterations spent without it (``iteration``: this is one) and those
+        left would save what readying it costs here (a compile on a cold machine: seconds, for a few iterations
+        near a batch's end), each saving at most the share of the step the dropped rows and slots take (rent or
+        buy). A multi-process run shrinks at once (every process decides alike)."""
+        if not self.sync.local or self.planner.has_bucket(rows, capacity) or not self.iteration_times:
+            return True
+        step = float(np.median(list(self.iteration_times)[-16:]))
+        saving = step * (1.0 - rows * capacity / (self.rows * self.capacity))
+        lost = self.shrink_lost.get((rows, capacity), 0.0) + saving * iteration
+        if lost + self.tokens_left() * saving >= self.planner.plain_price(rows, capacity):
+            self.shrink_lost.pop((rows, capacity), None)
+            return True
+        if lost:
+            self.shrink_lost[(rows, capacity)] = lost
+        return False
 
     def _fit_staging(self, need: int, grow_only: bool = False) -> None:
         """Lays the staging row out for ``need`` slots and at least the live rows' capacity (its insert then needs no
@@ -1099,7 +1133,7 @@ class BatchEngine:
         """
         e = self.engine
         began = time.perf_counter()
-        self._fit()
+        self._fit(iteration=True)
         live = list(enumerate(self.slots))
         warp = sampling.batch_warp([s.ticket.request.params for _, s in live])
         family = e.family(warp)

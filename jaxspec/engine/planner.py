@@ -656,7 +656,9 @@ class Planner:
         if todo and self.building:  # a build beside the measurement would slow it (and the calibration persists)
             self.settle()
         if cold:  # readied first, so what it took is the build alone (the costs are timed after it)
-            self.demotion.restore()  # the loop waits for this compile: at full priority (the curve's, if any, too)
+            # the loop waits for this compile: XLA's compile threads at full priority, a background build's or the
+            # curve's own worker still idle (it would take half the cores the loop's compile waits for)
+            self.demotion.restore(keep=self.worker_ids)
             with self.compile_threads.watch_compile():  # the loop waits: whichever threads work now compile
                 seconds, loaded = self.build(warp, rows, capacity, cold)
             self.record_build(seconds / len(cold), loaded)
@@ -695,6 +697,18 @@ class Planner:
         else:
             self.compile_seconds = seconds
             self.engine.build_seconds(seconds)
+
+    def has_bucket(self, rows: int, capacity: int) -> bool:
+        """Whether this process readied the plain step of ``rows`` x ``capacity`` (for any warp)."""
+        return any(key[1:] == (rows, capacity) for key in self.bucket_costs)
+
+    def plain_price(self, rows: int, capacity: int) -> float:
+        """What readying a bucket's plain step is expected to cost here: a load where this process has only loaded
+        so far (the machine's cache holds its buckets) or this machine measured it before, else a compile."""
+        if self.compile_seconds is None and self.load_seconds is not None:
+            return self.load_seconds
+        warps = {key[0] for key in self.bucket_costs}
+        return min((self.ready_seconds(warp, rows, capacity, "none") for warp in warps), default=0.0)
 
     def built_before(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> bool:
         """Whether this machine built ``name`` for the bucket before: its cost is in the calibration cache (auto

@@ -101,10 +101,12 @@ class Demotion:
                 continue
             self.saved[tid] = saved
 
-    def restore(self) -> None:
-        """Puts every held thread back at its own policy and nice value."""
+    def restore(self, keep: Iterable[int] = ()) -> None:
+        """Puts every held thread back at its own policy and nice value, but those in ``keep``."""
+        keep = set(keep)
         with self.lock:
-            held, self.saved = self.saved, {}
+            held = {tid: saved for tid, saved in self.saved.items() if tid not in keep}
+            self.saved = {tid: saved for tid, saved in self.saved.items() if tid in keep}
         for tid, (policy, nice) in held.items():
             try:
                 os.sched_setscheduler(tid, policy, os.sched_param(0))
