@@ -656,9 +656,7 @@ class Planner:
         if todo and self.building:  # a build beside the measurement would slow it (and the calibration persists)
             self.settle()
         if cold:  # readied first, so what it took is the build alone (the costs are timed after it)
-            # the loop waits for this compile: XLA's compile threads at full priority, a background build's or the
-            # curve's own worker still idle (it would take half the cores the loop's compile waits for)
-            self.demotion.restore(keep=self.worker_ids)
+            self.demotion.restore()  # the loop waits for this compile: at full priority (the curve's, if any, too)
             with self.compile_threads.watch_compile():  # the loop waits: whichever threads work now compile
                 seconds, loaded = self.build(warp, rows, capacity, cold)
             self.record_build(seconds / len(cold), loaded)

@@ -101,12 +101,10 @@ class Demotion:
                 continue
             self.saved[tid] = saved
 
-    def restore(self, keep: Iterable[int] = ()) -> None:
-        """Puts every held thread back at its own policy and nice value, but those in ``keep``."""
-        keep = set(keep)
+    def restore(self) -> None:
+        """Puts every held thread back at its own policy and nice value."""
         with self.lock:
-            held = {tid: saved for tid, saved in self.saved.items() if tid not in keep}
-            self.saved = {tid: saved for tid, saved in self.saved.items() if tid in keep}
+            held, self.saved = self.saved, {}
         for tid, (policy, nice) in held.items():
             try:
                 os.sched_setscheduler(tid, policy, os.sched_param(0))
