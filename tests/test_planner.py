@@ -266,9 +266,15 @@ def test_a_closed_loop_is_left_at_once_only_when_its_running_builds_write_just_t
     llm = tiny_model(seed=2)
     engine = engine_from(EngineConfig(mode="auto", expansion="1"), llm, [early_exit(llm, 1)])
     batch = BatchEngine(engine, max_batch=2, max_model_len=64)
-    release = threading.Event()
-    monkeypatch.setattr(engine, "warm", lambda *args, **kwargs: release.wait(60))  # a build that is still running
+    started, release = threading.Event(), threading.Event()
+
+    def held(*args, **kwargs) -> None:  # a build that is still running
+        started.set()
+        release.wait(60)
+
+    monkeypatch.setattr(engine, "warm", held)
     batch.planner.build_in_background(sampling.WarpSpec(), 1, 64, "ssm", 0)
+    assert started.wait(60)  # running, not queued (close cancels a build not started)
     batch.close()
     assert len(batch.planner.left_running) == 1 and not batch.planner.building
     monkeypatch.setattr(planner_module, "store_dir", lambda: None)  # no store: the build compiles through XLA's cache
