@@ -756,7 +756,8 @@ class BatchEngine:
         buy). A multi-process run shrinks at once (every process decides alike)."""
         if not self.sync.local or self.planner.has_bucket(rows, capacity) or not self.iteration_times:
             return True
-        step = float(np.median(list(self.iteration_times)[-16:]))
+        times = self.iteration_times
+        step = float(np.median([times[-i] for i in range(1, min(len(times), 16) + 1)]))  # the newest 16 (no copy)
         saving = step * (1.0 - rows * capacity / (self.rows * self.capacity))
         lost = self.shrink_lost.get((rows, capacity), 0.0) + saving * iteration
         if lost + self.tokens_left() * saving >= self.planner.plain_price(rows, capacity):
@@ -1114,7 +1115,7 @@ class BatchEngine:
 
     def _may_overlap(self) -> bool:
         """Whether some live row may still run after the iteration in flight (each emits at least one token)."""
-        return any(s.ticket.request.max_new_tokens - len(s.gen.token_ids) > 1 for s in self.slots)
+        return self.tokens_left() > 1
 
     def _proposal_arrays(self, proposals: list[list[int]], depth: int) -> tuple[jax.Array, jax.Array]:
         """Device arrays (tokens [B, D], count [B]) of the rows' n-gram proposals for a member whose chain is
