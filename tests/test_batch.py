@@ -545,8 +545,9 @@ def test_replayed_gpu_measurements_make_lazy_auto_speculate_from_the_first_reque
     # the same run's plain steps: 2.50 ms alone, 6.56 ms beside its first background builds; from then on a build
     # is charged the 62% of its seconds the loop lost
     batch.planner.plain_alone.clear(), batch.planner.plain_beside.clear()
-    batch.planner.plain_alone.extend([2.50e-3] * 8)
-    batch.planner.plain_beside.extend([6.56e-3] * 8)
+    for _ in range(8):
+        batch.planner.time_plain(key, 2.50e-3, beside=False)
+        batch.planner.time_plain(key, 6.56e-3, beside=True)
     assert batch.planner.build_share() == pytest.approx(1 - 2.50 / 6.56)
     batch.planner.compile_seconds = batch.planner.load_seconds = 5.0
     assert batch.planner.build_price(greedy, 2, batch.capacity_buckets[0], "ssm") == pytest.approx(5.0 * (1 - 2.50 / 6.56))
@@ -594,10 +595,17 @@ def test_a_second_tree_is_judged_by_what_it_adds_and_a_share_never_measured_is_n
     planner.regret.clear()
     left = ahead / 2 + 1.0 / over_ssm  # saves over_ssm * left > 1 s in all, but < 1 s once the build is in
     assert not planner.worth_compiling("ssm+ngram", chooser, rows, every, bucket, left=left)
-    planner.plain_beside.extend([2.0] * 8)  # beside a build, before any plain step ran alone
+    for _ in range(8):  # beside a build, before any plain step ran alone
+        planner.time_plain(bucket, 2.0, beside=True)
     planner.close()
     assert engine.build_share() is None and planner.measured_share() is None
-    planner.plain_alone.extend([1.0] * 8)
+    wider = (greedy, 4, batch.capacity_buckets[0])
+    for _ in range(8):  # alone, but in another bucket: steps of another shape say nothing about what a build costs
+        planner.time_plain(wider, 4.0, beside=False)
+    planner.close()
+    assert engine.build_share() is None and planner.measured_share() is None
+    for _ in range(8):
+        planner.time_plain(bucket, 1.0, beside=False)
     planner.close()
     assert engine.build_share() == pytest.approx(0.5) == planner.measured_share()
 
@@ -605,13 +613,20 @@ def test_a_second_tree_is_judged_by_what_it_adds_and_a_share_never_measured_is_n
 def test_a_machine_that_never_compiled_explores_one_build_at_a_time(llm, tmp_path, monkeypatch):
     """Before any compile was measured on this machine a build is priced as a load (the first one is the
     measurement), but while that build runs the next is priced at least at the seconds it has taken so far, so
-    a first run cannot queue builds by the dozen; a first build cut short by the loop's close is still kept as
-    what a compile takes here at least."""
+    a first run cannot queue builds by the dozen (nor take their share of the loop to be nothing: one queued
+    behind another is charged all its seconds until a share is measured); a first build cut short by the loop's
+    close is still kept as what a compile takes here at least."""
+    import concurrent.futures
+
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
     engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
     planner = BatchEngine(engine, max_batch=1, max_model_len=64).planner
     bucket = (greedy, 1, 64)
+    assert planner.build_share() == 0.0  # nothing in flight: the first build is the measurement
+    planner.building[(*bucket, "ngram")] = concurrent.futures.Future()
+    assert planner.build_share() == 1.0  # one in flight, none measured: the next is not free
+    planner.building.clear()
     planner.load_seconds = 0.2
     assert engine.build_seconds() is None and planner.ready_seconds(*bucket, "ssm") == pytest.approx(0.2)
     planner.build_began = time.perf_counter() - 6.0  # a build has run for 6 s

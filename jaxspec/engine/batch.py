@@ -1194,7 +1194,7 @@ class BatchEngine:
         self.iterations += 1
         forced = [len(c) for c in chains] or [0] * self.rows
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
-                         self.planner.busy, self._chunk_queued)
+                         self.planner.busy, self._chunk_queued, (warp, self.rows, self.capacity))
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
@@ -1214,7 +1214,7 @@ class BatchEngine:
             self._prefill_debt = max(0.0, self._prefill_debt - self.prefill_stall * seconds)
         self.iteration_trees.append(it.name)
         if it.name == "none" and not cfg.grammar and it.costs and not it.prefilled:  # relative to the bucket's own
-            (self.planner.plain_beside if it.building else self.planner.plain_alone).append(seconds / it.costs["none"])
+            self.planner.time_plain(it.bucket, seconds, beside=it.building)
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
         stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
         ssm_nodes = cfg.num_nodes - 1 - cfg.ngram_depth - cfg.forced_depth
@@ -1266,6 +1266,7 @@ class _InFlight:
     host: float = 0.0  # host seconds from choosing it to its launch returning
     building: bool = False  # a background build was in flight when it launched
     prefilled: bool = False  # a prompt chunk was queued on the device before it: its seconds include the chunk
+    bucket: tuple = ()  # (warp, rows, capacity) it ran in
 
 
 def _deliver(on_event: Callable[[Event], None], event: Event) -> None:

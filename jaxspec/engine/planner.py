@@ -67,7 +67,7 @@ WIDTHS = (1, 2, 3, 4, 6, 8)  # children per node considered at a level
 # Prompt lookup copies: once its first token agrees, the copy tends to go on (text repeats in runs), so each deeper
 # token of its chain is taken to agree with this chance given its parent did (a prior; the chooser learns the rest).
 NGRAM_CONTINUATION = 0.8
-MIN_WATCHED = 8  # plain steps timed alone and beside a build before their ratio prices builds
+MIN_WATCHED = 8  # plain steps timed alone and beside a build (in buckets that ran both) before their ratio prices builds
 # Where a bucket has only its plain step, the trees it might build are weighed (draws, compile decisions) once every
 # few iterations, so that weighing costs the host at most this share of a plain iteration (measured: the weighing's
 # own seconds over the plain step's, on the machine that runs it); a weighing then stands for the iterations since
@@ -426,9 +426,10 @@ class Planner:
         self.compile_seconds: float | None = None
         self.load_seconds: float | None = None
         self.built: dict = {}  # (warp, rows, capacity, member) -> built on this machine before (``built_before``)
-        # plain steps' seconds with no build in flight and beside one: what a build costs the loop, measured
-        self.plain_alone: collections.deque[float] = collections.deque(maxlen=64)
-        self.plain_beside: collections.deque[float] = collections.deque(maxlen=64)
+        # (warp, rows, capacity) -> plain steps' seconds there with no build in flight, and beside one: what a build
+        # costs the loop, measured bucket by bucket (``time_plain``)
+        self.plain_alone: dict[tuple, collections.deque[float]] = {}
+        self.plain_beside: dict[tuple, collections.deque[float]] = {}
         self.switch_interval: float | None = None  # the interpreter's, while builds lower it
         # ``Runner.build_seconds`` / ``build_share`` / ``build_regret`` (the ledger) as earlier runs on this device
         # recorded them, read once each (a weighing must not read the disk every time; None: never recorded)
@@ -738,15 +739,24 @@ class Planner:
         return seconds * self.build_share() if self.background else seconds
 
     def build_share(self) -> float:
-        """The share of a background build's seconds the loop loses: 1 - (plain step alone) / (plain step beside
-        a build), medians, as measured in this process, else as this machine measured it last (kept per device
-        beside the calibrations). Never measured here: none, so the first build is the measurement (explore once
-        per machine; its executable stays in the compile cache)."""
+        """The share of a background build's seconds the loop loses (``measured_share``), as measured in this
+        process, else as this machine measured it last (kept per device beside the calibrations). Never measured
+        here: none for a build while no other is in flight, so the first build is the measurement (explore once
+        per machine; its executable stays in the compile cache), and all of it for one queued behind another (a
+        first run must not queue builds it takes to be free by the dozen before one was ever watched)."""
         measured = self.measured_share()
         if measured is not None:
             return measured
         stored = self._stored("build_share")
-        return stored if stored is not None else 0.0
+        if stored is not None:
+            return stored
+        return 1.0 if self.building else 0.0
+
+    def time_plain(self, bucket: tuple, seconds: float, beside: bool) -> None:
+        """Records one plain iteration's ``seconds`` at ``bucket`` (warp, rows, capacity), run with a build in
+        flight (``beside``) or without."""
+        table = self.plain_beside if beside else self.plain_alone
+        table.setdefault(bucket, collections.deque(maxlen=64)).append(seconds)
 
     def _stored(self, what: str) -> float | None:
         """A build record (``what``: "build_seconds" or "build_share") as this machine kept it, read once."""
@@ -755,13 +765,21 @@ class Planner:
         return self.stored[what]
 
     def measured_share(self) -> float | None:
-        """``build_share`` as this process measured it, or None until it has timed ``MIN_WATCHED`` plain steps
-        both alone and beside a build (a first build starts before any plain step ran alone: it is not a
-        measurement of nothing lost, and is never kept as one)."""
-        alone, beside = self.plain_alone, self.plain_beside
-        if len(alone) < MIN_WATCHED or len(beside) < MIN_WATCHED:
+        """The share of a build's seconds the loop loses as this process measured it: 1 - 1 / the median ratio of
+        a plain step beside a build to the median plain step alone *in the same bucket*, over the buckets that
+        timed ``MIN_WATCHED`` alone; None until ``MIN_WATCHED`` steps beside a build were timed in such buckets (a
+        first build starts before any plain step ran alone: it is not a measurement of nothing lost, and is never
+        kept as one). Bucket by bucket, because steps of different shapes compare only through their
+        calibrations, which a start-up's noise can put far off (a share of 0 from such a comparison made every
+        build look free and a server compile beside its steps without end)."""
+        ratios = []
+        for bucket, beside in self.plain_beside.items():
+            alone = self.plain_alone.get(bucket, ())
+            if len(alone) >= MIN_WATCHED:
+                ratios.extend(np.asarray(beside) / np.median(alone))
+        if len(ratios) < MIN_WATCHED:
             return None
-        return float(np.clip(1.0 - np.median(alone) / np.median(beside), 0.0, 1.0))
+        return float(np.clip(1.0 - 1.0 / np.median(ratios), 0.0, 1.0))
 
     def keep_share(self) -> None:
         """Records the measured share for this machine's next runs (once measured; on every harvest and at close,

@@ -431,8 +431,9 @@ class Runner:
 
     def build_share(self, share: float | None = None) -> float | None:
         """The share of a background build's seconds the scheduling loop lost on this device, as last measured;
-        given ``share``, records it."""
-        return self._build_record("build-share", None if share is None else float(share))
+        given ``share``, records it. (Measured bucket by bucket since "build-share-per-bucket": a share kept before,
+        from steps of different shapes compared through their calibrations, is not read.)"""
+        return self._build_record("build-share-per-bucket", None if share is None else float(share))
 
     def build_regret(self, regret: dict[str, float] | None = None) -> dict[str, float] | None:
         """Seconds the runs on this device lost without each tree they wanted and never had ready (lazy auto's

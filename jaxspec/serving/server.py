@@ -68,7 +68,8 @@ def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: Serve
     engine, llm = build_engine(engine_config, log=sys.stderr)
     name = config.served_model_name or llm.name
     service: Service | None = None
-    batch = build_scheduler(engine, scheduler, on_iteration=lambda stats: service.on_iteration(stats))
+    say = (lambda text: log.info("%s", text)) if engine_config.verbose else None  # -v: what compiles, loads, builds
+    batch = build_scheduler(engine, scheduler, on_iteration=lambda stats: service.on_iteration(stats), verbose=say)
     import jax  # noqa: PLC0415
 
     from jaxspec.engine import lockstep  # noqa: PLC0415
