@@ -688,6 +688,24 @@ def test_prefill_stall_paces_a_long_prompt_beside_a_decoding_row_and_changes_no_
     with pytest.raises(RequestError, match="prefill-stall"):
         BatchEngine(engine, prefill_stall=0)
 
+
+def test_a_paced_loop_with_no_prompt_to_feed_keeps_the_device_busy(llm, monkeypatch):
+    """Pacing times a prompt chunk alone, so the iteration in flight ends first; an iteration with no prompt to feed
+    must not wait for it (the server paces by default: every decoding iteration lost its overlap of host work with
+    the device step). Counted: the loop's waits on the device while two admitted rows decode."""
+    import jaxspec.engine.batch as batch_module
+
+    engine = Engine(llm)
+    requests = [Request([5, 3, 8], 24), Request([7, 2], 24)]
+    want = [engine.generate(r.prompt_ids, r.max_new_tokens).token_ids for r in requests]
+    paced = BatchEngine(engine, max_batch=2, max_model_len=64, prefill_stall=0.5)
+    paced.generate([Request([4, 4], 2)])  # compiles outside the count
+    waits = []
+    real = batch_module.jax.block_until_ready
+    monkeypatch.setattr(batch_module.jax, "block_until_ready", lambda x: (waits.append(1), real(x))[1])
+    assert [g.token_ids for g in paced.generate(requests)] == want
+    assert len(waits) <= len(requests)  # a wait per prompt fed at most, not one per iteration (24 here)
+
     class Lockstep(LoopSync):  # the processes of a multi-process run admit in the same iterations
         shared = True
 

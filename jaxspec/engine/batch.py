@@ -674,8 +674,8 @@ class BatchEngine:
         if paced and self._prefill_debt > 0:
             budget = 0  # the decoding rows are still making up the last chunk's time
             self.prefill_waits += bool(self.staging or self.waiting)
-        elif paced and self._pending is not None:  # a chunk is timed alone: the iteration in flight ends first
-            jax.block_until_ready(self._pending.out.tokens)
+        elif paced and self._pending is not None and (self.staging is not None or self.waiting):
+            jax.block_until_ready(self._pending.out.tokens)  # a chunk is timed alone: the iteration in flight ends first
         began, fed_now = time.perf_counter(), 0
         while budget > 0:
             try:
