@@ -888,9 +888,11 @@ class Planner:
             (_, near_rows, near_cap), measured = near
             ratio = measured[name] / measured["none"]
             curve = self.engine.cost_curve
-            if curve is not None:  # what the curve missed at the measured bucket, carried to this one
-                out[name] = known["none"] * max(1.0, ratio * curve.member_ratio(cfg, rows)
-                                                / curve.member_ratio(cfg, near_rows))
+            if curve is not None:  # what the curve missed at the measured bucket, carried to this one: only more, as
+                # the curve keeps each pass's fastest run (a calibration that timed a tree below it, even below the
+                # plain step, is noise, and carried to a wide bucket it priced a 2.8x pass at 1.25x)
+                missed = max(1.0, ratio / curve.member_ratio(cfg, near_rows))
+                out[name] = known["none"] * max(1.0, missed * curve.member_ratio(cfg, rows))
             else:
                 out[name] = scaled_cost(ratio, near_rows, rows, self.plain_seconds(warp, near_rows, near_cap),
                                         known["none"])
