@@ -1213,7 +1213,7 @@ class BatchEngine:
         if self.prefill_stall is not None:
             self._prefill_debt = max(0.0, self._prefill_debt - self.prefill_stall * seconds)
         self.iteration_trees.append(it.name)
-        if it.name == "none" and not cfg.grammar and it.costs and not it.prefilled:  # relative to the bucket's own
+        if it.name == "none" and not cfg.grammar and it.costs and not it.prefilled:  # timed in its own bucket
             self.planner.time_plain(it.bucket, seconds, beside=it.building)
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
         stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
