@@ -263,35 +263,6 @@ def test_chooser_costs_follow_observed_timings():
         assert chooser.pick() == ("none" if adapt else "ssm")
 
 
-def test_a_calibration_off_at_one_bucket_is_corrected_there_without_skewing_the_others():
-    """Timings named by bucket rescale that bucket's costs by its own ratios: a plain step calibrated at twice its
-    true cost at one row (timed while the machine was busy, and kept) and right at sixteen is priced right at both,
-    where one drift for all buckets (the median of their mixed ratios) was wrong at one of them; a member never
-    run at a bucket takes its drift from the other buckets, then from the plain step's there."""
-    members = [Member("none", {}, {}), Member("ssm", {"ssm": 3}, {"ssm": (0,)})]
-    chooser = TreeChooser(members, {"none": 1.0, "ssm": 1.5}, explore=False)
-    one, wide = {"none": 0.06, "ssm": 0.05}, {"none": 0.10, "ssm": 0.25}
-    for _ in range(8):
-        chooser.observe_time("none", 0.03, one, bucket=(1, 256))  # half what the stale calibration says
-    for _ in range(12):
-        chooser.observe_time("none", 0.10, wide, bucket=(16, 256))
-    assert chooser.cost("none", one, (1, 256)) == pytest.approx(0.03)
-    assert chooser.cost("none", wide, (16, 256)) == pytest.approx(0.10)
-    assert chooser.cost("none", one) == pytest.approx(0.06)  # unnamed: the median of every ratio (1.0 here)
-    assert chooser.cost("ssm", one, (1, 256)) == pytest.approx(0.05 * 0.5)  # never run: the plain step's drift here
-    for _ in range(4):
-        chooser.observe_time("ssm", 0.30, wide, bucket=(16, 256))
-    assert chooser.cost("ssm", wide, (16, 256)) == pytest.approx(0.30)
-    assert chooser.cost("ssm", one, (1, 256)) == pytest.approx(0.05 * 1.2)  # what it showed at the other bucket
-    for _ in range(4):  # ssm at one row as timed there: its own drift now
-        chooser.observe_time("ssm", 0.07, one, bucket=(1, 256))
-    assert chooser.cost("ssm", one, (1, 256)) == pytest.approx(0.07)
-    # the prior's ~2.2 tokens: at this bucket's own 0.07 s against 0.03 s the tree loses; by the drifts of every
-    # bucket mixed (none 1.0x of 0.06 s, ssm 1.3x of 0.05 s) it looked twice as good as the plain step
-    assert chooser.pick_batch([(0, 0)], one, bucket=(1, 256)) == "none"
-    assert chooser.pick_batch([(0, 0)], one) == "ssm"
-
-
 def test_chooser_learns_per_depth_acceptance():
     members = [Member("none", {}, {}), Member("ngram", {"ngram": 4}, {"ngram": (0,)})]
     chooser = TreeChooser(members, {"none": 1.0, "ngram": 1.5}, explore=False)

@@ -62,7 +62,7 @@ GLOBAL_CONFIDENCE = 64.0  # ... and as at most this many in how sure the estimat
 HALF_LIFE = 8.0
 DISCOUNT = 0.5 ** (1.0 / HALF_LIFE)  # global counts are multiplied by this at each finished request (~0.917)
 MIN_TIMINGS = 4  # observed iterations of a member before they rescale its calibrated cost
-TIMING_WINDOW = 32  # the newest observed/calibrated ratios kept per member (and per member and bucket)
+TIMING_WINDOW = 32  # the newest observed/calibrated ratios kept per member
 FORCED_NODE_PRIOR = 0.12  # a forced-chain node's share of a plain step before a grammar step is timed
 GRAMMAR_PRIOR = 1.1  # a grammar step (host masks, no host/device overlap) over its plain member, before timing
 
@@ -118,10 +118,8 @@ class TreeChooser:
         self.adapt_costs = adapt_costs
         self.discount = discount
         self.rng = np.random.default_rng(seed)
-        # member (all buckets), or (member, bucket) -> its newest observed/calibrated ratios
-        self.timings: dict[Hashable, collections.deque] = {m.name: collections.deque(maxlen=TIMING_WINDOW)
-                                                           for m in members}
-        self._drifts: dict[Hashable, float | None] = {}  # timings key -> their median (None: too few), until one is added
+        self.timings = {m.name: collections.deque(maxlen=TIMING_WINDOW) for m in members}
+        self._drifts: dict[str, float | None] = {}  # timings key -> their median (None: too few), until one is added
         self.max_depth = max([d for m in members for d in m.depth.values()] + [1])
         self._depths = np.arange(1, self.max_depth + 1)  # [D]: the depths a rate describes
         self.global_stats = {k: DepthStats(self.max_depth) for k in KINDS}  # finished requests, discounted
@@ -267,29 +265,22 @@ class TreeChooser:
         table = {kind: np.stack([self.rates(self._stats_kind(kind, match)) for _, match in rows]) for kind in kinds}
         return float(self.batch_tokens(name, np.array([length for length, _ in rows]), table).sum())
 
-    def cost(self, name: str, costs: dict[str, float] | None = None, bucket: Hashable = None) -> float:
+    def cost(self, name: str, costs: dict[str, float] | None = None) -> float:
         """Seconds one iteration of ``name`` is expected to take: calibrated (``costs``, the bucket's; default
         ``self.costs``), rescaled by observed timings.
 
         The timings are kept as ratios to the calibrated cost of the bucket each iteration ran
-        in, so what is learned at one batch or cache bucket carries over to the others; where
-        ``name`` ran at ``bucket`` itself (the key ``observe_time`` was given), that bucket's own
-        ratios rule: a calibration off at one bucket only (one timed while the machine was busy,
-        kept for later runs) is corrected there without skewing the others.
+        in, so what is learned at one batch or cache bucket carries over to the others.
         """
         base = (costs or self.costs)[name]
         if not self.adapt_costs:
             return base
-        drift = None if bucket is None else self._drift((name, bucket))
-        if drift is None:
-            drift = self._drift(name)
-        if drift is None and bucket is not None:  # not run enough yet: the drift the plain step saw here
-            drift = self._drift(("none", bucket))
-        if drift is None:  # ... or anywhere
+        drift = self._drift(name)
+        if drift is None:  # not run enough yet: the machine's drift as the plain step saw it
             drift = self._drift("none")
         return base if drift is None else base * drift
 
-    def _drift(self, key: Hashable) -> float | None:
+    def _drift(self, key: str) -> float | None:
         """The median observed/calibrated ratio of ``key``'s timings (None before ``MIN_TIMINGS``), kept until the
         next timing of ``key`` arrives: every pick reads it, few iterations change it."""
         if key not in self._drifts:
@@ -297,15 +288,12 @@ class TreeChooser:
             self._drifts[key] = float(np.median(seen)) if len(seen) >= MIN_TIMINGS else None
         return self._drifts[key]
 
-    def observe_time(self, name: str, seconds: float, costs: dict[str, float] | None = None,
-                     bucket: Hashable = None) -> None:
-        """Records what one iteration of ``name`` took (dispatch to tokens on the host) against ``costs``, the
-        calibrated costs of the bucket it ran in (named ``bucket``, if given, for ``cost``'s per-bucket drift)."""
+    def observe_time(self, name: str, seconds: float, costs: dict[str, float] | None = None) -> None:
+        """Records what one iteration of ``name`` took (dispatch to tokens on the host) against ``costs``."""
         base = (costs or self.costs)[name]
         if base > 0 and seconds > 0:
-            for key in (name,) if bucket is None else (name, (name, bucket)):
-                self.timings.setdefault(key, collections.deque(maxlen=TIMING_WINDOW)).append(seconds / base)
-                self._drifts.pop(key, None)
+            self.timings[name].append(seconds / base)
+            self._drifts.pop(name, None)
 
     def constrained_cost(self, name: str, forced: int, costs: dict[str, float] | None = None) -> float:
         """Seconds of ``name``'s grammar step with a chain of ``forced`` nodes: the member's calibrated cost times
@@ -354,8 +342,7 @@ class TreeChooser:
         return self.pick_batch([(ngram_len, ngram_match)], keys=[key])
 
     def pick_batch(self, rows: list[tuple[int, int]], costs: dict[str, float] | None = None,
-                   keys: Sequence[Hashable] | None = None, scores: dict[str, float] | None = None,
-                   bucket: Hashable = None) -> str:
+                   keys: Sequence[Hashable] | None = None, scores: dict[str, float] | None = None) -> str:
         """The member with the most expected tokens per second summed over a batch's rows.
 
         ``rows`` holds each active row's (n-gram proposal length, matched suffix length);
@@ -364,8 +351,7 @@ class TreeChooser:
         members without a cost there are not candidates. ``keys`` name each row's request,
         whose own counts its rates read (default: none, every open request pooled). One draw
         per (kind, request) serves every member of the pick; ``scores``, when given, receives each
-        candidate's expected tokens per second under that draw (what a compile decision weighs). ``bucket``
-        names the bucket ``costs`` belong to (``cost``'s per-bucket drift).
+        candidate's expected tokens per second under that draw (what a compile decision weighs).
         """
         names = [n for n in self.members if n in (costs or self.costs)]
         if len(names) == 1:
@@ -373,7 +359,7 @@ class TreeChooser:
         rates = self._row_rates(names, rows, keys or [None] * len(rows))
         lengths = np.array([length for length, _ in rows])  # [B]
         reach = self._reach(rates)
-        rate = {n: float(self._tokens(n, lengths, reach).sum()) / self.cost(n, costs, bucket) for n in names}
+        rate = {n: float(self._tokens(n, lengths, reach).sum()) / self.cost(n, costs) for n in names}
         if scores is not None:
             scores.update(rate)
         return max(rate, key=lambda n: (rate[n], n == "none"))

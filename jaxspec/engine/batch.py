@@ -1166,7 +1166,7 @@ class BatchEngine:
                 name = self.planner.pick(chooser, warp, self.rows, self.capacity, costs, rows, keys, left,
                                          self.iterations)
             else:
-                name = chooser.pick_batch(rows, costs, keys=keys, bucket=(self.rows, self.capacity))
+                name = chooser.pick_batch(rows, costs, keys=keys)
             name = self.sync.agree_pick(name, list(family))
             if name not in costs:  # agreed to compile it: every process readies it in the same order
                 self.planner.ready(warp, self.rows, self.capacity, [name])
@@ -1235,7 +1235,7 @@ class BatchEngine:
             if cfg.grammar:
                 it.chooser.observe_constrained_time(it.name, cfg.forced_depth, seconds, it.costs)
             elif not it.building and not it.prefilled:  # a build beside it or a chunk before it: not its cost
-                it.chooser.observe_time(it.name, seconds, it.costs, bucket=it.bucket[1:])
+                it.chooser.observe_time(it.name, seconds, it.costs)
         for i, slot in live:
             if slot.row < 0:
                 continue  # retired by an earlier row's failure in this loop

@@ -484,7 +484,7 @@ class Planner:
         picks that the bucket lacks (``stood``: the iterations this weighing stands for)."""
         every = self.estimated(warp, bucket[1], bucket[2], costs)
         drawn: dict[str, float] = {}
-        name = chooser.pick_batch(proposals, every, keys=keys, scores=drawn, bucket=bucket[1:])
+        name = chooser.pick_batch(proposals, every, keys=keys, scores=drawn)
         if name in costs:
             return name
         if (*bucket, name) in self.failed:
@@ -948,7 +948,7 @@ class Planner:
         price = self.build_price(*bucket, name)
         ahead = 0.0
         if self.background:  # iterations that run plain, at their pace beside a build, before it is ready
-            beside = chooser.cost("none", costs, bucket[1:]) / max(1.0 - self.build_share(), 1e-3)
+            beside = chooser.cost("none", costs) / max(1.0 - self.build_share(), 1e-3)
             ahead = (len(self.building) + 1) * self.ready_seconds(*bucket, name) / beside
         return max(mean * max(left - ahead, 0.0), self.regret[key]) > price
 
@@ -960,14 +960,14 @@ class Planner:
         posterior means, or None where ``name`` saves nothing (the regret is left as it was)."""
         have = [n for n in costs if n != name and (n == "none" or n in self.bucket_costs.get(bucket, {})
                                                    or (*bucket, n) in self.building)]
-        plain = chooser.cost("none", costs, bucket[1:])
+        plain = chooser.cost("none", costs)
 
         def saving(rate: dict[str, float]) -> float:
             """Seconds ``name`` saves per plain step's tokens over the best of ``have`` at these rates."""
             base = max(rate[n] for n in have)
             return plain * rate["none"] * max(1 / base - 1 / rate[name], 0.0)
 
-        mean = saving({n: chooser.mean_tokens(n, rows) / chooser.cost(n, costs, bucket[1:]) for n in have + [name]})
+        mean = saving({n: chooser.mean_tokens(n, rows) / chooser.cost(n, costs) for n in have + [name]})
         drawn_saving = saving(drawn) if drawn and all(n in drawn for n in have + [name]) else mean
         if max(mean, drawn_saving) <= 0:
             return None
