@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import threading
 import time
 from typing import Callable, Sequence
@@ -669,12 +670,13 @@ class BatchEngine:
         beside = self._admit_beside()
         budget = self.chunks.largest
         paced = self.prefill_stall is not None and bool(self.slots)
+        to_feed = self.staging is not None or bool(self.waiting)
         if not self.slots or self.staging is None:  # a prompt's first chunk is not paced: only a long one waits
             self._prefill_debt = 0.0
         if paced and self._prefill_debt > 0:
             budget = 0  # the decoding rows are still making up the last chunk's time
-            self.prefill_waits += bool(self.staging or self.waiting)
-        elif paced and self._pending is not None and (self.staging is not None or self.waiting):
+            self.prefill_waits += to_feed
+        elif paced and to_feed and self._pending is not None:
             jax.block_until_ready(self._pending.out.tokens)  # a chunk is timed alone: the iteration in flight ends first
         began, fed_now = time.perf_counter(), 0
         while budget > 0:
@@ -756,8 +758,7 @@ class BatchEngine:
         buy). A multi-process run shrinks at once (every process decides alike)."""
         if not self.sync.local or self.planner.has_bucket(rows, capacity) or not self.iteration_times:
             return True
-        times = self.iteration_times
-        step = float(np.median([times[-i] for i in range(1, min(len(times), 16) + 1)]))  # the newest 16 (no copy)
+        step = float(np.median(list(itertools.islice(reversed(self.iteration_times), 16))))  # the newest 16
         saving = step * (1.0 - rows * capacity / (self.rows * self.capacity))
         lost = self.shrink_lost.get((rows, capacity), 0.0) + saving * iteration
         if lost + self.tokens_left() * saving >= self.planner.plain_price(rows, capacity):
