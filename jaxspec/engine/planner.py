@@ -436,7 +436,9 @@ class Planner:
         self.stored: dict[str, Any] = {}
         self.kept_share: float | None = None  # the share this process last recorded for later runs
         self.builds: list[tuple[int, tuple]] = []  # (iteration, (warp, rows, capacity, member)) of background builds
-        self.builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: builds run one at a time
+        self.builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: compiles run one at a time
+        self.loader: concurrent.futures.ThreadPoolExecutor | None = None  # loads, one at a time, beside a compile
+        self.loading: set[tuple] = set()  # the keys of ``building`` that are loads (the loader's)
         self.building: dict[tuple, concurrent.futures.Future] = {}  # (warp, rows, capacity, member) -> its build
         self.failed: set[tuple] = set()  # builds that raised: their members stay out of that bucket
         self.left_running: list = []  # builds still running when the loop closed (their futures)
@@ -450,6 +452,7 @@ class Planner:
         self.worker_ids: set[int] = set()  # the build worker's native thread id
         self.demotion = Demotion()  # the threads held at the idle priority while background compiles run
         self.said_demoted = False  # (verbose) the demotion is said once
+        self.said_prices: set[tuple] = set()  # (verbose) buckets whose members' prices were said (at a first weighing)
 
     @property
     def sync(self) -> Any:
@@ -483,21 +486,47 @@ class Planner:
         """``pick``'s weighing: the chooser's draw over every member, then the compile decision for a tree it
         picks that the bucket lacks (``stood``: the iterations this weighing stands for)."""
         every = self.estimated(warp, bucket[1], bucket[2], costs)
+        if self.verbose is not None and bucket not in self.said_prices:
+            self.said_prices.add(bucket)
+            self.verbose(f"prices at {bucket[1]} row(s) x {bucket[2]} slots, {warp.label}: "
+                         + ", ".join(f"{n} {c / every['none']:.2f}x" for n, c in every.items() if n != "none")
+                         + f" a plain step of {every['none'] * 1e3:.1f} ms")
         drawn: dict[str, float] = {}
         name = chooser.pick_batch(proposals, every, keys=keys, scores=drawn)
         if name in costs:
             return name
+        # the iteration runs the best member ready here under the same draw (the plain step at least) while the
+        # pick is not ready: a tree being built must not stop the ones already built
+        ready = max(costs, key=lambda n: (drawn.get(n, 0.0), n == "none"))
         if (*bucket, name) in self.failed:
-            return "none"
+            return ready
+        load = self._load_first(bucket, name, costs, drawn)
+        if load is not None:  # a compile (to start, or in flight) waits: a tree that beats the ready ones loads first
+            self.lose(name, chooser, proposals, every, bucket, drawn, stood)
+            name = load
         if (*bucket, name) in self.building:  # not built yet: what the iterations meanwhile lose still counts
             self.lose(name, chooser, proposals, every, bucket, drawn, stood)
-            return "none"
+            return ready
         if not self.worth_compiling(name, chooser, proposals, every, bucket, left, drawn, stood):
-            return "none"
+            return ready
         if self.background:
             self.build_in_background(*bucket, name, iteration)
-            return "none"
+            return ready
         return name
+
+    def _load_first(self, bucket: tuple, name: str, costs: dict[str, float], drawn: dict[str, float]) -> str | None:
+        """Where the draw picked ``name``, which this machine never built for ``bucket`` (a compile: seconds to
+        minutes, one at a time, at the idle priority), the member this machine built there before (a load, about a
+        second, in a lane of its own) that the same draw rates best among those that beat every member ready now;
+        None where there is none. A short job otherwise waits on a compile that ends after it beside a tree it
+        could have loaded (``cache --prepare`` readies whole trees; their cuts compile where they pay)."""
+        if self.built_before(*bucket, name) or not drawn:
+            return None
+        best_ready = max(drawn.get(n, 0.0) for n in costs)
+        loads = [n for n, rate in drawn.items() if rate > best_ready and n not in costs and n != name
+                 and (*bucket, n) not in self.building and (*bucket, n) not in self.failed
+                 and self.built_before(*bucket, n)]
+        return max(loads, key=drawn.get, default=None)
 
     def close(self, buy: bool = False, say: Callable[[str], None] | None = None) -> None:
         """Keeps the build share if measured and the regret ledger, drops the builds not started, lets a running one
@@ -514,9 +543,11 @@ class Planner:
             probe.close()
             if not running.done():
                 self.left_running.append(running)
-        if self.builder is not None:
-            self.builder.shutdown(wait=False, cancel_futures=True)
-            self.builder = None
+        for pool in (self.builder, self.loader):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self.builder = self.loader = None
+        self.loading.clear()
         self.left_running += [f for f in self.building.values() if not f.done()]
         self.building.clear()
         if self.compile_seconds is None and self.engine.build_seconds() is None and self.running_for() > 0:
@@ -671,15 +702,20 @@ class Planner:
             self.verbose(f"{'loaded' if loaded else 'compiled'} {', '.join(cold)} for {rows} row(s) x {capacity} "
                          f"slots, {warp.label}: {seconds:.1f} s{measured}")
 
-    def build(self, warp: sampling.WarpSpec, rows: int, capacity: int, names: list[str]) -> tuple[float, bool]:
+    def build(self, warp: sampling.WarpSpec, rows: int, capacity: int, names: list[str],
+              load: bool = False) -> tuple[float, bool]:
         """Readies ``names`` for a bucket on this thread; returns (seconds, whether every executable came from disk:
-        the persistent cache's counts tell a load from a compile, whatever the calibration cache remembers)."""
+        the persistent cache's counts tell a load from a compile, whatever the calibration cache remembers).
+        ``load``: expected to be a load (the loader's), which ``running_for`` does not time."""
         loads, compiles = STATS.thread_loads, STATS.thread_compiles
-        began = self.build_began = time.perf_counter()
+        began = time.perf_counter()
+        if not load:
+            self.build_began = began
         try:
             self.engine.warm(warp, capacity, rows, names=names)
         finally:
-            self.build_began = None
+            if not load:
+                self.build_began = None
         seconds = time.perf_counter() - began
         return seconds, STATS.thread_compiles == compiles and STATS.thread_loads > loads
 
@@ -736,21 +772,29 @@ class Planner:
         """Loop seconds that readying ``name`` for the bucket costs: all of it when the loop waits; in the
         background, the share of it the loop loses (``build_share``)."""
         seconds = self.ready_seconds(warp, rows, capacity, name)
-        return seconds * self.build_share() if self.background else seconds
+        if not self.background:
+            return seconds
+        return seconds * self.build_share(self.built_before(warp, rows, capacity, name))
 
-    def build_share(self) -> float:
+    def build_share(self, load: bool = False) -> float:
         """The share of a background build's seconds the loop loses (``measured_share``), as measured in this
         process, else as this machine measured it last (kept per device beside the calibrations). Never measured
-        here: none for a build while no other is in flight, so the first build is the measurement (explore once
-        per machine; its executable stays in the compile cache), and all of it for one queued behind another (a
-        first run must not queue builds it takes to be free by the dozen before one was ever watched)."""
+        here: none for a build while no other is in flight in its lane (``load``: the loads', else the compiles'),
+        so the first build is the measurement (explore once per machine; its executable stays in the compile
+        cache), and all of it for one queued behind another (a first run must not queue builds it takes to be free
+        by the dozen before one was ever watched)."""
         measured = self.measured_share()
         if measured is not None:
             return measured
         stored = self._stored("build_share")
         if stored is not None:
             return stored
-        return 1.0 if self.building else 0.0
+        return 1.0 if self.in_lane(load) else 0.0
+
+    def in_lane(self, load: bool) -> int:
+        """How many background builds are in flight or queued in a lane (``load``: the loader's, else the
+        compiles')."""
+        return sum((key in self.loading) == load for key in self.building)
 
     def time_plain(self, bucket: tuple, seconds: float, beside: bool) -> None:
         """Records one plain iteration's ``seconds`` at ``bucket`` (warp, rows, capacity), run with a build in
@@ -796,12 +840,19 @@ class Planner:
         key = (warp, rows, capacity, name)
         if key in self.building:
             return
-        if self.builder is None:
-            self.builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-build",
-                                                                 initializer=self._on_worker)
-
+        load = self.built_before(warp, rows, capacity, name)
+        if load:  # a load (mostly reading a file) at the loop's own priority, beside any compile in flight
+            if self.loader is None:
+                self.loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-load")
+            pool = self.loader
+            self.loading.add(key)
+        else:
+            if self.builder is None:
+                self.builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-build",
+                                                                     initializer=self._on_worker)
+            pool = self.builder
         self._background_on()
-        self.building[key] = self.builder.submit(self.build, warp, rows, capacity, [name])
+        self.building[key] = pool.submit(self.build, warp, rows, capacity, [name], load)
         self.builds.append((iteration, key))
         if self.verbose is not None:
             self.verbose(f"building {name} for {rows} row(s) x {capacity} slots, {warp.label}, in the background")
@@ -812,6 +863,7 @@ class Planner:
         for key in [k for k, f in self.building.items() if f.done()]:
             warp, rows, capacity, name = key
             future = self.building.pop(key)
+            self.loading.discard(key)
             try:
                 seconds, loaded = future.result()
             except Exception as exc:  # noqa: BLE001 — a build that failed leaves the member unready, for good
@@ -888,10 +940,11 @@ class Planner:
             (_, near_rows, near_cap), measured = near
             ratio = measured[name] / measured["none"]
             curve = self.engine.cost_curve
-            if curve is not None:  # what the curve missed at the measured bucket, carried to this one: only more, as
-                # the curve keeps each pass's fastest run (a calibration that timed a tree below it, even below the
-                # plain step, is noise, and carried to a wide bucket it priced a 2.8x pass at 1.25x)
-                missed = max(1.0, ratio / curve.member_ratio(cfg, near_rows))
+            if curve is not None:  # what the curve missed at the measured bucket (the whole step's fixed work, the
+                # sampling and the cache writes its LLM passes leave out), carried to this one; a tree never costs
+                # less than the plain step (a calibration below it is noise: carried to a wide bucket it once priced
+                # a 2.8x pass at 1.25x), and a calibration is timed in rounds with the plain step (``_measure``)
+                missed = max(1.0, ratio) / curve.member_ratio(cfg, near_rows)
                 out[name] = known["none"] * max(1.0, missed * curve.member_ratio(cfg, rows))
             else:
                 out[name] = scaled_cost(ratio, near_rows, rows, self.plain_seconds(warp, near_rows, near_cap),
@@ -948,8 +1001,9 @@ class Planner:
         price = self.build_price(*bucket, name)
         ahead = 0.0
         if self.background:  # iterations that run plain, at their pace beside a build, before it is ready
-            beside = chooser.cost("none", costs) / max(1.0 - self.build_share(), 1e-3)
-            ahead = (len(self.building) + 1) * self.ready_seconds(*bucket, name) / beside
+            load = self.built_before(*bucket, name)
+            beside = chooser.cost("none", costs) / max(1.0 - self.build_share(load), 1e-3)
+            ahead = (self.in_lane(load) + 1) * self.ready_seconds(*bucket, name) / beside
         return max(mean * max(left - ahead, 0.0), self.regret[key]) > price
 
     def lose(self, name: str, chooser: TreeChooser, rows: list[tuple[int, int]], costs: dict[str, float],
@@ -1026,6 +1080,7 @@ class Planner:
                 wanted.append((key, lost, seconds))
             elif future.cancel():
                 del self.building[key]
+                self.loading.discard(key)
         if not wanted:
             return
         self.demotion.restore()  # the job waits for these: at full priority
