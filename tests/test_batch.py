@@ -637,6 +637,49 @@ def test_a_machine_that_never_compiled_explores_one_build_at_a_time(llm, tmp_pat
     assert BatchEngine(engine, max_batch=1, max_model_len=64).planner.ready_seconds(*bucket, "ssm") >= 6.0
 
 
+def test_a_pick_not_ready_runs_the_best_ready_tree_and_a_tree_built_before_loads_ahead_of_a_compile(
+        llm, tmp_path, monkeypatch):
+    """While the draw's pick is not ready at a bucket (here: building) the iteration runs the best member ready there
+    under the same draw, not the plain step; and where the pick would be a compile, a tree this machine built there
+    before that the same draw rates above every ready member is loaded first, in a lane of its own, which a
+    compile in flight does not queue (a short job otherwise waited on a compile that ended after it, beside a tree
+    it could have loaded, and ran plain steps meanwhile)."""
+    import concurrent.futures
+
+    from jaxspec.engine.auto import KINDS
+
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    engine = Engine(llm, speculators=[llm, NGramSpeculator(3)], expansion=[(1, 1, 1), (1, 1, 1)], auto=True)
+    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
+    batch = BatchEngine(engine, max_batch=1, max_model_len=64)
+    planner, chooser = batch.planner, engine.chooser(greedy)
+    for kind in (KINDS[0], KINDS[3]):  # the drafter and the 3+-token n-gram agree almost always
+        chooser.global_stats[kind].trials[1:] += 400
+        chooser.global_stats[kind].hits[1:] += 400 * 0.95
+    cap = batch.capacity_buckets[0]
+    bucket = (greedy, 1, cap)
+    # the merged tree draws best, then the drafter's; the n-gram's beats only the plain step
+    planner.anchors[greedy] = {"none": 1.0, "ssm": 1.2, "ngram": 3.0, "ssm+ngram": 1.1}
+    planner.bucket_costs[bucket] = {"none": 1e-2, "ssm": 1.2e-2}  # the drafter's tree is ready
+    planner.building[(*bucket, "ssm+ngram")] = concurrent.futures.Future()  # the merged one builds
+    picks = [planner.pick(chooser, greedy, 1, cap, planner.bucket_costs[bucket], [(3, 3)], [None], 1e4, i)
+             for i in range(20)]
+    assert set(picks) <= {"ssm", "none"} and picks.count("ssm") >= 15, picks
+    planner.building.clear()
+    planner.bucket_costs[bucket] = {"none": 1e-2}  # only the plain step is ready: the n-gram's tree was built here
+    planner.built.update({(*bucket, "ngram"): True, (*bucket, "ssm"): False, (*bucket, "ssm+ngram"): False})
+    monkeypatch.setattr("jaxspec.engine.planner.compile_cache_on", lambda: True)  # (what the command line turns on)
+    compile_lane = (*bucket, "ssm")  # a compile in flight in its own lane
+    planner.building[compile_lane] = concurrent.futures.Future()
+    assert planner.build_share(load=False) == 1.0 and planner.build_share(load=True) == 0.0
+    name = planner.pick(chooser, greedy, 1, cap, planner.bucket_costs[bucket], [(3, 3)], [None], 1e4, 0)
+    assert name == "none" and (*bucket, "ngram") in planner.building and (*bucket, "ngram") in planner.loading
+    del planner.building[compile_lane]
+    planner.settle()
+    assert "ngram" in planner.bucket_costs[bucket] and not planner.loading and not planner.building
+    batch.close()
+
+
 def test_a_failed_background_build_stays_out_and_multi_process_loops_build_in_the_loop(llm, monkeypatch):
     """A build that raises is not retried at every pick (its member stays out of that bucket) and the outputs are
     unchanged; a loop whose sync is not local (a multi-process run) never builds in the background."""

@@ -1010,10 +1010,14 @@ class Planner:
              bucket: tuple, drawn: dict[str, float] | None = None, stood: int = 1) -> float | None:
         """Adds to ``regret`` the seconds the iterations a weighing stands for lost without ``name`` at ``bucket``
         (its draw's saving once, the posterior means' for the ``stood - 1`` it skipped; see ``worth_compiling``),
-        over the best member the bucket has or is building besides it; returns the saving per iteration at the
-        posterior means, or None where ``name`` saves nothing (the regret is left as it was)."""
+        over the best member the bucket has or is building besides it (a load, ready in about a second, is judged
+        only against the loads in flight: a compile in flight is not there for the iterations the load serves);
+        returns the saving per iteration at the posterior means, or None where ``name`` saves nothing (the regret
+        is left as it was)."""
+        load = self.built_before(*bucket, name)
         have = [n for n in costs if n != name and (n == "none" or n in self.bucket_costs.get(bucket, {})
-                                                   or (*bucket, n) in self.building)]
+                                                   or ((*bucket, n) in self.building
+                                                       and (not load or (*bucket, n) in self.loading)))]
         plain = chooser.cost("none", costs)
 
         def saving(rate: dict[str, float]) -> float:
