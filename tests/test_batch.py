@@ -624,7 +624,7 @@ def test_a_machine_that_never_compiled_explores_one_build_at_a_time(llm, tmp_pat
     planner = BatchEngine(engine, max_batch=1, max_model_len=64).planner
     bucket = (greedy, 1, 64)
     assert planner.build_share() == 0.0  # nothing in flight: the first build is the measurement
-    planner.building[(*bucket, "ngram")] = concurrent.futures.Future()
+    planner.building[(*bucket, "ssm")] = concurrent.futures.Future()
     assert planner.build_share() == 1.0  # one in flight, none measured: the next is not free
     planner.building.clear()
     planner.load_seconds = 0.2
@@ -673,10 +673,10 @@ def test_a_pick_not_ready_runs_the_best_ready_tree_and_a_tree_built_before_loads
     planner.building[compile_lane] = concurrent.futures.Future()
     assert planner.build_share(load=False) == 1.0 and planner.build_share(load=True) == 0.0
     name = planner.pick(chooser, greedy, 1, cap, planner.bucket_costs[bucket], [(3, 3)], [None], 1e4, 0)
-    assert name == "none" and (*bucket, "ngram") in planner.building and (*bucket, "ngram") in planner.loading
+    assert name == "none" and (*bucket, "ngram") in planner.building and planner.in_lane(load=True) == 1
     del planner.building[compile_lane]
     planner.settle()
-    assert "ngram" in planner.bucket_costs[bucket] and not planner.loading and not planner.building
+    assert "ngram" in planner.bucket_costs[bucket] and not planner.in_lane(load=True) and not planner.building
     batch.close()
 
 

@@ -437,8 +437,7 @@ class Planner:
         self.kept_share: float | None = None  # the share this process last recorded for later runs
         self.builds: list[tuple[int, tuple]] = []  # (iteration, (warp, rows, capacity, member)) of background builds
         self.builder: concurrent.futures.ThreadPoolExecutor | None = None  # one worker: compiles run one at a time
-        self.loader: concurrent.futures.ThreadPoolExecutor | None = None  # loads, one at a time, beside a compile
-        self.loading: set[tuple] = set()  # the keys of ``building`` that are loads (the loader's)
+        self.loader: concurrent.futures.ThreadPoolExecutor | None = None  # loads (``built_before``), beside a compile
         self.building: dict[tuple, concurrent.futures.Future] = {}  # (warp, rows, capacity, member) -> its build
         self.failed: set[tuple] = set()  # builds that raised: their members stay out of that bucket
         self.left_running: list = []  # builds still running when the loop closed (their futures)
@@ -490,7 +489,7 @@ class Planner:
             self.said_prices.add(bucket)
             self.verbose(f"prices at {bucket[1]} row(s) x {bucket[2]} slots, {warp.label}: "
                          + ", ".join(f"{n} {c / every['none']:.2f}x" for n, c in every.items() if n != "none")
-                         + f" a plain step of {every['none'] * 1e3:.1f} ms")
+                         + f"; a plain step {every['none'] * 1e3:.1f} ms")
         drawn: dict[str, float] = {}
         name = chooser.pick_batch(proposals, every, keys=keys, scores=drawn)
         if name in costs:
@@ -547,7 +546,6 @@ class Planner:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         self.builder = self.loader = None
-        self.loading.clear()
         self.left_running += [f for f in self.building.values() if not f.done()]
         self.building.clear()
         if self.compile_seconds is None and self.engine.build_seconds() is None and self.running_for() > 0:
@@ -794,7 +792,7 @@ class Planner:
     def in_lane(self, load: bool) -> int:
         """How many background builds are in flight or queued in a lane (``load``: the loader's, else the
         compiles')."""
-        return sum((key in self.loading) == load for key in self.building)
+        return sum(self.built_before(*key) == load for key in self.building)
 
     def time_plain(self, bucket: tuple, seconds: float, beside: bool) -> None:
         """Records one plain iteration's ``seconds`` at ``bucket`` (warp, rows, capacity), run with a build in
@@ -845,7 +843,6 @@ class Planner:
             if self.loader is None:
                 self.loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-load")
             pool = self.loader
-            self.loading.add(key)
         else:
             if self.builder is None:
                 self.builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-build",
@@ -863,7 +860,6 @@ class Planner:
         for key in [k for k, f in self.building.items() if f.done()]:
             warp, rows, capacity, name = key
             future = self.building.pop(key)
-            self.loading.discard(key)
             try:
                 seconds, loaded = future.result()
             except Exception as exc:  # noqa: BLE001 — a build that failed leaves the member unready, for good
@@ -1017,7 +1013,7 @@ class Planner:
         load = self.built_before(*bucket, name)
         have = [n for n in costs if n != name and (n == "none" or n in self.bucket_costs.get(bucket, {})
                                                    or ((*bucket, n) in self.building
-                                                       and (not load or (*bucket, n) in self.loading)))]
+                                                       and (not load or self.built_before(*bucket, n))))]
         plain = chooser.cost("none", costs)
 
         def saving(rate: dict[str, float]) -> float:
@@ -1084,7 +1080,6 @@ class Planner:
                 wanted.append((key, lost, seconds))
             elif future.cancel():
                 del self.building[key]
-                self.loading.discard(key)
         if not wanted:
             return
         self.demotion.restore()  # the job waits for these: at full priority
