@@ -96,7 +96,7 @@ def test_picks_draw_only_what_their_candidates_need():
     assert chooser.rng.bit_generator.state == state  # no draw at all
     asked = []
     posteriors = chooser.posteriors
-    chooser.posteriors = lambda kind, keys: asked.extend([kind] * len(keys)) or posteriors(kind, keys)
+    chooser.posteriors = lambda pairs: asked.extend(kind for kind, _ in pairs) or posteriors(pairs)
     chooser.pick_batch([(0, 0), (0, 0)])  # no row has an n-gram proposal
     assert asked == ["ssm"]
     asked.clear()

@@ -121,6 +121,9 @@ class TreeChooser:
         self.timings = {m.name: collections.deque(maxlen=TIMING_WINDOW) for m in members}
         self._drifts: dict[str, float | None] = {}  # timings key -> their median (None: too few), until one is added
         self.max_depth = max([d for m in members for d in m.depth.values()] + [1])
+        self._index = {name: i for i, name in enumerate(self.members)}  # member -> its row in the tables below
+        kinds = sorted({kind for m in members for kind in m.depth})  # proposer kinds: ssm, ngram
+        self._deepest = {kind: np.array([m.depth.get(kind, 0) for m in self.members.values()]) for kind in kinds}
         self._depths = np.arange(1, self.max_depth + 1)  # [D]: the depths a rate describes
         self.global_stats = {k: DepthStats(self.max_depth) for k in KINDS}  # finished requests, discounted
         self.open: dict[Hashable, dict[str, DepthStats]] = {}  # request key -> its counts, until it finishes
@@ -154,15 +157,23 @@ class TreeChooser:
 
     def _means(self, kind: str, keys: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray]:
         """(mean rates, the requests' own trials), [len(keys), max_depth + 1] each, of ``kind`` for rows of
-        requests ``keys``: one stacked computation for a whole pick instead of one per row."""
-        g = self.global_stats[kind]
-        counts = [self._counts(kind, key) for key in keys]
-        own_hits = np.stack([c.hits for c in counts])  # [K, max_depth + 1]
-        own_trials = np.stack([c.trials for c in counts])
-        scale = np.minimum(1.0, GLOBAL_WEIGHT / np.maximum(g.trials, 1.0))
-        hits = own_hits + scale * g.hits + PRIOR_RATE * PRIOR_WEIGHT
-        trials = own_trials + scale * g.trials + PRIOR_WEIGHT
-        return hits / trials, own_trials
+        requests ``keys``."""
+        mean, own_trials, _ = self._blend([(kind, key) for key in keys])
+        return mean, own_trials
+
+    def _blend(self, pairs: Sequence[tuple[str, Hashable]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(mean rates, the requests' own trials, the global trials), [len(pairs), max_depth + 1] each, for
+        (stats kind, request key) pairs: one stacked computation for every row and kind a pick reads."""
+        counts = [self._counts(kind, key) for kind, key in pairs]
+        glob = [self.global_stats[kind] for kind, _ in pairs]
+        own_hits = np.array([c.hits for c in counts])  # [P, max_depth + 1]
+        own_trials = np.array([c.trials for c in counts])
+        g_hits = np.array([g.hits for g in glob])
+        g_trials = np.array([g.trials for g in glob])
+        scale = np.minimum(1.0, GLOBAL_WEIGHT / np.maximum(g_trials, 1.0))
+        hits = own_hits + scale * g_hits + PRIOR_RATE * PRIOR_WEIGHT
+        trials = own_trials + scale * g_trials + PRIOR_WEIGHT
+        return hits / trials, own_trials, g_trials
 
     def posterior(self, kind: str, key: Hashable = None) -> tuple[np.ndarray, np.ndarray]:
         """Beta parameters (a, b) per depth, [max_depth + 1] each, that Thompson sampling draws from.
@@ -171,29 +182,25 @@ class TreeChooser:
         iterations (more than the mean does), so a speculator judged on many iterations is
         rarely re-tried while one judged on a few (or long ago: the counts are discounted) still is.
         """
-        a, b = self.posteriors(kind, [key])
+        a, b = self.posteriors([(kind, key)])
         return a[0], b[0]
 
-    def posteriors(self, kind: str, keys: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray]:
-        """``posterior`` of ``kind`` for rows of each request in ``keys``, stacked: [len(keys), max_depth + 1] each."""
-        mean, own_trials = self._means(kind, keys)
-        weight = own_trials + np.minimum(self.global_stats[kind].trials, GLOBAL_CONFIDENCE) + PRIOR_WEIGHT
+    def posteriors(self, pairs: Sequence[tuple[str, Hashable]]) -> tuple[np.ndarray, np.ndarray]:
+        """``posterior`` of each (stats kind, request key) pair, stacked: [len(pairs), max_depth + 1] each."""
+        mean, own_trials, g_trials = self._blend(pairs)
+        weight = own_trials + np.minimum(g_trials, GLOBAL_CONFIDENCE) + PRIOR_WEIGHT
         return mean * weight, (1.0 - mean) * weight
 
     def _draw(self, wanted: Sequence[tuple[str, Hashable]]) -> dict[tuple[str, Hashable], np.ndarray]:
         """Per-depth rates, [max_depth + 1] each, of the (stats kind, request key) pairs one pick needs: posterior
-        draws when exploring, else the means. Draws run kind by kind in ``KINDS`` order, one call per kind."""
-        drawn = {}
-        for kind in KINDS:  # a fixed order: the same calls draw the same numbers from the seeded generator
-            keys = [key for k, key in wanted if k == kind]
-            if not keys:
-                continue
-            if self.explore:
-                draws = self.rng.beta(*self.posteriors(kind, keys))  # [len(keys), max_depth + 1]
-            else:
-                draws = self._means(kind, keys)[0]
-            drawn.update(((kind, key), d) for key, d in zip(keys, draws))
-        return drawn
+        draws when exploring, else the means. The pairs are drawn kind by kind in ``KINDS`` order, in one call
+        (the generator draws an array's elements in order: the numbers a call per kind would draw)."""
+        order = {kind: i for i, kind in enumerate(KINDS)}
+        pairs = sorted(wanted, key=lambda pair: order[pair[0]])  # stable: a kind's requests in the order asked
+        if not pairs:
+            return {}
+        draws = self.rng.beta(*self.posteriors(pairs)) if self.explore else self._blend(pairs)[0]  # [P, D + 1]
+        return dict(zip(pairs, draws))
 
     def _row_rates(self, names: Sequence[str], rows: Sequence[tuple[int, int]],
                    keys: Sequence[Hashable]) -> dict[str, np.ndarray]:
@@ -204,7 +211,7 @@ class TreeChooser:
                 for length, match in rows]
         drawn = self._draw(list(dict.fromkeys((k, key) for row, key in zip(need, keys) for k in row.values())))
         empty = np.zeros(self.max_depth + 1)
-        return {kind: np.stack([drawn[row[kind], key] if kind in row else empty for row, key in zip(need, keys)])
+        return {kind: np.array([drawn[row[kind], key] if kind in row else empty for row, key in zip(need, keys)])
                 for kind in kinds}
 
     @staticmethod
@@ -249,14 +256,22 @@ class TreeChooser:
 
     def _tokens(self, name: str, lengths: np.ndarray, reach: dict[str, np.ndarray]) -> np.ndarray:
         """Expected tokens per row, [B], of ``name`` from its kinds' ``_reach`` and the rows' n-gram ``lengths``."""
-        kinds = self.members[name].depth
-        if not kinds:
-            return np.ones(len(lengths))  # no speculation: the root's token only
-        miss = 1.0  # P(no kind reaches depth i), [B, D] once a kind is in
-        for kind, deepest in kinds.items():
-            limit = np.minimum(deepest, lengths)[:, None] if kind == "ngram" else deepest
-            miss = miss * (1.0 - np.where(self._depths <= limit, reach[kind], 0.0))
-        return 1.0 + (1.0 - miss).sum(axis=1)
+        return self._member_tokens([name], lengths, reach)[0]
+
+    def _member_tokens(self, names: Sequence[str], lengths: np.ndarray, reach: dict[str, np.ndarray]) -> np.ndarray:
+        """Expected tokens per member and row, [len(names), B], from the kinds' ``_reach`` [B, D] and the rows'
+        n-gram ``lengths`` [B]: every member of a pick in one array computation (a member without a kind reads
+        it as never agreeing; without any, the root's token only)."""
+        idx = [self._index[n] for n in names]
+        miss = np.ones((len(idx), len(lengths), self.max_depth))  # [M, B, D]: P(no kind of the member reaches i)
+        for kind, r in reach.items():
+            if kind not in self._deepest:
+                continue
+            limit = self._deepest[kind][idx][:, None]  # [M, 1]: the member's deepest proposal of this kind
+            if kind == "ngram":
+                limit = np.minimum(limit, lengths[None, :])  # [M, B]: capped by each row's proposal
+            miss *= 1.0 - np.where(self._depths <= limit[..., None], r[None], 0.0)
+        return 1.0 + (1.0 - miss).sum(axis=2)
 
     def mean_tokens(self, name: str, rows: Sequence[tuple[int, int]]) -> float:
         """Expected tokens of one iteration of ``name`` summed over ``rows`` ((n-gram length, match) each), at
@@ -330,8 +345,7 @@ class TreeChooser:
         forced = np.array([f for _, _, f in rows])  # [B]
         reach = self._reach(rates, certain=forced)
         scores = {}
-        for n in names:
-            tree = self._tokens(n, lengths, reach)  # [B]
+        for n, tree in zip(names, self._member_tokens(names, lengths, reach)):  # tree [B] per member
             for b in chains:
                 tokens = float(np.maximum(tree, np.minimum(forced, b) + 1.0).sum())
                 scores[n, b] = tokens / self.constrained_cost(n, b, costs)
@@ -359,7 +373,8 @@ class TreeChooser:
         rates = self._row_rates(names, rows, keys or [None] * len(rows))
         lengths = np.array([length for length, _ in rows])  # [B]
         reach = self._reach(rates)
-        rate = {n: float(self._tokens(n, lengths, reach).sum()) / self.cost(n, costs) for n in names}
+        tokens = self._member_tokens(names, lengths, reach).sum(axis=1)  # [len(names)]
+        rate = {n: float(t) / self.cost(n, costs) for n, t in zip(names, tokens)}
         if scores is not None:
             scores.update(rate)
         return max(rate, key=lambda n: (rate[n], n == "none"))
