@@ -277,6 +277,43 @@ def test_a_plain_only_bucket_weighs_its_trees_once_every_few_iterations_and_each
             assert len(stoods) == -(-n // MAX_STRIDE) and set(stoods[1:]) <= {MAX_STRIDE}
 
 
+def test_a_plain_pick_holds_while_nothing_it_read_changes(llm, monkeypatch):
+    """At a bucket with trees ready, a weighing that picked the plain step stands for the next few iterations (so that
+    weighing costs the host at most ``WEIGH_SHARE`` of a plain step) while the rows' requests and n-gram proposals
+    stay as they were: plain steps teach the chooser nothing, so only the draw would differ. Another proposal or
+    request weighs at once, a tree's pick never holds, and each weighing counts the iterations it stood for."""
+    from jaxspec.engine import planner as planner_module
+
+    monkeypatch.setattr(planner_module, "WEIGH_SHARE", 1e-12)  # any weighing is dear: holds run MAX_STRIDE long
+    engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)
+    batch = BatchEngine(engine, max_batch=2, max_model_len=64, background=False)
+    planner, greedy = batch.planner, sampling.WarpSpec.of(sampling.SamplingParams())
+    chooser, cap = engine.chooser(greedy), batch.capacity_buckets[0]
+    stoods = []
+    weigh = planner._pick
+
+    def counted_weigh(chooser, warp, bucket, *rest, stood=1):
+        stoods.append(stood)
+        return weigh(chooser, warp, bucket, *rest, stood=stood)
+
+    monkeypatch.setattr(planner, "_pick", counted_weigh)
+
+    def pick(costs, proposals=((0, 0),), keys=("a",)) -> str:
+        return planner.pick(chooser, greedy, 1, cap, costs, list(proposals), list(keys), 100.0, 0)
+
+    trees = [n for n in engine.family(greedy) if n != "none"]
+    dear = {"none": 1e-3, **{n: 1.0 for n in trees}}  # every tree ready, each a thousand plain steps: plain wins
+    assert [pick(dear) for _ in range(MAX_STRIDE + 1)] == ["none"] * (MAX_STRIDE + 1)
+    assert stoods == [1, MAX_STRIDE]  # weighed once, held MAX_STRIDE - 1 iterations, then weighed for all of them
+    pick(dear, proposals=((3, 1),))  # an n-gram proposal appears: weighed at once (it stands for itself only)
+    pick(dear, proposals=((3, 1),))
+    pick(dear, proposals=((3, 1),), keys=("b",))  # another request: weighed at once
+    assert stoods == [1, MAX_STRIDE, 1, 1]
+    cheap = {"none": 1.0, **{n: 1e-6 for n in trees}}  # trees for nothing: a tree is picked, and never holds
+    assert all(pick(cheap) in trees for _ in range(3))
+    assert stoods == [1, MAX_STRIDE, 1, 1, 1, 1, 1]
+
+
 def test_rows_stay_in_their_bucket_near_a_batch_end_unless_the_smaller_one_is_ready(llm):
     """A batch draining to one long request: the loop does not ready (compile, on a cold machine) a one-row step for
     the few iterations left unless they would save what that costs; where the smaller bucket is ready in the

@@ -446,6 +446,10 @@ class Planner:
         # (warp, rows, capacity) of a bucket with only its plain step -> (iterations its trees go unweighed before
         # the next weighing, iterations the last weighing stood for)
         self.strides: dict[tuple, tuple[int, int]] = {}
+        # (warp, rows, capacity) of a bucket with trees ready whose last weighing picked the plain step -> (iterations
+        # that pick holds for, unweighed, while nothing it read changes; the rows' requests and n-gram proposals it
+        # was weighed for; iterations it stood for so far)
+        self.holds: dict[tuple, tuple[int, tuple | None, int]] = {}
         self.build_began: float | None = None  # when the build running now started (``running_for``)
         self.compile_threads = CompileThreads()  # XLA's compile threads, found by watching the loop's compiles
         self.worker_ids: set[int] = set()  # the build worker's native thread id
@@ -464,7 +468,12 @@ class Planner:
         """Lazy auto's member for an iteration: the chooser's pick over every member at its estimated cost; one
         not ready at the bucket runs as the plain step while it builds (in the background, or it is readied by
         the caller after agreement, in a multi-process run) once it is worth building. At a bucket with only its
-        plain step that weighing runs once every few iterations (``WEIGH_SHARE``), the plain step in between."""
+        plain step that weighing runs once every few iterations (``WEIGH_SHARE``), the plain step in between.
+
+        At a bucket with trees ready, a weighing that picked the plain step holds for the next few iterations the
+        same way while nothing it read changes: plain steps teach the chooser nothing, so only the draw itself
+        would differ (batched Thompson sampling); another set of requests or of n-gram proposals (their lengths
+        and matches) weighs at once, and a tree's pick never holds (its acceptance changes the next draw)."""
         if self.building:
             self.harvest()
         bucket = (warp, rows, capacity)
@@ -475,10 +484,26 @@ class Planner:
                 return "none"
             began = time.perf_counter()
             name = self._pick(chooser, warp, bucket, costs, proposals, keys, left, iteration, stood=stood)
-            stride = math.ceil((time.perf_counter() - began) / (WEIGH_SHARE * costs["none"]))
-            self.strides[bucket] = (min(max(stride, 1), MAX_STRIDE) - 1, 1)
+            self.strides[bucket] = (self._stride(began, costs) - 1, 1)
             return name
-        return self._pick(chooser, warp, bucket, costs, proposals, keys, left, iteration)
+        wait, weighed_for, stood = self.holds.pop(bucket, (0, None, 1))
+        requests = (tuple(keys), tuple(proposals))  # what a pick reads besides the statistics: rows' requests, n-grams
+        if wait and weighed_for == requests:
+            self.holds[bucket] = (wait - 1, requests, stood + 1)
+            return "none"
+        began = time.perf_counter()
+        name = self._pick(chooser, warp, bucket, costs, proposals, keys, left, iteration,
+                          stood=stood if weighed_for == requests else 1)
+        if name == "none":
+            self.holds[bucket] = (self._stride(began, costs) - 1, requests, 1)
+        return name
+
+    @staticmethod
+    def _stride(began: float, costs: dict[str, float]) -> int:
+        """Iterations a weighing that began at ``began`` (perf_counter) stands for: enough that weighing costs the
+        host at most ``WEIGH_SHARE`` of the bucket's plain step, ``MAX_STRIDE`` at most."""
+        stride = math.ceil((time.perf_counter() - began) / (WEIGH_SHARE * costs["none"]))
+        return min(max(stride, 1), MAX_STRIDE)
 
     def _pick(self, chooser: TreeChooser, warp: sampling.WarpSpec, bucket: tuple, costs: dict[str, float],
               proposals: list[tuple[int, int]], keys: Sequence, left: float, iteration: int, stood: int = 1) -> str:
