@@ -269,7 +269,7 @@ def test_a_plain_only_bucket_weighs_its_trees_once_every_few_iterations_and_each
     assert picks and set(weighed) == {(greedy, rows, batch.capacity_buckets[0]) for rows in picks}
     for bucket, stoods in weighed.items():
         n = picks[bucket[1]]
-        wait, pending = batch.planner.strides[bucket]
+        wait, _, pending = batch.planner.holds[bucket]
         assert sum(stoods) + pending - 1 == n  # every iteration stood for by exactly one weighing (or the next)
         if share > 1:
             assert stoods == [1] * n  # cheap weighing: every iteration

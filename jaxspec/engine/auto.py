@@ -53,6 +53,7 @@ import numpy as np
 
 NGRAM_BUCKETS = 3  # n-gram statistics per matched suffix length 1, 2, 3+
 KINDS = ("ssm",) + tuple(f"ngram:{n}" for n in range(1, NGRAM_BUCKETS + 1))
+_KIND_ORDER = {kind: i for i, kind in enumerate(KINDS)}  # the order a pick draws its kinds in (reproducible draws)
 PRIOR_RATE = 0.6  # optimistic prior acceptance per depth, worth PRIOR_WEIGHT iterations
 PRIOR_WEIGHT = 1.0
 GLOBAL_WEIGHT = 8.0  # earlier requests count as at most this many iterations in the estimated rates
@@ -153,13 +154,7 @@ class TreeChooser:
     def rates(self, kind: str, key: Hashable = None) -> np.ndarray:
         """Estimated acceptance at depth i given depth i - 1 was accepted, [max_depth + 1] (index 0 unused),
         for a row of request ``key``."""
-        return self._means(kind, [key])[0][0]
-
-    def _means(self, kind: str, keys: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray]:
-        """(mean rates, the requests' own trials), [len(keys), max_depth + 1] each, of ``kind`` for rows of
-        requests ``keys``."""
-        mean, own_trials, _ = self._blend([(kind, key) for key in keys])
-        return mean, own_trials
+        return self._blend([(kind, key)])[0][0]
 
     def _blend(self, pairs: Sequence[tuple[str, Hashable]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(mean rates, the requests' own trials, the global trials), [len(pairs), max_depth + 1] each, for
@@ -195,8 +190,7 @@ class TreeChooser:
         """Per-depth rates, [max_depth + 1] each, of the (stats kind, request key) pairs one pick needs: posterior
         draws when exploring, else the means. The pairs are drawn kind by kind in ``KINDS`` order, in one call
         (the generator draws an array's elements in order: the numbers a call per kind would draw)."""
-        order = {kind: i for i, kind in enumerate(KINDS)}
-        pairs = sorted(wanted, key=lambda pair: order[pair[0]])  # stable: a kind's requests in the order asked
+        pairs = sorted(wanted, key=lambda pair: _KIND_ORDER[pair[0]])  # stable: a kind's requests in the order asked
         if not pairs:
             return {}
         draws = self.rng.beta(*self.posteriors(pairs)) if self.explore else self._blend(pairs)[0]  # [P, D + 1]
@@ -241,7 +235,7 @@ class TreeChooser:
         ``lengths`` [B]: each row's n-gram proposal length; ``rates``: proposer kind -> [B, max_depth + 1];
         ``certain`` [B]: the levels each row's grammar forces.
         """
-        return self._tokens(name, lengths, self._reach(rates, certain))
+        return self._member_tokens([name], lengths, self._reach(rates, certain))[0]
 
     def _reach(self, rates: dict[str, np.ndarray], certain: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Proposer kind -> P(its proposal agrees down to depth i), [B, max_depth] (depth 1 first): the cumulative
@@ -253,10 +247,6 @@ class TreeChooser:
                 r = np.where(self._depths <= certain[:, None], 1.0, r)
             out[kind] = np.cumprod(r, axis=1)
         return out
-
-    def _tokens(self, name: str, lengths: np.ndarray, reach: dict[str, np.ndarray]) -> np.ndarray:
-        """Expected tokens per row, [B], of ``name`` from its kinds' ``_reach`` and the rows' n-gram ``lengths``."""
-        return self._member_tokens([name], lengths, reach)[0]
 
     def _member_tokens(self, names: Sequence[str], lengths: np.ndarray, reach: dict[str, np.ndarray]) -> np.ndarray:
         """Expected tokens per member and row, [len(names), B], from the kinds' ``_reach`` [B, D] and the rows'

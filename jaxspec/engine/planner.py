@@ -443,12 +443,9 @@ class Planner:
         self.left_running: list = []  # builds still running when the loop closed (their futures)
         self._estimate: tuple = (None, None)  # (what ``estimated`` read, what it returned) for the last bucket asked
         self.regret: dict = {}  # (warp, rows, capacity, tree) -> seconds lost running without that tree
-        # (warp, rows, capacity) of a bucket with only its plain step -> (iterations its trees go unweighed before
-        # the next weighing, iterations the last weighing stood for)
-        self.strides: dict[tuple, tuple[int, int]] = {}
-        # (warp, rows, capacity) of a bucket with trees ready whose last weighing picked the plain step -> (iterations
-        # that pick holds for, unweighed, while nothing it read changes; the rows' requests and n-gram proposals it
-        # was weighed for; iterations it stood for so far)
+        # (warp, rows, capacity) of a bucket whose last weighing holds (see ``pick``) -> (iterations it holds for yet,
+        # unweighed; what it was weighed for: the rows' requests and n-gram proposals, None at a plain-only bucket;
+        # iterations it stood for so far)
         self.holds: dict[tuple, tuple[int, tuple | None, int]] = {}
         self.build_began: float | None = None  # when the build running now started (``running_for``)
         self.compile_threads = CompileThreads()  # XLA's compile threads, found by watching the loop's compiles
@@ -477,33 +474,19 @@ class Planner:
         if self.building:
             self.harvest()
         bucket = (warp, rows, capacity)
-        if len(costs) == 1:  # nothing to choose from: its trees are weighed every few iterations
-            wait, stood = self.strides.get(bucket, (0, 1))
-            if wait:
-                self.strides[bucket] = (wait - 1, stood + 1)
-                return "none"
-            began = time.perf_counter()
-            name = self._pick(chooser, warp, bucket, costs, proposals, keys, left, iteration, stood=stood)
-            self.strides[bucket] = (self._stride(began, costs) - 1, 1)
-            return name
-        wait, weighed_for, stood = self.holds.pop(bucket, (0, None, 1))
-        requests = (tuple(keys), tuple(proposals))  # what a pick reads besides the statistics: rows' requests, n-grams
-        if wait and weighed_for == requests:
-            self.holds[bucket] = (wait - 1, requests, stood + 1)
+        plain_only = len(costs) == 1  # nothing to choose from: its weighings only decide builds, whatever the rows
+        reads = None if plain_only else (tuple(keys), tuple(proposals))  # what a pick reads besides the statistics
+        wait, weighed_for, stood = self.holds.pop(bucket, (0, reads, 1))
+        if wait and weighed_for == reads:
+            self.holds[bucket] = (wait - 1, reads, stood + 1)
             return "none"
         began = time.perf_counter()
         name = self._pick(chooser, warp, bucket, costs, proposals, keys, left, iteration,
-                          stood=stood if weighed_for == requests else 1)
-        if name == "none":
-            self.holds[bucket] = (self._stride(began, costs) - 1, requests, 1)
+                          stood=stood if weighed_for == reads else 1)
+        if plain_only or name == "none":  # holds for as many iterations as keep weighing under WEIGH_SHARE of a step
+            stride = math.ceil((time.perf_counter() - began) / (WEIGH_SHARE * costs["none"]))
+            self.holds[bucket] = (min(max(stride, 1), MAX_STRIDE) - 1, reads, 1)
         return name
-
-    @staticmethod
-    def _stride(began: float, costs: dict[str, float]) -> int:
-        """Iterations a weighing that began at ``began`` (perf_counter) stands for: enough that weighing costs the
-        host at most ``WEIGH_SHARE`` of the bucket's plain step, ``MAX_STRIDE`` at most."""
-        stride = math.ceil((time.perf_counter() - began) / (WEIGH_SHARE * costs["none"]))
-        return min(max(stride, 1), MAX_STRIDE)
 
     def _pick(self, chooser: TreeChooser, warp: sampling.WarpSpec, bucket: tuple, costs: dict[str, float],
               proposals: list[tuple[int, int]], keys: Sequence, left: float, iteration: int, stood: int = 1) -> str:
