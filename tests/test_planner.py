@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
 
 from conftest import tiny_model
@@ -17,8 +18,9 @@ from jaxspec.engine import costs
 from jaxspec.engine import Engine
 from jaxspec.engine.batch import BatchEngine, Request
 from jaxspec.engine.build import engine_from
-from jaxspec.engine.planner import (CURVE_REPEATS, CURVE_TOKENS, CUT_ROWS, NGRAM_CONTINUATION, PRIOR_RATE, CostCurve,
-                                    best_expansion, could_use_larger, curve_probe, derive_expansions,
+from jaxspec.engine.planner import (CURVE_REPEATS, CURVE_TOKENS, CUT_ROWS, MIN_WATCHED, NGRAM_CONTINUATION, PRIOR_RATE,
+                                    CostCurve, best_expansion, cached_curve, could_use_larger, curve_probe,
+                                    derive_expansions,
                                     expected_tokens, speculator_cuts, speculator_trees, tree_cuts, tree_nodes)
 from jaxspec.speculators.early_exit import early_exit
 
@@ -334,3 +336,72 @@ def test_a_curve_left_unfinished_by_a_closed_loop_is_finished_by_the_next_loop(t
     while engine.curve_probe is not None:
         second.step()
     assert not engine.trees_pending and engine.cost_curve is not None
+
+
+def test_learning_waits_where_a_compile_slows_the_steps_and_a_job_that_paid_for_the_curve_measures_it_at_its_end(
+        tmp_path, monkeypatch):
+    """Where this machine's share of a compile's seconds the steps lose is above ``learn_share`` (a CPU device whose
+    cores the compiles share), nothing compiles beside the loop's steps: the curve's passes wait, and the plain
+    steps run meanwhile are the curve's rent. A job whose work was all known (``close(buy=True)``) measures the curve
+    at its end once the rent covers the compiles' expected seconds, else keeps the rent for the next run."""
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    llm = tiny_model(seed=6)
+    speculators = [early_exit(llm, 1), NGramSpeculator(3)]
+    engine = engine_from(EngineConfig(mode="auto"), llm, speculators)
+    engine.build_share(0.5)  # as an earlier run measured it here
+    engine.build_seconds(1e3)  # a compile takes long: this job's rent does not cover the curve
+    probe = engine.curve_probe
+    batch = BatchEngine(engine, max_batch=1, max_model_len=128)
+    prompt = [5, 9, 13, 2, 7, 11]
+    plain = Engine(llm, []).generate(prompt, 40, stop_ids=[]).token_ids
+    (gen,) = batch.generate([Request(prompt, 40, stop_ids=[])])
+    assert gen.token_ids == plain and not probe.started and not batch.planner.busy and batch.planner.waits
+    rent = batch.planner.curve_rent
+    assert rent > 0 and batch.planner.curve_price() == pytest.approx(len(CURVE_TOKENS[:-1]) * 1e3)
+    said = []
+    batch.close(buy=True, say=said.append)
+    assert engine.curve_probe is probe and not said and engine.curve_rent() == pytest.approx(rent)  # kept
+    engine.build_seconds(rent / 8)  # the runs' rent now covers the curve's compiles
+    second = BatchEngine(engine, max_batch=1, max_model_len=128)
+    second.generate([Request(prompt, 40, stop_ids=[])])
+    assert not probe.started
+    second.close(buy=True, say=said.append)
+    assert engine.curve_probe is None and engine.cost_curve is not None and not engine.trees_pending
+    assert len(said) == 1 and "cost curve" in said[0] and engine.curve_rent() == 0.0
+    assert cached_curve(llm, engine.ssms) == engine.cost_curve  # the next run starts with its trees
+
+
+def test_a_first_run_measures_the_share_beside_the_curve_s_first_compile_and_learns_while_the_loop_idles(
+        tmp_path, monkeypatch):
+    """With no share measured on this machine, the curve's worker starts once ``MIN_WATCHED`` plain steps ran alone
+    (what the share compares against); a share measured above ``learn_share`` then pauses it for good in this loop
+    (the pass compiling finishes, the rest wait); the loop's idle time resumes it."""
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    llm = tiny_model(seed=7)
+    engine = engine_from(EngineConfig(mode="auto"), llm, [early_exit(llm, 1), NGramSpeculator(3)])
+    probe = engine.curve_probe
+    batch = BatchEngine(engine, max_batch=1, max_model_len=128)
+    planner = batch.planner
+    batch.submit(Request([3, 1, 4, 1, 5], 60, stop_ids=[]), lambda ev: None)
+    steps = 0
+    while not probe.started:
+        batch.step()
+        steps += 1
+    assert planner.watched_alone() and steps > MIN_WATCHED and planner.learns_beside() is None
+    first = next(iter(probe.todo))
+    assert first[0] == "draft"  # the share is measured beside a draft level's small compile, not an LLM pass
+    bucket = next(iter(planner.plain_alone))
+    for _ in range(MIN_WATCHED):  # the steps beside it ran at half speed
+        planner.time_plain(bucket, 2 * float(np.median(planner.plain_alone[bucket])), beside=True)
+    batch.step()
+    assert planner.waits and not probe.started and engine.curve_probe is probe
+    for _ in range(MIN_WATCHED):  # a share read below the bound later does not start it again
+        planner.time_plain(bucket, float(np.median(planner.plain_alone[bucket])), beside=True)
+    batch.step()
+    assert not probe.started
+    planner.learn_idle(batch.iterations)  # nothing to run: the compiles go on
+    assert probe.started
+    probe.compiling.result()
+    while engine.curve_probe is not None:  # timed while idle, round by round
+        planner.learn_idle(batch.iterations)
+    assert engine.cost_curve is not None

@@ -23,8 +23,9 @@ def add_parser(sub) -> None:
     p.add_argument("--clear", choices=(*parts(), "all"), help="remove one cache, or all of them")
     p.add_argument("--prepare", action="store_true",
                    help="measure now this device's cost curve for the engine the model flags name (auto's trees "
-                        "come from it; a machine without one measures it beside its first requests, which run "
-                        "plain meanwhile), then compile and time its greedy trees at one row, so a first job "
+                        "come from it; a machine without one measures it as its first jobs run, plain meanwhile: "
+                        "beside their requests where compiles leave the steps their speed, else while idle or at a "
+                        "job's end), then compile and time its greedy trees at one row, so a first job "
                         "loads them")
     add_model_args(p)
     p.set_defaults(func=cmd_cache)

@@ -575,6 +575,9 @@ class BatchEngine:
                 if self.sync.exchange(self, stop.is_set()):
                     break
                 if self.idle():
+                    if self.sync.local and self.planner.lazy:  # what waited for the loop to idle learns now
+                        self.planner.learn_idle(self.iterations)
+                        self._trees_known()
                     self.wake.wait(0.05)
                     self.wake.clear()
                     continue

@@ -115,7 +115,8 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
                            "per speculator")
         if announce is not None:
             shown = ("; ".join(getattr(e, "label", None) or "<" + ",".join(map(str, e)) + ">" for e in expansion)
-                     if not later else "from this device's cost curve, measured while the first requests decode")
+                     if not later else "from this device's cost curve, which the loop measures (beside the first requests "
+                                  "where compiles leave the steps their speed, else while idle or at the job's end)")
             names = ", ".join(s.name + (f" (draft vocabulary {s.draft_vocab})" if getattr(s, "draft_vocab", 0)
                                         else "") for s in speculators)
             print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {config.mode}",

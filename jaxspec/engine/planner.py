@@ -17,11 +17,12 @@ miss rate as k^-``WIDTH_DECAY`` (0.18 reproduces the shipped drafter's held-out 
 top-5 0.617). The n-gram speculator proposes a chain, so only its length is chosen.
 
 A machine with no curve yet measures it beside its first requests (``curve_probe``, moved along by
-``Planner.advance_curve`` between iterations): the engine runs its plain step alone until the curve gives
-its trees (``Runner.adopt_trees``).
+``Planner.advance_curve`` between iterations) where compiles beside the steps leave them their speed (a GPU's
+host), else while its loop idles or at the end of a job that paid for it (``LEARN_SHARE``): the engine runs its
+plain step alone until the curve gives its trees (``Runner.adopt_trees``).
 
 Over 600 lines: the curve that derives the family is the one the lazy path prices untimed trees
-on (``CostCurve.member_ratio``), and the one its loop measures beside the first requests, so the
+on (``CostCurve.member_ratio``), and the one its loop measures as it runs, so the
 three read one definition of what a tree costs here.
 """
 
@@ -77,6 +78,14 @@ MIN_WATCHED = 8  # plain steps timed alone and beside a build (in buckets that r
 WEIGH_SHARE = 0.005
 MAX_STRIDE = 32  # iterations between two weighings at most (a tree worth building waits this long at most)
 BUILD_SWITCH_INTERVAL = 2e-4  # seconds a thread holds the GIL while a build runs (the loop must not wait 5 ms)
+# Learning (the cost curve's compiles, trees' compiles) runs beside the loop's steps only where a compile there slows
+# them by at most this share (``Planner.measured_share``: on a GPU's host the compiles take cores the steps leave
+# idle). Where it slows them more (a CPU device, whose cores and memory bandwidth the compiles share: 0.32 measured on
+# a 2-core host, where a cost curve compiled beside a short job's steps never finished and cost it 7%), the loop
+# learns while it has nothing to run (a server between requests) and at the end of a job whose work was all known
+# (``jaxspec generate``, once its output is written, where the runs without it paid for it: ``Planner.close``). A
+# bound on what learning may cost the work it runs beside, as ``WEIGH_SHARE`` bounds the host's weighing.
+LEARN_SHARE = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,8 +332,10 @@ def curve_probe(llm, ssms: Sequence = (), lowering=None, params=None):
         return lambda: costs.TimedPass(ssm, ssm.params, w, CURVE_CAPACITY, 1, False, lowering)
 
     *first, last = CURVE_TOKENS
-    passes = {("llm", 0, t): llm_pass(t) for t in first}
-    passes.update({("draft", i, w): draft_pass(s, w) for i, s in enumerate(ssms) for w in DRAFT_WIDTHS})
+    # the draft levels' small passes first: a loop learning the share its steps lose to a compile beside them
+    # (``Planner.learns_beside``) measures it while one of these compiles, not an LLM pass
+    passes = {("draft", i, w): draft_pass(s, w) for i, s in enumerate(ssms) for w in DRAFT_WIDTHS}
+    passes.update({("llm", 0, t): llm_pass(t) for t in first})
     return costs.CurveProbe(passes, curve_key(llm, ssms, lowering), len(ssms), CURVE_REPEATS,
                             later={("llm", 0, last): llm_pass(last)}, wants_later=lambda v: could_use_larger(v, ssms))
 
@@ -430,6 +441,8 @@ class Planner:
         # costs the loop, measured bucket by bucket (``time_plain``)
         self.plain_alone: dict[tuple, collections.deque[float]] = {}
         self.plain_beside: dict[tuple, collections.deque[float]] = {}
+        self.timed_plain = 0  # plain steps timed so far (alone or beside): what ``measured_share`` last read
+        self._share: tuple[int, float | None] = (-1, None)  # (``timed_plain`` when measured, the share then)
         self.switch_interval: float | None = None  # the interpreter's, while builds lower it
         # ``Runner.build_seconds`` / ``build_share`` / ``build_regret`` (the ledger) as earlier runs on this device
         # recorded them, read once each (a weighing must not read the disk every time; None: never recorded)
@@ -453,6 +466,13 @@ class Planner:
         self.demotion = Demotion()  # the threads held at the idle priority while background compiles run
         self.said_demoted = False  # (verbose) the demotion is said once
         self.said_prices: set[tuple] = set()  # (verbose) buckets whose members' prices were said (at a first weighing)
+        self.learn_share = LEARN_SHARE  # the most of a step's speed that learning beside it may take (tests move it)
+        # compiles the rent-or-buy wanted while learning waits for the loop to idle or the job to end (``learns_beside``
+        # False): (warp, rows, capacity, member) -> the iteration that wanted it
+        self.deferred: dict[tuple, int] = {}
+        self.curve_rent = 0.0  # seconds of plain iterations this loop ran while the cost curve was still unmeasured
+        self.pausing: list[concurrent.futures.Future] = []  # the curve's compiles running when learning paused
+        self.waits = False  # learning waits for the loop to idle or the job to end (``learns_beside``)
 
     @property
     def sync(self) -> Any:
@@ -511,13 +531,17 @@ class Planner:
         if load is not None:  # a compile (to start, or in flight) waits: a tree that beats the ready ones loads first
             self.lose(name, chooser, proposals, every, bucket, drawn, stood)
             name = load
-        if (*bucket, name) in self.building:  # not built yet: what the iterations meanwhile lose still counts
+        key = (*bucket, name)
+        if key in self.building or key in self.deferred:  # not built yet: what the iterations meanwhile lose counts
             self.lose(name, chooser, proposals, every, bucket, drawn, stood)
             return ready
         if not self.worth_compiling(name, chooser, proposals, every, bucket, left, drawn, stood):
             return ready
         if self.background:
-            self.build_in_background(*bucket, name, iteration)
+            if self.learns_beside() is False and not self.built_before(*key):  # (a load, about a second, goes on)
+                self.deferred[key] = iteration
+            else:
+                self.build_in_background(*key, iteration)
             return ready
         return name
 
@@ -542,8 +566,10 @@ class Planner:
         finish first (``buy``, which tells with ``say``)."""
         self.keep_share()
         if buy:
+            self.buy_curve(say)
             self.buy(say)
         self.keep_ledger()
+        self.deferred.clear()
         probe = self.engine.curve_probe
         if probe is not None and probe.started:
             running = probe.compiling
@@ -566,27 +592,42 @@ class Planner:
         """Whether a worker thread compiles now (a tree's build, or the cost curve's passes): the plain steps
         meanwhile are timed as beside a build."""
         probe = self.engine.curve_probe
-        return bool(self.building) or (probe is not None and probe.started and not probe.compiled)
+        self.pausing = [f for f in self.pausing if not f.done()]
+        return (bool(self.building) or bool(self.pausing)
+                or (probe is not None and probe.started and not probe.compiled))
 
     def curve_due(self) -> bool:
         """Whether ``advance_curve`` would time a pass now (the loop first lets the device go idle)."""
         probe = self.engine.curve_probe
         return probe is not None and probe.compiled
 
-    def advance_curve(self) -> None:
+    def advance_curve(self, idle: bool = False) -> None:
         """Moves this device's cost curve along where the engine still measures it (auto runs its plain step alone
         meanwhile): starts its compiles in the worker, then times one round per call; once every point is timed, the
-        engine adopts the trees the curve gives. A curve that fails leaves auto plain, and says why."""
+        engine adopts the trees the curve gives. A curve that fails leaves auto plain, and says why.
+
+        Beside steps (``idle`` False) only while learning may run there (``learns_beside``): where this machine's
+        share is unknown the worker starts once steps alone were timed (its first compile measures the share), and
+        a share above ``learn_share`` pauses it (the pass compiling finishes; the rest wait for the loop to idle or
+        the job's end)."""
         probe = self.engine.curve_probe
         if probe is None:
             return
+        beside = self.learns_beside()
+        if self.switch_interval is not None and not self.busy:  # a paused compile finished: nothing runs beside
+            self._background_off()
         if not probe.started:
+            if not idle and (beside is False or (beside is None and not self.watched_alone())):
+                return
             self._background_on()
             probe.start(on_worker=self._on_worker)
             if self.verbose is not None:
                 self.verbose("measuring this device's cost curve: its passes compile in the background")
             return
         if not probe.compiled:
+            if not idle and beside is False:
+                self.pausing.append(probe.compiling)  # still held low while it finishes (``busy``)
+                probe.close()
             return
         if not self.building:
             self._background_off()
@@ -600,6 +641,44 @@ class Planner:
             return
         if value is not None:
             self.adopt_curve(value)
+
+    def learns_beside(self) -> bool | None:
+        """Whether compiles may run beside the loop's steps: the share of a compile's seconds they lose, measured in
+        this process else as this machine kept it, is at most ``learn_share``; None where never measured (the
+        first compile beside steps measures it). Once above, learning waits for the rest of the loop's life (a share
+        read near the bound must not start and stop the compiles beside the steps by turns)."""
+        if not self.waits:
+            share = self.measured_share()
+            if share is None:
+                share = self._stored("build_share")
+            if share is None:
+                return None
+            self.waits = share > self.learn_share
+            if self.waits:
+                self.say_waits(share)
+        return not self.waits
+
+    def watched_alone(self) -> bool:
+        """Whether some bucket timed ``MIN_WATCHED`` plain steps with nothing compiling beside them (what a share
+        is measured against)."""
+        return any(len(times) >= MIN_WATCHED for times in self.plain_alone.values())
+
+    def say_waits(self, share: float) -> None:
+        """(verbose) Says that learning waits for the loop to idle or the job to end, and why."""
+        if self.verbose is not None:
+            self.verbose(f"a compile beside the steps slows them by {share:.0%} here (more than "
+                         f"{self.learn_share:.0%}): auto's cost curve and trees compile while the loop idles and at a "
+                         f"job's end")
+
+    def learn_idle(self, iteration: int) -> None:
+        """The loop has nothing to run: the learning that waited for it (``learns_beside`` False) goes on in the
+        background, at full speed until the next request arrives (then the compile running finishes beside it)."""
+        if self.engine.curve_probe is not None:
+            self.advance_curve(idle=True)
+        if self.background:
+            for key, asked in list(self.deferred.items()):
+                del self.deferred[key]
+                self.build_in_background(*key, asked)
 
     def settle_curve(self) -> None:
         """Measures what is left of the cost curve now, on this thread, and adopts its trees (where every member
@@ -807,6 +886,9 @@ class Planner:
         flight (``beside``) or without."""
         table = self.plain_beside if beside else self.plain_alone
         table.setdefault(bucket, collections.deque(maxlen=64)).append(seconds)
+        self.timed_plain += 1
+        if self.engine.curve_probe is not None:
+            self.curve_rent += seconds
 
     def _stored(self, what: str) -> float | None:
         """A build record (``what``: "build_seconds" or "build_share") as this machine kept it, read once."""
@@ -822,6 +904,12 @@ class Planner:
         kept as one). Bucket by bucket, because steps of different shapes compare only through their
         calibrations, which a start-up's noise can put far off (a share of 0 from such a comparison made every
         build look free and a server compile beside its steps without end)."""
+        if self._share[0] == self.timed_plain:  # read every iteration while learning may wait: recomputed per step
+            return self._share[1]
+        self._share = (self.timed_plain, self._measured_share())
+        return self._share[1]
+
+    def _measured_share(self) -> float | None:
         ratios = []
         for bucket, beside in self.plain_beside.items():
             alone = self.plain_alone.get(bucket, ())
@@ -864,7 +952,14 @@ class Planner:
 
     def harvest(self) -> None:
         """Adopts the finished background builds: each member joins its bucket at its estimated cost (the
-        chooser rescales it by the iterations it then runs; nothing is timed while the loop shares the device)."""
+        chooser rescales it by the iterations it then runs; nothing is timed while the loop shares the device).
+        Where learning waits (``learns_beside`` False), the compiles queued while the loop idled and not started
+        yet wait again for its next idle time."""
+        if self.waits:
+            for key, future in list(self.building.items()):
+                if not self.built_before(*key) and future.cancel():  # (a load goes on: about a second)
+                    del self.building[key]
+                    self.deferred[key] = max(i for i, k in self.builds if k == key)
         for key in [k for k, f in self.building.items() if f.done()]:
             warp, rows, capacity, name = key
             future = self.building.pop(key)
@@ -1073,14 +1168,49 @@ class Planner:
             self.engine.build_regret(ledger)
             self.stored["regret"] = ledger
 
+    def buy_curve(self, say: Callable[[str], None] | None = None) -> None:
+        """The end of a job whose work was all known: a cost curve still unmeasured (learning waited, or the job
+        ended first) is measured now, the job waiting at full priority, once this machine's runs decoded plain
+        without it for at least the seconds its compiles are expected to take (rent or buy across runs: the curve
+        is kept per device, every later run reads it); else this run's seconds are kept for the next."""
+        probe, e = self.engine.curve_probe, self.engine
+        if probe is None or not (e.auto and e.measures_costs) or not self.sync.local:
+            return
+        rent = self.curve_rent + (self._stored("curve_rent") or 0.0)
+        price = self.curve_price()
+        if rent < price:
+            if self.curve_rent:
+                e.curve_rent(rent)
+            return
+        if say is not None:
+            say(f"measuring this device's cost curve for later runs (auto's trees come from it): this machine's runs "
+                f"decoded {rent:.0f} s without it, its compiles take about {price:.0f} s")
+        self.settle_curve()
+        e.curve_rent(0.0)
+
+    def curve_price(self) -> float:
+        """Seconds the cost curve's compiles still to run are expected to take here: an LLM pass each (priced as a
+        step's compile on this machine; the draft levels' passes are small beside them); none where this machine
+        never compiled (a first run measures)."""
+        probe = self.engine.curve_probe
+        if probe is None:
+            return 0.0
+        per = self.compile_seconds if self.compile_seconds is not None else self._stored("build_seconds")
+        left = sum(point[0] == "llm" for point in probe.todo if point not in probe.ready and point not in probe.seconds)
+        return left * (per or 0.0)
+
     def buy(self, say: Callable[[str], None] | None = None) -> None:
         """The end of a job whose work was all known (``jaxspec generate``): each background build still in
         flight or queued is finished now, the job waiting at full priority, where this machine's runs already
         lost at least the seconds it takes (rent or buy across runs: its executable stays in the compile cache,
         so every later run loads it, where a build cut short at exit is lost and a short job would start it
         again, in vain, every time); the others are dropped."""
-        if not (self.building and compile_cache_on()):  # (builds run in the background only)
+        if not ((self.building or self.deferred) and compile_cache_on()):  # (builds run in the background only)
             return
+        for key, asked in list(self.deferred.items()):  # wanted while learning waited for the job's end
+            if self.lost(key) >= self.ready_seconds(*key):
+                self.build_in_background(*key, asked)
+        self.deferred.clear()
         wanted = []
         for key, future in list(self.building.items()):
             lost, seconds = self.lost(key), self.ready_seconds(*key)

@@ -442,6 +442,12 @@ class Runner:
         return self._build_record("build-regret", regret,
                                   ssms=[[s.name, repr(s.cfg), s.draft_vocab] for s in self.ssms])
 
+    def curve_rent(self, seconds: float | None = None) -> float | None:
+        """Seconds the runs on this device decoded under lazy auto while its cost curve was unmeasured (what
+        ``Planner.buy_curve`` weighs its compiles against); given ``seconds``, records them."""
+        return self._build_record("curve-rent", None if seconds is None else float(seconds),
+                                  ssms=[[s.name, repr(s.cfg), s.draft_vocab] for s in self.ssms])
+
     def _build_record(self, what: str, value: Any, **extra: Any) -> Any:
         """A measurement about building executables, cached per device and LLM beside the calibrations."""
         from jaxspec.engine import costs  # noqa: PLC0415
