@@ -814,3 +814,47 @@ def test_the_host_report_counts_what_the_loop_ran_since_its_timings_were_reset(t
     assert batch.host_report() == [] and batch.iterations > 0
     batch.generate([Request([3, 4, 5], 4, stop_ids=[])])
     assert 0 < len(batch.host_times) < ran + 4
+
+
+def test_where_learning_waits_a_wanted_tree_is_deferred_built_while_the_loop_idles_or_bought_at_the_job_end(
+        llm, tmp_path, monkeypatch):
+    """The replayed GPU measurements above on a machine whose compiles slow its steps (a share of 0.5 kept): the
+    first pick still wants the drafter's tree, but nothing compiles beside the steps; the tree is deferred and its
+    regret grows with every iteration that runs without it. Compiles queued while the loop idled and not started go
+    back to waiting once requests return; the idle loop starts them; a job whose ledger covers the compile builds it
+    at its end (``close(buy=True)``) and later runs load it."""
+    import concurrent.futures
+
+    from jaxspec.engine.auto import KINDS
+
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)
+    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
+    batch = BatchEngine(engine, max_batch=1, max_model_len=64)
+    planner = batch.planner
+    planner.anchors[greedy] = {"none": 1.0, "ssm": 1.20 + 3 * 0.12}
+    planner.compile_seconds, planner.stored["build_share"] = 1e-5, 0.5  # a compile priced below what it saves
+    drafter = engine.chooser(greedy).global_stats[KINDS[0]]
+    for depth, rate in enumerate((0.49, 0.44, 0.41), start=1):
+        drafter.trials[depth] += 200
+        drafter.hits[depth] += 200 * rate
+    (first,) = batch.generate([Request(PROMPTS[2], 12)])
+    key = (greedy, 1, batch.capacity_buckets[0], "ssm")
+    assert planner.waits and not batch.builds and not planner.building and key in planner.deferred
+    assert first.trees == ["none"] * first.llm_steps and planner.regret[key] > 0
+    lost = planner.regret[key]
+    batch.generate([Request(PROMPTS[0], 48)])
+    assert planner.regret[key] > lost and not batch.builds  # it goes on losing; still nothing beside the steps
+    hold = concurrent.futures.Future()  # a compile running on the worker: the deferred one queues behind it
+    planner.builder = concurrent.futures.ThreadPoolExecutor(1)
+    planner.builder.submit(hold.result, 60)
+    planner.learn_idle(batch.iterations)
+    assert key in planner.building and not planner.deferred and [k for _, k in batch.builds] == [key]
+    planner.harvest()  # requests returned: the compile not started waits again
+    assert key in planner.deferred and not planner.building and not batch.builds
+    hold.set_result(None)
+    assert planner.regret[key] >= planner.ready_seconds(*key)  # the ledger covers its compile
+    said = []
+    batch.close(buy=True, say=said.append)
+    assert engine.is_warm(greedy, batch.capacity_buckets[0], 1, "ssm") and said[0].startswith("finishing ssm")
+    assert not planner.deferred and not planner.demotion.saved  # built at full priority

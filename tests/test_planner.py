@@ -349,7 +349,6 @@ def test_learning_waits_where_a_compile_slows_the_steps_and_a_job_that_paid_for_
     speculators = [early_exit(llm, 1), NGramSpeculator(3)]
     engine = engine_from(EngineConfig(mode="auto"), llm, speculators)
     engine.build_share(0.5)  # as an earlier run measured it here
-    engine.build_seconds(1e3)  # a compile takes long: this job's rent does not cover the curve
     probe = engine.curve_probe
     batch = BatchEngine(engine, max_batch=1, max_model_len=128)
     prompt = [5, 9, 13, 2, 7, 11]
@@ -357,14 +356,15 @@ def test_learning_waits_where_a_compile_slows_the_steps_and_a_job_that_paid_for_
     (gen,) = batch.generate([Request(prompt, 40, stop_ids=[])])
     assert gen.token_ids == plain and not probe.started and not batch.planner.busy and batch.planner.waits
     rent = batch.planner.curve_rent
+    batch.planner.compile_seconds = 1e3  # a compile takes long here: this job's rent does not cover the curve
     assert rent > 0 and batch.planner.curve_price() == pytest.approx(len(CURVE_TOKENS[:-1]) * 1e3)
     said = []
     batch.close(buy=True, say=said.append)
     assert engine.curve_probe is probe and not said and engine.curve_rent() == pytest.approx(rent)  # kept
-    engine.build_seconds(rent / 8)  # the runs' rent now covers the curve's compiles
     second = BatchEngine(engine, max_batch=1, max_model_len=128)
     second.generate([Request(prompt, 40, stop_ids=[])])
     assert not probe.started
+    second.planner.compile_seconds = rent / 8  # the runs' rent now covers the curve's compiles
     second.close(buy=True, say=said.append)
     assert engine.curve_probe is None and engine.cost_curve is not None and not engine.trees_pending
     assert len(said) == 1 and "cost curve" in said[0] and engine.curve_rent() == 0.0
@@ -375,8 +375,21 @@ def test_a_first_run_measures_the_share_beside_the_curve_s_first_compile_and_lea
         tmp_path, monkeypatch):
     """With no share measured on this machine, the curve's worker starts once ``MIN_WATCHED`` plain steps ran alone
     (what the share compares against); a share measured above ``learn_share`` then pauses it for good in this loop
-    (the pass compiling finishes, the rest wait); the loop's idle time resumes it."""
+    (the pass compiling finishes, the rest wait, and a restart never compiles it twice); the loop's idle time
+    resumes it."""
+    import threading
+
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    gate = threading.Event()  # the worker's first compile is held until the loop decided
+    compiled = []
+    real = costs.TimedPass.compile
+
+    def held(timed):
+        gate.wait(60)
+        compiled.append(timed)
+        return real(timed)
+
+    monkeypatch.setattr(costs.TimedPass, "compile", held)
     llm = tiny_model(seed=7)
     engine = engine_from(EngineConfig(mode="auto"), llm, [early_exit(llm, 1), NGramSpeculator(3)])
     probe = engine.curve_probe
@@ -393,15 +406,23 @@ def test_a_first_run_measures_the_share_beside_the_curve_s_first_compile_and_lea
     bucket = next(iter(planner.plain_alone))
     for _ in range(MIN_WATCHED):  # the steps beside it ran at half speed
         planner.time_plain(bucket, 2 * float(np.median(planner.plain_alone[bucket])), beside=True)
+    running = probe.compiling
     batch.step()
     assert planner.waits and not probe.started and engine.curve_probe is probe
+    assert planner.busy and planner.pausing == [running]  # the paused pass still compiles: steps are beside it
     for _ in range(MIN_WATCHED):  # a share read below the bound later does not start it again
         planner.time_plain(bucket, float(np.median(planner.plain_alone[bucket])), beside=True)
     batch.step()
     assert not probe.started
+    planner.learn_idle(batch.iterations)  # idle, but the paused pass is still compiling: nothing starts beside it
+    assert not probe.started
+    gate.set()
+    running.result()
+    assert len(compiled) == 1 and len(probe.ready) == 1  # that pass only; the rest were dropped
     planner.learn_idle(batch.iterations)  # nothing to run: the compiles go on
     assert probe.started
     probe.compiling.result()
+    assert len(compiled) == len(probe.todo)  # each pass compiled once
     while engine.curve_probe is not None:  # timed while idle, round by round
         planner.learn_idle(batch.iterations)
-    assert engine.cost_curve is not None
+    assert engine.cost_curve is not None and not planner.busy

@@ -305,13 +305,18 @@ class CurveProbe:
 
     def start(self, on_worker: Callable[[], None] | None = None) -> None:
         """Compiles every pass in a worker thread, in order (the first of a cold machine's compiles come first);
-        ``on_worker`` runs first on that thread (a loop lowers its priority there)."""
+        ``on_worker`` runs first on that thread (a loop lowers its priority there). A pass a closed worker left
+        compiling is waited for first, not compiled twice."""
         if self._worker is None:
+            left = self.compiling
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-curve",
                                                                  initializer=on_worker)
-            self.compiling = self._worker.submit(self._compile_all, self._generation)
+            self.compiling = self._worker.submit(self._compile_all, self._generation, left)
 
-    def _compile_all(self, generation: int | None = None) -> None:
+    def _compile_all(self, generation: int | None = None,
+                     left: concurrent.futures.Future | None = None) -> None:
+        if left is not None:
+            concurrent.futures.wait([left])  # (its error, if any, is the pass's again when compiled here)
         for point, make in list(self.todo.items()):
             if generation is not None and generation != self._generation:
                 return
@@ -356,8 +361,11 @@ class CurveProbe:
     def finish(self) -> dict:
         """The curve now: waits for the worker's compiles (or compiles on this thread where none started), then
         times every pass left."""
-        if self.started:
-            self.compiling.result()
+        if self.compiling is not None:
+            if self.started:
+                self.compiling.result()
+            else:  # a closed worker's pass still compiling: this thread compiles the rest after it
+                concurrent.futures.wait([self.compiling])
         while True:
             self._compile_all()  # what no worker compiled (none started, or one closed before the end)
             while self.ready:

@@ -80,11 +80,11 @@ MAX_STRIDE = 32  # iterations between two weighings at most (a tree worth buildi
 BUILD_SWITCH_INTERVAL = 2e-4  # seconds a thread holds the GIL while a build runs (the loop must not wait 5 ms)
 # Learning (the cost curve's compiles, trees' compiles) runs beside the loop's steps only where a compile there slows
 # them by at most this share (``Planner.measured_share``: on a GPU's host the compiles take cores the steps leave
-# idle). Where it slows them more (a CPU device, whose cores and memory bandwidth the compiles share: 0.32 measured on
-# a 2-core host, where a cost curve compiled beside a short job's steps never finished and cost it 7%), the loop
-# learns while it has nothing to run (a server between requests) and at the end of a job whose work was all known
-# (``jaxspec generate``, once its output is written, where the runs without it paid for it: ``Planner.close``). A
-# bound on what learning may cost the work it runs beside, as ``WEIGH_SHARE`` bounds the host's weighing.
+# idle). Where it slows them more (a CPU device, whose cores and memory bandwidth the compiles share: shares of
+# 0.1-0.32 on a 2-core host, where a curve compiled beside a short job's steps never finished and cost it 7%), the
+# loop learns while it has nothing to run (a server between requests) and at the end of a job whose work was all
+# known (``jaxspec generate``, once its output is written, where the runs without it paid for it: ``Planner.close``).
+# A bound on what learning may cost the work it runs beside, as ``WEIGH_SHARE`` bounds the host's weighing.
 LEARN_SHARE = 0.1
 
 
@@ -581,6 +581,7 @@ class Planner:
                 pool.shutdown(wait=False, cancel_futures=True)
         self.builder = self.loader = None
         self.left_running += [f for f in self.building.values() if not f.done()]
+        self.left_running += [f for f in self.pausing if not f.done()]
         self.building.clear()
         if self.compile_seconds is None and self.engine.build_seconds() is None and self.running_for() > 0:
             # a first build cut short still says what a compile takes here at least: the next run prices by it
@@ -614,10 +615,12 @@ class Planner:
         if probe is None:
             return
         beside = self.learns_beside()
+        self.pausing = [f for f in self.pausing if not f.done()]
         if self.switch_interval is not None and not self.busy:  # a paused compile finished: nothing runs beside
             self._background_off()
+        measuring = beside is False or (beside is None and not self.watched_alone())  # no compile beside steps
         if not probe.started:
-            if not idle and (beside is False or (beside is None and not self.watched_alone())):
+            if self.pausing or (not idle and measuring):  # (a paused pass finishes first: it is never compiled twice)
                 return
             self._background_on()
             probe.start(on_worker=self._on_worker)
@@ -625,7 +628,7 @@ class Planner:
                 self.verbose("measuring this device's cost curve: its passes compile in the background")
             return
         if not probe.compiled:
-            if not idle and beside is False:
+            if not idle and measuring:
                 self.pausing.append(probe.compiling)  # still held low while it finishes (``busy``)
                 probe.close()
             return
@@ -672,7 +675,8 @@ class Planner:
 
     def learn_idle(self, iteration: int) -> None:
         """The loop has nothing to run: the learning that waited for it (``learns_beside`` False) goes on in the
-        background, at full speed until the next request arrives (then the compile running finishes beside it)."""
+        background (in the idle class, which has the cores while the loop has nothing to run); once requests return,
+        the compile running then finishes beside them and the rest wait again."""
         if self.engine.curve_probe is not None:
             self.advance_curve(idle=True)
         if self.background:
@@ -696,6 +700,9 @@ class Planner:
         trees = speculator_trees(curve, e.speculators)
         e.adopt_trees(trees, speculator_cuts(curve, e.speculators, trees))
         e.cost_curve, e.curve_probe = curve, None
+        if e.measures_costs and self._stored("curve_rent"):  # what the runs decoded without it is paid for
+            e.curve_rent(0.0)
+            self.stored["curve_rent"] = 0.0
         self.anchors.clear()
         self._estimate = (None, None)
         if self.verbose is not None:
@@ -960,6 +967,7 @@ class Planner:
                 if not self.built_before(*key) and future.cancel():  # (a load goes on: about a second)
                     del self.building[key]
                     self.deferred[key] = max(i for i, k in self.builds if k == key)
+                    self.builds = [(i, k) for i, k in self.builds if k != key]  # never started
         for key in [k for k, f in self.building.items() if f.done()]:
             warp, rows, capacity, name = key
             future = self.building.pop(key)
@@ -1185,8 +1193,12 @@ class Planner:
         if say is not None:
             say(f"measuring this device's cost curve for later runs (auto's trees come from it): this machine's runs "
                 f"decoded {rent:.0f} s without it, its compiles take about {price:.0f} s")
-        self.settle_curve()
-        e.curve_rent(0.0)
+        try:
+            self.settle_curve()
+        except Exception as exc:  # noqa: BLE001 — the job's output is written: a failed curve must not fail it
+            e.curve_probe = None
+            if say is not None:
+                say(f"the cost curve failed, later runs measure it again: {type(exc).__name__}: {exc}")
 
     def curve_price(self) -> float:
         """Seconds the cost curve's compiles still to run are expected to take here: an LLM pass each (priced as a
@@ -1220,8 +1232,8 @@ class Planner:
                 del self.building[key]
         if not wanted:
             return
-        self.demotion.restore()  # the job waits for these: at full priority
         for key, lost, seconds in wanted:
+            self._background_off()  # the job waits for these: at full priority (a worker started now included)
             future = self.building[key]
             if not future.done() and say is not None:
                 warp, rows, capacity, name = key
