@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 

@@ -80,12 +80,14 @@ MAX_STRIDE = 32  # iterations between two weighings at most (a tree worth buildi
 BUILD_SWITCH_INTERVAL = 2e-4  # seconds a thread holds the GIL while a build runs (the loop must not wait 5 ms)
 # Learning (the cost curve's compiles, trees' compiles) runs beside the loop's steps only where a compile there slows
 # them by at most this share (``Planner.measured_share``: on a GPU's host the compiles take cores the steps leave
-# idle). Where it slows them more (a CPU device, whose cores and memory bandwidth the compiles share: shares of
-# 0.1-0.32 on a 2-core host, where a curve compiled beside a short job's steps never finished and cost it 7%), the
-# loop learns while it has nothing to run (a server between requests) and at the end of a job whose work was all
-# known (``jaxspec generate``, once its output is written, where the runs without it paid for it: ``Planner.close``).
-# A bound on what learning may cost the work it runs beside, as ``WEIGH_SHARE`` bounds the host's weighing.
-LEARN_SHARE = 0.1
+# idle). Where it slows them more (a CPU device, whose cores and memory bandwidth the compiles share: on a 2-core host
+# 0.10-0.11 beside the draft levels' small compiles, where the share is first read, and 0.32 beside trees' builds; a
+# curve compiled beside a short job's steps there never finished and cost the job 7%), the loop learns while it has
+# nothing to run (a server between requests) and at the end of a job whose work was all known (``jaxspec
+# generate``, once its output is written, where the runs without it paid for it: ``Planner.close``). A bound on
+# what learning may cost the work it runs beside, as ``WEIGH_SHARE`` bounds the host's weighing; read beside the
+# smallest compiles, so it sits below what the larger ones cost.
+LEARN_SHARE = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -904,13 +906,15 @@ class Planner:
         return self.stored[what]
 
     def measured_share(self) -> float | None:
-        """The share of a build's seconds the loop loses as this process measured it: 1 - 1 / the median ratio of
-        a plain step beside a build to the median plain step alone *in the same bucket*, over the buckets that
+        """The share of a build's seconds the loop loses as this process measured it: 1 - 1 / the mean ratio of a
+        plain step beside a build to the median plain step alone *in the same bucket*, over the buckets that
         timed ``MIN_WATCHED`` alone; None until ``MIN_WATCHED`` steps beside a build were timed in such buckets (a
         first build starts before any plain step ran alone: it is not a measurement of nothing lost, and is never
         kept as one). Bucket by bucket, because steps of different shapes compare only through their
         calibrations, which a start-up's noise can put far off (a share of 0 from such a comparison made every
-        build look free and a server compile beside its steps without end)."""
+        build look free and a server compile beside its steps without end). The mean over the steps beside, not
+        their median: a compile costs the steps mostly in stalls (the GIL while it traces, cores it holds), which a
+        median leaves out (it read 0.05-0.1 on a 2-core CPU whose steps ran 10-40% slower beside the compiles)."""
         if self._share[0] == self.timed_plain:  # read every iteration while learning may wait: recomputed per step
             return self._share[1]
         self._share = (self.timed_plain, self._measured_share())
@@ -924,7 +928,7 @@ class Planner:
                 ratios.extend(np.asarray(beside) / np.median(alone))
         if len(ratios) < MIN_WATCHED:
             return None
-        return float(np.clip(1.0 - 1.0 / np.median(ratios), 0.0, 1.0))
+        return float(np.clip(1.0 - 1.0 / np.mean(ratios), 0.0, 1.0))
 
     def keep_share(self) -> None:
         """Records the measured share for this machine's next runs (once measured; on every harvest and at close,
