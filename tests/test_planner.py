@@ -4,6 +4,7 @@ pass over more tokens costs more (this CPU), wide ones where it costs about the 
 from __future__ import annotations
 
 import io
+import threading
 
 import numpy as np
 import pytest
@@ -271,8 +272,6 @@ def test_a_closed_loop_is_left_at_once_only_when_its_running_builds_write_just_t
     """``jaxspec generate`` exits without waiting for a background build it no longer needs only where that build
     writes nothing but whole files of the executable store; one that may write XLA's cache (read again by later
     runs, written in place) is waited for. ``close`` keeps what was still running."""
-    import threading
-
     from jaxspec.engine import planner as planner_module
 
     llm = tiny_model(seed=2)
@@ -299,20 +298,25 @@ def test_a_closed_loop_is_left_at_once_only_when_its_running_builds_write_just_t
     assert batch.planner.abandonable  # it finished: nothing left to wait for
 
 
-def test_a_curve_left_unfinished_by_a_closed_loop_is_finished_by_the_next_loop(tmp_path, monkeypatch):
-    """A loop that closes while the curve's passes compile drops the compiles not started; the next loop over the
-    same engine compiles what is left and adopts the trees (the curve never stalls half measured)."""
-    import threading
-
-    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
-    gate = threading.Event()  # the first loop's worker is held in its first compile until that loop closed
+def hold_curve_compiles(monkeypatch) -> tuple[threading.Event, list]:
+    """Holds every cost-curve pass's compile until the returned event is set; the list collects the passes compiled."""
+    gate, compiled = threading.Event(), []
     real = costs.TimedPass.compile
 
     def held(timed):
         gate.wait(60)
+        compiled.append(timed)
         return real(timed)
 
     monkeypatch.setattr(costs.TimedPass, "compile", held)
+    return gate, compiled
+
+
+def test_a_curve_left_unfinished_by_a_closed_loop_is_finished_by_the_next_loop(tmp_path, monkeypatch):
+    """A loop that closes while the curve's passes compile drops the compiles not started; the next loop over the
+    same engine compiles what is left and adopts the trees (the curve never stalls half measured)."""
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    gate, _ = hold_curve_compiles(monkeypatch)  # the first loop's worker is held in its first compile until it closed
     llm = tiny_model(seed=4)
     engine = engine_from(EngineConfig(mode="auto"), llm, [early_exit(llm, 1), NGramSpeculator(3)])
     probe = engine.curve_probe
@@ -377,19 +381,8 @@ def test_a_first_run_measures_the_share_beside_the_curve_s_first_compile_and_lea
     (what the share compares against); a share measured above ``learn_share`` then pauses it for good in this loop
     (the pass compiling finishes, the rest wait, and a restart never compiles it twice); the loop's idle time
     resumes it."""
-    import threading
-
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
-    gate = threading.Event()  # the worker's first compile is held until the loop decided
-    compiled = []
-    real = costs.TimedPass.compile
-
-    def held(timed):
-        gate.wait(60)
-        compiled.append(timed)
-        return real(timed)
-
-    monkeypatch.setattr(costs.TimedPass, "compile", held)
+    gate, compiled = hold_curve_compiles(monkeypatch)  # the worker's first compile is held until the loop decided
     llm = tiny_model(seed=7)
     engine = engine_from(EngineConfig(mode="auto"), llm, [early_exit(llm, 1), NGramSpeculator(3)])
     probe = engine.curve_probe
