@@ -1190,7 +1190,7 @@ class Planner:
             return
         rent = self.curve_rent + (self._stored("curve_rent") or 0.0)
         price = self.curve_price()
-        if rent < price:
+        if rent <= 0.0 or rent < price:  # (a job that decoded nothing without it buys nothing)
             if self.curve_rent:
                 e.curve_rent(rent)
             return
