@@ -344,7 +344,7 @@ def test_a_curve_left_unfinished_by_a_closed_loop_is_finished_by_the_next_loop(t
 
 def test_learning_waits_where_a_compile_slows_the_steps_and_a_job_that_paid_for_the_curve_measures_it_at_its_end(
         tmp_path, monkeypatch):
-    """Where this machine's share of a compile's seconds the steps lose is above ``learn_share`` (a CPU device whose
+    """Where this machine's share of a compile's seconds the steps lose is above ``LEARN_SHARE`` (a CPU device whose
     cores the compiles share), nothing compiles beside the loop's steps: the curve's passes wait, and the plain
     steps run meanwhile are the curve's rent. A job whose work was all known (``close(buy=True)``) measures the curve
     at its end once the rent covers the compiles' expected seconds, else keeps the rent for the next run."""
@@ -378,7 +378,7 @@ def test_learning_waits_where_a_compile_slows_the_steps_and_a_job_that_paid_for_
 def test_a_first_run_measures_the_share_beside_the_curve_s_first_compile_and_learns_while_the_loop_idles(
         tmp_path, monkeypatch):
     """With no share measured on this machine, the curve's worker starts once ``MIN_WATCHED`` plain steps ran alone
-    (what the share compares against); a share measured above ``learn_share`` then pauses it for good in this loop
+    (what the share compares against); a share measured above ``LEARN_SHARE`` then pauses it for good in this loop
     (the pass compiling finishes, the rest wait, and a restart never compiles it twice); the loop's idle time
     resumes it."""
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))

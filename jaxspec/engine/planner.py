@@ -79,14 +79,13 @@ WEIGH_SHARE = 0.005
 MAX_STRIDE = 32  # iterations between two weighings at most (a tree worth building waits this long at most)
 BUILD_SWITCH_INTERVAL = 2e-4  # seconds a thread holds the GIL while a build runs (the loop must not wait 5 ms)
 # Learning (the cost curve's compiles, trees' compiles) runs beside the loop's steps only where a compile there slows
-# them by at most this share (``Planner.measured_share``: on a GPU's host the compiles take cores the steps leave
-# idle). Where it slows them more (a CPU device, whose cores and memory bandwidth the compiles share: on a 2-core host
-# 0.10-0.11 beside the draft levels' small compiles, where the share is first read, and 0.32 beside trees' builds; a
-# curve compiled beside a short job's steps there never finished and cost the job 7%), the loop learns while it has
-# nothing to run (a server between requests) and at the end of a job whose work was all known (``jaxspec
-# generate``, once its output is written, where the runs without it paid for it: ``Planner.close``). A bound on
-# what learning may cost the work it runs beside, as ``WEIGH_SHARE`` bounds the host's weighing; read beside the
-# smallest compiles, so it sits below what the larger ones cost.
+# them by at most this share, as measured on the device that runs them (``Planner.measured_share``): where the steps
+# leave the host's cores idle (a GPU's host) compiles take only those; where the device is the host (a CPU), they
+# share its cores, caches and memory bandwidth with the steps. Elsewhere the loop learns while it has nothing to run
+# (a server between requests) and at the end of a job whose work was all known (``jaxspec generate``, once its
+# output is written, where the runs without it paid for it: ``Planner.close``). A bound on what learning may cost
+# the work it runs beside, as ``WEIGH_SHARE`` bounds the host's weighing; the share is first read beside the
+# smallest compiles (the draft levels'), which cost the steps least, so the bound sits low.
 LEARN_SHARE = 0.05
 
 
@@ -468,7 +467,6 @@ class Planner:
         self.demotion = Demotion()  # the threads held at the idle priority while background compiles run
         self.said_demoted = False  # (verbose) the demotion is said once
         self.said_prices: set[tuple] = set()  # (verbose) buckets whose members' prices were said (at a first weighing)
-        self.learn_share = LEARN_SHARE  # the most of a step's speed that learning beside it may take (tests move it)
         # compiles the rent-or-buy wanted while learning waits for the loop to idle or the job to end (``learns_beside``
         # False): (warp, rows, capacity, member) -> the iteration that wanted it
         self.deferred: dict[tuple, int] = {}
@@ -583,7 +581,7 @@ class Planner:
                 pool.shutdown(wait=False, cancel_futures=True)
         self.builder = self.loader = None
         self.left_running += [f for f in self.building.values() if not f.done()]
-        self.left_running += [f for f in self.pausing if not f.done()]
+        self.left_running += self.pausing if self.paused() else []
         self.building.clear()
         if self.compile_seconds is None and self.engine.build_seconds() is None and self.running_for() > 0:
             # a first build cut short still says what a compile takes here at least: the next run prices by it
@@ -595,9 +593,13 @@ class Planner:
         """Whether a worker thread compiles now (a tree's build, or the cost curve's passes): the plain steps
         meanwhile are timed as beside a build."""
         probe = self.engine.curve_probe
-        self.pausing = [f for f in self.pausing if not f.done()]
-        return (bool(self.building) or bool(self.pausing)
+        return (bool(self.building) or self.paused()
                 or (probe is not None and probe.started and not probe.compiled))
+
+    def paused(self) -> bool:
+        """Whether a curve pass compiling when learning paused still runs (``pausing`` keeps only those)."""
+        self.pausing = [f for f in self.pausing if not f.done()]
+        return bool(self.pausing)
 
     def curve_due(self) -> bool:
         """Whether ``advance_curve`` would time a pass now (the loop first lets the device go idle)."""
@@ -611,18 +613,17 @@ class Planner:
 
         Beside steps (``idle`` False) only while learning may run there (``learns_beside``): where this machine's
         share is unknown the worker starts once steps alone were timed (its first compile measures the share), and
-        a share above ``learn_share`` pauses it (the pass compiling finishes; the rest wait for the loop to idle or
+        a share above ``LEARN_SHARE`` pauses it (the pass compiling finishes; the rest wait for the loop to idle or
         the job's end)."""
         probe = self.engine.curve_probe
         if probe is None:
             return
         beside = self.learns_beside()
-        self.pausing = [f for f in self.pausing if not f.done()]
         if self.switch_interval is not None and not self.busy:  # a paused compile finished: nothing runs beside
             self._background_off()
         measuring = beside is False or (beside is None and not self.watched_alone())  # no compile beside steps
         if not probe.started:
-            if self.pausing or (not idle and measuring):  # (a paused pass finishes first: it is never compiled twice)
+            if self.paused() or (not idle and measuring):  # (a paused pass finishes first: it is never compiled twice)
                 return
             self._background_on()
             probe.start(on_worker=self._on_worker)
@@ -649,7 +650,7 @@ class Planner:
 
     def learns_beside(self) -> bool | None:
         """Whether compiles may run beside the loop's steps: the share of a compile's seconds they lose, measured in
-        this process else as this machine kept it, is at most ``learn_share``; None where never measured (the
+        this process else as this machine kept it, is at most ``LEARN_SHARE``; None where never measured (the
         first compile beside steps measures it). Once above, learning waits for the rest of the loop's life (a share
         read near the bound must not start and stop the compiles beside the steps by turns)."""
         if not self.waits:
@@ -658,22 +659,17 @@ class Planner:
                 share = self._stored("build_share")
             if share is None:
                 return None
-            self.waits = share > self.learn_share
-            if self.waits:
-                self.say_waits(share)
+            self.waits = share > LEARN_SHARE
+            if self.waits and self.verbose is not None:
+                self.verbose(f"a compile beside the steps slows them by {share:.0%} here (more than "
+                             f"{LEARN_SHARE:.0%}): auto's cost curve and trees compile while the loop idles and at a "
+                             f"job's end")
         return not self.waits
 
     def watched_alone(self) -> bool:
         """Whether some bucket timed ``MIN_WATCHED`` plain steps with nothing compiling beside them (what a share
         is measured against)."""
         return any(len(times) >= MIN_WATCHED for times in self.plain_alone.values())
-
-    def say_waits(self, share: float) -> None:
-        """(verbose) Says that learning waits for the loop to idle or the job to end, and why."""
-        if self.verbose is not None:
-            self.verbose(f"a compile beside the steps slows them by {share:.0%} here (more than "
-                         f"{self.learn_share:.0%}): auto's cost curve and trees compile while the loop idles and at a "
-                         f"job's end")
 
     def learn_idle(self, iteration: int) -> None:
         """The loop has nothing to run: the learning that waited for it (``learns_beside`` False) goes on in the
@@ -914,7 +910,7 @@ class Planner:
         calibrations, which a start-up's noise can put far off (a share of 0 from such a comparison made every
         build look free and a server compile beside its steps without end). The mean over the steps beside, not
         their median: a compile costs the steps mostly in stalls (the GIL while it traces, cores it holds), which a
-        median leaves out (it read 0.05-0.1 on a 2-core CPU whose steps ran 10-40% slower beside the compiles)."""
+        median leaves out: the share is what the loop's throughput loses, and stalls are that loss."""
         if self._share[0] == self.timed_plain:  # read every iteration while learning may wait: recomputed per step
             return self._share[1]
         self._share = (self.timed_plain, self._measured_share())
