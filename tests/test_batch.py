@@ -858,3 +858,20 @@ def test_where_learning_waits_a_wanted_tree_is_deferred_built_while_the_loop_idl
     batch.close(buy=True, say=said.append)
     assert engine.is_warm(greedy, batch.capacity_buckets[0], 1, "ssm") and said[0].startswith("finishing ssm")
     assert not planner.deferred and not planner.demotion.saved  # built at full priority
+
+    # a later run on this machine: the tree it built is a load, and where learning waits it loads in the loop
+    # (beside the steps it would slow them as a compile does); the plain iteration in flight meanwhile waited
+    # for it, so its seconds teach neither the chooser nor the share's baseline
+    later = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)
+    batch = BatchEngine(later, max_batch=1, max_model_len=64)
+    planner = batch.planner
+    planner.anchors[greedy] = {"none": 1.0, "ssm": 1.20 + 3 * 0.12}
+    planner.regret[key], planner.stored["build_share"] = 60.0, 0.5  # runs lost a minute without it: it pays
+    for depth, rate in enumerate((0.49, 0.44, 0.41), start=1):
+        later.chooser(greedy).global_stats[KINDS[0]].trials[depth] += 200
+        later.chooser(greedy).global_stats[KINDS[0]].hits[depth] += 200 * rate
+    (again,) = batch.generate([Request(PROMPTS[2], 12)])
+    assert planner.built_before(*key) and "ssm" in again.trees and not planner.building and not batch.builds
+    assert planner.readies == 2  # the plain step's bucket, then the tree, each in the loop
+    stalled = max(batch.iteration_times)  # the plain iteration in flight while the tree loaded
+    assert stalled not in planner.plain_alone[key[:3]] and 0 < len(planner.plain_alone[key[:3]]) < first.llm_steps

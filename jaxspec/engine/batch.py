@@ -1198,7 +1198,7 @@ class BatchEngine:
         self.iterations += 1
         forced = [len(c) for c in chains] or [0] * self.rows
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
-                         self.planner.busy, self._chunk_queued, (warp, self.rows, self.capacity))
+                         self.planner.busy, self._chunk_queued, (warp, self.rows, self.capacity), self.planner.readies)
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
@@ -1217,7 +1217,8 @@ class BatchEngine:
         if self.prefill_stall is not None:
             self._prefill_debt = max(0.0, self._prefill_debt - self.prefill_stall * seconds)
         self.iteration_trees.append(it.name)
-        if it.name == "none" and not cfg.grammar and it.costs and not it.prefilled:  # timed in its own bucket
+        stalled = self.planner.readies != it.readies  # the loop readied a member while it ran: not its cost
+        if it.name == "none" and not cfg.grammar and it.costs and not it.prefilled and not stalled:  # in its bucket
             self.planner.time_plain(it.bucket, seconds, beside=it.building)
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
         stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
@@ -1235,7 +1236,7 @@ class BatchEngine:
             stats.emitted.append(n)
             stats.drafted.append(ssm_nodes + (min(len(it.proposals[i]), cfg.ngram_depth) if cfg.ngram_depth else 0))
             stats.accepted_depth.append(n - 1)
-        if it.chooser is not None and live:  # a grammar step also waits on host masks: timed apart
+        if it.chooser is not None and live and not stalled:  # a grammar step also waits on host masks: timed apart
             if cfg.grammar:
                 it.chooser.observe_constrained_time(it.name, cfg.forced_depth, seconds, it.costs)
             elif not it.building and not it.prefilled:  # a build beside it or a chunk before it: not its cost
@@ -1271,6 +1272,7 @@ class _InFlight:
     building: bool = False  # a background build was in flight when it launched
     prefilled: bool = False  # a prompt chunk was queued on the device before it: its seconds include the chunk
     bucket: tuple = ()  # (warp, rows, capacity) it ran in
+    readies: int = 0  # ``Planner.readies`` at its launch (a later one: the loop readied a member while it ran)
 
 
 def _deliver(on_event: Callable[[Event], None], event: Event) -> None:

@@ -454,6 +454,7 @@ class Planner:
         self.loader: concurrent.futures.ThreadPoolExecutor | None = None  # loads (``built_before``), beside a compile
         self.building: dict[tuple, concurrent.futures.Future] = {}  # (warp, rows, capacity, member) -> its build
         self.failed: set[tuple] = set()  # builds that raised: their members stay out of that bucket
+        self.readies = 0  # how many times the loop readied members itself (an iteration in flight then waited)
         self.left_running: list = []  # builds still running when the loop closed (their futures)
         self._estimate: tuple = (None, None)  # (what ``estimated`` read, what it returned) for the last bucket asked
         self.regret: dict = {}  # (warp, rows, capacity, tree) -> seconds lost running without that tree
@@ -484,7 +485,10 @@ class Planner:
              iteration: int) -> str:
         """Lazy auto's member for an iteration: the chooser's pick over every member at its estimated cost; one
         not ready at the bucket runs as the plain step while it builds (in the background, or it is readied by
-        the caller after agreement, in a multi-process run) once it is worth building. At a bucket with only its
+        the caller after agreement, in a multi-process run) once it is worth building. Where learning waits
+        (``learns_beside`` False) a member built here before is returned to be loaded in the loop: a load
+        shares the cores as a compile does, so beside the steps it would slow them for longer than it stalls
+        them alone. At a bucket with only its
         plain step that weighing runs once every few iterations (``WEIGH_SHARE``), the plain step in between.
 
         At a bucket with trees ready, a weighing that picked the plain step holds for the next few iterations the
@@ -538,9 +542,13 @@ class Planner:
         if not self.worth_compiling(name, chooser, proposals, every, bucket, left, drawn, stood):
             return ready
         if self.background:
-            if self.learns_beside() is False and not self.built_before(*key):  # (a load, about a second, goes on)
+            if self.learns_beside() is not False:
+                self.build_in_background(*key, iteration)
+            elif not self.built_before(*key):
                 self.deferred[key] = iteration
-            else:
+            elif not self.building:  # a load, where one beside the steps slows them too: alone, in the loop
+                return name
+            else:  # (readying it in the loop would first wait for the build in flight)
                 self.build_in_background(*key, iteration)
             return ready
         return name
@@ -775,6 +783,7 @@ class Planner:
         known = self.bucket_costs.setdefault(key, {} if e.auto else None)
         todo = [n for n in names if known is None or n not in known]
         cold = [n for n in todo if not e.is_warm(warp, capacity, rows, n)]
+        self.readies += bool(todo)
         if todo and self.building:  # a build beside the measurement would slow it (and the calibration persists)
             self.settle()
         if cold:  # readied first, so what it took is the build alone (the costs are timed after it)
@@ -837,13 +846,15 @@ class Planner:
 
     def built_before(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> bool:
         """Whether this machine built ``name`` for the bucket before: its cost is in the calibration cache (auto
-        measures every member it readies), so with the persistent compile cache on, readying it is a load."""
+        measures every member it readies in the loop) or a background build of it finished, so with the
+        persistent compile cache on, readying it is a load."""
         e = self.engine
         if not (e.auto and e.measures_costs and compile_cache_on()):
             return False
         key = (warp, rows, capacity, name)
         if key not in self.built:  # read from disk once per bucket and member
-            self.built[key] = e.member_cost(warp, name, capacity, rows, cached_only=True) is not None
+            self.built[key] = (e.member_cost(warp, name, capacity, rows, cached_only=True) is not None
+                               or e.member_built(warp, name, capacity, rows))
         return self.built[key]
 
     def ready_seconds(self, warp: sampling.WarpSpec, rows: int, capacity: int, name: str) -> float:
@@ -980,6 +991,9 @@ class Planner:
                     self.verbose(f"building {name} for {rows} row(s) x {capacity} slots failed: {exc}")
                 continue
             self.record_build(seconds, loaded)
+            if compile_cache_on():  # later runs load it
+                self.engine.member_built(warp, name, capacity, rows, mark=True)
+                self.built[key] = True
             known = self.bucket_costs.setdefault((warp, rows, capacity), {})
             known[name] = self.estimated(warp, rows, capacity, known)[name]
             share = self.build_share()

@@ -401,7 +401,28 @@ class Runner:
             return self._costs[key]
         from jaxspec.engine import costs  # noqa: PLC0415
 
-        ident = {
+        ident = self._member_ident(params, name, capacity, batch)
+        if cached_only:
+            return costs.load(ident)
+        self._costs[key] = costs.load_or_measure(
+            ident, lambda: self._measure(params, capacity, batch=batch, names=[name])[name], refresh)
+        return self._costs[key]
+
+    def member_built(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
+                     batch: int = 1, mark: bool = False) -> bool:
+        """Whether this machine built ``name`` for the bucket before, timed or not (a background build is not:
+        with the persistent compile cache on, readying it again is a load); ``mark`` records that it did."""
+        from jaxspec.engine import costs  # noqa: PLC0415
+
+        ident = {**self._member_ident(params, name, capacity, batch), "what": "step-built"}
+        if mark:
+            costs.load_or_measure(ident, lambda: True, refresh=True)
+        return bool(costs.load(ident))
+
+    def _member_ident(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
+                      batch: int) -> dict:
+        """What a member's measurements at a bucket are kept under (the calibration cache's key)."""
+        return {
             "what": "step-member",
             "revision": STEP_REVISION,
             "jax": jax.__version__,
@@ -418,11 +439,6 @@ class Runner:
             **({"mesh": describe_mesh(self.mesh)} if self.mesh is not None else {}),
             **({"offload": True} if self.offload else {}),
         }
-        if cached_only:
-            return costs.load(ident)
-        self._costs[key] = costs.load_or_measure(
-            ident, lambda: self._measure(params, capacity, batch=batch, names=[name])[name], refresh)
-        return self._costs[key]
 
     def build_seconds(self, seconds: float | None = None) -> float | None:
         """What compiling one step executable took on this device, as last measured (a fresh compile: never a load
