@@ -458,9 +458,10 @@ def test_a_failure_late_in_admission_ends_that_request_and_frees_its_row(llm, mo
     assert gen.token_ids == want[0]
 
 
-def test_lazy_auto_builds_trees_in_the_background_while_plain_steps_go_on(llm):
+def test_lazy_auto_builds_trees_in_the_background_while_plain_steps_go_on(llm, tmp_path, monkeypatch):
     """A tree worth compiling is built in a worker thread: the loop runs plain steps meanwhile (never waits), adopts
     the build when it is in, and then runs it; every output is unchanged."""
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))  # a machine that never built the tree (else it is a load)
     engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)  # the LLM as its own SSM: drafts agree
     want = [Engine(llm).generate(p, 12).token_ids for p in PROMPTS]
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
