@@ -21,7 +21,7 @@ from jaxspec.engine.batch import BatchEngine, Request
 from jaxspec.engine.build import engine_from
 from jaxspec.engine.planner import (CURVE_REPEATS, CURVE_TOKENS, CUT_ROWS, MIN_WATCHED, NGRAM_CONTINUATION, PRIOR_RATE,
                                     CostCurve, best_expansion, cached_curve, could_use_larger, curve_probe,
-                                    derive_expansions,
+                                    derive_expansions, RECHECK_SHARE,
                                     expected_tokens, speculator_cuts, speculator_trees, tree_cuts, tree_nodes)
 from jaxspec.speculators.early_exit import early_exit
 
@@ -373,6 +373,25 @@ def test_learning_waits_where_a_compile_slows_the_steps_and_a_job_that_paid_for_
     assert engine.curve_probe is None and engine.cost_curve is not None and not engine.trees_pending
     assert len(said) == 1 and "cost curve" in said[0] and engine.curve_rent() == 0.0
     assert cached_curve(llm, engine.ssms) == engine.cost_curve  # the next run starts with its trees
+
+
+def test_a_kept_share_above_the_bound_is_measured_again_every_few_runs(tmp_path, monkeypatch):
+    """One noisy reading must not keep a machine's learning waiting for good: every ``RECHECK_SHARE``-th run that
+    read a kept share above ``LEARN_SHARE`` measures it again (as a machine that never measured it does), and the
+    count starts over; a run decides once, however often it asks."""
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    llm = tiny_model(seed=6)
+    engine = engine_from(EngineConfig(mode="auto"), llm, [early_exit(llm, 1), NGramSpeculator(3)])
+    engine.build_share(0.5)  # as an earlier run measured it here
+    seen = []
+    for _ in range(RECHECK_SHARE + 1):
+        planner = BatchEngine(engine, max_batch=1, max_model_len=128).planner
+        seen.append((planner.learns_beside(), planner.learns_beside(), engine.share_reads()))
+    assert seen[:RECHECK_SHARE - 1] == [(False, False, n) for n in range(1, RECHECK_SHARE)]
+    assert seen[RECHECK_SHARE - 1:] == [(None, None, 0), (False, False, 1)]
+    engine.build_share(0.01)  # a share below the bound is never measured again for nothing
+    assert all(BatchEngine(engine, max_batch=1, max_model_len=128).planner.learns_beside()
+               for _ in range(RECHECK_SHARE)) and engine.share_reads() == 1
 
 
 def test_a_first_run_measures_the_share_beside_the_curve_s_first_compile_and_learns_while_the_loop_idles(

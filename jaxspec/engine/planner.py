@@ -87,6 +87,9 @@ BUILD_SWITCH_INTERVAL = 2e-4  # seconds a thread holds the GIL while a build run
 # the work it runs beside, as ``WEIGH_SHARE`` bounds the host's weighing; the share is first read beside the
 # smallest compiles (the draft levels'), which cost the steps least, so the bound sits low.
 LEARN_SHARE = 0.05
+# A share kept above ``LEARN_SHARE`` is measured again by every RECHECK_SHARE-th run that read it: one noisy
+# reading must not keep a machine's learning waiting for good, and a run that measures pays the share once.
+RECHECK_SHARE = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,6 +477,7 @@ class Planner:
         self.curve_rent = 0.0  # seconds of plain iterations this loop ran while the cost curve was still unmeasured
         self.pausing: list[concurrent.futures.Future] = []  # the curve's compiles running when learning paused
         self.waits = False  # learning waits for the loop to idle or the job to end (``learns_beside``)
+        self.rechecks: bool | None = None  # this run measures the share again (``RECHECK_SHARE``); None: not asked
 
     @property
     def sync(self) -> Any:
@@ -665,6 +669,8 @@ class Planner:
             share = self.measured_share()
             if share is None:
                 share = self._stored("build_share")
+                if share is not None and share > LEARN_SHARE and self.recheck():
+                    return None
             if share is None:
                 return None
             self.waits = share > LEARN_SHARE
@@ -673,6 +679,15 @@ class Planner:
                              f"{LEARN_SHARE:.0%}): auto's cost curve and trees compile while the loop idles and at a "
                              f"job's end")
         return not self.waits
+
+    def recheck(self) -> bool:
+        """Whether this run measures the build share again although this machine kept one above the bound:
+        every ``RECHECK_SHARE``-th run that read it (decided once per run; the count is kept per machine)."""
+        if self.rechecks is None:
+            reads = (self.engine.share_reads() or 0) + 1
+            self.rechecks = reads >= RECHECK_SHARE
+            self.engine.share_reads(0 if self.rechecks else reads)
+        return self.rechecks
 
     def watched_alone(self) -> bool:
         """Whether some bucket timed ``MIN_WATCHED`` plain steps with nothing compiling beside them (what a share

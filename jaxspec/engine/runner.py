@@ -458,6 +458,11 @@ class Runner:
         return self._build_record("build-regret", regret,
                                   ssms=[[s.name, repr(s.cfg), s.draft_vocab] for s in self.ssms])
 
+    def share_reads(self, reads: int | None = None) -> int | None:
+        """How many runs on this device read its kept build share since it was last measured (``Planner.recheck``);
+        given ``reads``, records them."""
+        return self._build_record("build-share-reads", reads)
+
     def curve_rent(self, seconds: float | None = None) -> float | None:
         """Seconds the runs on this device decoded under lazy auto while its cost curve was unmeasured (what
         ``Planner.buy_curve`` weighs its compiles against); given ``seconds``, records them."""
