@@ -860,19 +860,33 @@ def test_where_learning_waits_a_wanted_tree_is_deferred_built_while_the_loop_idl
     assert engine.is_warm(greedy, batch.capacity_buckets[0], 1, "ssm") and said[0].startswith("finishing ssm")
     assert not planner.deferred and not planner.demotion.saved  # built at full priority
 
-    # a later run on this machine: the tree it built is a load, and where learning waits it loads in the loop
-    # (beside the steps it would slow them as a compile does); the plain iteration in flight meanwhile waited
-    # for it, so its seconds teach neither the chooser nor the share's baseline
+    # a later run on this machine: the tree its background build left is a load (marked built, never timed), which
+    # goes on beside the steps where compiles wait
     later = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)
-    batch = BatchEngine(later, max_batch=1, max_model_len=64)
-    planner = batch.planner
-    planner.anchors[greedy] = {"none": 1.0, "ssm": 1.20 + 3 * 0.12}
-    planner.regret[key], planner.stored["build_share"] = 60.0, 0.5  # runs lost a minute without it: it pays
+
+    def run(background: bool, after: int = 0) -> tuple[BatchEngine, object]:
+        batch = BatchEngine(later, max_batch=1, max_model_len=64, background=background)
+        planner = batch.planner
+        planner.anchors[greedy] = {"none": 1.0, "ssm": 1.20 + 3 * 0.12}
+        planner.regret[key], planner.stored["build_share"] = 60.0, 0.5  # runs lost a minute without it: it pays
+        worth = planner.worth_compiling  # (wanted from iteration ``after`` on)
+        planner.worth_compiling = lambda *a, **k: batch.iterations >= after and worth(*a, **k)
+        (gen,) = batch.generate([Request(PROMPTS[0], 48)])
+        return batch, gen
+
     for depth, rate in enumerate((0.49, 0.44, 0.41), start=1):
         later.chooser(greedy).global_stats[KINDS[0]].trials[depth] += 200
         later.chooser(greedy).global_stats[KINDS[0]].hits[depth] += 200 * rate
-    (again,) = batch.generate([Request(PROMPTS[2], 12)])
-    assert planner.built_before(*key) and "ssm" in again.trees and not planner.building and not batch.builds
-    assert planner.readies == 2  # the plain step's bucket, then the tree, each in the loop
-    stalled = max(batch.iteration_times)  # the plain iteration in flight while the tree loaded
-    assert stalled not in planner.plain_alone[key[:3]] and 0 < len(planner.plain_alone[key[:3]]) < first.llm_steps
+    batch, _ = run(background=True)
+    assert batch.planner.built_before(*key) and [k for _, k in batch.builds] == [key] and not batch.planner.deferred
+    batch.planner.settle()
+    assert later.is_warm(greedy, key[2], 1, "ssm")
+    # readied in the loop instead (as a multi-process run does, every process at the same iteration), the plain
+    # iteration in flight meanwhile waits for it: its seconds teach neither the chooser nor the share's baseline
+    batch, again = run(background=False, after=2)
+    planner = batch.planner
+    assert "ssm" in again.trees and not batch.builds and planner.readies == 2  # the plain step's bucket, the tree
+    stalled = again.trees.index("ssm") - 1  # the plain iteration in flight while the tree was readied
+    alone = planner.plain_alone[key[:3]]
+    assert stalled >= 1 and again.trees[stalled] == "none" and batch.iteration_times[stalled] not in alone
+    assert batch.iteration_times[stalled] > max(alone)  # (it waited for the tree)

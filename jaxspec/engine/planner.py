@@ -489,10 +489,7 @@ class Planner:
              iteration: int) -> str:
         """Lazy auto's member for an iteration: the chooser's pick over every member at its estimated cost; one
         not ready at the bucket runs as the plain step while it builds (in the background, or it is readied by
-        the caller after agreement, in a multi-process run) once it is worth building. Where learning waits
-        (``learns_beside`` False) a member built here before is returned to be loaded in the loop: a load
-        shares the cores as a compile does, so beside the steps it would slow them for longer than it stalls
-        them alone. At a bucket with only its
+        the caller after agreement, in a multi-process run) once it is worth building. At a bucket with only its
         plain step that weighing runs once every few iterations (``WEIGH_SHARE``), the plain step in between.
 
         At a bucket with trees ready, a weighing that picked the plain step holds for the next few iterations the
@@ -546,13 +543,9 @@ class Planner:
         if not self.worth_compiling(name, chooser, proposals, every, bucket, left, drawn, stood):
             return ready
         if self.background:
-            if self.learns_beside() is not False:
-                self.build_in_background(*key, iteration)
-            elif not self.built_before(*key):
+            if self.learns_beside() is False and not self.built_before(*key):  # (a load, about a second, goes on)
                 self.deferred[key] = iteration
-            elif not self.building:  # a load, where one beside the steps slows them too: alone, in the loop
-                return name
-            else:  # (readying it in the loop would first wait for the build in flight)
+            else:
                 self.build_in_background(*key, iteration)
             return ready
         return name
