@@ -586,7 +586,7 @@ class Planner:
                 pool.shutdown(wait=False, cancel_futures=True)
         self.builder = self.loader = None
         self.left_running += [f for f in self.building.values() if not f.done()]
-        self.left_running += self.pausing if self.paused() else []
+        self.left_running += [f for f in self.pausing if not f.done()]
         self.building.clear()
         if self.compile_seconds is None and self.engine.build_seconds() is None and self.running_for() > 0:
             # a first build cut short still says what a compile takes here at least: the next run prices by it
@@ -626,9 +626,9 @@ class Planner:
         beside = self.learns_beside()
         if self.switch_interval is not None and not self.busy:  # a paused compile finished: nothing runs beside
             self._background_off()
-        measuring = beside is False or (beside is None and not self.watched_alone())  # no compile beside steps
+        held = beside is False or (beside is None and not self.watched_alone())  # no compile beside steps now
         if not probe.started:
-            if self.paused() or (not idle and measuring):  # (a paused pass finishes first: it is never compiled twice)
+            if self.paused() or (not idle and held):  # (a paused pass finishes first: it is never compiled twice)
                 return
             self._background_on()
             probe.start(on_worker=self._on_worker)
@@ -636,7 +636,7 @@ class Planner:
                 self.verbose("measuring this device's cost curve: its passes compile in the background")
             return
         if not probe.compiled:
-            if not idle and measuring:
+            if not idle and held:
                 self.pausing.append(probe.compiling)  # still held low while it finishes (``busy``)
                 probe.close()
             return
@@ -999,9 +999,8 @@ class Planner:
                     self.verbose(f"building {name} for {rows} row(s) x {capacity} slots failed: {exc}")
                 continue
             self.record_build(seconds, loaded)
-            if compile_cache_on():  # later runs load it
-                self.engine.member_built(warp, name, capacity, rows, mark=True)
-                self.built[key] = True
+            if compile_cache_on() and not self.built_before(*key):  # later runs load it (a load: marked before)
+                self.built[key] = self.engine.member_built(warp, name, capacity, rows, mark=True)
             known = self.bucket_costs.setdefault((warp, rows, capacity), {})
             known[name] = self.estimated(warp, rows, capacity, known)[name]
             share = self.build_share()

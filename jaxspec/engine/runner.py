@@ -416,7 +416,7 @@ class Runner:
 
         ident = {**self._member_ident(params, name, capacity, batch), "what": "step-built"}
         if mark:
-            costs.load_or_measure(ident, lambda: True, refresh=True)
+            return bool(costs.load_or_measure(ident, lambda: True, refresh=True))
         return bool(costs.load(ident))
 
     def _member_ident(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
