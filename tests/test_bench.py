@@ -82,6 +82,7 @@ def test_bench_incremental_against_transformers_each_in_its_own_process(tmp_path
     assert all(int(r["new_tokens"]) == 4 and float(r["ms_per_token"]) > 0 for r in rows)
     assert all(float(r["warmup_seconds"]) > 0 for r in rows)
     assert rows[1]["threads"] == "1" and float(rows[0]["ratio_to_jaxspec"]) == 1.0
+    assert [r["device"] for r in rows] == ["cpu", "cpu"]  # this host has no GPU: both systems on its CPU
     assert rows[1]["same_tokens_as_jaxspec"] == "4"  # greedy: the same continuation from the same ids
     assert "x jaxspec" in capsys.readouterr().out
     assert torch_before or "torch" not in sys.modules, "the parent process imported torch"

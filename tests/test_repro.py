@@ -15,7 +15,7 @@ COLUMNS = {  # what each experiment's CSV must carry
     "table1": {"decoding", "id", "positions", "k1", "k5"},
     "table2": {"decoding", "width", "expansion", "tokens_per_step", "llm_steps"},
     "table3": {"id", "naive", "mss"},
-    "fig7": {"system", "batch", "ms_per_token", "tokens_per_step", "warmup_seconds"},
+    "fig7": {"system", "batch", "ms_per_token", "tokens_per_step", "warmup_seconds", "device"},
     "fig8": {"system", "latency", "tokens_per_step", "weight_bytes", "bytes_per_token", "ms_per_token"},
     "fig9": {"decoding", "width", "id", "tokens_per_step"},
     "fig10": {"system", "width", "batch", "ms_per_token"},
@@ -129,3 +129,64 @@ def test_repro_errors_are_one_line(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "jaxspec", "repro", *args], capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_cached_result_belongs_to_the_machine_that_measured_it(tmp_path):
+    """The key names the platform, device kind and count and the host's cores: a GPU rerun into a CPU run's output
+    directory measures again instead of reporting the CPU's timings under the GPU's name (issue 36)."""
+    import os
+
+    import jax
+
+    from jaxspec.repro import experiments as ex
+
+    setup = ex.Setup(pair=ex.Pair("p", None, "ngram:3"), prompts=[{"id": "a", "prompt": "hi"}], prompt_set="t",
+                     scale=ex.QUICK, output=tmp_path)
+    key = setup.key("fig7", system="jaxspec incremental")
+    assert key["machine"] == {"platform": jax.devices()[0].platform, "device": jax.devices()[0].device_kind,
+                              "devices": jax.device_count(), "host_cores": len(os.sched_getaffinity(0))}
+    computed = []
+
+    def compute(value):
+        computed.append(value)
+        return value
+
+    assert ex.cached(setup, key, lambda: compute(1)) == 1
+    assert ex.cached(setup, setup.key("fig7", system="jaxspec incremental"), lambda: compute(2)) == 1  # this machine
+    gpu = key | {"machine": key["machine"] | {"platform": "gpu", "device": "NVIDIA H200"}}
+    assert ex.cached(setup, gpu, lambda: compute(3)) == 3  # another machine's measurement: run again
+    assert computed == [1, 3]
+    assert ex.device_words(gpu["machine"]) == "gpu (NVIDIA H200)" and ex.device_words(
+        {"platform": "cpu", "device": "cpu"}) == "cpu"
+
+
+def test_the_transformers_baseline_runs_in_its_own_process_on_this_host_s_device(tiny_pair, tmp_path):
+    """``python -m jaxspec.cli.hf_baseline``: per prompt and per batch, exactly the asked tokens, greedy as
+    transformers' own generate, on CUDA where PyTorch sees a GPU and else on the CPU, said in its result."""
+    import torch
+    import transformers
+
+    llm, _, _ = tiny_pair
+    prompts = [[1, 5, 9, 14], [1, 7, 3]]
+    sampling = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+    jobs = {"prompts": {"model": str(llm), "dtype": "float32", "threads": 1, "max_new_tokens": 3,
+                        "sampling": sampling, "prompts": [{"id": f"q{i}", "ids": p} for i, p in enumerate(prompts)]},
+            "batches": {"label": "transformers incremental", "model": str(llm), "dtype": "float32", "threads": 1,
+                        "max_new_tokens": 3, "sampling": sampling, "prompts": prompts, "batches": [1, 2]}}
+    results = {}
+    for name, job in jobs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(job))
+        out = tmp_path / f"{name}_out.json"
+        proc = subprocess.run([sys.executable, "-m", "jaxspec.cli.hf_baseline", str(tmp_path / f"{name}.json"),
+                               str(out)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        results[name] = json.loads(out.read_text())
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert all(r["device"].startswith(expected) and r["threads"] == 1 for r in results.values())
+    model = transformers.AutoModelForCausalLM.from_pretrained(llm).eval()
+    for row, ids in zip(results["prompts"]["rows"], prompts):
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+        assert row["new_tokens"] == 3 and row["token_ids"] == ref
+    assert [(r["batch"], r["group"]) for r in results["batches"]["rows"]] == [(1, 0), (1, 1), (2, 0)]

@@ -1,7 +1,9 @@
 """The transformers ``generate()`` baseline, run in a process of its own: ``python -m jaxspec.cli.hf_baseline JOB OUT``.
 
 A baseline is measured the way a user would run it: PyTorch alone in its process (a
-JAX runtime beside it slowed it ~16x), with ``job["threads"]`` torch threads. Per prompt
+JAX runtime beside it slowed it ~16x), with ``job["threads"]`` torch threads, on a CUDA GPU
+where PyTorch sees one (a GPU host's jaxspec is compared with transformers on the same
+card, not with its host CPU). Per prompt
 one warm-up generation (reported as ``warmup_seconds``) precedes the timed one. The job
 and result files are the JSON that ``jaxspec bench incremental`` writes and reads; this
 is the only jaxspec module that imports torch.
@@ -15,8 +17,22 @@ import time
 from pathlib import Path
 
 
-def load_model(path: str, dtype: str):
-    """The checkpoint (HF directory or GGUF file) as a transformers PyTorch model in eval mode."""
+def torch_device() -> str:
+    """Where the baseline runs: ``cuda`` when PyTorch sees a GPU, else ``cpu``."""
+    import torch  # noqa: PLC0415
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_name(device: str) -> str:
+    """The device in words for the result (``cpu``, or ``cuda (NVIDIA H200)``)."""
+    import torch  # noqa: PLC0415
+
+    return f"cuda ({torch.cuda.get_device_name(0)})" if device == "cuda" else device
+
+
+def load_model(path: str, dtype: str, device: str = "cpu"):
+    """The checkpoint (HF directory or GGUF file) as a transformers PyTorch model in eval mode on ``device``."""
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
@@ -26,17 +42,18 @@ def load_model(path: str, dtype: str):
         model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch_dtype)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def generate(model, batch: list[list[int]], n: int, sampling: dict) -> tuple[list[list[int]], float]:
     """(n new token ids per row, seconds) of one ``generate()`` over a left-padded batch (attention mask over the
-    padding; a single prompt has none); exactly n tokens each, EOS not honoured."""
+    padding; a single prompt has none); exactly n tokens each, EOS not honoured. On a GPU the clock stops when the
+    device has finished, not when the host has queued the work."""
     import torch  # noqa: PLC0415
 
     width = max(len(ids) for ids in batch)
-    x = torch.tensor([[0] * (width - len(ids)) + ids for ids in batch])
-    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+    x = torch.tensor([[0] * (width - len(ids)) + ids for ids in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=model.device)
     kw = {"do_sample": sampling["temperature"] > 0, "max_new_tokens": n, "min_new_tokens": n, "pad_token_id": 0}
     if kw["do_sample"]:
         kw.update(temperature=sampling["temperature"], top_k=sampling["top_k"] or None, top_p=sampling["top_p"])
@@ -44,6 +61,8 @@ def generate(model, batch: list[list[int]], n: int, sampling: dict) -> tuple[lis
     with torch.inference_mode():
         start = time.perf_counter()
         out = model.generate(x, attention_mask=mask, **kw)
+        if out.is_cuda:
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     return out[:, width:].tolist(), seconds
 
@@ -56,8 +75,9 @@ def run_batches(job: dict) -> dict:
     from jaxspec.repro.worker import groups_of  # noqa: PLC0415
 
     torch.set_num_threads(job["threads"])
+    device = torch_device()
     start = time.perf_counter()
-    model = load_model(job["model"], job["dtype"])
+    model = load_model(job["model"], job["dtype"], device)
     load_seconds = time.perf_counter() - start
     rows = []
     for batch in job["batches"]:
@@ -67,7 +87,8 @@ def run_batches(job: dict) -> dict:
             _, seconds = generate(model, group, job["max_new_tokens"], job["sampling"])
             rows.append({"batch": batch, "group": k, "seconds": seconds, "warmup_seconds": warmup / len(groups),
                          "tokens": job["max_new_tokens"], "tokens_per_step": 1.0})
-    return {"system": job["label"], "threads": torch.get_num_threads(), "load_seconds": load_seconds, "rows": rows}
+    return {"system": job["label"], "threads": torch.get_num_threads(), "device": device_name(device),
+            "load_seconds": load_seconds, "rows": rows}
 
 
 def run(job: dict) -> dict:
@@ -75,8 +96,9 @@ def run(job: dict) -> dict:
     import torch  # noqa: PLC0415
 
     torch.set_num_threads(job["threads"])
+    device = torch_device()
     start = time.perf_counter()
-    model = load_model(job["model"], job["dtype"])
+    model = load_model(job["model"], job["dtype"], device)
     load_seconds = time.perf_counter() - start
     rows = []
     for prompt in job["prompts"]:
@@ -84,7 +106,8 @@ def run(job: dict) -> dict:
         (new,), seconds = generate(model, [prompt["ids"]], job["max_new_tokens"], job["sampling"])
         rows.append({"id": prompt["id"], "prompt_tokens": len(prompt["ids"]), "new_tokens": len(new),
                      "warmup_seconds": warmup, "seconds": seconds, "token_ids": new})
-    return {"system": "transformers", "threads": torch.get_num_threads(), "load_seconds": load_seconds, "rows": rows}
+    return {"system": "transformers", "threads": torch.get_num_threads(), "device": device_name(device),
+            "load_seconds": load_seconds, "rows": rows}
 
 
 def main(argv: list[str]) -> int:

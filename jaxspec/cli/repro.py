@@ -10,6 +10,7 @@ what it imports (the ``repro`` extra, ``jaxspec.cli.extras``) and that the pair 
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -102,6 +103,10 @@ def preflight(names: list[str], pair: Pair, default_prompts: bool) -> None:
 
 def cmd_repro(args) -> int:
     import dataclasses  # noqa: PLC0415
+
+    # Figures 7, 8 and 10 run each system in a process of its own while this one holds its JAX runtime: on a GPU,
+    # JAX's default preallocation (75% of the card per process) would leave those processes too little to start.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
     from tqdm import tqdm  # noqa: PLC0415
 

@@ -113,7 +113,8 @@ class Setup:
     def key(self, what: str, **extra: Any) -> dict:
         """What a cached result depends on."""
         ids = hashlib.sha256(json.dumps([p["prompt"] for p in self.prompts]).encode()).hexdigest()[:16]
-        return {"what": what, "commit": commit(), "pair": dataclasses.asdict(self.pair), "scale": self.scale.name,
+        return {"what": what, "commit": commit(), "machine": machine(), "pair": dataclasses.asdict(self.pair),
+                "scale": self.scale.name,
                 "prompt_set": self.prompt_set, "prompts": ids, "dtype": self.dtype, "chat": self.chat,
                 "temperature": self.temperature, "seed": self.seed, **extra}
 
@@ -142,6 +143,22 @@ def commit() -> str:
         return head.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+@functools.cache
+def machine() -> dict:
+    """What a measurement ran on (every cached result's key): platform, device kind and count, host cores. A GPU
+    rerun into a CPU run's output directory measures again rather than reusing the CPU's timings."""
+    import jax  # noqa: PLC0415
+
+    device = jax.devices()[0]
+    return {"platform": device.platform, "device": device.device_kind, "devices": jax.device_count(),
+            "host_cores": len(os.sched_getaffinity(0))}
+
+
+def device_words(m: dict) -> str:
+    """``cpu`` or ``gpu (NVIDIA H200)``: a ``machine()``'s device for a table."""
+    return m["platform"] if m["device"] == m["platform"] else f"{m['platform']} ({m['device']})"
 
 
 def cached(setup: Setup, key: dict, compute: Callable[[], Any]) -> Any:
@@ -266,7 +283,8 @@ def _meta(setup: Setup, lab: Lab | None = None, **extra: Any) -> dict:
 
     out = {"pair": setup.pair.name, "models": setup.pair.describe(), "prompt_set": setup.prompt_set,
            "prompts": len(setup.prompts), "tokens": setup.scale.tokens, "scale": setup.scale.name,
-           "device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "commit": commit()}
+           "device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
+           "devices": jax.device_count(), "commit": commit()}
     if lab is not None and lab._ssm is not None:
         out["ssm"] = lab.ssm.name
     return out | extra
@@ -369,7 +387,7 @@ def _systems(setup: Setup, lab: Lab, systems: list[dict], batches: tuple[int, ..
 
             job["model"] = str(Path(setup.pair.llm or default_model_path()))
         key = setup.key(what, system=system["label"], batches=list(batches), tokens=setup.scale.tokens,
-                        offload=job["offload"])
+                        offload=job["offload"], **({"threads": setup.hf_threads} if system.get("transformers") else {}))
         result = cached(setup, key, lambda: _run_process(setup, system, job))
         for b in batches:
             sel = [r for r in result["rows"] if r["batch"] == b]
@@ -377,7 +395,8 @@ def _systems(setup: Setup, lab: Lab, systems: list[dict], batches: tuple[int, ..
             out.append({"system": system["label"], "batch": b, "ms_per_token": round(1000 * seconds / tokens, 3),
                         "tokens_per_step": round(statistics.fmean(r["tokens_per_step"] for r in sel), 4),
                         "groups": len(sel), "warmup_seconds": round(sum(r["warmup_seconds"] for r in sel), 2),
-                        "load_seconds": round(result["load_seconds"], 2)})
+                        "load_seconds": round(result["load_seconds"], 2),
+                        "device": result.get("device", device_words(machine()))})
     return out
 
 
