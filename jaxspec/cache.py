@@ -104,6 +104,22 @@ def host_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def machine() -> dict:
+    """What a measurement ran on: platform, device kind and count, host cores (``jaxspec repro`` keys its results by
+    it; every benchmark process reports it)."""
+    import jax  # noqa: PLC0415
+
+    device = jax.devices()[0]
+    return {"platform": device.platform, "device": device.device_kind, "devices": jax.device_count(),
+            "host_cores": host_cores()}
+
+
+def device_words(m: dict | None = None) -> str:
+    """``cpu`` or ``gpu (NVIDIA H200)``: a ``machine()``'s device (default: this process's) for a table."""
+    m = m or machine()
+    return m["platform"] if m["device"] == m["platform"] else f"{m['platform']} ({m['device']})"
+
+
 def compile_cache_on() -> bool:
     """Whether this process keeps compiled executables on disk (a second build of one is a load)."""
     import jax  # noqa: PLC0415

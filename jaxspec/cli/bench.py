@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxspec.cache import host_cores
+from jaxspec.cache import device_words, host_cores
 from jaxspec.cli.common import CliError, add_bench_args, read_prompts, sampling_params, write_csv
 from jaxspec.cli.extras import BASELINE, require
 from jaxspec.repro.measures import coverage_rates, features_of, teacher_forced
@@ -133,7 +133,7 @@ def incremental_rows(results: dict[str, dict]) -> list[dict]:
                 if a != b:
                     break
                 same += 1
-            table.append({"system": system, "id": pid, "threads": result["threads"], "device": result.get("device", ""),
+            table.append({"system": system, "id": pid, "threads": result["threads"], "device": result["device"],
                           "prompt_tokens": r["prompt_tokens"], "new_tokens": r["new_tokens"],
                           "warmup_seconds": round(r["warmup_seconds"], 4), "seconds": round(r["seconds"], 4),
                           "ms_per_token": round(ms, 3), "ratio_to_jaxspec": round(ms / ref_ms, 4),
@@ -151,14 +151,12 @@ def _print_incremental(results: dict[str, dict], table: list[dict]) -> None:
         ms = 1000 * secs / max(toks, 1)
         base = base or ms
         print(f"{system:<14}{result['threads']:>8}{ms:>10.2f}{toks / secs:>10.1f}{ms / base:>11.2f}"
-              f"{result['load_seconds']:>8.1f}{sel[0]['warmup_seconds']:>15.2f}  {result.get('device', '')}")
+              f"{result['load_seconds']:>8.1f}{sel[0]['warmup_seconds']:>15.2f}  {result['device']}")
     print("(each system in its own process; warm-up generations excluded from ms/token)")
 
 
 def run_jaxspec_job(job: dict) -> dict:
     """The jaxspec side of ``bench incremental``: incremental decoding of the job's prompt ids."""
-    import jax
-
     from jaxspec.config import EngineConfig
     from jaxspec.engine.build import engine_from
     from jaxspec.speculators.resolve import load_llm
@@ -185,9 +183,8 @@ def run_jaxspec_job(job: dict) -> dict:
         warmup, seconds = times
         rows.append({"id": prompt["id"], "prompt_tokens": len(prompt["ids"]), "new_tokens": len(gen.token_ids),
                      "warmup_seconds": warmup, "seconds": seconds, "token_ids": gen.token_ids})
-    device = jax.devices()[0]
-    where = device.platform if device.device_kind == device.platform else f"{device.platform} ({device.device_kind})"
-    return {"system": "jaxspec", "threads": host_cores(), "device": where, "load_seconds": load_seconds, "rows": rows}
+    return {"system": "jaxspec", "threads": host_cores(), "device": device_words(), "load_seconds": load_seconds,
+            "rows": rows}
 
 
 def _tree_configs(widths, depth: int, num_ssms: int, verifiers, single_baseline: bool):

@@ -17,18 +17,12 @@ import time
 from pathlib import Path
 
 
-def torch_device() -> str:
-    """Where the baseline runs: ``cuda`` when PyTorch sees a GPU, else ``cpu``."""
+def torch_device() -> tuple[str, str]:
+    """Where the baseline runs and that in words: ``cuda`` when PyTorch sees a GPU (``cuda (NVIDIA H200)``), else
+    ``cpu``."""
     import torch  # noqa: PLC0415
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def device_name(device: str) -> str:
-    """The device in words for the result (``cpu``, or ``cuda (NVIDIA H200)``)."""
-    import torch  # noqa: PLC0415
-
-    return f"cuda ({torch.cuda.get_device_name(0)})" if device == "cuda" else device
+    return ("cuda", f"cuda ({torch.cuda.get_device_name(0)})") if torch.cuda.is_available() else ("cpu", "cpu")
 
 
 def load_model(path: str, dtype: str, device: str = "cpu"):
@@ -75,7 +69,7 @@ def run_batches(job: dict) -> dict:
     from jaxspec.repro.worker import groups_of  # noqa: PLC0415
 
     torch.set_num_threads(job["threads"])
-    device = torch_device()
+    device, words = torch_device()
     start = time.perf_counter()
     model = load_model(job["model"], job["dtype"], device)
     load_seconds = time.perf_counter() - start
@@ -87,7 +81,7 @@ def run_batches(job: dict) -> dict:
             _, seconds = generate(model, group, job["max_new_tokens"], job["sampling"])
             rows.append({"batch": batch, "group": k, "seconds": seconds, "warmup_seconds": warmup / len(groups),
                          "tokens": job["max_new_tokens"], "tokens_per_step": 1.0})
-    return {"system": job["label"], "threads": torch.get_num_threads(), "device": device_name(device),
+    return {"system": job["label"], "threads": torch.get_num_threads(), "device": words,
             "load_seconds": load_seconds, "rows": rows}
 
 
@@ -96,7 +90,7 @@ def run(job: dict) -> dict:
     import torch  # noqa: PLC0415
 
     torch.set_num_threads(job["threads"])
-    device = torch_device()
+    device, words = torch_device()
     start = time.perf_counter()
     model = load_model(job["model"], job["dtype"], device)
     load_seconds = time.perf_counter() - start
@@ -106,7 +100,7 @@ def run(job: dict) -> dict:
         (new,), seconds = generate(model, [prompt["ids"]], job["max_new_tokens"], job["sampling"])
         rows.append({"id": prompt["id"], "prompt_tokens": len(prompt["ids"]), "new_tokens": len(new),
                      "warmup_seconds": warmup, "seconds": seconds, "token_ids": new})
-    return {"system": "transformers", "threads": torch.get_num_threads(), "device": device_name(device),
+    return {"system": "transformers", "threads": torch.get_num_threads(), "device": words,
             "load_seconds": load_seconds, "rows": rows}
 
 

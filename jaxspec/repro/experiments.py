@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxspec.cache import cache_root
+from jaxspec.cache import cache_root, machine
 
 PAPER_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)  # Section 6.1: every end-to-end experiment's tree
 DEPTH = 8  # the speculation length of <1,1,w,1,1,1,1,1>
@@ -145,22 +145,6 @@ def commit() -> str:
         return "unknown"
 
 
-@functools.cache
-def machine() -> dict:
-    """What a measurement ran on (every cached result's key): platform, device kind and count, host cores. A GPU
-    rerun into a CPU run's output directory measures again rather than reusing the CPU's timings."""
-    import jax  # noqa: PLC0415
-
-    device = jax.devices()[0]
-    return {"platform": device.platform, "device": device.device_kind, "devices": jax.device_count(),
-            "host_cores": len(os.sched_getaffinity(0))}
-
-
-def device_words(m: dict) -> str:
-    """``cpu`` or ``gpu (NVIDIA H200)``: a ``machine()``'s device for a table."""
-    return m["platform"] if m["device"] == m["platform"] else f"{m['platform']} ({m['device']})"
-
-
 def cached(setup: Setup, key: dict, compute: Callable[[], Any]) -> Any:
     """``compute()``'s JSON result, kept under ``<output>/cache/`` by the hash of ``key``."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
@@ -279,12 +263,9 @@ def ms_per_token(runs: list[dict]) -> float:
 
 
 def _meta(setup: Setup, lab: Lab | None = None, **extra: Any) -> dict:
-    import jax  # noqa: PLC0415
-
     out = {"pair": setup.pair.name, "models": setup.pair.describe(), "prompt_set": setup.prompt_set,
            "prompts": len(setup.prompts), "tokens": setup.scale.tokens, "scale": setup.scale.name,
-           "device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
-           "devices": jax.device_count(), "commit": commit()}
+           **machine(), "commit": commit()}
     if lab is not None and lab._ssm is not None:
         out["ssm"] = lab.ssm.name
     return out | extra
@@ -395,8 +376,7 @@ def _systems(setup: Setup, lab: Lab, systems: list[dict], batches: tuple[int, ..
             out.append({"system": system["label"], "batch": b, "ms_per_token": round(1000 * seconds / tokens, 3),
                         "tokens_per_step": round(statistics.fmean(r["tokens_per_step"] for r in sel), 4),
                         "groups": len(sel), "warmup_seconds": round(sum(r["warmup_seconds"] for r in sel), 2),
-                        "load_seconds": round(result["load_seconds"], 2),
-                        "device": result.get("device", device_words(machine()))})
+                        "load_seconds": round(result["load_seconds"], 2), "device": result["device"]})
     return out
 
 

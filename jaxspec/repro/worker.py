@@ -24,6 +24,7 @@ def groups_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
 
 def run(job: dict) -> dict:
     """Loads the job's system, then per batch size: warm-up groups, timed groups; a row per timed group."""
+    from jaxspec.cache import device_words  # noqa: PLC0415
     from jaxspec.config import EngineConfig, SchedulerConfig  # noqa: PLC0415
     from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
     from jaxspec.engine.batch import Request  # noqa: PLC0415
@@ -59,7 +60,7 @@ def run(job: dict) -> dict:
             rows.append({"batch": batch, "group": k, "seconds": seconds, "warmup_seconds": warmup / len(groups),
                          "tokens": sum(len(g.token_ids) for g in gens) / len(gens),
                          "tokens_per_step": sum(sum(g.step_tokens) for g in gens) / max(steps, 1)})
-    return {"system": job["label"], "load_seconds": load_seconds, "rows": rows}
+    return {"system": job["label"], "device": device_words(), "load_seconds": load_seconds, "rows": rows}
 
 
 def main(argv: list[str]) -> int:
