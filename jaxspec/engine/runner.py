@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxspec.cache import host_cores
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.engine.executables import Stored
@@ -421,12 +420,11 @@ class Runner:
 
     def _member_ident(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
                       batch: int) -> dict:
-        """What a member's measurements at a bucket are kept under (the calibration cache's key)."""
+        """What a member's measurements at a bucket are kept under (the calibration cache's key, beside the machine's
+        ``jaxspec.cache.speed_key``)."""
         return {
             "what": "step-member",
             "revision": STEP_REVISION,
-            "jax": jax.__version__,
-            "device": jax.devices()[0].device_kind,
             "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))],
             "ssms": [[s.name, repr(s.cfg), str(jnp.dtype(s.dtype)), s.draft_vocab] for s in self.ssms],
             "ngram": self.family(params)[name].ngram_depth,
@@ -470,11 +468,11 @@ class Runner:
                                   ssms=[[s.name, repr(s.cfg), s.draft_vocab] for s in self.ssms])
 
     def _build_record(self, what: str, value: Any, **extra: Any) -> Any:
-        """A measurement about building executables, cached per device and LLM beside the calibrations."""
+        """A measurement about building executables, cached per machine (``jaxspec.cache.speed_key``) and LLM beside
+        the calibrations."""
         from jaxspec.engine import costs  # noqa: PLC0415
 
-        ident = {"what": what, "revision": STEP_REVISION, "jax": jax.__version__, "host_cores": host_cores(),
-                 "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+        ident = {"what": what, "revision": STEP_REVISION, "lowering": self.lowering.label,
                  "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))], **extra}
         if value is None:
             return costs.load(ident)
@@ -482,12 +480,10 @@ class Runner:
 
     def prefill_chunks(self, found: dict | None = None) -> dict | None:
         """What the prompt chunk search found on this device (``jaxspec.engine.prefill.ChunkSizer.state``), kept
-        beside the calibrations per device, host and engine; given ``found``, records it."""
+        beside the calibrations per machine (``jaxspec.cache.speed_key``) and engine; given ``found``, records it."""
         from jaxspec.engine import costs  # noqa: PLC0415
 
-        ident = {"what": "prefill-chunks", "revision": STEP_REVISION, "jax": jax.__version__,
-                 "host_cores": host_cores(), "device": jax.devices()[0].device_kind,
-                 "platform": jax.default_backend(), "devices": jax.device_count(), **self.identity()}
+        ident = {"what": "prefill-chunks", "revision": STEP_REVISION, **self.identity()}
         if found is None:
             return costs.load(ident)
         return costs.load_or_measure(ident, lambda: found, refresh=True)
