@@ -334,6 +334,28 @@ class Runner:
             out.append(Member(name, depth, positions))
         return out
 
+    # -- the executor's contract: weights, the LLM's forward, one step -----------------------
+    @property
+    def llm_params(self) -> Any:
+        """The LLM's weights in this engine's layout and placement: the first argument of its steps and prefills."""
+        return self._llm_params
+
+    @property
+    def group_params(self) -> tuple:
+        """The SSM groups' weights, one stacked tree per ``groups`` entry: the second argument of steps and prefills."""
+        return self._group_params
+
+    @property
+    def forward(self) -> Forward:
+        """The LLM's forward in this engine's layout, ``forward(params, tokens, positions, cache, mask)``."""
+        return self._llm_forward
+
+    def step(self, cfg: DecodeConfig, state: DecodeState, *arrays: Any, **extra: Any) -> tuple[DecodeState, Any]:
+        """Dispatches one iteration of member ``cfg`` on ``state`` (donated) with this engine's weights: (the new
+        state, the step's output), returned before the device is done. ``arrays``: the n-gram proposals (tokens,
+        count) and, where ``cfg`` forces tokens, those (tokens, count); ``extra``: ``chain_masks``."""
+        return self._step_fn(cfg)(self._llm_params, self._group_params, state, *arrays, **extra)
+
     # -- compiled functions -------------------------------------------------------------
     def _step_fn(self, cfg: DecodeConfig) -> Callable:
         if cfg not in self._compiled:
