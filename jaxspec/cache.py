@@ -144,14 +144,14 @@ def speed_key(lowering: str | None = None, program: str | None = None) -> dict:
     the digest of ``SOURCES``), the device (platform, kind, count), the host's cores and the lowering (a label;
     default: this process's). Every per-machine record (calibrations, costs, executables) is keyed by it."""
     import jax  # noqa: PLC0415
-    import jaxlib  # noqa: PLC0415
+    import jax.lib  # noqa: PLC0415 (its version is jaxlib's)
 
     from models.lowering import default_lowering  # noqa: PLC0415
 
     device = jax.devices()[0]
     code = ({"program": hashlib.sha256(program.encode()).hexdigest()} if program is not None
             else {"source": source_digest()})
-    return {"xla_flags": xla_flags(), "jax": jax.__version__, "jaxlib": jaxlib.__version__, **code,
+    return {"xla_flags": xla_flags(), "jax": jax.__version__, "jaxlib": jax.lib.__version__, **code,
             "platform": device.platform, "device": device.device_kind, "devices": jax.device_count(),
             "host_cores": host_cores(), "lowering": lowering if lowering is not None else default_lowering().label}
 
