@@ -129,8 +129,37 @@ def report_calibration(engine, batch, args, prompt_ids: list[int]) -> None:
               f"({seconds / base:.2f}x none)", file=sys.stderr)
 
 
+class JsonLines:
+    """The JSONL output, a whole line per ``os.write`` as each request finishes and flushed at once: a job stopped
+    half-way (Ctrl-C, a kill, a time limit) keeps every line it finished, and never half a line."""
+
+    def __init__(self, path: str | None) -> None:
+        self.fd = None
+        if path:
+            try:
+                self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            except OSError as e:
+                raise CliError(f"cannot write --output {path}: {e.strerror}") from None
+
+    def write(self, row: dict) -> None:
+        line = json.dumps(row) + "\n"
+        if self.fd is None:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            return
+        data = line.encode()
+        while data:
+            data = data[os.write(self.fd, data):]
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def record(row: dict, sample: int, gen, tokenizer, args) -> dict:
-    """One JSONL line: the text is cut before the first stop string, by the rule the server applies."""
+    """One JSONL line: the text is cut before the first stop string, by the rule the server applies; a failed
+    request's line has ``finish_reason`` "error" and its one-line ``error``."""
     from jaxspec.engine.stops import StopText  # noqa: PLC0415
 
     return {
@@ -149,6 +178,7 @@ def record(row: dict, sample: int, gen, tokenizer, args) -> dict:
         "seed": args.seed + sample,
         "mode": args.mode,
         "tree": gen.tree_counts,
+        "error": gen.error,
     }
 
 
@@ -174,17 +204,20 @@ def cmd_generate(args) -> int:
     rows = read_prompts(args.prompt_file, args.limit) if args.prompt_file else [{"id": "prompt", "prompt": args.prompt}]
     from jaxspec.engine.build import build_engine  # noqa: PLC0415
 
-    began = time.perf_counter()
-    engine, llm = build_engine(config_from_args(args))
-    args.built_seconds = time.perf_counter() - began  # what -v reports as the engine's build (load included)
-    out = open(args.output, "w", encoding="utf-8") if args.output else None
+    streams = len(rows) * args.num_samples == 1  # a single request streams its text; JSONL only to --output
+    out = JsonLines(args.output) if args.output or not streams else None
     try:
-        return generate_requests(engine, llm, rows, args, out)
+        began = time.perf_counter()
+        engine, llm = build_engine(config_from_args(args))
+        args.built_seconds = time.perf_counter() - began  # what -v reports as the engine's build (load included)
+        try:
+            return generate_requests(engine, llm, rows, args, out)
+        finally:
+            if engine.auto and args.verbose:
+                report_learned(engine)
     finally:
         if out:
             out.close()
-        if engine.auto and args.verbose:
-            report_learned(engine)
 
 
 def report_learned(engine) -> None:
@@ -237,7 +270,9 @@ def report_prefill(requests: list, gens: list, batch) -> None:
 def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     """Every prompt x sample through the one scheduling loop; a single prompt streams its text.
 
-    JSONL lines come in input order; up to ``--max-batch`` requests are decoded together.
+    JSONL lines come in completion order (each names its ``id`` and ``sample``), written as each request finishes; up
+    to ``--max-batch`` requests are decoded together. A failed request gets its error line and the others run on;
+    the command then exits 1, naming the failed ones.
     """
     from jaxspec.config import SchedulerConfig
     from jaxspec.engine import lockstep
@@ -310,21 +345,33 @@ def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list) -> in
             report_startup(args, first)
         report_host(batch, args)
         if out:
-            out.write(json.dumps(record(rows[0], 0, gen, llm.tokenizer, args)) + "\n")
+            out.write(record(rows[0], 0, gen, llm.tokenizer, args))
+        if gen.finish_reason == "error":
+            print(f"jaxspec: error: the request failed: {gen.error}", file=sys.stderr)
+            return 1
         return 0
+
+    def write(k: int, gen) -> None:
+        row, sample, _ = jobs[k]
+        out.write(record(row, sample, gen, llm.tokenizer, args))
+        bar.update()
+
     with tqdm(total=len(jobs), desc="generate", unit="request", file=sys.stderr) as bar:
-        gens = batch.generate(requests, on_finish=lambda _: bar.update(), on_event=on_event)
+        gens = batch.generate(requests, on_finish=write, on_event=on_event)
     steps = sum(g.llm_steps for g in gens)
     tokens = sum(sum(g.step_tokens) for g in gens)
-    for (row, sample, _), gen in zip(jobs, gens):
-        line = json.dumps(record(row, sample, gen, llm.tokenizer, args))
-        print(line, file=out) if out else print(line)
     print(f"[jaxspec] {len(jobs)} requests in batches of up to {batch.max_batch}: {batch.iterations} iterations, "
           f"{tokens / max(steps, 1):.2f} tokens/step per request", file=sys.stderr)
     if args.verbose:
         report_prefill(requests, gens, batch)
         report_startup(args, first)
     report_host(batch, args)
+    failed = [req.id for req, gen in zip(requests, gens) if gen.finish_reason == "error"]
+    if failed:
+        shown_ids = ", ".join(failed[:10]) + (f" and {len(failed) - 10} more" if len(failed) > 10 else "")
+        print(f"jaxspec: error: {len(failed)} of {len(jobs)} requests failed ({shown_ids}); every other line is "
+              f"written", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import os
 import threading
 import time
 from typing import Callable, Sequence
@@ -63,6 +64,19 @@ from jaxspec.structured import Grammar, GrammarError
 PREFILL_STALL = 0.5  # default pacing: prompt chunks take at most half the decoding rows' time while they decode
 DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
 MIN_CAPACITY = 256  # the smallest cache bucket: below it a step's cost hardly depends on the cache
+# Request ids (comma-separated) whose admission fails, as a device error or a bug would: how the tests prove that a
+# failed request costs that request only, through every entry point (the CLI, the server, the Python API).
+FAIL_REQUESTS_ENV = "JAXSPEC_FAIL_REQUESTS"
+
+
+class InjectedFailure(RuntimeError):
+    """The failure ``$JAXSPEC_FAIL_REQUESTS`` asks for at a request's admission."""
+
+
+def reason_of(exc: BaseException) -> str:
+    """A failure as one line: the exception's type and the first line of its message."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -284,6 +298,7 @@ class BatchEngine:
         self.on_iteration = on_iteration
         self.sync = sync or LoopSync()
         self.verbose = verbose
+        self.fail_requests = frozenset(filter(None, os.environ.get(FAIL_REQUESTS_ENV, "").split(",")))
         self.eager = eager
         # the processes of a multi-process run must feed alike: no search there (timings differ per process)
         searched = prefill_chunk is None and jax.process_count() == 1
@@ -584,6 +599,7 @@ class BatchEngine:
                 self.step()
         except Exception as exc:
             self.sync.failed("the scheduling loop", exc)
+            self.fail_all(f"the scheduling loop failed ({reason_of(exc)})")
             raise
         finally:
             self.close()
@@ -612,29 +628,52 @@ class BatchEngine:
             self._retire(slot, reason)
         self._pending = None
 
+    def fail_all(self, error: str) -> None:
+        """Ends every waiting, staged and running request with ``error`` after the loop itself failed: the device
+        state is not trusted (nothing runs on it), so the rows are dropped, not retired."""
+        with self.lock:
+            waiting = list(self.waiting) + list(self.incoming)
+            self.waiting.clear()
+            self.incoming.clear()
+        if self.staging is not None:
+            waiting.append((self.staging.ticket, self.staging.on_event))
+            self.staging, self._staged = None, []
+        for ticket, on_event in waiting:
+            _deliver(on_event, Event(ticket.request.id, [], "error", error,
+                                     prompt_tokens=len(ticket.request.prompt_ids)))
+        slots, self.slots, self._pending = self.slots, [], None
+        for slot in slots:
+            slot.row = -1
+            slot.gen.finish_reason, slot.gen.error = "error", error
+            _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error", error,
+                                          prompt_tokens=len(slot.ticket.request.prompt_ids),
+                                          completion_tokens=len(slot.gen.token_ids), generation=slot.gen,
+                                          cached_tokens=slot.gen.cached_tokens))
+            self._finish_learning(slot)
+
     def generate(self, requests: Sequence[Request],
-                 on_finish: Callable[[int], None] | None = None,
+                 on_finish: Callable[[int, Generation], None] | None = None,
                  on_event: Callable[[int, Event], None] | None = None) -> list[Generation]:
         """Runs ``requests`` through the loop in this thread and returns their Generations in order.
 
-        ``on_finish(k)`` hears that request k finished (progress bars); ``on_event(k, event)``
-        hears every event of request k (streaming).
+        A request that fails ends alone, as a Generation with ``finish_reason`` "error" and its ``error``; the others
+        run on (where the loop itself fails, every request not finished ends with that error). ``on_finish(k, gen)``
+        hears that request k finished, in completion order (progress, output written as it comes);
+        ``on_event(k, event)`` hears every event of request k (streaming). A request the engine cannot serve at all
+        (``check``: too long, bad parameters) raises RequestError before any runs.
         """
         out: dict[int, Generation] = {}
-        errors: list[str] = []
         for req in requests:
             self.check(req)
 
         def hear(k: int) -> Callable[[Event], None]:
             def listener(ev: Event) -> None:
-                if ev.finish_reason == "error":
-                    errors.append(ev.error or "error")
-                if ev.finish_reason is not None:
-                    out[k] = ev.generation  # kept before the caller's hooks run: one that fails loses no result
+                if ev.finish_reason is not None:  # kept before the caller's hooks run: one that fails loses no result
+                    out[k] = finished(requests[k], ev)
                 if on_event is not None:
                     on_event(k, ev)
                 if ev.finish_reason is not None and on_finish is not None:
-                    on_finish(k)
+                    on_finish(k, out[k])
             return listener
 
         pending = collections.deque(enumerate(requests))
@@ -642,9 +681,15 @@ class BatchEngine:
             while pending and len(self.waiting) + len(self.incoming) < self.max_queue:
                 k, req = pending.popleft()
                 self.submit(req, hear(k))
-            self.step()
-        if errors:
-            raise RuntimeError(errors[0])
+            try:
+                self.step()
+            except Exception as exc:  # noqa: BLE001 — what finished is kept; the rest end with the loop's error
+                self.sync.failed("the scheduling loop", exc)
+                error = f"the scheduling loop failed ({reason_of(exc)})"
+                self.fail_all(error)
+                for k, req in pending:
+                    hear(k)(Event(req.id, [], "error", error, prompt_tokens=len(req.prompt_ids)))
+                break
         return [out[k] for k in range(len(requests))]
 
     def step(self) -> None:
@@ -689,7 +734,8 @@ class BatchEngine:
                 self.sync.failed("admitting a request", exc)
                 st, self.staging, self._staged = self.staging, None, []
                 if st is not None:
-                    _deliver(st.on_event, Event(st.ticket.request.id, [], "error", f"{type(exc).__name__}: {exc}"))
+                    _deliver(st.on_event, Event(st.ticket.request.id, [], "error", reason_of(exc),
+                                                prompt_tokens=len(st.ticket.request.prompt_ids)))
                 break
             if not fed:
                 break
@@ -714,7 +760,9 @@ class BatchEngine:
             for slot in slots:
                 slot.row = -1
                 self._finish_learning(slot)
-                _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error", f"{type(exc).__name__}: {exc}"))
+                _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error", reason_of(exc),
+                                              prompt_tokens=len(slot.ticket.request.prompt_ids),
+                                              completion_tokens=len(slot.gen.token_ids), generation=slot.gen))
 
     def _drop_cancelled_waiting(self) -> None:
         """Ends cancelled requests still in the queue now, so they stop counting against ``max_queue``."""
@@ -805,6 +853,8 @@ class BatchEngine:
                     return 0
                 ticket, on_event = self.waiting.popleft()
             self.staging = _Staging(ticket, on_event)
+            if ticket.request.id and ticket.request.id in self.fail_requests:
+                raise InjectedFailure(f"admission of request {ticket.request.id} failed (${FAIL_REQUESTS_ENV})")
             self._fit_staging(self.cache_need(len(ticket.request.prompt_ids)))  # a shrink cuts ``_staged``
             self._reuse_prefix(self.staging)
             self.staging.probe = self.chunks.probe(self.staging.fed, len(ticket.request.prompt_ids))
@@ -869,7 +919,7 @@ class BatchEngine:
         except Exception as exc:  # noqa: BLE001
             self.sync.failed("emitting a first token", exc)
             if slot.row >= 0:
-                self._retire(slot, "error", error=f"{type(exc).__name__}: {exc}")
+                self._retire(slot, "error", error=reason_of(exc))
         return size
 
     def _admit_beside(self) -> int:
@@ -901,7 +951,8 @@ class BatchEngine:
             self.sync.failed("admitting a request", exc)
             short, fed = self.staging, 0
             if short is not None:
-                _deliver(short.on_event, Event(short.ticket.request.id, [], "error", f"{type(exc).__name__}: {exc}"))
+                _deliver(short.on_event, Event(short.ticket.request.id, [], "error", reason_of(exc),
+                                               prompt_tokens=len(short.ticket.request.prompt_ids)))
         self._spare = (self.staging_state, self.staging_capacity)
         self.staging, self.staging_state, self.staging_capacity, self._staged = aside
         return fed
@@ -1249,7 +1300,7 @@ class BatchEngine:
             except Exception as exc:  # noqa: BLE001 — e.g. a stop matcher that raised: fail this request only
                 self.sync.failed("emitting tokens", exc)
                 if slot.row >= 0:
-                    self._retire(slot, "error", error=f"{type(exc).__name__}: {exc}")
+                    self._retire(slot, "error", error=reason_of(exc))
         if self.on_iteration is not None and live:
             self.on_iteration(stats)
 
@@ -1273,6 +1324,24 @@ class _InFlight:
     prefilled: bool = False  # a prompt chunk was queued on the device before it: its seconds include the chunk
     bucket: tuple = ()  # (warp, rows, capacity) it ran in
     readies: int = 0  # ``Planner.readies`` at its launch (a later one: the loop readied a member while it ran)
+
+
+def finished(req: Request, ev: Event) -> Generation:
+    """A request's Generation from its final event (one that failed before any slot held it gets an empty one)."""
+    gen = ev.generation
+    if gen is None:
+        gen = Generation([], 0, 0, 0.0, ev.finish_reason or "error", cached_tokens=ev.cached_tokens)
+    if ev.finish_reason == "error":
+        gen.finish_reason, gen.error = "error", ev.error or "error"
+    return gen
+
+
+def all_finished(gens: Sequence[Generation]) -> list[Generation]:
+    """``gens`` where none failed; else RuntimeError naming the first failure (a benchmark's numbers need all)."""
+    for gen in gens:
+        if gen.finish_reason == "error":
+            raise RuntimeError(f"a request failed: {gen.error}")
+    return list(gens)
 
 
 def _deliver(on_event: Callable[[Event], None], event: Event) -> None:

@@ -10,8 +10,9 @@ executable directly.
 What an executable depends on is its key: the caller's ``ident`` (the configuration it was built
 from: the step's tree, the models' configs and dtypes, the lowering, the mesh), the shapes, dtypes and
 placements of its arguments, and ``jaxspec.cache.speed_key`` (the XLA flags, jax and jaxlib versions, the
-source digest, the device); a traced program is also found by its own digest in place of the source's. Weights are arguments, never baked in (an executable with
-captured constants refuses to serialize and simply stays in memory). A damaged entry is removed and
+source digest, the device); a traced program is also found by its own digest in place of the source's.
+Weights are arguments, never baked in (an executable with captured constants refuses to serialize and
+simply stays in memory). A damaged entry is removed and
 rebuilt; anything that cannot be serialized (grammar steps call back into the host) is compiled as
 before. Off with the compilation cache (``--no-compile-cache``), with ``JAXSPEC_EXECUTABLE_CACHE=off`` (the
 test suite's default: its compile counts must not depend on which test ran first) and in multi-process runs.
@@ -30,6 +31,7 @@ from typing import Any, Callable
 import jax
 
 from jaxspec.cache import EXECUTABLE_CACHE_ENV, OFF, STATS, speed_key
+from jaxspec.errors import warn_once
 
 
 def store_dir() -> Path | None:
@@ -164,7 +166,11 @@ def _digest(value: dict) -> str:
 def _read_text(path: Path) -> str | None:
     try:
         return path.read_text().strip() or None
-    except OSError:
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        warn_once(f"read {path.parent}", f"cannot read the executable store's record {path} ({exc}); "
+                                          "compiling instead")
         return None
 
 
@@ -174,8 +180,9 @@ def _write_text(path: Path, text: str) -> None:
         tmp = path.with_suffix(f".{os.getpid()}.partial")
         tmp.write_text(text)
         os.replace(tmp, path)
-    except OSError:
-        pass
+    except OSError as exc:
+        warn_once(f"write {path.parent}", f"cannot write the executable store's record {path} ({exc}); "
+                                           "later runs compile again")
 
 
 def _load(path: Path, key: str) -> Callable | None:
@@ -191,8 +198,10 @@ def _load(path: Path, key: str) -> Callable | None:
         if stored_key != key:
             raise ValueError("another executable's entry")
         return deserialize_and_load(payload, in_tree, out_tree)
-    except Exception:  # noqa: BLE001 — truncated, unreadable or from another build: never trusted
+    except Exception as exc:  # noqa: BLE001 — truncated, unreadable or from another build: never trusted
         path.unlink(missing_ok=True)
+        warn_once(f"load {path.parent}", f"a stored executable failed to load ({type(exc).__name__}: {exc}); "
+                                          f"removed {path.name}, compiling it again")
         return None
 
 
@@ -208,5 +217,7 @@ def _write(path: Path, key: str, compiled: Any) -> bool:
             pickle.dump((key, payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
         return True
-    except Exception:  # noqa: BLE001 — host callbacks, captured constants, a full disk: kept in memory only
+    except Exception as exc:  # noqa: BLE001 — host callbacks, captured constants, a full disk: kept in memory only
+        warn_once(f"store {path.parent}", f"an executable could not be stored ({type(exc).__name__}: {exc}); "
+                                           "it is kept in memory only and later runs compile it again")
         return False
