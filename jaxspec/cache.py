@@ -64,6 +64,7 @@ class CompileCacheStats:
         self.misses = 0
         self.executables_loaded = 0
         self.executables_stored = 0
+        self.stored_compiles = 0  # fresh compiles for the executable store (XLA's cache never saw them)
         self.listening = False
         self.local = threading.local()  # ``thread_hits``: the hits of compiles run by the thread that reads it
 
@@ -76,8 +77,14 @@ class CompileCacheStats:
             self.local.compiles = self.thread_compiles + 1
 
     @property
+    def fresh_compiles(self) -> int:
+        """Executables compiled fresh in this process (persistent-cache misses and the store's own compiles): what a
+        prepared machine's start does not do."""
+        return self.misses + self.stored_compiles
+
+    @property
     def thread_hits(self) -> int:
-        """Cache hits of the compiles this thread ran (a background build and the loop compile side by side)."""
+        """Cache hits of the compiles this thread ran (``prepare`` compiles on several threads at once)."""
         return getattr(self.local, "hits", 0)
 
     @property
@@ -97,7 +104,35 @@ class CompileCacheStats:
 
     def compiled(self) -> None:
         """Counts a fresh compile for the executable store by this thread (XLA's own cache never saw it)."""
+        self.stored_compiles += 1
         self.local.compiles = self.thread_compiles + 1
+
+
+class BackendCompiles:
+    """Counts XLA compiles in this process, however small (a compile answered by the persistent cache included, a
+    stored executable's load not): a loop that compiles after ``BatchEngine.prepare`` shows here."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.listening = False
+
+    def __call__(self, event: str, duration: float, **_: object) -> None:
+        if event == self.EVENT:
+            self.count += 1
+
+    def listen(self) -> int:
+        """Starts counting (once per process); returns the count so far."""
+        if not self.listening:
+            import jax  # noqa: PLC0415
+
+            jax.monitoring.register_event_duration_secs_listener(self)
+            self.listening = True
+        return self.count
+
+
+BACKEND = BackendCompiles()
 
 
 STATS = CompileCacheStats()

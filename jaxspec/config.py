@@ -82,8 +82,6 @@ class SchedulerConfig:
     """Prompt + completion tokens per request (every slot's cache holds this many); None: the loop's default."""
     max_queue: int = 256
     """Requests that may wait for a slot; more are refused."""
-    eager: bool = False
-    """Compile every tree of the family at a bucket's first use (``--compile all``) instead of where it pays."""
     prefill_chunk: int | None = None
     """Most prompt tokens fed per prefill call (``--prefill-chunk``; smaller chunks 16, 64, ... below it); None: found
     on the device (``jaxspec.engine.prefill``: the largest chunk that still feeds tokens faster per token)."""

@@ -23,8 +23,8 @@ def main(argv: Iterable[str] | None = None) -> int:
 
 def entry() -> None:
     """The ``jaxspec`` console command: ``main``, then exit with its status. A one-shot command that left nothing
-    that must finish (``jaxspec.cli.app.exit_at_once``: e.g. a background build whose tree no request will use)
-    exits at once, output flushed, without waiting for that work or for the interpreter's teardown."""
+    that must finish (``jaxspec.cli.app.exit_at_once``: a generate job once its output is written) exits at once,
+    output flushed, without waiting for the interpreter's teardown."""
     try:
         code = main()
     except BrokenPipeError:  # the reader of stdout left (``| head``): stop quietly, as a shell tool does

@@ -41,9 +41,8 @@ from jaxspec.cli.common import (
 if TYPE_CHECKING:  # the engine loads JAX: the CLI imports it only when a command runs
     from jaxspec.engine.batch import BatchEngine
 
-# Set by ``generate`` once its output is written: nothing this process still runs (a background build whose tree
-# no request will use) needs to finish, so ``jaxspec.cli.entry`` may exit without waiting for it or for the
-# interpreter's teardown.
+# Set by ``generate`` once its output is written: nothing this process still runs needs to finish, so
+# ``jaxspec.cli.entry`` may exit without waiting for the interpreter's teardown.
 exit_at_once = False
 
 
@@ -76,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", help="write one JSON line per completion")
     add_prefill_args(gen)
     gen.add_argument("--compile", choices=("lazy", "all"), default="lazy",
-                     help="lazy (default): a batch bucket compiles its plain step at first use and --mode auto's "
-                          "trees only once the work in sight pays for them; all: every tree at a bucket's first use "
-                          "(jaxspec bench modes: no measured step compiles)")
+                     help="accepted for compatibility: either way every executable the job can reach (its row and "
+                          "cache buckets, its sampling's warp, grammar steps where a prompt has one) is compiled or "
+                          "loaded before the first request, and nothing compiles while it runs")
     gen.add_argument("--limit", type=int, help="use the first N prompts of --prompt-file")
     add_compile_cache_args(gen)
     cluster.add_args(gen)
@@ -295,20 +294,24 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
     limits = SchedulerConfig(max_batch=min(args.max_batch, len(jobs)),
                              max_model_len=job_model_len(longest + args.max_new_tokens,
                                                          llm.cfg.max_position_embeddings),
-                             eager=args.compile == "all", prefill_chunk=args.prefill_chunk,
-                             prefill_stall=args.prefill_stall, prefix_cache_bytes=prefix_cache_bytes(args))
+                             prefill_chunk=args.prefill_chunk, prefill_stall=args.prefill_stall,
+                             prefix_cache_bytes=prefix_cache_bytes(args))
     batch = build_scheduler(engine, limits, sync=lockstep.loop_sync(), verbose=say)
-    done = False
+    prepare_job(batch, [r for _, _, r in jobs])
     try:
-        code = _run_jobs(engine, llm, rows, args, out, batch, jobs)
-        done = True
-        return code
+        return _run_jobs(engine, llm, rows, args, out, batch, jobs)
     finally:
-        # the job ran to its end: a background build this machine's runs already paid for finishes (later runs
-        # load it); any other still running is not waited for here (nor adopted), nor is any after a failure
-        batch.close(buy=done, say=lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr))
         global exit_at_once
-        exit_at_once = batch.planner.abandonable and distributed.active() is None
+        exit_at_once = distributed.active() is None
+
+
+def prepare_job(batch: BatchEngine, requests: list) -> None:
+    """Readies what a job's requests can reach before the first starts: every row and cache bucket of its loop
+    (sized by its requests: ``SchedulerConfig``), the one warp its sampling needs, grammar steps only where a
+    request has a grammar."""
+    warp = sampling.batch_warp([r.params for r in requests])
+    batch.prepare(warps=(warp,), grammar=any(r.grammar is not None for r in requests),
+                  say=lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr))
 
 
 def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list) -> int:
@@ -317,7 +320,7 @@ def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list) -> in
 
     from jaxspec.engine.stops import StopText
 
-    if engine.auto and args.recalibrate:  # -v alone leaves the lazy path as it is (its builds are reported)
+    if engine.auto and args.recalibrate:
         report_calibration(engine, batch, args, jobs[0][2].prompt_ids)
     streaming = len(jobs) == 1
     shown = StopText(llm.tokenizer, args.stop)  # the streamed text, held back where a stop string may begin
@@ -335,7 +338,7 @@ def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list) -> in
 
     requests = [r for _, _, r in jobs]
     if streaming:
-        gens = batch.generate(requests, on_event=on_event)
+        gens = counted(batch, args, requests, on_event=on_event)
         print(shown.finish()[0])
         gen = gens[0]
         print(f"[jaxspec] {len(gen.token_ids)} tokens in {gen.seconds:.2f}s, {gen.llm_steps} LLM steps, "
@@ -357,7 +360,7 @@ def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list) -> in
         bar.update()
 
     with tqdm(total=len(jobs), desc="generate", unit="request", file=sys.stderr) as bar:
-        gens = batch.generate(requests, on_finish=write, on_event=on_event)
+        gens = counted(batch, args, requests, on_finish=write, on_event=on_event)
     steps = sum(g.llm_steps for g in gens)
     tokens = sum(sum(g.step_tokens) for g in gens)
     print(f"[jaxspec] {len(jobs)} requests in batches of up to {batch.max_batch}: {batch.iterations} iterations, "
@@ -373,6 +376,20 @@ def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list) -> in
               f"written", file=sys.stderr)
         return 1
     return 0
+
+
+def counted(batch: BatchEngine, args, requests: list, **hooks) -> list:
+    """``batch.generate(requests, **hooks)``, counting XLA's compiles while it runs: none after ``prepare_job`` (a
+    compile there is a defect, said on stderr; ``-v`` says the count either way)."""
+    from jaxspec.cache import BACKEND
+
+    before = BACKEND.listen()
+    gens = batch.generate(requests, **hooks)
+    made = BACKEND.count - before
+    if made or args.verbose:
+        print(f"[jaxspec] {made} executable(s) compiled while the requests ran"
+              + (" (preparation missed them)" if made else ""), file=sys.stderr)
+    return gens
 
 
 def main(argv: Iterable[str] | None = None, started: float | None = None) -> int:

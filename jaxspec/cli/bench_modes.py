@@ -39,8 +39,8 @@ def add_parser(kinds) -> None:
     modes.add_argument("--verify", default="coupled", choices=("mss", "naive", "coupled"),
                        help="stochastic verifier of every mode (as jaxspec generate --verify)")
     modes.add_argument("--compile", choices=("lazy", "all"), default="lazy",
-                       help="as jaxspec generate --compile: lazy (the default users run: auto compiles a tree where "
-                            "it pays) or all (every member of every bucket at its first use)")
+                       help="passed to every mode's jaxspec generate --compile (accepted for compatibility: either "
+                            "way each job prepares every executable it can reach before its first request)")
     modes.add_argument("--warmup", type=int, default=1,
                        help="warm-up rounds before the measured prompts, excluded from ms/token: each runs the "
                             "shortest and longest prompt of every prompt-length bucket, so nothing measured compiles")

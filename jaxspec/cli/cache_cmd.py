@@ -1,5 +1,5 @@
 """``jaxspec cache``: what the per-user caches hold (compiled executables, measured costs, converted checkpoints),
-clearing them, and preparing a machine (``--prepare``: its cost curve measured now)."""
+clearing them, and preparing a machine (``--prepare``: what ``jaxspec serve`` with default flags prepares, now)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("cache", help="show (or --clear) the caches: compiled executables, costs, converted weights")
     p.add_argument("--clear", choices=(*parts(), "all"), help="remove one cache, or all of them")
     p.add_argument("--prepare", action="store_true",
-                   help="measure now this device's cost curve for the engine the model flags name (auto's trees "
-                        "come from it; a machine without one measures it as its first jobs run, plain meanwhile: "
-                        "beside their requests where compiles leave the steps their speed, else while idle or at a "
-                        "job's end), then compile and time its greedy trees at one row, so a first job "
-                        "loads them")
+                   help="prepare this machine now for the engine the model flags name, as jaxspec serve with default "
+                        "flags would before it says ready: the cost curve auto's trees come from, every greedy and "
+                        "sampled step, prefill and row executable of its loop (kept in the executable store) and "
+                        "their measured costs")
     add_model_args(p)
     p.set_defaults(func=cmd_cache)
 

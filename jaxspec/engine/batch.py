@@ -5,11 +5,13 @@ and ``jaxspec serve`` all run requests through ``BatchEngine``. The device state
 caches, histories, roots, one PRNG key and sampling values per row, an active mask) is
 donated to every call. Its shape follows the work: the live rows are kept contiguous
 (a retired row's place is taken by the last live row) and the state is laid out for
-the smallest batch bucket (1, 2, 4, ... ``max_batch``) holding them and the smallest
-capacity bucket (256, 512, ... up to ``max_model_len`` plus a step's slack) holding
-their caches, so one request in a 16-slot server costs what it costs alone. Each
-(bucket, tree) pair is one executable, compiled on first use or by ``warm`` (the JetStream
-/ MaxText ``prefill`` / ``insert`` / ``generate`` split):
+the smallest batch bucket (1, 2, 4, ... ``max_batch``) holding them and, where attention
+scores every cache slot (``dense``), the smallest capacity bucket (256, 512, ... up to
+``max_model_len`` plus a step's slack) holding their caches, so one request in a 16-slot
+server costs what it costs alone; where it reads only filled slots (``blocks``, the CPU's)
+there is one capacity, ``max_capacity`` (docs/architecture.md gives the measurements). Each
+(bucket, tree, warp) is one executable, every one of them compiled or loaded by ``prepare``
+before the first request (the JetStream / MaxText ``prefill`` / ``insert`` / ``generate`` split):
 
 * admission: a waiting request is prefilled chunk by chunk into a one-row staging state laid
   out for its own prompt (the live rows keep their buckets and executables meanwhile), in
@@ -27,8 +29,7 @@ cheapest warp its rows need (``sampling.batch_warp``: greedy alone, temperature 
 with the top-k / top-p stages, which sort the vocabulary at every tree node). A request's
 output depends on its own seed only: each slot draws from its own key.
 
-Lazy auto's planning (bucket costs, estimates, rent or buy, background builds) is
-``jaxspec.engine.planner.Planner``, which this loop asks for each iteration's tree. Over 600 lines,
+Which members each bucket runs, at what measured cost, is ``jaxspec.engine.planner.Planner``. Over 600 lines,
 for now: admission with prefix reuse, the dispatch and read of an iteration and retirement share
 the slots and the staging row; splitting them is issue 35's engine contract.
 """
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import os
 import threading
 import time
@@ -47,13 +47,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.cache import STATS
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import TreeChooser
 from jaxspec.engine.executables import Stored
 from jaxspec.engine.planner import Planner
+from jaxspec.engine.prepare import Job, abstract, compile_all
 from jaxspec.engine.prefill import ChunkSizer
 from jaxspec.engine.prefix import BLOCK, PrefixCache, committed, cut_block, default_bytes, paste_block
-from jaxspec.engine.runner import Generation, RequestError, Runner, check_fits, is_cut
+from jaxspec.engine.runner import Generation, RequestError, Runner, check_fits
 from jaxspec.engine.stops import check_stops
 from jaxspec.parallel.sharding import fetch, pinned
 from jaxspec.decoding.step import (DecodeConfig, StepOutput, bucket, insert_row, move_row, prefill_row, resize,
@@ -89,14 +91,24 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(out) + (max_batch,)
 
 
-def capacity_buckets(top: int) -> tuple[int, ...]:
-    """Cache capacities the state is laid out for: 256, 512, ... below ``top``, then ``top``."""
+def capacity_buckets(top: int, filled_only: bool = False) -> tuple[int, ...]:
+    """Cache capacities the state is laid out for: 256, 512, ... below ``top``, then ``top``; ``top`` alone where
+    attention reads only a cache's filled slots (``filled_only``: a step then costs what its rows hold, at any
+    capacity)."""
+    if filled_only:
+        return (top,)
     out = []
     c = MIN_CAPACITY
     while c < top:
         out.append(c)
         c *= 2
     return tuple(out) + (top,)
+
+
+def filled_only(engine: Runner) -> bool:
+    """Whether the LLM's attention reads only a cache's filled slots (``blocks`` over the unrolled layout, where the
+    cache is written in place): a step's cost then follows what its rows hold, not the capacity."""
+    return engine.lowering.attention == "blocks" and engine.unroll and not engine.stacked
 
 
 def job_model_len(need: int, limit: int) -> int:
@@ -262,17 +274,13 @@ class BatchEngine:
         prefill_chunk: int | None = None,
         sync: LoopSync | None = None,
         verbose: Callable[[str], None] | None = None,
-        eager: bool = False,
         reuse_prefix: bool = True,
-        background: bool = True,
         prefill_stall: float | None = None,
         prefix_cache_bytes: int | None = None,
     ) -> None:
         """``sync`` joins a multi-process run (``jaxspec.parallel.distributed``); ``verbose`` hears what compiles when;
-        ``eager`` compiles every family member at a bucket's first use (else auto's trees compile where they pay);
         ``reuse_prefix``: a request sharing a prompt prefix with the one staged before it starts after that prefix;
-        ``background``: lazy auto builds a tree it wants in a worker thread while plain steps go on (one process only;
-        False: the loop waits for the build, as every process of a multi-process run must); ``prefill_chunk``: the
+        ``prefill_chunk``: the
         largest prompt chunk (None: found on this device, ``jaxspec.engine.prefill``); ``prefill_stall`` R: while
         requests decode, a prompt's later chunks take at most R times the decoding time (a chunk runs, then the
         decoding rows run alone until they made up R times its seconds; None: one chunk every iteration);
@@ -299,20 +307,17 @@ class BatchEngine:
         self.sync = sync or LoopSync()
         self.verbose = verbose
         self.fail_requests = frozenset(filter(None, os.environ.get(FAIL_REQUESTS_ENV, "").split(",")))
-        self.eager = eager
         # the processes of a multi-process run must feed alike: no search there (timings differ per process)
         searched = prefill_chunk is None and jax.process_count() == 1
         self.chunks = ChunkSizer(prefill_chunk, engine.prefill_chunks() if searched else None, search=searched,
                                  save=engine.prefill_chunks if searched else None)
-        # most cache slots one iteration writes per row, most tokens it commits (any member, greedy or sampled;
-        # while auto's trees wait for the cost curve, any trees it may give: ``_trees_known`` narrows them)
+        # most cache slots one iteration writes per row, most tokens it commits (any member, greedy or sampled)
         self._max_nodes, self._max_emit = engine.step_bounds()
-        self._bounds_pending = engine.trees_pending
         # Every write fits by construction: a row holds < max_model_len committed tokens before a
         # step that writes num_nodes more; a prefill chunk ends within the capacity (``ChunkSizer.size``).
         self.max_capacity = max_model_len + max(self._max_nodes + self._max_emit, self.chunks.sizes[0])
         self.row_buckets = batch_buckets(max_batch)
-        self.capacity_buckets = capacity_buckets(self.max_capacity)
+        self.capacity_buckets = capacity_buckets(self.max_capacity, filled_only(engine))
         self.vocab = engine.llm.cfg.vocab_size
         self.rows, self.capacity = self.row_buckets[0], self.capacity_buckets[0]
         self.state = engine.init_state(self.rows, self.capacity, sampling.MIXED, active=False)
@@ -341,7 +346,9 @@ class BatchEngine:
         self.iterations = 0
         self.resizes = 0  # state re-layouts (bucket changes)
         self._compiled: dict = {}
-        self.planner = Planner(engine, lambda: self.sync, self.capacity_buckets[0], eager, background, verbose)
+        self.planner = Planner(engine, lambda: self.sync)
+        self.prepared = False  # ``prepare`` ran: the chunk search probes only sizes it compiled
+        self._prefill_ready: set[tuple[int, int]] = set()  # (chunk size, staging capacity) compiled by ``prepare``
         self._no_proposal: dict[tuple[int, int], tuple[jax.Array, jax.Array]] = {}
         self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
         self._last_done = 0.0
@@ -350,7 +357,6 @@ class BatchEngine:
         # device), and wall seconds from its launch (or the previous read) to its tokens on the host
         self.host_times: collections.deque[float] = collections.deque(maxlen=4096)
         self.iteration_times: collections.deque[float] = collections.deque(maxlen=4096)
-        self.shrink_lost: dict[tuple[int, int], float] = {}  # (rows, capacity) -> seconds spent wider than it
         self.iteration_trees: collections.deque[str] = collections.deque(maxlen=4096)  # the member each one ran
 
     def host_report(self) -> list[str]:
@@ -424,25 +430,9 @@ class BatchEngine:
     def queue_depth(self) -> int:
         return len(self.waiting) + len(self.incoming) + (self.staging is not None)
 
-    def widening(self) -> bool:
-        """Whether the requests waiting for a row will move the loop to a wider bucket as they are admitted (whose
-        plain step the loop then readies, and waits for)."""
-        return bucket(min(len(self.slots) + self.queue_depth(), self.max_batch), self.row_buckets) > self.rows
-
     def tokens_left(self) -> int:
         """The longest live request's tokens still to come: the iterations its row has left, at most."""
         return max((s.ticket.request.max_new_tokens - len(s.gen.token_ids) for s in self.slots), default=0)
-
-    def work_in_sight(self) -> float:
-        """Iterations the live rows' bucket still has before it: the longest live request's tokens left plus the
-        queue's share of a full batch; none where the requests waiting for a row will move the loop to a wider
-        bucket as they are admitted (a tree built for this one would be left behind: only the time already lost
-        without it, rent or buy, may buy it)."""
-        if self.widening():
-            return 0.0
-        left = self.tokens_left()
-        queued = [*self.waiting, *self.incoming]
-        return left + sum(t.request.max_new_tokens for t, _ in queued) / self.max_batch
 
     # -- what a multi-process run's synchroniser (``jaxspec.engine.lockstep``) asks of the loop -------------
     def live_tickets(self) -> list[Ticket]:
@@ -523,64 +513,96 @@ class BatchEngine:
                                           "cfg": repr(self._prefill_cfg()), **self.engine.identity()})
         return self._compiled[key]
 
-    def warm(self, greedy: bool = True, sampled: bool = True, rows: Sequence[int] | None = None,
-             capacities: Sequence[int] | None = None, grammar: bool = False) -> None:
-        """Compiles (and, under auto, calibrates) the steps of every bucket now instead of at first use.
+    def prepare(self, warps: Sequence[sampling.WarpSpec] | None = None, rows: Sequence[int] | None = None,
+                capacities: Sequence[int] | None = None, grammar: bool = False, progress: bool = True,
+                say: Callable[[str], None] | None = None) -> float:
+        """Readies every executable the loop can reach before its first request; returns the seconds it took.
 
-        Defaults: every batch bucket at the smallest capacity bucket (longer caches compile
-        when a request first needs one). Every family member, except under lazy auto: there
-        every bucket's plain step and every whole tree at one row (auto's low-load trees, and the
-        ratios other buckets start from); a tree at a wider bucket, or a tree's cut (``ssm/1``: what
-        wider buckets may want), compiles once it pays (``Planner.worth_compiling``). ``grammar``:
-        also those members' grammar steps at every forced-chain depth (structured output's requests
-        then compile nothing either).
+        Every (warp x row bucket x capacity bucket)'s members (``Planner.members``; ``grammar``: their grammar steps
+        too), each staging capacity's prefill chunks (the chunk search's next size included), every bucket's row
+        bookkeeping and re-layouts, the prefix cache's copies: compiled on the host's cores or loaded from the
+        executable store, then under auto each bucket's members measured (cached per machine). Defaults: every
+        batch warp, row bucket and capacity bucket. ``progress`` shows the bars on stderr; ``say`` hears, where
+        anything compiled fresh, that this machine was prepared and how long it took (later starts load it).
         """
-        for warp in sampling.BATCH_WARPS:
-            if not (greedy if warp.greedy else sampled):
-                continue
-            if not self.planner.lazy:  # every member compiles now: the trees must be known
-                self.planner.settle_curve()
-                self._trees_known()
-            family = list(self.engine.family(warp))  # lazy, before the curve is in: the plain step alone
-            if grammar:
-                self._check_structured()
-            for b in rows or self.row_buckets:
-                for cap in capacities or self.capacity_buckets[:1]:
-                    names = family
-                    if self.planner.lazy:
-                        names = ["none"] if b > 1 else [n for n in family if not is_cut(n)]
-                    self.planner.ready(warp, b, cap, names)
-                    if grammar:
-                        began = time.perf_counter()
-                        made = self.engine.warm_grammar(warp, cap, b, names)
-                        if made and self.verbose is not None:
-                            self.verbose(f"compiled {made} grammar step(s) for {b} row(s) x {cap} slots, "
-                                         f"{warp.label}: {time.perf_counter() - began:.1f} s")
+        began, fresh = time.perf_counter(), STATS.fresh_compiles
+        if grammar:
+            self._check_structured()
+        warps = tuple(warps or sampling.BATCH_WARPS)
+        rows, caps = tuple(rows or self.row_buckets), tuple(capacities or self.capacity_buckets)
+        buckets = [(w, r, c) for w in warps for r in rows for c in caps]
+        jobs = self.planner.step_jobs(buckets, grammar) + self._prefill_jobs(caps) + self._row_jobs(rows, caps)
+        compile_all(jobs, "preparing executables", progress)
+        self._prefix_copies(caps)
+        self.planner.ready(buckets, grammar, progress)
+        self.prepared = True
+        seconds = time.perf_counter() - began
+        made = STATS.fresh_compiles - fresh
+        if made and say is not None:
+            say(f"prepared this machine for {len(buckets)} step bucket(s) in {seconds:.1f} s ({len(jobs)} "
+                f"executables, {made} compiled fresh); later starts load what the executable store kept")
+        return seconds
 
-    def _trees_known(self) -> None:
-        """Once auto's trees came from the cost curve, rows reserve cache room for those trees only."""
-        if self._bounds_pending and not self.engine.trees_pending:
-            self._max_nodes, self._max_emit = self.engine.step_bounds()
-            self._bounds_pending = False
+    def _prefill_jobs(self, capacities: Sequence[int]) -> list[Job]:
+        """The prefill of every chunk size the loop may feed (and the one the chunk search would try next) into a
+        staging row of each of ``capacities`` slots."""
+        fn, jobs = self._fn("prefill"), []
+        top = max(self.chunks.largest, self.chunks.candidate or 0)
+        for cap in capacities:
+            staged = self.engine.abstract_state(1, cap)
+            for size in (b for b in self.chunks.sizes if b <= min(top, cap)):
+                if (size, cap) in self._prefill_ready:
+                    continue
+                call = self._prefill_args(staged, np.zeros((1, size), np.int32), 0, size, True, 0)
+
+                def job(call=call, key=(size, cap)) -> None:
+                    fn.compiled(*call)
+                    self._prefill_ready.add(key)
+
+                jobs.append((f"prefill of {size} tokens, {cap} slots", job))
+        return jobs
+
+    def _row_jobs(self, rows: Sequence[int], capacities: Sequence[int]) -> list[Job]:
+        """Each bucket's row bookkeeping: a prompt's insertion, a retirement (the last row moved into the freed one,
+        or the last row ended), the prefix cache's reads of a finishing row, the re-layouts to every bucket the loop
+        may move to next (rows one bucket up or any down, any capacity), and the staging row's."""
+        put = lambda v: jax.device_put(np.int32(v))  # noqa: E731 (a row index or slot, as the loop passes them)
+        calls: list[tuple[str, Stored, tuple]] = []
+        for cap in capacities:
+            staged = self.engine.abstract_state(1, cap)
+            calls += [(f"staging re-layout to {to} slots", self._resizer(1, to), (staged,))
+                      for to in capacities if to != cap]
+            for r in rows:
+                state = self.engine.abstract_state(r, cap)
+                calls += [(f"{name}, {r} row(s) x {cap} slots", self._fn(name), args) for name, args in
+                          [("insert", (state, staged, put(0))), ("move", (state, put(0), put(0))),
+                           ("retire", (state, put(0)))]]
+                if self.prefix.max_bytes:
+                    calls.append((f"cut, {r} row(s) x {cap} slots", self._fn("cut"), (state, put(0), put(0))))
+                    if state.ssm_caches:
+                        calls.append((f"committed, {r} row(s)", self._fn("committed"), (state, put(0))))
+                up = [b for b in self.row_buckets if b > r][:1]
+                calls += [(f"re-layout {r} -> {r2} row(s) x {c2} slots", self._resizer(r2, c2), (state,))
+                          for r2 in [b for b in self.row_buckets if b <= r] + up for c2 in capacities
+                          if (r2, c2) != (r, cap)]
+        return [(what, (lambda fn=fn, args=args: fn.compiled(*args))) for what, fn, args in calls
+                if not fn.has(*args)]
+
+    def _prefix_copies(self, capacities: Sequence[int]) -> None:
+        """The prefix cache's cut and paste of a staging row of each capacity (the paste compiled for the block a cut
+        of a row of its own returns)."""
+        for cap in capacities:
+            if self.prefix.max_bytes and cap not in self._prefix_ready:
+                staged = self.engine.init_state(1, cap, sampling.MIXED, active=False)
+                at = jax.device_put(np.int32(0))
+                block = self._fn("cut").compiled(staged, at)(staged, at)
+                self._fn("paste").compiled(staged, block, at)
+                self._prefix_ready.add(cap)
 
     @property
     def buckets(self) -> tuple[int, ...]:
         """The prompt chunk sizes fed now, ascending (one prefill executable each; the largest is searched for)."""
         return tuple(b for b in self.chunks.sizes if b <= self.chunks.largest)
-
-    @property
-    def background(self) -> bool:
-        """Whether lazy auto's trees build in a worker thread (``Planner.background``)."""
-        return self.planner.background
-
-    @property
-    def builds(self) -> list[tuple[int, tuple]]:
-        """(iteration, (warp, rows, capacity, member)) of every background build started."""
-        return self.planner.builds
-
-    def settle(self) -> None:
-        """Waits for the background builds in flight and adopts them (tests, and a clean shutdown)."""
-        self.planner.settle()
 
     # -- the loop ---------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -590,9 +612,6 @@ class BatchEngine:
                 if self.sync.exchange(self, stop.is_set()):
                     break
                 if self.idle():
-                    if self.sync.local and self.planner.lazy:  # what waited for the loop to idle learns now
-                        self.planner.learn_idle(self.iterations)
-                        self._trees_known()
                     self.wake.wait(0.05)
                     self.wake.clear()
                     continue
@@ -601,16 +620,7 @@ class BatchEngine:
             self.sync.failed("the scheduling loop", exc)
             self.fail_all(f"the scheduling loop failed ({reason_of(exc)})")
             raise
-        finally:
-            self.close()
         self.cancel_all("cancelled")
-
-    def close(self, buy: bool = False, say: Callable[[str], None] | None = None) -> None:
-        """Drops the builds not started, lets a running one finish unused, restores the interpreter's switch
-        interval (a loop that stops must leave the process as it found it). ``buy``: the loop ran a job whose
-        work was all known to its end; the builds this machine's runs already paid for finish first
-        (``Planner.buy``; ``say`` tells the user the job waits for them)."""
-        self.planner.close(buy, say)
 
     def cancel_all(self, reason: str) -> None:
         """Ends every waiting, staged and running request with ``reason``."""
@@ -703,16 +713,6 @@ class BatchEngine:
                 self.waiting.extend(self.incoming)
                 self.incoming.clear()
         self._drop_cancelled_waiting()
-        if self.planner.building:
-            self.planner.harvest()
-        # once the first compiles are behind, and none is coming for a wider bucket: the curve's compiles would take
-        # half the cores the loop then waits for
-        curve = self.engine.curve_probe
-        if curve is not None and self.iterations and (curve.started or not self.widening()):
-            if self.planner.curve_due() and self._pending is not None:  # a pass is timed with nothing in flight
-                jax.block_until_ready(self._pending.out.tokens)
-            self.planner.advance_curve()
-            self._trees_known()
         for slot in [s for s in self.slots if self._cancelled(s.ticket)]:
             self._retire(slot, "cancelled")
         beside = self._admit_beside()
@@ -783,41 +783,18 @@ class BatchEngine:
         """Cache slots a row of ``committed`` tokens may touch before the host reads its next tokens."""
         return committed + self._max_emit + self._max_nodes
 
-    def _fit(self, extra_rows: int = 0, need: int = 0, iteration: bool = False) -> None:
-        """Lays the state out for the live rows (+ ``extra_rows``) and the longest cache (at least ``need``).
-
-        Grows at once; shrinks only to a smaller bucket (rows only grow while they live, so
-        a bucket changes a few times per request at most), once that pays (``_shrink_pays``;
-        ``iteration``: called once per iteration, which counts what staying costs).
-        """
+    def _fit(self, extra_rows: int = 0, need: int = 0) -> None:
+        """Lays the state out for the live rows (+ ``extra_rows``) and the longest cache (at least ``need``): the
+        smallest bucket that holds them, grown or shrunk at once (``prepare`` compiled every re-layout the loop can
+        make; rows only grow while they live, so a bucket changes a few times per request at most)."""
         rows = bucket(max(len(self.slots) + extra_rows, 1), self.row_buckets)
         want = max([need] + [self.cache_need(s.committed) for s in self.slots])
         capacity = bucket(min(want, self.max_capacity), self.capacity_buckets)
         if (rows, capacity) == (self.rows, self.capacity):
             return
-        if rows <= self.rows and capacity <= self.capacity and not self._shrink_pays(rows, capacity, iteration):
-            return
         self.state = self._resize(self.state, rows, capacity)
         self.rows, self.capacity = rows, capacity
         self.resizes += 1
-
-    def _shrink_pays(self, rows: int, capacity: int, iteration: bool) -> bool:
-        """Whether the rows move to the smaller bucket ``rows`` x ``capacity`` now: at once where its plain step is
-        ready in this process, else once the iterations spent without it (``iteration``: this is one) and those
-        left would save what readying it costs here (a compile on a cold machine: seconds, for a few iterations
-        near a batch's end), each saving at most the share of the step the dropped rows and slots take (rent or
-        buy). A multi-process run shrinks at once (every process decides alike)."""
-        if not self.sync.local or self.planner.has_bucket(rows, capacity) or not self.iteration_times:
-            return True
-        step = float(np.median(list(itertools.islice(reversed(self.iteration_times), 16))))  # the newest 16
-        saving = step * (1.0 - rows * capacity / (self.rows * self.capacity))
-        lost = self.shrink_lost.get((rows, capacity), 0.0) + saving * iteration
-        if lost + self.tokens_left() * saving >= self.planner.plain_price(rows, capacity):
-            self.shrink_lost.pop((rows, capacity), None)
-            return True
-        if lost:
-            self.shrink_lost[(rows, capacity)] = lost
-        return False
 
     def _fit_staging(self, need: int, grow_only: bool = False) -> None:
         """Lays the staging row out for ``need`` slots and at least the live rows' capacity (its insert then needs no
@@ -857,7 +834,8 @@ class BatchEngine:
                 raise InjectedFailure(f"admission of request {ticket.request.id} failed (${FAIL_REQUESTS_ENV})")
             self._fit_staging(self.cache_need(len(ticket.request.prompt_ids)))  # a shrink cuts ``_staged``
             self._reuse_prefix(self.staging)
-            self.staging.probe = self.chunks.probe(self.staging.fed, len(ticket.request.prompt_ids))
+            if not self.prepared or (self.chunks.candidate, self.staging_capacity) in self._prefill_ready:
+                self.staging.probe = self.chunks.probe(self.staging.fed, len(ticket.request.prompt_ids))
             if ticket.request.grammar is not None:
                 vocab = self.engine.row_masks().vocab
                 self.staging.matcher = vocab.matcher(vocab.compile(ticket.request.grammar))
@@ -971,64 +949,29 @@ class BatchEngine:
 
     def _prefill_call(self, tokens: np.ndarray, fed: int, count: int, last: bool, seed: int, values: dict,
                       first_mask: np.ndarray) -> tuple:
-        """The prefill executable's arguments for one chunk into the staging row: ``tokens`` [1, size] (its first
-        ``count`` real), fed from slot ``fed``; ``first_mask`` [1, words] the first token's grammar mask."""
+        """The prefill executable's arguments for one chunk into the staging row (``_prefill_args``)."""
+        return self._prefill_args(self.staging_state, tokens, fed, count, last, seed, values, first_mask)
+
+    def _prefill_args(self, staged, tokens: np.ndarray, fed: int, count: int, last: bool, seed: int,
+                      values: dict | None = None, first_mask: np.ndarray | None = None) -> tuple:
+        """The prefill executable's arguments for one chunk into staging state ``staged``: ``tokens`` [1, size] (its
+        first ``count`` real), fed from slot ``fed``; ``values`` the request's sampling values (default greedy's);
+        ``first_mask`` [1, words] the first token's grammar mask (default: every token allowed)."""
+        if values is None:
+            values = sampling.row_values([sampling.SamplingParams()], self.vocab)
+        if first_mask is None:
+            first_mask = np.full((1, constrain.words(self.vocab)), -1, np.int32)
         args = jax.device_put((tokens, np.int32(fed), np.int32(count), np.bool_(last), np.uint32(seed % 2**32),
                                values, first_mask))
-        return (self.engine.llm_params, self.engine.group_params, self.staging_state, *args)
+        return (self.engine.llm_params, self.engine.group_params, staged, *args)
 
     def _ready_prefix(self) -> None:
-        """The prefix cache's cut and paste compile with the staging capacity's first chunk (a hit later compiles
-        nothing): a block cut and pasted back where it was."""
+        """The prefix cache's cut and paste compile with the staging capacity's first chunk where ``prepare`` did not
+        compile them (a hit later compiles nothing): a block cut and pasted back where it was."""
         if self.prefix.max_bytes and self.staging_capacity not in self._prefix_ready:
             self._prefix_ready.add(self.staging_capacity)
             at = jax.device_put(np.int32(0))
             self.staging_state = self._fn("paste")(self.staging_state, self._fn("cut")(self.staging_state, at), at)
-
-    def warm_prefill(self) -> int:
-        """Compiles the prefill of every chunk size fed now (``buckets``) at the staging row's capacity, without
-        running one (and the prefix cache's copies at that capacity); returns how many prefills it compiled. Which
-        sizes a prompt is fed in follows this device's timings (``ChunkSizer.size``), so warm-up prompts alone may
-        leave a size that a later prompt needs uncompiled."""
-        self._ready_prefix()
-        fn, made = self._fn("prefill"), 0
-        values = sampling.row_values([sampling.SamplingParams()], self.vocab)
-        first_mask = np.full((1, constrain.words(self.vocab)), -1, np.int32)
-        for size in self.buckets:
-            if size > self.staging_capacity:
-                continue
-            call = self._prefill_call(np.zeros((1, size), np.int32), 0, size, True, 0, values, first_mask)
-            if not fn.has(*call):
-                fn.compiled(*call)
-                made += 1
-        return made
-
-    def warm_rows(self) -> int:
-        """Compiles, without running one, each row's bookkeeping at every batch bucket of the live rows' capacity: a
-        prompt's insertion, a retirement (the last row moved into the freed one, or the last row ended; the state
-        shrunk a bucket) and the prefix cache's reads of a finishing row; returns how many it compiled. Left to
-        first use, each compiles while every live row waits. The states grow bucket by bucket, as load grows them."""
-        made, state, smaller = 0, self.state, None
-        put = lambda v: jax.device_put(np.int32(v))  # noqa: E731 (a row index or slot, as the loop passes them)
-        for rows in (b for b in self.row_buckets if b >= self.rows):
-            if rows != self.rows:
-                state = self._resize(state, rows, self.capacity)
-            calls = [("move", (state, put(0), put(0))), ("retire", (state, put(0)))]
-            if smaller is not None:  # and back down a bucket as rows retire
-                calls.append((("resize", smaller), (state,)))
-            smaller = rows
-            if self.staging_capacity == self.capacity:
-                calls.append(("insert", (state, self.staging_state, put(0))))
-            if self.prefix.max_bytes:
-                calls.append(("cut", (state, put(0), put(0))))
-                if state.ssm_caches:
-                    calls.append(("committed", (state, put(0))))
-            for name, args in calls:
-                fn = self._resizer(name[1], self.capacity) if isinstance(name, tuple) else self._fn(name)
-                if not fn.has(*args):
-                    fn.compiled(*args)
-                    made += 1
-        return made
 
     def _timed_prefill(self, call: tuple) -> float:
         """Feeds a prompt chunk timed alone (its executable ready, the iteration in flight and the chunk before it
@@ -1189,7 +1132,7 @@ class BatchEngine:
         """
         e = self.engine
         began = time.perf_counter()
-        self._fit(iteration=True)
+        self._fit()
         live = list(enumerate(self.slots))
         warp = sampling.batch_warp([s.ticket.request.params for _, s in live])
         family = e.family(warp)
@@ -1216,15 +1159,7 @@ class BatchEngine:
             name, longest = chooser.pick_constrained(rows3, costs, tuple(sorted({0, longest})), keys=keys)
         elif chooser is not None:
             rows = [(len(proposals[i]), matched[i]) for i, _ in live]
-            if self.planner.lazy:
-                left = self.work_in_sight()
-                name = self.planner.pick(chooser, warp, self.rows, self.capacity, costs, rows, keys, left,
-                                         self.iterations)
-            else:
-                name = chooser.pick_batch(rows, costs, keys=keys)
-            name = self.sync.agree_pick(name, list(family))
-            if name not in costs:  # agreed to compile it: every process readies it in the same order
-                self.planner.ready(warp, self.rows, self.capacity, [name])
+            name = self.sync.agree_pick(chooser.pick_batch(rows, costs, keys=keys), list(family))
         else:
             name = next(iter(family))
         cfg = family[name]
@@ -1249,7 +1184,7 @@ class BatchEngine:
         self.iterations += 1
         forced = [len(c) for c in chains] or [0] * self.rows
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
-                         self.planner.busy, self._chunk_queued, (warp, self.rows, self.capacity), self.planner.readies)
+                         self._chunk_queued, self.planner.readies)
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
@@ -1268,9 +1203,7 @@ class BatchEngine:
         if self.prefill_stall is not None:
             self._prefill_debt = max(0.0, self._prefill_debt - self.prefill_stall * seconds)
         self.iteration_trees.append(it.name)
-        stalled = self.planner.readies != it.readies  # the loop readied a member while it ran: not its cost
-        if it.name == "none" and not cfg.grammar and it.costs and not it.prefilled and not stalled:  # in its bucket
-            self.planner.time_plain(it.bucket, seconds, beside=it.building)
+        stalled = self.planner.readies != it.readies  # the loop readied a bucket while it ran: not its cost
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
         stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
         ssm_nodes = cfg.num_nodes - 1 - cfg.ngram_depth - cfg.forced_depth
@@ -1290,7 +1223,7 @@ class BatchEngine:
         if it.chooser is not None and live and not stalled:  # a grammar step also waits on host masks: timed apart
             if cfg.grammar:
                 it.chooser.observe_constrained_time(it.name, cfg.forced_depth, seconds, it.costs)
-            elif not it.building and not it.prefilled:  # a build beside it or a chunk before it: not its cost
+            elif not it.prefilled:  # a chunk before it: not its cost
                 it.chooser.observe_time(it.name, seconds, it.costs)
         for i, slot in live:
             if slot.row < 0:
@@ -1320,10 +1253,8 @@ class _InFlight:
     out: StepOutput  # device arrays, not read yet
     start: float  # perf_counter at dispatch
     host: float = 0.0  # host seconds from choosing it to its launch returning
-    building: bool = False  # a background build was in flight when it launched
     prefilled: bool = False  # a prompt chunk was queued on the device before it: its seconds include the chunk
-    bucket: tuple = ()  # (warp, rows, capacity) it ran in
-    readies: int = 0  # ``Planner.readies`` at its launch (a later one: the loop readied a member while it ran)
+    readies: int = 0  # ``Planner.readies`` at its launch (a later one: the loop readied a bucket while it ran)
 
 
 def finished(req: Request, ev: Event) -> Generation:

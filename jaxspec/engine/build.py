@@ -99,10 +99,8 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
     was placed on (default: ``config.mesh``'s); ``announce`` hears the speculators and trees chosen."""
     from jaxspec.engine import Engine  # noqa: PLC0415
 
-    later = curve_later(config, llm, speculators, mesh)
-    curve = None if later else auto_curve(config, llm, speculators)
-    # measured later: a placeholder groups the SSMs as any derived trees would (one learned speculator)
-    expansion = tuple((1,) for _ in speculators) if later else expansion_for(config, speculators, curve)
+    curve = auto_curve(config, llm, speculators, progress=announce is not None)
+    expansion = expansion_for(config, speculators, curve)
     cuts = ()
     if curve is not None:  # auto's trees derived from this device's curve: their shallower cuts too
         from jaxspec.engine.planner import speculator_cuts  # noqa: PLC0415
@@ -114,9 +112,7 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
                            f"speculators ({', '.join(s.name for s in speculators)}): give one shared config or one "
                            "per speculator")
         if announce is not None:
-            shown = ("; ".join(getattr(e, "label", None) or "<" + ",".join(map(str, e)) + ">" for e in expansion)
-                     if not later else "from this device's cost curve, which the loop measures (beside the first requests "
-                                  "where compiles leave the steps their speed, else while idle or at the job's end)")
+            shown = "; ".join(getattr(e, "label", None) or "<" + ",".join(map(str, e)) + ">" for e in expansion)
             names = ", ".join(s.name + (f" (draft vocabulary {s.draft_vocab})" if getattr(s, "draft_vocab", 0)
                                         else "") for s in speculators)
             print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {config.mode}",
@@ -132,52 +128,33 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
         forced = 0 if config.mode == "incremental" else DEFAULT_FORCED_TOKENS
     engine = Engine(llm, list(speculators), expansion, config.tree_budget, config.verify,
                     auto=config.mode == "auto", mesh=mesh if mesh is not None else mesh_of(config),
-                    offload=config.offload, forced_tokens=forced, lowering=lowering_of(config),
-                    trees_pending=pending_bounds(speculators) if later else None, cuts=cuts)
+                    offload=config.offload, forced_tokens=forced, lowering=lowering_of(config), cuts=cuts)
     engine.cost_curve = curve
-    if later:
-        from jaxspec.engine.planner import curve_probe  # noqa: PLC0415
-
-        # the engine's own weights and its weightless view of the LLM: the loaded tree is not held by the probe
-        engine.curve_probe = curve_probe(engine.llm, engine.ssms, engine.lowering, params=engine.llm_params)
     return engine
 
 
-def prepare(config: EngineConfig) -> str:
-    """Measures now what auto's first runs on this device would otherwise measure beside their requests: the cost
-    curve its trees come from (kept in the cost cache; ``recalibrate`` measures it again), then readies the greedy
-    trees at one row and the smallest cache bucket (compiled into the persistent compile cache and timed into the
-    cost cache), so a first job there loads them instead of compiling them (``serve``'s warm-up readies the
-    sampled ones too, as it starts); says what it did."""
+def prepare(config: EngineConfig, scheduler: SchedulerConfig = SchedulerConfig()) -> str:
+    """Prepares this machine for the loop ``scheduler`` describes (default: ``jaxspec serve``'s with default flags)
+    over the engine ``config`` names: the cost curve auto's trees come from (kept in the cost cache;
+    ``recalibrate`` measures it again), then every greedy and sampled step, prefill and row executable that loop
+    can reach (``BatchEngine.prepare``, kept in the executable store) and their measured costs; says what it did."""
     import time  # noqa: PLC0415
 
-    from jaxspec.speculators.resolve import load_llm, load_speculators  # noqa: PLC0415
-    from jaxspec.engine.planner import cached_curve, describe, speculator_trees  # noqa: PLC0415
+    from jaxspec.decoding import sampling  # noqa: PLC0415
 
-    if config.mode != "auto" or config.expansion:
-        raise CliError("--prepare measures the cost curve auto derives its trees from: there is none to measure "
-                       "with --mode other than auto or with --expansion")
-    llm = load_llm(config.model, config.dtype, mesh=mesh_of(config), offload=config.offload)
-    speculators = load_speculators(speculator_specs(config), llm, config.dtype, config.draft_vocab)
-    learned = learned_of(speculators)
-    had = not config.recalibrate and cached_curve(llm, learned, lowering_of(config)) is not None
     began = time.perf_counter()
-    curve = auto_curve(config, llm, speculators)
-    if curve is None:
-        raise CliError("--prepare: these speculators take no trees (give --ssm)")
-    trees = "; ".join(f"{s.name} <{','.join(map(str, e))}>"
-                      for s, e in zip(speculators, speculator_trees(curve, speculators)))
-    how = "already measured" if had else f"measured in {time.perf_counter() - began:.1f} s"
-    began = time.perf_counter()
-    from jaxspec.engine.batch import BatchEngine  # noqa: PLC0415
+    engine, llm = build_engine(config, log=sys.stderr)
+    batch = build_scheduler(engine, scheduler)
+    batch.prepare(say=lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr))
+    trees = "; ".join(f"{n}: {engine.describe(n)}" for n in engine.family(sampling.SamplingParams()) if n != "none")
+    curve = ""
+    if engine.cost_curve is not None:
+        from jaxspec.engine.planner import describe  # noqa: PLC0415
 
-    batch = BatchEngine(engine_from(config, llm, speculators), max_batch=1)
-    try:
-        batch.warm(sampled=False, rows=(1,))
-    finally:
-        batch.close()
-    return (f"cost curve of {llm.name} on this device ({how}): {describe(curve)}; auto's trees: {trees}; readied "
-            f"for one row x {batch.capacity_buckets[0]} slots in {time.perf_counter() - began:.1f} s")
+        curve = f"cost curve of {llm.name} on this device: {describe(engine.cost_curve)}; "
+    return (f"{curve}trees: {trees or 'none'}; prepared {batch.max_batch} slots x {batch.max_model_len} tokens "
+            f"({len(batch.row_buckets)} row bucket(s) x {len(batch.capacity_buckets)} capacity bucket(s)) in "
+            f"{time.perf_counter() - began:.1f} s")
 
 
 def learned_of(speculators: Sequence) -> list:
@@ -187,34 +164,10 @@ def learned_of(speculators: Sequence) -> list:
     return [s for s in speculators if not isinstance(s, NGramSpeculator)]
 
 
-def pending_bounds(speculators: Sequence) -> tuple[int, int]:
-    """(most nodes, deepest path) of any trees auto may derive for ``speculators`` (``planner.derivable_bounds``)."""
-    from jaxspec.speculators.ngram import speculator_kinds  # noqa: PLC0415
-    from jaxspec.engine.planner import derivable_bounds  # noqa: PLC0415
-
-    return derivable_bounds(speculator_kinds(speculators))
-
-
-def curve_later(config: EngineConfig, llm: LoadedModel, speculators: Sequence = (), mesh: Mesh | None = None) -> bool:
-    """Whether auto's cost curve is measured by the scheduling loop, beside its first requests, rather than before
-    the engine is built: where auto derives its trees from one (``auto_curve``), none is in the cost cache, and the
-    engine can adopt its trees later (one process, one device, one learned speculator, not ``--recalibrate``)."""
-    if config.mode != "auto" or config.expansion or not speculators or config.recalibrate:
-        return False
-    if mesh is not None or config.mesh or config.offload:
-        return False
-    import jax  # noqa: PLC0415
-
-    from jaxspec.engine.planner import cached_curve  # noqa: PLC0415
-
-    learned = learned_of(speculators)
-    if jax.process_count() > 1 or len(learned) > 1:
-        return False
-    return cached_curve(llm, learned, lowering_of(config)) is None
-
-
-def auto_curve(config: EngineConfig, llm: LoadedModel, speculators: Sequence = ()) -> CostCurve | None:
-    """This device's cost curve where auto derives its trees (no ``--expansion``, some speculator), else None.
+def auto_curve(config: EngineConfig, llm: LoadedModel, speculators: Sequence = (),
+               progress: bool = False) -> CostCurve | None:
+    """This device's cost curve where auto derives its trees (no ``--expansion``, some speculator), else None:
+    read from the cost cache, else measured now (``progress``: with a bar on stderr).
 
     In a multi-process run every process measures (their programs stay in step) and process 0's curve is the
     one all use, so every process derives the same family."""
@@ -225,7 +178,7 @@ def auto_curve(config: EngineConfig, llm: LoadedModel, speculators: Sequence = (
     from jaxspec.engine.planner import CostCurve, measure_curve  # noqa: PLC0415
 
     learned = learned_of(speculators)
-    curve = measure_curve(llm, learned, lowering_of(config), refresh=config.recalibrate)
+    curve = measure_curve(llm, learned, lowering_of(config), refresh=config.recalibrate, progress=progress)
     if jax.process_count() > 1:
         import numpy as np  # noqa: PLC0415
         from jax.experimental import multihost_utils  # noqa: PLC0415
@@ -267,7 +220,7 @@ def build_scheduler(engine: Engine, config: SchedulerConfig, **hooks: Any) -> Ba
 
     stall = config.prefill_stall or None  # 0: off, as None
     return BatchEngine(engine, max_batch=config.max_batch, max_model_len=config.max_model_len,
-                       max_queue=config.max_queue, eager=config.eager, prefill_chunk=config.prefill_chunk,
+                       max_queue=config.max_queue, prefill_chunk=config.prefill_chunk,
                        prefill_stall=stall, prefix_cache_bytes=config.prefix_cache_bytes, **hooks)
 
 

@@ -11,7 +11,6 @@ once per key and a record measured under other flags or code is never read.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -107,8 +106,8 @@ class TimedPass:
     """One forward of ``model`` over ``tokens`` new tokens per row, for ``batch`` rows, against a KV cache of
     ``capacity`` slots holding ``capacity - tokens`` committed ones (donated, as in the engine).
 
-    Compiled apart from any run (``compile``, on any thread: a worker may compile while a loop decodes), then
-    timed (``time``) on the thread that owns the device meanwhile. ``params`` are ``model``'s weights in the layout
+    Compiled apart from any run (``compile``, on any thread: the cost curve's passes compile side by side), then
+    timed (``time``, ``once``) one thread at a time. ``params`` are ``model``'s weights in the layout
     ``unrolled`` says (``decoding_layout`` where True); the executable goes through the executable store.
     """
 
@@ -256,141 +255,3 @@ def load_or_measure(key: dict, measure: Callable[[], dict], refresh: bool = Fals
     except OSError as exc:
         warn_once(f"write {path.parent}", f"cannot write the cost record {path} ({exc}); later runs measure again")
     return value
-
-
-Point = tuple[str, int, int]  # ("llm", 0, tokens) or ("draft", speculator index, width)
-
-
-class CurveProbe:
-    """A cost curve measured so that no loop waits on it: every pass compiles in a worker thread (``start``),
-    then the loop times one round per ``advance`` (each point's pass once), on its own thread between its
-    iterations (a pass timed beside a compile or a running step would time the contention); ``finish`` does what
-    is left at once, on the caller's thread. The value, ``{"llm": {T: s}, "drafts": [{w: s}, ...]}``, is stored
-    under ``key`` in the cost cache.
-
-    ``passes`` maps each point to what makes its ``TimedPass`` (made in the worker, so no device memory is held
-    for a point before it compiles); the ``later`` points are compiled and timed after them, and only where
-    ``wants_later`` of the curve so far says so. Each point is its fastest of ``repeats`` passes: whatever else
-    runs on the host or device only ever adds time to a pass, so the minimum is the estimate of a pass's own cost
-    that the rest of the machine disturbs least, on any platform. The points are timed in interleaved rounds, not
-    one after another: a machine whose speed drifts (a shared host, a clock that settles) then drifts under every
-    point alike, and the ratios between them, which choose the trees, hold."""
-
-    def __init__(self, passes: dict[Point, Callable[[], TimedPass]], key: dict, drafts: int,
-                 repeats: int = 10, later: dict[Point, Callable[[], TimedPass]] | None = None,
-                 wants_later: Callable[[dict], bool] | None = None) -> None:
-        self.todo = dict(passes)
-        self.key = key
-        self.drafts = drafts
-        self.repeats = repeats
-        # Points measured only where the curve without them says they could matter (``wants_later`` of its value):
-        # a cold machine then compiles no pass whose size no tree of its could use.
-        self.later = dict(later or {})
-        self.wants_later = wants_later or (lambda value: True)
-        self.ready: dict[Point, TimedPass] = {}  # compiled, not yet timed ``repeats`` times
-        self.samples: dict[Point, list[float]] = {}  # seconds of each pass timed so far, per point
-        self.seconds: dict[Point, float] = {}
-        self.compiling: concurrent.futures.Future | None = None
-        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self._generation = 0  # bumped by ``close``: a worker of an earlier loop stops at its next pass
-
-    @property
-    def started(self) -> bool:
-        """Whether the passes are compiling (or compiled) in a worker of the loop now driving the probe."""
-        return self._worker is not None
-
-    @property
-    def compiled(self) -> bool:
-        """Whether the worker compiled every pass (or a compile failed: ``advance`` raises it)."""
-        return self.started and self.compiling.done()
-
-    def start(self, on_worker: Callable[[], None] | None = None) -> None:
-        """Compiles every pass in a worker thread, in order (the first of a cold machine's compiles come first);
-        ``on_worker`` runs first on that thread (a loop lowers its priority there). A pass a closed worker left
-        compiling is waited for first, not compiled twice."""
-        if self._worker is None:
-            left = self.compiling
-            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-curve",
-                                                                 initializer=on_worker)
-            self.compiling = self._worker.submit(self._compile_all, self._generation, left)
-
-    def _compile_all(self, generation: int | None = None,
-                     left: concurrent.futures.Future | None = None) -> None:
-        if left is not None:
-            concurrent.futures.wait([left])  # (its error, if any, is the pass's again when compiled here)
-        for point, make in list(self.todo.items()):
-            if generation is not None and generation != self._generation:
-                return
-            if point not in self.ready and point not in self.seconds:
-                timed = make()
-                timed.compile()
-                self.ready[point] = timed
-
-    def advance(self) -> dict | None:
-        """Times one round once all compiled (``_round``: one call); the curve once every point is timed."""
-        if not self.compiled:
-            return None
-        self.compiling.result()  # a compile's error, raised here
-        self._round()
-        if len(self.seconds) < len(self.todo):
-            return None
-        if self._take_later():
-            self.compiling = self._worker.submit(self._compile_all, self._generation)
-            return None
-        return self.value()
-
-    def _round(self) -> None:
-        """Times every compiled point still short of ``repeats`` passes once, in order (a point's first round runs
-        one untimed pass before it); a point with all its passes keeps the fastest."""
-        for point, timed in list(self.ready.items()):
-            got = self.samples.setdefault(point, [])
-            if not got:
-                timed.run()
-            got.append(timed.once())
-            if len(got) >= self.repeats:
-                self.seconds[point] = min(got)
-                del self.ready[point]
-
-    def _take_later(self) -> bool:
-        """Once every point so far is timed: whether the ``later`` points join them (then they are to measure)."""
-        later, self.later = self.later, {}
-        if not later or not self.wants_later(self._measured()):
-            return False
-        self.todo.update(later)
-        return True
-
-    def finish(self) -> dict:
-        """The curve now: waits for the worker's compiles (or compiles on this thread where none started), then
-        times every pass left."""
-        if self.compiling is not None:
-            if self.started:
-                self.compiling.result()
-            else:  # a closed worker's pass still compiling: this thread compiles the rest after it
-                concurrent.futures.wait([self.compiling])
-        while True:
-            self._compile_all()  # what no worker compiled (none started, or one closed before the end)
-            while self.ready:
-                self._round()
-            if not self._take_later():
-                return self.value()
-
-    def value(self) -> dict:
-        """The measured curve, stored in the cost cache (once complete)."""
-        if len(self.seconds) != len(self.todo):
-            raise RuntimeError(f"the cost curve has {len(self.seconds)} of {len(self.todo)} passes timed")
-        out = self._measured()
-        return load_or_measure(self.key, lambda: out, refresh=True)
-
-    def _measured(self) -> dict:
-        """The curve as timed so far: ``{"llm": {T: s}, "drafts": [{w: s}, ...]}``."""
-        return {"llm": {size: s for (what, _, size), s in self.seconds.items() if what == "llm"},
-                "drafts": [{size: s for (what, i, size), s in self.seconds.items() if what == "draft" and i == j}
-                           for j in range(self.drafts)]}
-
-    def close(self) -> None:
-        """Drops the compiles not started (one running finishes, kept: ``compiling`` tells when); a later ``start``
-        (another loop over the same engine) compiles what is left."""
-        self._generation += 1
-        if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
-            self._worker = None

@@ -53,8 +53,9 @@ def _leaf(x: Any) -> tuple:
 
 
 def _described(x: Any) -> tuple:
-    """Everything of one argument an executable depends on: shape, dtype, weak type, placement."""
-    if isinstance(x, jax.Array):
+    """Everything of one argument an executable depends on: shape, dtype, weak type, placement (an array's, or a
+    ``jax.ShapeDtypeStruct`` standing for one: ``jaxspec.engine.prepare.abstract``)."""
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
         return (x.shape, str(x.dtype), x.weak_type, repr(x.sharding))
     return _leaf(x)
 
@@ -64,11 +65,15 @@ class Stored:
 
     ``fn`` is jitted with ``donate_argnums``; ``ident`` (JSON-able) names what it computes beyond its
     arguments; ``fixed`` leading positional arguments (e.g. weights) keep their shapes and placements for
-    the object's life, so only the others are read to tell signatures apart on each call.
+    the object's life, so only the others are read to tell signatures apart on each call. Arguments may be
+    ``jax.ShapeDtypeStruct``s where a caller only compiles (``compiled``). ``persist`` False keeps its executables
+    in memory only (``compiled`` still readies one ahead of its first call).
     """
 
-    def __init__(self, fn: Callable, ident: dict, fixed: int = 0, donate_argnums: tuple[int, ...] = ()) -> None:
+    def __init__(self, fn: Callable, ident: dict, fixed: int = 0, donate_argnums: tuple[int, ...] = (),
+                 persist: bool = True) -> None:
         self.fn = fn
+        self.persist = persist  # False: never written or read (a grammar step calls back into this process)
         self.donate_argnums = donate_argnums
         self.jitted = jax.jit(fn, donate_argnums=donate_argnums)
         self.ident = ident
@@ -106,7 +111,7 @@ class Stored:
     def _prepare(self, args: tuple, kwargs: dict) -> Callable:
         """The executable for this signature: loaded (by its key, else by its program once traced), else
         compiled fresh and written where it serializes."""
-        directory = store_dir()
+        directory = store_dir() if self.persist else None
         if directory is None:
             return self.jitted
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))

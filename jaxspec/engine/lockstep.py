@@ -171,8 +171,8 @@ def serve_role(batch: BatchEngine, make_stop: Callable[[list[str]], Any]) -> boo
     """Sets a multi-process server's batch up; runs a follower's loop to process 0's stop and returns False there.
 
     Returns True where this process should go on serving HTTP (process 0, or a single-process run).
-    Every process compiles and calibrates first, so the loop's broadcasts never interleave
-    with warm-up collectives.
+    Every process prepares first (``BatchEngine.prepare``: compiles, then calibrates alike), so the loop's
+    broadcasts never interleave with the calibrations' collectives.
     """
     if cluster.active() is None:
         return True
@@ -180,7 +180,7 @@ def serve_role(batch: BatchEngine, make_stop: Callable[[list[str]], Any]) -> boo
         LeaderSync(batch)
     else:
         FollowerSync(batch, make_stop)
-    batch.warm()
+    batch.prepare(progress=cluster.is_leader())
     if cluster.is_leader():
         return True
     batch.run(threading.Event())

@@ -8,7 +8,7 @@ traces of model-running executables, so tests can prove that nothing recompiles 
 loaded from disk, ``jaxspec.engine.executables``, is not traced and not counted).
 
 Over 600 lines: the family, its compiled steps, their costs and the chooser share the models'
-layout and the engine's identity; the scheduling loop's planning already lives in ``planner``.
+layout and the engine's identity; which members each bucket runs lives in ``planner``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.engine.executables import Stored
+from jaxspec.engine.prepare import Job, abstract
 from jaxspec.errors import RequestError, VocabularyMismatch  # noqa: F401 (importable from here as before)
 from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
@@ -101,7 +102,6 @@ class Runner:
         mesh: Mesh | None = None,
         offload: bool = False,
         forced_tokens: int = 0,
-        trees_pending: tuple[int, int] | None = None,
         cuts: Sequence[tuple[str, int]] = (),
     ) -> None:
         """``batch_ssms`` drafts SSMs of one architecture, dtype and expansion in one vmapped forward;
@@ -112,11 +112,7 @@ class Runner:
         before); a mesh with ``pipe`` > 1 runs the LLM's layers as pipeline stages (``models.pipeline``);
         ``offload`` keeps them in host memory and streams them in layer by layer (``jaxspec.parallel.offload``);
         ``forced_tokens``: how many tokens a grammar forces ahead of a constrained request's root ride in its tree
-        as a draft chain (0: none); ``trees_pending``: auto's trees come later (``adopt_trees``, once this device's
-        cost curve is measured), and these are the most nodes (root included) and the deepest path of any they may
-        be (``jaxspec.engine.planner.derivable_bounds``): until then the family is the plain step alone
-        (``expansion`` only groups SSMs, so it must group them as the trees will: one learned speculator);
-        ``cuts``: auto's shallower members, (kind, depth) as ``jaxspec.engine.planner.tree_cuts`` gives them."""
+        as a draft chain (0: none); ``cuts``: auto's shallower members, (kind, depth) as ``jaxspec.engine.planner.tree_cuts`` gives them."""
         expansions = _per_ssm(expansion, len(speculators))
         self.speculators = tuple(speculators)
         self.batch_ssms = batch_ssms
@@ -177,11 +173,8 @@ class Runner:
         self.verify = verify
         self.auto = auto
         # this device's cost curve where auto's trees were derived from it (``jaxspec.engine.build.auto_curve``):
-        # what a tree never timed at a bucket is priced from
+        # which cuts of those trees each row bucket runs (``jaxspec.engine.planner.Planner.members``)
         self.cost_curve = None
-        # where the curve is still measured (``trees_pending``): its ``jaxspec.engine.costs.CurveProbe``, which the
-        # scheduling loop's planner moves along between iterations and which gives the trees once complete
-        self.curve_probe = None
         self.compilations = 0
         self.traced: list[str] = []  # what each of ``compilations`` compiled, e.g. "prefill of 16 tokens, 1 x 256"
         self._compiled: dict = {}
@@ -202,10 +195,6 @@ class Runner:
         if offload and mesh is not None:  # a one-device offload was laid out in host memory already
             self._llm_params = offload_params(self._llm_params)
         self._families: dict[sampling.WarpSpec, dict[str, DecodeConfig]] = {}
-        # (most nodes, deepest path) of the trees to come, until ``adopt_trees``; None once known
-        self._pending_bounds = trees_pending if auto and speculators else None
-        if self.trees_pending:
-            self.ngram_depth = 0
         self.family(sampling.SamplingParams())  # validates every configuration
         # The engine runs its own layout: it keeps no reference to the loaded tree, which is freed as soon
         # as the caller drops its LoadedModel (jaxspec.engine.build.build_engine hands back this one).
@@ -219,7 +208,7 @@ class Runner:
         for a batch of greedy and sampled rows).
         """
         warp = _warp(params)
-        if warp not in self._families:  # read every iteration: built once per warp and trees (``adopt_trees``)
+        if warp not in self._families:  # read every iteration: built once per warp
             self._families[warp] = self._family(warp)
         return self._families[warp]
 
@@ -238,8 +227,6 @@ class Runner:
             name = "tree" if (self.topologies or self.ngram) else "none"
             return {name: cfg(topologies, self.ngram_depth, self.tree_budget)}
         out = {"none": cfg(off, 0)}
-        if self.trees_pending:
-            return out
         if self.ngram:
             out["ngram"] = cfg(off, self.ngram_depth)
         if self.topologies:
@@ -252,31 +239,6 @@ class Runner:
             elif kind == "ssm" and (cut := tuple(_cut(t, depth) for t in topologies)) != topologies:
                 out[f"ssm/{depth}"] = cfg(cut, 0)
         return out
-
-    def adopt_trees(self, expansion: Sequence[int] | Sequence[Sequence[int]],
-                    cuts: Sequence[tuple[str, int]] = ()) -> None:
-        """Auto's trees, once derived from this device's cost curve (the engine ran its plain step alone until
-        then), and their ``cuts`` (as the constructor takes them): the family grows to every member; the SSMs'
-        groups, and so every state's layout, stay as they were."""
-        expansions = _per_ssm(expansion, len(self.speculators))
-        pairs = list(zip(self.speculators, expansions))
-        topologies = tuple(e if isinstance(e, DynamicTree) else expansion_topology(e)
-                           for s, e in pairs if not isinstance(s, NGramSpeculator))
-        if self.batch_ssms and ssm_groups(self.ssms, topologies) != self.groups:
-            raise RequestError("auto's trees would group the SSMs otherwise than the engine's state is laid out")
-        chain = next((e for s, e in pairs if s is self.ngram), ())
-        if isinstance(chain, DynamicTree):
-            raise RequestError("the n-gram speculator proposes a chain: give it a fixed expansion")
-        self.topologies, self.ngram_depth, self._pending_bounds = topologies, len(chain), None
-        self.cuts = tuple(cuts) if self.auto else ()
-        self._families.clear()
-        self._choosers.clear()
-        self.family(sampling.SamplingParams())  # validates every configuration
-
-    @property
-    def trees_pending(self) -> bool:
-        """Whether auto's trees still wait for this device's cost curve (the family is the plain step alone)."""
-        return self._pending_bounds is not None
 
     def constrained(self, cfg: DecodeConfig, forced: int | None = None) -> DecodeConfig:
         """A member's grammar step: masks from the host at every draft level and tree node, plus a chain of
@@ -373,9 +335,8 @@ class Runner:
                                                       (proposal_tokens, proposal_count), forced, masker, chain_masks)
 
             # a grammar step calls back into this process's matchers: it cannot be kept on disk
-            self._compiled[cfg] = (jax.jit(step, donate_argnums=(2,)) if cfg.grammar else
-                                   Stored(step, {"what": "step", "cfg": repr(cfg), **self.identity()}, fixed=2,
-                                          donate_argnums=(2,)))
+            self._compiled[cfg] = Stored(step, {"what": "step", "cfg": repr(cfg), **self.identity()}, fixed=2,
+                                         donate_argnums=(2,), persist=not cfg.grammar)
         return self._compiled[cfg]
 
     def count_trace(self, what: str, cache) -> None:
@@ -413,9 +374,8 @@ class Runner:
         return {n: self.member_cost(params, n, capacity, batch, refresh) for n in names}
 
     def member_cost(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
-                    batch: int = 1, refresh: bool = False, cached_only: bool = False) -> float | None:
-        """Seconds per iteration of one family member on ``batch`` rows of ``capacity`` slots (cached, see calibrate);
-        ``cached_only``: None where it was never measured (nothing compiles)."""
+                    batch: int = 1, refresh: bool = False) -> float:
+        """Seconds per iteration of one family member on ``batch`` rows of ``capacity`` slots (cached, see calibrate)."""
         if self._injected_costs is not None:
             return self._injected_costs[name]
         key = (_warp(params), capacity, batch, name)
@@ -424,22 +384,9 @@ class Runner:
         from jaxspec.engine import costs  # noqa: PLC0415
 
         ident = self._member_ident(params, name, capacity, batch)
-        if cached_only:
-            return costs.load(ident)
         self._costs[key] = costs.load_or_measure(
             ident, lambda: self._measure(params, capacity, batch=batch, names=[name])[name], refresh)
         return self._costs[key]
-
-    def member_built(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
-                     batch: int = 1, mark: bool = False) -> bool:
-        """Whether this machine built ``name`` for the bucket before, timed or not (a background build is not:
-        with the persistent compile cache on, readying it again is a load); ``mark`` records that it did."""
-        from jaxspec.engine import costs  # noqa: PLC0415
-
-        ident = {**self._member_ident(params, name, capacity, batch), "what": "step-built"}
-        if mark:
-            return bool(costs.load_or_measure(ident, lambda: True, refresh=True))
-        return bool(costs.load(ident))
 
     def _member_ident(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
                       batch: int) -> dict:
@@ -460,46 +407,6 @@ class Runner:
             **({"mesh": describe_mesh(self.mesh)} if self.mesh is not None else {}),
             **({"offload": True} if self.offload else {}),
         }
-
-    def build_seconds(self, seconds: float | None = None) -> float | None:
-        """What compiling one step executable took on this device, as last measured (a fresh compile: never a load
-        from the persistent cache); given ``seconds``, records them. What auto's first build is priced at before
-        this process has compiled anything itself."""
-        return self._build_record("compile-seconds", None if seconds is None else float(seconds))
-
-    def build_share(self, share: float | None = None) -> float | None:
-        """The share of a background build's seconds the scheduling loop lost on this device, as last measured;
-        given ``share``, records it. (Measured bucket by bucket since "build-share-per-bucket": a share kept before,
-        from steps of different shapes compared through their calibrations, is not read.)"""
-        return self._build_record("build-share-per-bucket", None if share is None else float(share))
-
-    def build_regret(self, regret: dict[str, float] | None = None) -> dict[str, float] | None:
-        """Seconds the runs on this device lost without each tree they wanted and never had ready (lazy auto's
-        rent-or-buy ledger, ``Planner.close``), by ``Planner.ledger_key``; given ``regret``, records the table."""
-        return self._build_record("build-regret", regret,
-                                  ssms=[[s.name, repr(s.cfg), s.draft_vocab] for s in self.ssms])
-
-    def share_reads(self, reads: int | None = None) -> int | None:
-        """How many runs on this device read its kept build share since it was last measured (``Planner.recheck``);
-        given ``reads``, records them."""
-        return self._build_record("build-share-reads", reads)
-
-    def curve_rent(self, seconds: float | None = None) -> float | None:
-        """Seconds the runs on this device decoded under lazy auto while its cost curve was unmeasured (what
-        ``Planner.buy_curve`` weighs its compiles against); given ``seconds``, records them."""
-        return self._build_record("curve-rent", None if seconds is None else float(seconds),
-                                  ssms=[[s.name, repr(s.cfg), s.draft_vocab] for s in self.ssms])
-
-    def _build_record(self, what: str, value: Any, **extra: Any) -> Any:
-        """A measurement about building executables, cached per machine (``jaxspec.cache.speed_key``) and LLM beside
-        the calibrations."""
-        from jaxspec.engine import costs  # noqa: PLC0415
-
-        ident = {"what": what, "revision": STEP_REVISION, "lowering": self.lowering.label,
-                 "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))], **extra}
-        if value is None:
-            return costs.load(ident)
-        return costs.load_or_measure(ident, lambda: value, refresh=True)
 
     def prefill_chunks(self, found: dict | None = None) -> dict | None:
         """What the prompt chunk search found on this device (``jaxspec.engine.prefill.ChunkSizer.state``), kept
@@ -556,20 +463,62 @@ class Runner:
         return run
 
     def warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int = 1,
-             names: Sequence[str] | None = None) -> None:
-        """Compiles family members (default all) for this capacity and batch now, so no step of a request compiles.
+             names: Sequence[str] | None = None, grammar: bool = False) -> int:
+        """Compiles family members' steps (default all; ``grammar``: their grammar steps) for this bucket now, on
+        this thread; returns how many compiled. ``BatchEngine.prepare`` compiles every bucket's in parallel."""
+        jobs = self.step_jobs(params, capacity, batch, names, grammar)
+        for _, job in jobs:
+            job()
+        return len(jobs)
 
-        ``auto`` may switch to any compiled member mid-request; compiling one then would stall
-        that request (and count as decoding time).
-        """
-        names = list(self.family(params)) if names is None else names
-        cold = [n for n in names if not self.is_warm(params, capacity, batch, n)]
-        if cold:
-            self._measure(params, capacity, reps=0, batch=batch, names=cold)
+    def step_jobs(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int = 1,
+                  names: Sequence[str] | None = None, grammar: bool = False) -> list[Job]:
+        """(what, a call compiling it) for each member's step at this bucket not compiled yet (``names``: default
+        all; ``grammar``: their grammar steps at every forced-chain depth instead): what
+        ``jaxspec.engine.prepare.compile_all`` runs on the host's cores. A job marks its step warm once compiled."""
+        warp, family = _warp(params), self.family(params)
+        state = self.abstract_state(batch, capacity)
+        jobs = []
+        for name in list(family) if names is None else names:
+            for forced in self.forced_buckets() if grammar else (None,):
+                key = (warp, capacity, batch, name) + (() if forced is None else ("grammar", forced))
+                if key in self._warmed:
+                    continue
+                cfg = family[name] if forced is None else self.constrained(family[name], forced)
+                fn, (arrays, extra) = self._step_fn(cfg), self._step_args(cfg, batch)  # made on this thread
+
+                def job(fn=fn, arrays=arrays, extra=extra, key=key) -> None:
+                    fn.compiled(self._llm_params, self._group_params, state, *arrays, **extra)
+                    self._warmed.add(key)
+
+                shown = name if forced is None else f"{name} under a grammar forcing {forced}"
+                jobs.append((f"step {shown}, {batch} row(s) x {capacity} slots, {warp.label}", job))
+        return jobs
+
+    def _step_args(self, cfg: DecodeConfig, batch: int) -> tuple[tuple, dict]:
+        """A step's arguments after the state as the loop passes them, for rows with nothing proposed or forced:
+        (the n-gram's tokens [B, D] and count [B], then the forced chain's where ``cfg`` forces; ``chain_masks``
+        [B, 1 + F + D, words] where its masks come from the host)."""
+        arrays = ngram.proposal_arrays([[]] * batch, cfg.ngram_depth)
+        if cfg.forced_depth:
+            arrays = (*arrays, *ngram.proposal_arrays([[]] * batch, cfg.forced_depth))
+        extra = {}
+        if cfg.host_masks:
+            words = constrain.words(self.llm.cfg.vocab_size)
+            extra["chain_masks"] = np.full((batch, 1 + cfg.forced_depth + cfg.ngram_depth, words), -1, np.int32)
+        return jax.device_put(arrays), jax.device_put(extra)
+
+    def abstract_state(self, batch: int, capacity: int) -> DecodeState:
+        """The shapes, dtypes and placements of a state of ``batch`` rows x ``capacity`` slots: what compiling for
+        that bucket reads (no device memory is kept)."""
+        key = ("abstract", batch, capacity)
+        if key not in self._compiled:
+            self._compiled[key] = abstract(self.init_state(batch, capacity, sampling.MIXED, active=False))
+        return self._compiled[key]
 
     def _measured_state(self, params: sampling.SamplingParams | sampling.WarpSpec, batch: int,
                         capacity: int) -> DecodeState:
-        """A fresh state of ``batch`` rows whose caches hold a shortest prompt: what compiling and timing run on."""
+        """A fresh state of ``batch`` rows whose caches hold a shortest prompt: what timing runs on."""
         key = ("lengths", batch, capacity)
         if key not in self._compiled:
             self._compiled[key] = jax.jit(lambda s: set_lengths(s, MIN_PROMPT_BUCKET), donate_argnums=(0,))
@@ -582,26 +531,13 @@ class Runner:
     def warm_grammar(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int = 1,
                      names: Sequence[str] | None = None) -> int:
         """Compiles the grammar steps of members (default all) at every forced-chain depth for this bucket, so
-        a server's first structured requests do not stall on compiles; returns how many compiled now."""
-        warp, family = _warp(params), self.family(params)
-        masks = self.row_masks()
-        cold = [(n, f) for n in (list(family) if names is None else names) for f in self.forced_buckets()
-                if (warp, capacity, batch, n, "grammar", f) not in self._warmed]
-        for name, forced in cold:
-            cfg = self.constrained(family[name], forced)
-            arrays = ngram.proposal_arrays([[]] * batch, cfg.ngram_depth)
-            if forced:
-                arrays = (*arrays, *ngram.proposal_arrays([[]] * batch, forced))
-            extra = {}
-            if cfg.host_masks:
-                extra["chain_masks"] = np.full((batch, 1 + forced + cfg.ngram_depth, masks.vocab.words), -1, np.int32)
-            masks.begin([None] * batch)  # no row has a grammar: every mask allows everything
-            state = self._measured_state(params, batch, capacity)
-            _, res = self._step_fn(cfg)(self._llm_params, self._group_params, state, *jax.device_put(arrays),
-                                        **jax.device_put(extra))
-            jax.block_until_ready(res)
-            self._warmed.add((warp, capacity, batch, name, "grammar", forced))
-        return len(cold)
+        structured requests do not wait on compiles; returns how many compiled now."""
+        return self.warm(params, capacity, batch, names, grammar=True)
+
+    def grammar_warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int,
+                     name: str) -> bool:
+        """Whether member ``name``'s grammar steps are compiled for this bucket at every forced-chain depth."""
+        return all((_warp(params), capacity, batch, name, "grammar", f) in self._warmed for f in self.forced_buckets())
 
     def is_warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int,
                 name: str) -> bool:
@@ -633,11 +569,7 @@ class Runner:
         sampled: a sampled request drafts a dynamic tree's fixed fallback, which can outgrow its budget."""
         family = [*self.family(sampling.SamplingParams()).values(), *self.family(sampling.MIXED).values()]
         family += [self.constrained(c) for c in family]
-        nodes, emit = max(c.num_nodes for c in family), max(c.max_emit for c in family)
-        if self.trees_pending:  # room for any trees the curve may give
-            most, deepest = self._pending_bounds
-            nodes, emit = max(nodes, most + self.forced_depth), max(emit, deepest + 1 + self.forced_depth)
-        return nodes, emit
+        return max(c.num_nodes for c in family), max(c.max_emit for c in family)
 
     def init_state(self, batch: int, capacity: int, params: sampling.SamplingParams | sampling.WarpSpec,
                    active: bool = True) -> DecodeState:

@@ -81,11 +81,12 @@ def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: Serve
         return 0  # another process of a multi-host server: it followed process 0 until its stop
     service = Service(batch, llm.tokenizer, llm.cfg.vocab_size, name, scheduler.max_queue,
                       verbose=engine_config.verbose, request_log=request_log)
-    log.info("compiling (warm-up requests; %d slots, max model length %d)", batch.max_batch, batch.max_model_len)
+    log.info("preparing (%d slots, max model length %d%s)", batch.max_batch, batch.max_model_len,
+             ", structured output" if config.warm_structured else "")
     t0 = time.perf_counter()
-    service.start()
+    service.start(grammar=config.warm_structured)
     try:
-        service.warm_up(grammar=config.warm_structured)
+        service.warm_up()
         log.info("ready in %.1f s: model '%s'", time.perf_counter() - t0, name)
         app = create_app(service, config.api_key, config.shutdown_timeout, config.max_body_bytes)
         listen = uvicorn.Config(app, host=config.host, port=config.port, log_level="info",

@@ -20,6 +20,7 @@ import time
 import uuid
 from typing import IO, Any, AsyncIterator, Callable
 
+from jaxspec.cache import BACKEND
 from jaxspec.engine.stops import StopText, check_stops
 from jaxspec.serving.protocol import (
     ENGINE_STOPPED,
@@ -146,6 +147,7 @@ class Service:
         self.created = int(time.time())
         self.observing = False  # warm-up iterations are not counted
         self._traced_seen = 0  # executables compiled before the last iteration observed (``Runner.traced``)
+        self._compiles_seen = BACKEND.listen()  # XLA's compiles before it (``jaxspec.cache.BACKEND``)
         self.dead: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxspec-engine", daemon=True)
@@ -153,14 +155,12 @@ class Service:
         self._lock = threading.Lock()
 
     # -- the engine thread -------------------------------------------------------------------
-    def start(self) -> None:
-        """Starts the engine loop; in one process, first compiles what the warm-up requests may not reach (every
-        prompt chunk size's prefill, every batch bucket's row bookkeeping: ``BatchEngine.warm_prefill`` and
-        ``warm_rows``), here because they touch the loop's state. (Across processes every call would have to be
-        made by all of them: the loop compiles those shapes at their first use there.)"""
+    def start(self, grammar: bool = False) -> None:
+        """Prepares the loop, then starts its thread: every executable it can reach, greedy and sampled (``grammar``:
+        the structured-output steps too), compiled or loaded before any request (``BatchEngine.prepare``; a
+        multi-process run prepared in every process already, ``jaxspec.engine.lockstep.serve_role``)."""
         if self.batch.sync.local:
-            self.batch.warm_prefill()
-            self.batch.warm_rows()
+            self.batch.prepare(grammar=grammar, say=lambda text: log.info("%s", text))
         self._thread.start()
 
     def _run(self) -> None:
@@ -182,9 +182,12 @@ class Service:
         if self.observing:
             self.metrics.observe_iteration(stats)
             traced = self.batch.engine.traced
-            for what in traced[self._traced_seen:]:  # a stall of every slot (lazy auto's trees build aside)
-                log.info("compiled while serving: %s", what)
+            for what in traced[self._traced_seen:]:  # a stall of every slot: preparation missed it (a defect)
+                log.warning("compiled while serving: %s", what)
             self._traced_seen = len(traced)
+            made, self._compiles_seen = BACKEND.count - self._compiles_seen, BACKEND.count
+            if made:
+                log.warning("compiled while serving: %d XLA executable(s)", made)
         if self.verbose:
             log.info("iteration: tree %s, %d active, %d queued, %d tokens, %.1f ms", stats.tree, stats.active,
                      stats.queued, sum(stats.emitted), stats.seconds * 1e3)
@@ -196,15 +199,13 @@ class Service:
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def warm_up(self, grammar: bool = False) -> None:
-        """Compiles before serving: the decoding family (``BatchEngine.warm``; with ``grammar`` its
-        structured-output steps too), then greedy and sampled requests whose prompts reach every prefill
-        chunk shape (``BatchEngine.buckets``), through the loop; their synthetic tokens teach auto's chooser
-        nothing (``learn=False``). What they may not reach was compiled as the loop started (``start``)."""
+    def warm_up(self) -> None:
+        """Runs greedy and sampled requests whose prompts reach every prefill chunk shape (``BatchEngine.buckets``)
+        through the prepared loop before serving (the chunk sizes' first timings; their synthetic tokens teach auto's
+        chooser nothing: ``learn=False``); from then on a compile is logged as a defect (``on_iteration``)."""
         from jaxspec.engine.batch import Request  # noqa: PLC0415
         from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
 
-        self.batch.warm(grammar=grammar)
         longest = self.batch.max_model_len - WARMUP_TOKENS
         lengths = sorted({max(1, min(b, longest)) for b in getattr(self.batch, "buckets", (16,))})
         done = threading.Semaphore(0)
@@ -226,6 +227,7 @@ class Service:
         if errors:
             raise RuntimeError(f"warm-up request failed: {errors[0]}")
         self._traced_seen = len(self.batch.engine.traced)
+        self._compiles_seen = BACKEND.count
         self.batch.reset_timings()
         self.observing = True
 
