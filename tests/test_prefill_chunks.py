@@ -115,9 +115,12 @@ def test_the_loop_searches_chunk_sizes_on_real_prompts_and_keeps_what_it_found(l
 
 
 def test_a_long_prompt_enters_beside_a_decoding_row_without_changing_its_bucket(llm):
-    """The staging row is laid out for its own prompt: while a prompt needing a larger cache bucket is fed, the
-    decoding row keeps its state (no re-layout, so no new step executable); at insert the rows grow."""
-    engine = Engine(llm)
+    """Where the cache is bucketed (attention over every slot), the staging row is laid out for its own prompt:
+    while a prompt needing a larger cache bucket is fed, the decoding row keeps its state (no re-layout, so no new
+    step executable); at insert the rows grow."""
+    from models.lowering import default_lowering
+
+    engine = Engine(llm, lowering=default_lowering("attention=dense"))
     long_prompt = [int(x) for x in np.random.default_rng(3).integers(1, llm.cfg.vocab_size, 700)]
     requests = [Request([5, 3, 8], 40), Request(long_prompt, 4)]
     want = [engine.generate(r.prompt_ids, r.max_new_tokens).token_ids for r in requests]

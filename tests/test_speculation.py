@@ -100,10 +100,13 @@ def test_pool_of_different_depths_keeps_identity_and_acceptance(tiny_llm):
 
 
 def test_capacity_edge_writes_stay_in_bounds(tiny_llm, monkeypatch):
-    """A request that fills --max-model-len exactly grows its cache bucket by bucket and keeps its output;
-    a capacity rule that under-counts a step's writes is caught before the write, not on the device."""
+    """A request that fills --max-model-len exactly grows its cache bucket by bucket (attention over every slot:
+    the buckets the loop keeps there) and keeps its output; a capacity rule that under-counts a step's writes is
+    caught before the write, not on the device."""
+    from models.lowering import default_lowering
+
     engine = Engine(tiny_llm, [early_exit(tiny_llm, 1), NGramSpeculator()], [(1, 2), (1, 1, 1)], auto=True,
-                    costs=ALL_TRIED)
+                    costs=ALL_TRIED, lowering=default_lowering("attention=dense"))
     prompt = repetitive_prompts(1, tiny_llm.cfg.vocab_size, seed=3)[0]
     new = 300 - len(prompt)
     batch = BatchEngine(engine, max_batch=1, max_model_len=300)
@@ -112,10 +115,11 @@ def test_capacity_edge_writes_stay_in_bounds(tiny_llm, monkeypatch):
     assert gen.token_ids == Engine(tiny_llm).generate(prompt, new).token_ids
     assert batch.resizes >= 2  # grown past 256 slots, and shrunk back once the request left
     assert batch.capacity == 256
-    fixed = BatchEngine(Engine(tiny_llm, [early_exit(tiny_llm, 1)], (1, 2)), max_batch=1, max_model_len=300)
+    fixed = BatchEngine(Engine(tiny_llm, [early_exit(tiny_llm, 1)], (1, 2), lowering=engine.lowering), max_batch=1,
+                        max_model_len=300)
     monkeypatch.setattr(fixed, "cache_need", lambda committed: committed)  # forgets the step's own writes
-    with pytest.raises(RuntimeError, match="a decoding step would write"):
-        fixed.generate([Request(list(range(16)), 280)])
+    (broken,) = fixed.generate([Request(list(range(16)), 280)])  # the request fails alone, naming the write
+    assert broken.finish_reason == "error" and "a decoding step would write" in broken.error
 
 
 # --- the n-gram speculator ----------------------------------------------------------------

@@ -413,9 +413,9 @@ def test_an_uncompilable_grammar_is_a_request_error(default_llm):
         engine.generate([1, 2, 3], 4, grammar=Grammar("regex", "(unclosed"))
 
 
-@pytest.mark.slow  # ~2 min cold; the only count of warm(grammar=True); constrained requests stay in the default run
-def test_structured_warm_up_compiles_every_grammar_step_a_request_needs(default_llm):
-    """After ``warm(grammar=True)`` a constrained request compiles nothing; without it, it compiles grammar steps."""
+@pytest.mark.slow  # ~2 min cold; the default model's count of prepare(grammar=True) (test_serve has the tiny one's)
+def test_preparing_structured_output_compiles_every_grammar_step_a_request_needs(default_llm):
+    """After ``prepare(grammar=True)`` a constrained request compiles nothing; without it, it compiles grammar steps."""
     from jaxspec.engine.batch import BatchEngine, Request
     from jaxspec.speculators.resolve import load_speculators
     from models.tokenizer import encode_prompt
@@ -425,10 +425,10 @@ def test_structured_warm_up_compiles_every_grammar_step_a_request_needs(default_
     for warm in (True, False):
         engine = Engine(default_llm, load_speculators(["ngram:3"], default_llm, "float32"), (1, 1, 1, 1), forced_tokens=4)
         batch = BatchEngine(engine, max_batch=1, max_model_len=len(prompt) + 64)
-        batch.warm(sampled=False, grammar=warm)
+        batch.prepare(warps=[sampling.WarpSpec()], grammar=warm, progress=False)
         assert engine.forced_buckets() == (0, 1, 2, 4)
         other = [prompt[0] + 1] + prompt[1:]  # same chunks, no shared prefix to reuse
-        batch.generate([Request(other, 4)])  # the prefill and row moves compile here
+        batch.generate([Request(other, 4)])
         before = engine.compilations
         gen = batch.generate([Request(prompt, 48, grammar=GRAMMARS["json_schema"])])[0]
         assert valid("json_schema", default_llm.tokenizer.decode(gen.token_ids, skip_special_tokens=True))

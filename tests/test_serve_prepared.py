@@ -1,0 +1,80 @@
+"""A prepared ``jaxspec serve`` compiles nothing once ready, whatever its clients send.
+
+One server of a tiny random LLaMA over the default LLM's real tokenizer (auto with an early-exit SSM and the n-gram,
+structured output prepared) is driven through a mixed workload: short prompts and ones near ``--max-model-len``, a
+second question on the same long document (a prefix-cache hit), a JSON schema, greedy, temperature-only and top-p
+sampling, and enough concurrent clients to reach every batch bucket. XLA's compiles and the engine's traces after
+ready must both be zero (the server logs any as ``compiled while serving``).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import tiny_config
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+from test_serve import MAX_BATCH, MAX_MODEL_LEN, Server, complete, counter  # noqa: E402
+
+DOC_WORDS = 50  # a document of about 200 tokens: its prompt nears --max-model-len (256) with the answer's room left
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """The server, ready (``Server`` waits for /health), and the tokenizer its prompts are counted with."""
+    from models.loading import default_model_path
+    from models.random_checkpoint import write_random_checkpoint
+    from models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    home = tmp_path_factory.mktemp("prepared")
+    cfg = tiny_config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                      num_kv_heads=4, head_dim=8, max_position_embeddings=2048, rms_norm_eps=1e-5)
+    write_random_checkpoint(home / "tiny", cfg, tokenizer, 0)
+    server = Server(home / "server.log", ("--model", str(home / "tiny"), "--mode", "auto", "--ssm", "layers:1",
+                                          "--ssm", "ngram:3", "--forced-tokens", "2", "--warm-structured"))
+    server.tokenizer = tokenizer
+    yield server
+    server.stop()
+
+
+def document(seed: int) -> str:
+    """A long made-up text (numbers as words: each a token or two)."""
+    return " ".join(f"item{(seed * 7919 + 31 * i) % 997}" for i in range(DOC_WORDS))
+
+
+def test_a_ready_server_compiles_nothing_over_a_mixed_workload(prepared):
+    server = prepared
+    log = open(server.log_path).read()
+    assert f"preparing ({MAX_BATCH} slots, max model length {MAX_MODEL_LEN}, structured output)" in log, log[-3000:]
+    before = server.metrics()
+    doc = document(1)
+    long_prompt = f"{doc}\n\nQuestion: which item comes first?\nAnswer:"
+    assert MAX_MODEL_LEN - 80 < len(server.tokenizer.encode(long_prompt)) <= MAX_MODEL_LEN - 16
+    json_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
+    calls = [
+        lambda: complete(server, "Hello", 8, temperature=0),
+        lambda: complete(server, long_prompt, 12, temperature=0),
+        lambda: complete(server, f"{doc}\n\nQuestion: which item comes last?\nAnswer:", 12, temperature=0),
+        lambda: complete(server, "Count to five:", 16, temperature=0.8, seed=3),
+        lambda: complete(server, "Name a colour:", 16, temperature=0.7, top_p=0.9, seed=4),
+        lambda: complete(server, document(2) + "\nSummary:", 10, temperature=0.9, seed=5, extra_body={"top_k": 20}),
+        lambda: server.client().chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "Where is Paris? Reply in JSON."}],
+            max_tokens=24, temperature=0, response_format=json_format),
+        lambda: complete(server, "1, 2, 3,", 24, temperature=0),
+    ]
+    assert MAX_BATCH == 4  # row buckets 1, 2, 4: eight clients at once reach every one
+    with ThreadPoolExecutor(len(calls)) as pool:  # every client at once: the batch grows through 1, 2 and 4 rows
+        results = list(pool.map(lambda call: call(), calls + calls, timeout=900))
+    assert all(r.usage.completion_tokens >= 1 for r in results)
+    after = server.metrics()
+    assert counter(after, "jaxspec_prefix_cache_hits_total") > counter(before, "jaxspec_prefix_cache_hits_total")
+    server.log.flush()
+    late = [line for line in open(server.log_path) if "compiled while serving" in line]
+    assert not late, late
+    assert after[("jaxspec_compilations", ())] == server.compilations
