@@ -1,6 +1,6 @@
 """A prepared ``jaxspec serve`` compiles nothing once ready, whatever its clients send.
 
-One server of a tiny random LLaMA over the default LLM's real tokenizer (auto with an early-exit SSM and the n-gram,
+One server of a tiny random LLaMA over the default LLM's real tokenizer (auto with an early-exit SSM,
 structured output prepared) is driven through a mixed workload: short prompts and ones near ``--max-model-len``, a
 second question on the same long document (a prefix-cache hit), a JSON schema, greedy, temperature-only and top-p
 sampling, and enough concurrent clients to reach every batch bucket. XLA's compiles and the engine's traces after
@@ -9,6 +9,7 @@ ready must both be zero (the server logs any as ``compiled while serving``).
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -36,7 +37,7 @@ def prepared(tmp_path_factory):
                       num_kv_heads=4, head_dim=8, max_position_embeddings=2048, rms_norm_eps=1e-5)
     write_random_checkpoint(home / "tiny", cfg, tokenizer, 0)
     server = Server(home / "server.log", ("--model", str(home / "tiny"), "--mode", "auto", "--ssm", "layers:1",
-                                          "--ssm", "ngram:3", "--forced-tokens", "2", "--warm-structured"))
+                                          "--forced-tokens", "2", "--warm-structured", "-v"))
     server.tokenizer = tokenizer
     yield server
     server.stop()
@@ -77,4 +78,6 @@ def test_a_ready_server_compiles_nothing_over_a_mixed_workload(prepared):
     server.log.flush()
     late = [line for line in open(server.log_path) if "compiled while serving" in line]
     assert not late, late
+    active = [int(n) for n in re.findall(r"iteration: tree \S+, (\d+) active", open(server.log_path).read())]
+    assert max(active) == MAX_BATCH, active  # every row bucket ran
     assert after[("jaxspec_compilations", ())] == server.compilations

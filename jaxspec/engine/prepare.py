@@ -25,7 +25,8 @@ def compile_all(jobs: Sequence[Job], what: str, progress: bool = True) -> float:
     from tqdm import tqdm  # noqa: PLC0415
 
     began, failed = time.perf_counter(), None
-    with (tqdm(total=len(jobs), desc=what, unit="exe", file=sys.stderr, disable=not progress) as bar,
+    every = 0.1 if sys.stderr.isatty() else 10.0  # a log file gets a line every 10 s, not every executable
+    with (tqdm(total=len(jobs), desc=what, unit="exe", file=sys.stderr, disable=not progress, mininterval=every) as bar,
           concurrent.futures.ThreadPoolExecutor(min(host_cores(), len(jobs)), "jaxspec-prepare") as pool):
         futures = {pool.submit(run): label for label, run in jobs}
         for future in concurrent.futures.as_completed(futures):

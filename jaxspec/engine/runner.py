@@ -528,17 +528,6 @@ class Runner:
         """Every forced-chain depth a grammar step may compile for (``forced_bucket``'s values)."""
         return tuple(sorted({self.forced_bucket(n) for n in range(self.forced_depth + 1)}))
 
-    def warm_grammar(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int = 1,
-                     names: Sequence[str] | None = None) -> int:
-        """Compiles the grammar steps of members (default all) at every forced-chain depth for this bucket, so
-        structured requests do not wait on compiles; returns how many compiled now."""
-        return self.warm(params, capacity, batch, names, grammar=True)
-
-    def grammar_warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int,
-                     name: str) -> bool:
-        """Whether member ``name``'s grammar steps are compiled for this bucket at every forced-chain depth."""
-        return all((_warp(params), capacity, batch, name, "grammar", f) in self._warmed for f in self.forced_buckets())
-
     def is_warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int,
                 name: str) -> bool:
         """Whether member ``name`` is compiled for this bucket."""
