@@ -74,7 +74,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from jaxspec.config import SchedulerConfig  # noqa: PLC0415
     from jaxspec.engine.batch import Request, all_finished  # noqa: PLC0415
     from jaxspec.engine.build import build_engine, build_scheduler, device_line  # noqa: PLC0415
-    from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
+    from jaxspec.decoding.sampling import SamplingParams, WarpSpec  # noqa: PLC0415
 
     lengths = parse_lengths(args.lengths)
     chunks = parse_lengths(args.chunks, "--chunks", 1) if args.chunks else [args.prefill_chunk]
@@ -101,6 +101,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         for chunk in chunks:
             limits = SchedulerConfig(max_batch=1, max_model_len=max(lengths) + 1, prefill_chunk=chunk)
             batch = build_scheduler(engine, limits, reuse_prefix=False)
+            batch.prepare(warps=[WarpSpec()], progress=False)  # every chunk size's prefill: a cold TTFT compiles nothing
             for n in lengths:
                 ttfts = []
                 for r in range(runs):  # request r starts 7r tokens in: no two share a first token
