@@ -161,7 +161,8 @@ class IterationStats:
     active: int
     queued: int
     emitted: list[int]  # tokens emitted per active slot
-    drafted: list[int]  # draft tokens verified per active slot (0 without speculation)
+    drafted: list[int]  # draft tokens verified per active slot, a grammar's forced ones included (0 without
+    #                     speculation; the sum of the slot's ``Runner.row_drafts``, no padding node)
     accepted_depth: list[int]  # per active slot: draft tokens accepted (depths 1..a)
 
 
@@ -1222,19 +1223,17 @@ class BatchEngine:
             self.planner.time_plain(it.bucket, seconds, beside=it.building)
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
         stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
-        ssm_nodes = cfg.num_nodes - 1 - cfg.ngram_depth - cfg.forced_depth
         for i, slot in live:
             n = int(num[i])
             learn = it.chooser is not None and slot.ticket.request.learn  # warm-up teaches nothing
             if learn and not it.forced[i]:  # forced levels would pass as the drafters' hits
                 it.chooser.observe(it.name, depths[i], len(it.proposals[i]), it.matched[i], key=slot.ticket)
             slot.committed += n
-            slot.gen.llm_steps += 1
+            drafted, accepted = self.engine.row_drafts(cfg, len(it.proposals[i]), it.forced[i], depths[i], n)
+            slot.gen.count_step(n, it.name, drafted, accepted)
             slot.gen.ssm_steps += cfg.draft_levels
-            slot.gen.step_tokens.append(n)
-            slot.gen.trees.append(it.name)
             stats.emitted.append(n)
-            stats.drafted.append(ssm_nodes + (min(len(it.proposals[i]), cfg.ngram_depth) if cfg.ngram_depth else 0))
+            stats.drafted.append(sum(drafted.values()))
             stats.accepted_depth.append(n - 1)
         if it.chooser is not None and live and not stalled:  # a grammar step also waits on host masks: timed apart
             if cfg.grammar:
