@@ -244,8 +244,9 @@ class Service:
         turns = [{"role": "system" if m.role == "developer" else m.role,
                   "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
                  for m in messages]
-        rendered = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer.encode(rendered, add_special_tokens=False))
+        from models.tokenizer import encode_chat  # noqa: PLC0415
+
+        return encode_chat(self.tokenizer, turns)
 
     def compile_grammar(self, body: SamplingBody):
         """The request's grammar, compiled against the LLM's tokenizer (cached by content; call it off the event
