@@ -40,7 +40,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -623,30 +623,51 @@ class BatchEngine:
         """
         out: dict[int, Generation] = {}
         errors: list[str] = []
-        for req in requests:
-            self.check(req)
-
-        def hear(k: int) -> Callable[[Event], None]:
-            def listener(ev: Event) -> None:
-                if ev.finish_reason == "error":
-                    errors.append(ev.error or "error")
-                if ev.finish_reason is not None:
-                    out[k] = ev.generation  # kept before the caller's hooks run: one that fails loses no result
-                if on_event is not None:
-                    on_event(k, ev)
-                if ev.finish_reason is not None and on_finish is not None:
-                    on_finish(k)
-            return listener
-
-        pending = collections.deque(enumerate(requests))
-        while pending or not self.idle():
-            while pending and len(self.waiting) + len(self.incoming) < self.max_queue:
-                k, req = pending.popleft()
-                self.submit(req, hear(k))
-            self.step()
+        for k, ev, gen in self.stream(requests):
+            if ev.finish_reason == "error":
+                errors.append(ev.error or "error")
+            if gen is not None:
+                out[k] = gen
+            if on_event is not None:
+                on_event(k, ev)
+            if gen is not None and on_finish is not None:
+                on_finish(k)
         if errors:
             raise RuntimeError(errors[0])
         return [out[k] for k in range(len(requests))]
+
+    def stream(self, requests: Sequence[Request]) -> Iterator[tuple[int, Event, Generation | None]]:
+        """Runs ``requests`` through the loop in this thread, yielding (k, event, Generation on request k's final
+        event, else None) as events come; closing the iterator early cancels the requests not finished."""
+        for req in requests:
+            self.check(req)
+        heard: collections.deque[tuple[int, Event, Generation | None]] = collections.deque()
+        tickets: list[Ticket] = []
+
+        def hear(k: int) -> Callable[[Event], None]:
+            def listener(ev: Event) -> None:
+                heard.append((k, ev, ev.generation if ev.finish_reason is not None else None))
+            return listener
+
+        pending = collections.deque(enumerate(requests))
+        left = len(requests)
+        try:
+            while pending or heard or not self.idle():
+                while pending and len(self.waiting) + len(self.incoming) < self.max_queue:
+                    k, req = pending.popleft()
+                    tickets.append(self.submit(req, hear(k)))
+                if not heard:
+                    self.step()
+                while heard:
+                    k, ev, gen = heard.popleft()
+                    left -= ev.finish_reason is not None
+                    yield k, ev, gen
+        finally:
+            if left:  # closed early: the rest are cancelled and their rows retired now
+                for ticket in tickets:
+                    ticket.cancel()
+                while not self.idle():
+                    self.step()
 
     def step(self) -> None:
         """One iteration: cancellations, admission (prefill chunks of at most one largest bucket), decoding.
