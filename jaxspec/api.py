@@ -144,15 +144,17 @@ def grammar_of(json_schema: str | dict | None = None, regex: str | None = None,
 
 
 def jobs_for(tokenizer, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
-             grammar: Grammar | None = None, ids: Sequence[str] | None = None) -> list[Job]:
-    """Every prompt's completions as engine requests (``ids``: each prompt's request id stem, default its index)."""
+             grammar: Grammar | Sequence[Grammar | None] | None = None, ids: Sequence[str] | None = None) -> list[Job]:
+    """Every prompt's completions as engine requests; ``grammar``: one for all or one per prompt; ``ids``: each
+    prompt's request id stem (default its index)."""
     from jaxspec.engine.batch import Request  # noqa: PLC0415
     from jaxspec.engine.stops import StopText  # noqa: PLC0415
 
     if len(params) != len(prompts):
         raise RequestError(f"{len(params)} sampling parameters for {len(prompts)} prompts: give one, or one each")
+    grammars = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(prompts)
     jobs = []
-    for k, (prompt_ids, p) in enumerate(zip(prompts, params)):
+    for k, (prompt_ids, p, grammar) in enumerate(zip(prompts, params, grammars)):
         base = p.seed if p.seed is not None else secrets.randbits(31)
         for i in range(p.n):
             stop = StopText(tokenizer, p.stop) if p.stop else None  # one per request: it holds the text
@@ -179,7 +181,7 @@ def run(batch: BatchEngine, tokenizer, jobs: Sequence[Job]) -> Iterator[StreamOu
         whole = StopText.text_of(tokenizer, gen.token_ids, job.request.stop_strings)[0]
         out = CompletionOutput(job.index, whole, list(gen.token_ids), gen.finish_reason, job.seed,
                                gen.cached_tokens, gen.speculation, gen.seconds, gen.prefill_seconds,
-                               getattr(gen, "error", None), gen)
+                               gen.error, gen)
         yield StreamOutput(job.prompt_index, job.index, piece + rest, list(event.token_ids), out, event.tree)
 
 

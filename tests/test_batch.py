@@ -718,10 +718,14 @@ def test_a_pick_not_ready_runs_the_best_ready_tree_and_a_tree_built_before_loads
     batch.close()
 
 
-def test_a_failed_background_build_stays_out_and_multi_process_loops_build_in_the_loop(llm, monkeypatch):
-    """A build that raises is not retried at every pick (its member stays out of that bucket) and the outputs are
-    unchanged; a loop whose sync is not local (a multi-process run) never builds in the background."""
+def test_a_failed_background_build_stays_out_and_multi_process_loops_build_in_the_loop(llm, monkeypatch, capsys):
+    """A build that raises is not retried at every pick (its member stays out of that bucket), says so on stderr
+    once, and the outputs are unchanged; a loop whose sync is not local (a multi-process run) never builds in the
+    background."""
     from jaxspec.engine.batch import LoopSync
+    from jaxspec.errors import reset_warnings
+
+    reset_warnings()
 
     engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
@@ -742,6 +746,8 @@ def test_a_failed_background_build_stays_out_and_multi_process_loops_build_in_th
     (again,) = batch.generate([Request(PROMPTS[2], 12)])
     assert gen.token_ids == again.token_ids == want and set(again.trees) == {"none"}
     assert len(calls) == 1 and (greedy, 1, batch.capacity_buckets[0], "ssm") in batch.planner.failed
+    err = capsys.readouterr().err
+    assert err.count("[jaxspec] warning: building tree ssm for 1 row(s)") == 1 and "out of memory (injected)" in err
     batch.close()
     assert batch.planner.switch_interval is None
 

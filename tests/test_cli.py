@@ -92,7 +92,7 @@ def test_generate_prompt_file_jsonl_and_tree_mode(tmp_path):
     proc = run_cli("generate", "--prompt-file", str(prompts), "--mode", "tree", "--ssm", "layers:4",
                    "--expansion", "1,2,1", "--max-new-tokens", "12", "--output", str(out), "-v")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
     assert [r["id"] for r in rows] == ["q0", "q1"]
     # the chat template's system prompt comes first in both: the second starts after it
     assert rows[0]["cached_tokens"] == 0 and rows[1]["cached_tokens"] > 16
@@ -167,7 +167,7 @@ def test_the_default_lazy_auto_path_speculates_where_it_pays(tmp_path):
     assert "readied for one row x 256 slots" in prepared.stdout, prepared.stdout
     auto = run_cli(*args, "-v", "--output", str(out), env=env, timeout=900)
     assert auto.returncode == 0, auto.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
     trees = collections.Counter()
     for r in rows:
         trees.update(r["tree"])
@@ -192,7 +192,8 @@ def test_the_default_lazy_auto_path_speculates_where_it_pays(tmp_path):
     assert "none" in members and len(members) >= 2 and 0 < sum(map(int, members.values())) <= iterations, members
     plain = run_cli(*args, "--mode", "incremental", "--output", str(tmp_path / "inc.jsonl"), timeout=900)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    want = [json.loads(line)["token_ids"] for line in (tmp_path / "inc.jsonl").read_text().splitlines()]
+    want = [r["token_ids"] for r in sorted((json.loads(line) for line in (tmp_path / "inc.jsonl").read_text()
+                                            .splitlines()), key=lambda r: r["id"])]
     assert [r["token_ids"] for r in rows] == want
 
 

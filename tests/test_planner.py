@@ -438,3 +438,34 @@ def test_a_first_run_measures_the_share_beside_the_curve_s_first_compile_and_lea
     while engine.curve_probe is not None:  # timed while idle, round by round
         planner.learn_idle(batch.iterations)
     assert engine.cost_curve is not None and not planner.busy
+
+
+def test_a_failed_cost_curve_says_so_once_and_auto_decodes_plain(tmp_path, monkeypatch, capsys):
+    """The curve's measurement raising leaves auto on the plain step (output unchanged) with one warning line on
+    stderr, without -v."""
+    from jaxspec.errors import reset_warnings
+
+    reset_warnings()
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs.CurveProbe, "advance", lambda probe: (_ for _ in ()).throw(RuntimeError("injected")))
+    llm = tiny_model(seed=2)
+    engine = engine_from(EngineConfig(mode="auto"), llm, [early_exit(llm, 1)], announce=io.StringIO())
+    assert engine.curve_probe is not None
+    batch = BatchEngine(engine, max_batch=1, max_model_len=128)
+    prompt = [5, 9, 13, 2, 7, 11]
+    events = []
+    batch.submit(Request(prompt, 60, stop_ids=[]), events.append)
+    probe = engine.curve_probe
+    while not probe.started:
+        batch.step()
+    probe.compiling.result()
+    while engine.curve_probe is not None and not batch.idle():
+        batch.step()
+    assert engine.curve_probe is None
+    while not batch.idle():
+        batch.step()
+    batch.close()
+    gen = events[-1].generation
+    assert set(gen.trees) == {"none"} and gen.token_ids == Engine(llm, []).generate(prompt, 60, stop_ids=[]).token_ids
+    err = capsys.readouterr().err
+    assert err.count("[jaxspec] warning: measuring the cost curve failed (RuntimeError: injected)") == 1

@@ -79,7 +79,7 @@ def cmd_modes(args: argparse.Namespace) -> int:
             cmd = _generate_command(mode, args, prompts, len(warm) + len(rows), jsonl)
             log = out.with_name(f"{out.stem}_{mode}.log")
             seconds = _run_generate(mode, cmd, jsonl, log, len(warm) + len(rows), bar)
-            results[mode] = _read_generate(mode, jsonl, log, len(rows), seconds)
+            results[mode] = _read_generate(mode, jsonl, log, [r["id"] for r in rows], seconds)
     per_prompt, summary = modes_tables(results, greedy)
     write_csv(str(out), per_prompt)
     summary_csv = write_csv(str(out.with_name(f"{out.stem}_summary.csv")), summary)
@@ -167,13 +167,16 @@ def _run_generate(mode: str, cmd: list[str], jsonl: Path, log: Path, total: int,
     return time.perf_counter() - start
 
 
-def _read_generate(mode: str, jsonl: Path, log: Path, expected: int, seconds: float) -> dict:
-    """One mode's JSONL split into warm-up and measured rows (by the ``warmup-`` id prefix)."""
+def _read_generate(mode: str, jsonl: Path, log: Path, ids: list[str], seconds: float) -> dict:
+    """One mode's JSONL split into warm-up and measured rows (by the ``warmup-`` id prefix), the measured ones in
+    the prompt file's order ``ids`` (``generate`` writes lines in completion order)."""
     lines = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()] if jsonl.is_file() else []
     warm = [r for r in lines if str(r["id"]).startswith(WARMUP_PREFIX)]
-    measured = [r for r in lines if not str(r["id"]).startswith(WARMUP_PREFIX)]
-    if len(measured) != expected:
-        raise CliError(f"bench modes: mode {mode} wrote {len(measured)} of {expected} results (log: {log})")
+    order = {name: k for k, name in reversed(list(enumerate(ids)))}
+    measured = sorted((r for r in lines if not str(r["id"]).startswith(WARMUP_PREFIX)),
+                      key=lambda r: order.get(r["id"], len(ids)))
+    if len(measured) != len(ids):
+        raise CliError(f"bench modes: mode {mode} wrote {len(measured)} of {len(ids)} results (log: {log})")
     return {"rows": measured, "warmup_prompts": len(warm), "warmup_seconds": sum(r["seconds"] for r in warm),
             "process_seconds": seconds}
 

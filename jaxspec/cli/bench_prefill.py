@@ -72,7 +72,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from tqdm import tqdm  # noqa: PLC0415
 
     from jaxspec.config import SchedulerConfig  # noqa: PLC0415
-    from jaxspec.engine.batch import Request  # noqa: PLC0415
+    from jaxspec.engine.batch import Request, all_finished  # noqa: PLC0415
     from jaxspec.engine.build import build_engine, build_scheduler, device_line  # noqa: PLC0415
     from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
 
@@ -107,8 +107,9 @@ def cmd_prefill(args: argparse.Namespace) -> int:
                     prompt = ids[7 * r: 7 * r + n]
                     first: list[float] = []
                     t0 = time.perf_counter()
-                    batch.generate([Request(prompt, 1, SamplingParams(), stop_ids=(), id=f"prefill-{n}-{r}")],
-                                   on_event=lambda _, ev: first or first.append(time.perf_counter()))
+                    all_finished(batch.generate([Request(prompt, 1, SamplingParams(), stop_ids=(),
+                                                         id=f"prefill-{n}-{r}")],
+                                                on_event=lambda _, ev: first or first.append(time.perf_counter())))
                     ttfts.append(first[0] - t0)
                     bar.update()
                 ttft = statistics.median(ttfts[1:])

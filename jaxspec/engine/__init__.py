@@ -43,10 +43,13 @@ class Engine(Runner):
         ``stop_ids`` defaults to the LLM's EOS ids; ``stop`` maps the generated ids to how many to
         keep once a stop string completed (None otherwise; ``jaxspec.engine.stops.StopText(tokenizer,
         stops)`` is the rule every entry point uses); ``grammar`` constrains the output
-        (``jaxspec.structured.Grammar``: a JSON schema, a regex or a Lark grammar).
+        (``jaxspec.structured.Grammar``: a JSON schema, a regex or a Lark grammar). A request that fails raises
+        RequestError with its one-line reason.
         """
         if self._solo is None:
             self._solo = BatchEngine(self, max_batch=1, max_model_len=self.llm.cfg.max_position_embeddings)
         (gen,) = self._solo.generate([Request(list(prompt_ids), max_new_tokens, params, stop_ids, stop,
-                                                grammar=grammar)])
+                                                grammar=grammar, id="generate")])
+        if gen.finish_reason == "error":
+            raise RequestError(gen.error)
         return gen

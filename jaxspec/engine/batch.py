@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import os
 import threading
 import time
 from typing import Callable, Iterator, Sequence
@@ -63,6 +64,19 @@ from jaxspec.structured import Grammar, GrammarError
 PREFILL_STALL = 0.5  # default pacing: prompt chunks take at most half the decoding rows' time while they decode
 DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
 MIN_CAPACITY = 256  # the smallest cache bucket: below it a step's cost hardly depends on the cache
+# Request ids (comma-separated) whose admission fails, as a device error or a bug would: how the tests prove that a
+# failed request costs that request only, through every entry point (the CLI, the server, the Python API).
+FAIL_REQUESTS_ENV = "JAXSPEC_FAIL_REQUESTS"
+
+
+class InjectedFailure(RuntimeError):
+    """The failure ``$JAXSPEC_FAIL_REQUESTS`` asks for at a request's admission."""
+
+
+def reason_of(exc: BaseException) -> str:
+    """A failure as one line: the exception's type and the first line of its message."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -285,6 +299,7 @@ class BatchEngine:
         self.on_iteration = on_iteration
         self.sync = sync or LoopSync()
         self.verbose = verbose
+        self.fail_requests = frozenset(filter(None, os.environ.get(FAIL_REQUESTS_ENV, "").split(",")))
         self.eager = eager
         # the processes of a multi-process run must feed alike: no search there (timings differ per process)
         searched = prefill_chunk is None and jax.process_count() == 1
@@ -585,6 +600,7 @@ class BatchEngine:
                 self.step()
         except Exception as exc:
             self.sync.failed("the scheduling loop", exc)
+            self.fail_all(f"the scheduling loop failed ({reason_of(exc)})")
             raise
         finally:
             self.close()
@@ -613,32 +629,54 @@ class BatchEngine:
             self._retire(slot, reason)
         self._pending = None
 
+    def fail_all(self, error: str) -> None:
+        """Ends every waiting, staged and running request with ``error`` after the loop itself failed: the device
+        state is not trusted (nothing runs on it), so the rows are dropped, not retired."""
+        with self.lock:
+            waiting = list(self.waiting) + list(self.incoming)
+            self.waiting.clear()
+            self.incoming.clear()
+        if self.staging is not None:
+            waiting.append((self.staging.ticket, self.staging.on_event))
+            self.staging, self._staged = None, []
+        for ticket, on_event in waiting:
+            _deliver(on_event, Event(ticket.request.id, [], "error", error,
+                                     prompt_tokens=len(ticket.request.prompt_ids)))
+        slots, self.slots, self._pending = self.slots, [], None
+        for slot in slots:
+            slot.row = -1
+            slot.gen.finish_reason, slot.gen.error = "error", error
+            _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error", error,
+                                          prompt_tokens=len(slot.ticket.request.prompt_ids),
+                                          completion_tokens=len(slot.gen.token_ids), generation=slot.gen,
+                                          cached_tokens=slot.gen.cached_tokens))
+            self._finish_learning(slot)
+
     def generate(self, requests: Sequence[Request],
-                 on_finish: Callable[[int], None] | None = None,
+                 on_finish: Callable[[int, Generation], None] | None = None,
                  on_event: Callable[[int, Event], None] | None = None) -> list[Generation]:
         """Runs ``requests`` through the loop in this thread and returns their Generations in order.
 
-        ``on_finish(k)`` hears that request k finished (progress bars); ``on_event(k, event)``
-        hears every event of request k (streaming).
+        A request that fails ends alone, as a Generation with ``finish_reason`` "error" and its ``error``; the others
+        run on (where the loop itself fails, every request not finished ends with that error). ``on_finish(k, gen)``
+        hears that request k finished, in completion order (progress, output written as it comes);
+        ``on_event(k, event)`` hears every event of request k (streaming). A request the engine cannot serve at all
+        (``check``: too long, bad parameters) raises RequestError before any runs.
         """
         out: dict[int, Generation] = {}
-        errors: list[str] = []
         for k, ev, gen in self.stream(requests):
-            if ev.finish_reason == "error":
-                errors.append(ev.error or "error")
             if gen is not None:
-                out[k] = gen
+                out[k] = gen  # kept before the caller's hooks run: one that fails loses no result
             if on_event is not None:
-                on_event(k, ev)
+                _deliver(lambda e, k=k: on_event(k, e), ev)
             if gen is not None and on_finish is not None:
-                on_finish(k)
-        if errors:
-            raise RuntimeError(errors[0])
+                _deliver(lambda g, k=k: on_finish(k, g), gen)
         return [out[k] for k in range(len(requests))]
 
     def stream(self, requests: Sequence[Request]) -> Iterator[tuple[int, Event, Generation | None]]:
-        """Runs ``requests`` through the loop in this thread, yielding (k, event, Generation on request k's final
-        event, else None) as events come; closing the iterator early cancels the requests not finished."""
+        """Runs ``requests`` through the loop in this thread, yielding (k, event, request k's Generation on its final
+        event, else None) as events come; failures end as ``generate`` says; closing the iterator early cancels the
+        requests not finished (their rows are retired before it returns)."""
         for req in requests:
             self.check(req)
         heard: collections.deque[tuple[int, Event, Generation | None]] = collections.deque()
@@ -646,7 +684,7 @@ class BatchEngine:
 
         def hear(k: int) -> Callable[[Event], None]:
             def listener(ev: Event) -> None:
-                heard.append((k, ev, ev.generation if ev.finish_reason is not None else None))
+                heard.append((k, ev, finished(requests[k], ev) if ev.finish_reason is not None else None))
             return listener
 
         pending = collections.deque(enumerate(requests))
@@ -656,18 +694,32 @@ class BatchEngine:
                 while pending and len(self.waiting) + len(self.incoming) < self.max_queue:
                     k, req = pending.popleft()
                     tickets.append(self.submit(req, hear(k)))
-                if not heard:
-                    self.step()
+                if not heard and not self._stepped(pending, hear):
+                    pending.clear()
                 while heard:
                     k, ev, gen = heard.popleft()
-                    left -= ev.finish_reason is not None
+                    left -= gen is not None
                     yield k, ev, gen
         finally:
             if left:  # closed early: the rest are cancelled and their rows retired now
                 for ticket in tickets:
                     ticket.cancel()
-                while not self.idle():
-                    self.step()
+                while not self.idle() and self._stepped(pending, lambda k: lambda ev: None):
+                    pass
+
+    def _stepped(self, pending: Sequence[tuple[int, Request]], hear: Callable[[int], Callable[[Event], None]]) -> bool:
+        """One ``step``; where the loop itself fails, every request (``pending`` ones too, through ``hear``) ends with
+        that error (what finished is kept) and False says so."""
+        try:
+            self.step()
+            return True
+        except Exception as exc:  # noqa: BLE001 — what finished is kept; the rest end with the loop's error
+            self.sync.failed("the scheduling loop", exc)
+            error = f"the scheduling loop failed ({reason_of(exc)})"
+            self.fail_all(error)
+            for k, req in pending:
+                hear(k)(Event(req.id, [], "error", error, prompt_tokens=len(req.prompt_ids)))
+            return False
 
     def step(self) -> None:
         """One iteration: cancellations, admission (prefill chunks of at most one largest bucket), decoding.
@@ -711,7 +763,8 @@ class BatchEngine:
                 self.sync.failed("admitting a request", exc)
                 st, self.staging, self._staged = self.staging, None, []
                 if st is not None:
-                    _deliver(st.on_event, Event(st.ticket.request.id, [], "error", f"{type(exc).__name__}: {exc}"))
+                    _deliver(st.on_event, Event(st.ticket.request.id, [], "error", reason_of(exc),
+                                                prompt_tokens=len(st.ticket.request.prompt_ids)))
                 break
             if not fed:
                 break
@@ -736,7 +789,9 @@ class BatchEngine:
             for slot in slots:
                 slot.row = -1
                 self._finish_learning(slot)
-                _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error", f"{type(exc).__name__}: {exc}"))
+                _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error", reason_of(exc),
+                                              prompt_tokens=len(slot.ticket.request.prompt_ids),
+                                              completion_tokens=len(slot.gen.token_ids), generation=slot.gen))
 
     def _drop_cancelled_waiting(self) -> None:
         """Ends cancelled requests still in the queue now, so they stop counting against ``max_queue``."""
@@ -827,6 +882,8 @@ class BatchEngine:
                     return 0
                 ticket, on_event = self.waiting.popleft()
             self.staging = _Staging(ticket, on_event)
+            if ticket.request.id and ticket.request.id in self.fail_requests:
+                raise InjectedFailure(f"admission of request {ticket.request.id} failed (${FAIL_REQUESTS_ENV})")
             self._fit_staging(self.cache_need(len(ticket.request.prompt_ids)))  # a shrink cuts ``_staged``
             self._reuse_prefix(self.staging)
             self.staging.probe = self.chunks.probe(self.staging.fed, len(ticket.request.prompt_ids))
@@ -891,7 +948,7 @@ class BatchEngine:
         except Exception as exc:  # noqa: BLE001
             self.sync.failed("emitting a first token", exc)
             if slot.row >= 0:
-                self._retire(slot, "error", error=f"{type(exc).__name__}: {exc}")
+                self._retire(slot, "error", error=reason_of(exc))
         return size
 
     def _admit_beside(self) -> int:
@@ -923,7 +980,8 @@ class BatchEngine:
             self.sync.failed("admitting a request", exc)
             short, fed = self.staging, 0
             if short is not None:
-                _deliver(short.on_event, Event(short.ticket.request.id, [], "error", f"{type(exc).__name__}: {exc}"))
+                _deliver(short.on_event, Event(short.ticket.request.id, [], "error", reason_of(exc),
+                                               prompt_tokens=len(short.ticket.request.prompt_ids)))
         self._spare = (self.staging_state, self.staging_capacity)
         self.staging, self.staging_state, self.staging_capacity, self._staged = aside
         return fed
@@ -1269,7 +1327,7 @@ class BatchEngine:
             except Exception as exc:  # noqa: BLE001 — e.g. a stop matcher that raised: fail this request only
                 self.sync.failed("emitting tokens", exc)
                 if slot.row >= 0:
-                    self._retire(slot, "error", error=f"{type(exc).__name__}: {exc}")
+                    self._retire(slot, "error", error=reason_of(exc))
         if self.on_iteration is not None and live:
             self.on_iteration(stats)
 
@@ -1293,6 +1351,24 @@ class _InFlight:
     prefilled: bool = False  # a prompt chunk was queued on the device before it: its seconds include the chunk
     bucket: tuple = ()  # (warp, rows, capacity) it ran in
     readies: int = 0  # ``Planner.readies`` at its launch (a later one: the loop readied a member while it ran)
+
+
+def finished(req: Request, ev: Event) -> Generation:
+    """A request's Generation from its final event (one that failed before any slot held it gets an empty one)."""
+    gen = ev.generation
+    if gen is None:
+        gen = Generation([], 0, 0, 0.0, ev.finish_reason or "error", cached_tokens=ev.cached_tokens)
+    if ev.finish_reason == "error":
+        gen.finish_reason, gen.error = "error", ev.error or "error"
+    return gen
+
+
+def all_finished(gens: Sequence[Generation]) -> list[Generation]:
+    """``gens`` where none failed; else RuntimeError naming the first failure (a benchmark's numbers need all)."""
+    for gen in gens:
+        if gen.finish_reason == "error":
+            raise RuntimeError(f"a request failed: {gen.error}")
+    return list(gens)
 
 
 def _deliver(on_event: Callable[[Event], None], event: Event) -> None:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.cache import cache_root
+from jaxspec.errors import warn_once
 from jaxspec.decoding.kv_cache import causal_mask
 from jaxspec.decoding.speculate import call
 from models.config import ModelConfig
@@ -230,8 +231,9 @@ def load(key: dict) -> Any | None:
             stored = json.loads(path.read_text())
             if json.dumps(stored["key"], sort_keys=True) == text:
                 return _decode(stored["value"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            warn_once(f"read {path.parent}", f"cannot read the cost record {path} ({type(exc).__name__}: {exc}); "
+                                              "measuring it again")
     return None
 
 
@@ -252,8 +254,8 @@ def load_or_measure(key: dict, measure: Callable[[], dict], refresh: bool = Fals
         tmp.write_text(json.dumps({"key": _encode(key), "value": _encode(value), "measured_at": time.time()},
                                   indent=1))
         os.replace(tmp, path)
-    except OSError:
-        pass
+    except OSError as exc:
+        warn_once(f"write {path.parent}", f"cannot write the cost record {path} ({exc}); later runs measure again")
     return value
 
 

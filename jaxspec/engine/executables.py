@@ -31,6 +31,7 @@ from typing import Any, Callable
 import jax
 
 from jaxspec.cache import EXECUTABLE_CACHE_ENV, OFF, STATS
+from jaxspec.errors import warn_once
 
 _SOURCES = ("jaxspec", "models")  # the packages whose code shapes what an executable computes
 
@@ -182,7 +183,11 @@ def _digest(value: dict) -> str:
 def _read_text(path: Path) -> str | None:
     try:
         return path.read_text().strip() or None
-    except OSError:
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        warn_once(f"read {path.parent}", f"cannot read the executable store's record {path} ({exc}); "
+                                          "compiling instead")
         return None
 
 
@@ -192,8 +197,9 @@ def _write_text(path: Path, text: str) -> None:
         tmp = path.with_suffix(f".{os.getpid()}.partial")
         tmp.write_text(text)
         os.replace(tmp, path)
-    except OSError:
-        pass
+    except OSError as exc:
+        warn_once(f"write {path.parent}", f"cannot write the executable store's record {path} ({exc}); "
+                                           "later runs compile again")
 
 
 def _load(path: Path, key: str) -> Callable | None:
@@ -209,8 +215,10 @@ def _load(path: Path, key: str) -> Callable | None:
         if stored_key != key:
             raise ValueError("another executable's entry")
         return deserialize_and_load(payload, in_tree, out_tree)
-    except Exception:  # noqa: BLE001 — truncated, unreadable or from another build: never trusted
+    except Exception as exc:  # noqa: BLE001 — truncated, unreadable or from another build: never trusted
         path.unlink(missing_ok=True)
+        warn_once(f"load {path.parent}", f"a stored executable failed to load ({type(exc).__name__}: {exc}); "
+                                          f"removed {path.name}, compiling it again")
         return None
 
 
@@ -226,5 +234,7 @@ def _write(path: Path, key: str, compiled: Any) -> bool:
             pickle.dump((key, payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
         return True
-    except Exception:  # noqa: BLE001 — host callbacks, captured constants, a full disk: kept in memory only
+    except Exception as exc:  # noqa: BLE001 — host callbacks, captured constants, a full disk: kept in memory only
+        warn_once(f"store {path.parent}", f"an executable could not be stored ({type(exc).__name__}: {exc}); "
+                                           "it is kept in memory only and later runs compile it again")
         return False

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from jaxspec.cache import STATS, compile_cache_on
+from jaxspec.errors import warn_once
 from jaxspec.engine.executables import store_dir
 from jaxspec.engine.priority import CompileThreads, Demotion, restorable
 from jaxspec.engine.auto import PRIOR_RATE, TreeChooser
@@ -647,8 +648,8 @@ class Planner:
         except Exception as exc:  # noqa: BLE001 — auto goes on without trees rather than stop the loop
             self.engine.curve_probe = None
             self.sync.failed("measuring the cost curve", exc)
-            if self.verbose is not None:
-                self.verbose(f"the cost curve failed, auto runs the plain step alone: {exc}")
+            warn_once("cost curve", f"measuring the cost curve failed ({type(exc).__name__}: {exc}); "
+                                    "auto decodes without speculation for the rest of this run")
             return
         if value is not None:
             self.adopt_curve(value)
@@ -995,8 +996,8 @@ class Planner:
             except Exception as exc:  # noqa: BLE001 — a build that failed leaves the member unready, for good
                 self.failed.add(key)
                 self.sync.failed(f"building {name} in the background", exc)
-                if self.verbose is not None:
-                    self.verbose(f"building {name} for {rows} row(s) x {capacity} slots failed: {exc}")
+                warn_once(f"build {name}", f"building tree {name} for {rows} row(s) x {capacity} slots failed "
+                                           f"({type(exc).__name__}: {exc}); auto runs without it there")
                 continue
             self.record_build(seconds, loaded)
             if compile_cache_on() and not self.built_before(*key):  # later runs load it (a load: marked before)
@@ -1218,8 +1219,8 @@ class Planner:
             self.settle_curve()
         except Exception as exc:  # noqa: BLE001 — the job's output is written: a failed curve must not fail it
             e.curve_probe = None
-            if say is not None:
-                say(f"the cost curve failed, later runs measure it again: {type(exc).__name__}: {exc}")
+            warn_once("cost curve", f"measuring the cost curve failed ({type(exc).__name__}: {exc}); "
+                                    "later runs measure it again")
 
     def curve_price(self) -> float:
         """Seconds the cost curve's compiles still to run are expected to take here: an LLM pass each (priced as a

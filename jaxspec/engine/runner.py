@@ -80,11 +80,12 @@ class Generation:
     llm_steps: int  # LLM verification passes after the prefill
     ssm_steps: int  # SSM draft forwards (all SSMs, all levels)
     seconds: float
-    finish_reason: str  # "eos" | "stop" | "length"
+    finish_reason: str  # "eos" | "stop" | "length" | "cancelled" | "error"
     step_tokens: list[int] = dataclasses.field(default_factory=list)  # tokens emitted by each LLM step
     trees: list[str] = dataclasses.field(default_factory=list)  # family member run by each LLM step
     prefill_seconds: float = 0.0  # from the request's admission (its first prompt chunk) to its first token
     cached_tokens: int = 0  # prompt tokens whose K/V were reused from an earlier prompt, not computed
+    error: str | None = None  # finish_reason "error": the one-line reason the request failed
     drafted: dict[str, int] = dataclasses.field(default_factory=dict)  # speculator -> draft tokens verified
     accepted: dict[str, int] = dataclasses.field(default_factory=dict)  # speculator -> draft tokens accepted
     draft_steps: int = 0  # LLM steps that verified at least one draft token

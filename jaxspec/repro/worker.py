@@ -27,7 +27,7 @@ def run(job: dict) -> dict:
     from jaxspec.cache import device_words  # noqa: PLC0415
     from jaxspec.config import EngineConfig, SchedulerConfig  # noqa: PLC0415
     from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
-    from jaxspec.engine.batch import Request  # noqa: PLC0415
+    from jaxspec.engine.batch import Request, all_finished  # noqa: PLC0415
     from jaxspec.engine.build import build_scheduler, engine_from  # noqa: PLC0415
     from jaxspec.speculators.resolve import load_llm, load_speculators  # noqa: PLC0415
 
@@ -49,7 +49,7 @@ def run(job: dict) -> dict:
 
         def timed(group):
             began = time.perf_counter()
-            gens = loop.generate([Request(list(ids), n, params, stop_ids=()) for ids in group])
+            gens = all_finished(loop.generate([Request(list(ids), n, params, stop_ids=()) for ids in group]))
             return gens, time.perf_counter() - began
 
         groups = groups_of(job["prompts"], batch)
