@@ -205,7 +205,10 @@ class LLM:
 
             directory = compile_cache_dir(None, False)
             if directory is not None:
-                enable_compile_cache(directory)
+                try:
+                    enable_compile_cache(directory)
+                except OSError:  # an unwritable cache directory costs compiles, not the model
+                    pass
         speculators = tuple(speculators) if speculators is not None else None
         self.config = EngineConfig(model=model, mode=mode, speculators=speculators, **engine_options)
         self.engine, self.model = build_engine(self.config, log=log)
