@@ -664,19 +664,27 @@ class BatchEngine:
         (``check``: too long, bad parameters) raises RequestError before any runs.
         """
         out: dict[int, Generation] = {}
-        for k, ev, gen in self.stream(requests):
-            if gen is not None:
-                out[k] = gen  # kept before the caller's hooks run: one that fails loses no result
-            if on_event is not None:
-                _deliver(lambda e, k=k: on_event(k, e), ev)
-            if gen is not None and on_finish is not None:
-                _deliver(lambda g, k=k: on_finish(k, g), gen)
+        for req in requests:
+            self.check(req)
+
+        def hear(k: int) -> Callable[[Event], None]:
+            def listener(ev: Event) -> None:
+                if ev.finish_reason is not None:  # kept before the caller's hooks run: one that fails loses no result
+                    out[k] = finished(requests[k], ev)
+                if on_event is not None:
+                    on_event(k, ev)
+                if ev.finish_reason is not None and on_finish is not None:
+                    on_finish(k, out[k])
+            return listener
+
+        for _ in self._drive(requests, hear):
+            pass
         return [out[k] for k in range(len(requests))]
 
     def stream(self, requests: Sequence[Request]) -> Iterator[tuple[int, Event, Generation | None]]:
-        """Runs ``requests`` through the loop in this thread, yielding (k, event, request k's Generation on its final
-        event, else None) as events come; failures end as ``generate`` says; closing the iterator early cancels the
-        requests not finished (their rows are retired before it returns)."""
+        """``generate`` as an iterator: (k, event, request k's Generation on its final event, else None) as events
+        come, in this thread; closing it early cancels the requests not finished (their rows retired before it
+        returns)."""
         for req in requests:
             self.check(req)
         heard: collections.deque[tuple[int, Event, Generation | None]] = collections.deque()
@@ -687,15 +695,9 @@ class BatchEngine:
                 heard.append((k, ev, finished(requests[k], ev) if ev.finish_reason is not None else None))
             return listener
 
-        pending = collections.deque(enumerate(requests))
         left = len(requests)
         try:
-            while pending or heard or not self.idle():
-                while pending and len(self.waiting) + len(self.incoming) < self.max_queue:
-                    k, req = pending.popleft()
-                    tickets.append(self.submit(req, hear(k)))
-                if not heard and not self._stepped(pending, hear):
-                    pending.clear()
+            for _ in self._drive(requests, hear, tickets):
                 while heard:
                     k, ev, gen = heard.popleft()
                     left -= gen is not None
@@ -704,22 +706,32 @@ class BatchEngine:
             if left:  # closed early: the rest are cancelled and their rows retired now
                 for ticket in tickets:
                     ticket.cancel()
-                while not self.idle() and self._stepped(pending, lambda k: lambda ev: None):
+                for _ in self._drive((), hear):  # the cancelled rows retire; their events go unheard
                     pass
 
-    def _stepped(self, pending: Sequence[tuple[int, Request]], hear: Callable[[int], Callable[[Event], None]]) -> bool:
-        """One ``step``; where the loop itself fails, every request (``pending`` ones too, through ``hear``) ends with
-        that error (what finished is kept) and False says so."""
-        try:
-            self.step()
-            return True
-        except Exception as exc:  # noqa: BLE001 — what finished is kept; the rest end with the loop's error
-            self.sync.failed("the scheduling loop", exc)
-            error = f"the scheduling loop failed ({reason_of(exc)})"
-            self.fail_all(error)
-            for k, req in pending:
-                hear(k)(Event(req.id, [], "error", error, prompt_tokens=len(req.prompt_ids)))
-            return False
+    def _drive(self, requests: Sequence[Request], hear: Callable[[int], Callable[[Event], None]],
+               tickets: list[Ticket] | None = None) -> Iterator[None]:
+        """Submits ``requests`` as the queue has room (each with listener ``hear(k)``; their tickets into
+        ``tickets``) and steps the loop until it is idle, yielding after every step. Where the loop itself fails,
+        every request not finished ends with that error and the drive stops (what finished is kept)."""
+        pending = collections.deque(enumerate(requests))
+        while pending or not self.idle():
+            while pending and len(self.waiting) + len(self.incoming) < self.max_queue:
+                k, req = pending.popleft()
+                ticket = self.submit(req, hear(k))
+                if tickets is not None:
+                    tickets.append(ticket)
+            try:
+                self.step()
+            except Exception as exc:  # noqa: BLE001 — what finished is kept; the rest end with the loop's error
+                self.sync.failed("the scheduling loop", exc)
+                error = f"the scheduling loop failed ({reason_of(exc)})"
+                self.fail_all(error)
+                for k, req in pending:
+                    hear(k)(Event(req.id, [], "error", error, prompt_tokens=len(req.prompt_ids)))
+                yield
+                return
+            yield
 
     def step(self) -> None:
         """One iteration: cancellations, admission (prefill chunks of at most one largest bucket), decoding.
