@@ -4,11 +4,14 @@ The root is ``$JAXSPEC_CACHE`` when set, else ``~/.cache/jaxspec``. The persiste
 compilation cache under ``<root>/xla`` lets a second run of the same command skip
 compilation; ``jaxspec.engine.costs`` keeps measured step costs under ``<root>/costs``; converted
 checkpoints (``models.weight_cache``) live under ``<root>/weights``; serialized executables
-(``jaxspec.engine.executables``) under ``<compile cache>/executables``.
+(``jaxspec.engine.executables``) under ``<compile cache>/executables``. Every such per-machine record of a
+measurement or an executable is keyed by ``speed_key``: what makes the same work run at another speed here.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -20,6 +23,7 @@ OFF = ("off", "0", "false", "no", "none")
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
 MISS_EVENT = "/jax/compilation_cache/cache_misses"  # jax records it when it writes a freshly compiled entry
 MAX_BYTES = 4 << 30
+SOURCES = ("jaxspec", "models")  # the packages whose code shapes what an executable computes and how fast it runs
 
 
 def cache_root() -> Path:
@@ -112,6 +116,44 @@ def machine() -> dict:
     device = jax.devices()[0]
     return {"platform": device.platform, "device": device.device_kind, "devices": jax.device_count(),
             "host_cores": host_cores()}
+
+
+def xla_flags() -> str:
+    """``$XLA_FLAGS`` normalised: one ``--name=value`` per flag (the last given wins, as XLA reads them), sorted."""
+    flags: dict[str, str] = {}
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        flags[flag.partition("=")[0]] = flag
+    return " ".join(flags[name] for name in sorted(flags))
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 of every Python file of the packages that trace executables (a changed line is a new key)."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for package in SOURCES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def speed_key(lowering: str | None = None, program: str | None = None) -> dict:
+    """What makes the same work compile to another program or run at another speed on this machine: the XLA flags
+    (normalised), the jax and jaxlib versions, the code (``program``'s digest where its lowered text is known, else
+    the digest of ``SOURCES``), the device (platform, kind, count), the host's cores and the lowering (a label;
+    default: this process's). Every per-machine record (calibrations, costs, executables) is keyed by it."""
+    import jax  # noqa: PLC0415
+    import jax.lib  # noqa: PLC0415 (its version is jaxlib's)
+
+    from models.lowering import default_lowering  # noqa: PLC0415
+
+    device = jax.devices()[0]
+    code = ({"program": hashlib.sha256(program.encode()).hexdigest()} if program is not None
+            else {"source": source_digest()})
+    return {"xla_flags": xla_flags(), "jax": jax.__version__, "jaxlib": jax.lib.__version__, **code,
+            "platform": device.platform, "device": device.device_kind, "devices": jax.device_count(),
+            "host_cores": host_cores(), "lowering": lowering if lowering is not None else default_lowering().label}
 
 
 def device_words(m: dict | None = None) -> str:

@@ -178,3 +178,51 @@ def test_import_jaxspec_stays_light():
     code = "import sys, jaxspec; jaxspec.LLM, jaxspec.SamplingParams; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False"]  # the API's names load no JAX until a model is built
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_reads(sources: dict[str, str]) -> list[str]:
+    """``module:line: obj._x`` for each attribute ``_x`` read in a module (of ``sources``: name -> code) that neither
+    defines nor assigns ``_x``, where another of them does: reaching into another module's object. ``self``/``cls``
+    and modules bound by an import (``m._x``: the test above) aside; a private name no module defines (``os._exit``)
+    is not the project's."""
+    trees = {name: ast.parse(code) for name, code in sources.items()}
+    defined = {}
+    for name, tree in trees.items():
+        defined[name] = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                          ast.ClassDef))}
+        defined[name] |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                          and isinstance(n.ctx, (ast.Store, ast.Del))}
+        defined[name] |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    wrong = []
+    for name, tree in trees.items():
+        modules_bound = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                         for a in n.names}
+        modules_bound |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                          for a in n.names if f"{n.module}.{a.name}" in sources}
+        elsewhere = set().union(*(d for m, d in defined.items() if m != name))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in defined[name]
+                    and node.attr in elsewhere
+                    and not (isinstance(node.value, ast.Name)
+                             and node.value.id in {"self", "cls"} | modules_bound)):
+                wrong.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return sorted(wrong)
+
+
+def test_no_private_member_is_read_across_modules():
+    """``engine._step_fn(...)`` from the scheduling loop: the executor's contract is public (``Runner.step``,
+    ``llm_params``, ``forward``, ``choosers``); a module reads only its own objects' private members."""
+    assert private_reads({name: path.read_text() for name, path in modules().items()}) == []
+
+
+def test_the_private_member_finder_finds_one():
+    owner = "class Runner:\n    def __init__(self):\n        self._w = 1\n    def _fn(self):\n        return self._w\n"
+    sources = {"pkg.runner": owner, "pkg.loop": "def run(e):\n    return e._fn(), e._w, e.w, e._own\n",
+               "pkg.own": "class A:\n    _w = 0\ndef f(a):\n    return a._w\n",
+               "pkg.sub": "import os\nfrom pkg import runner\nclass B:\n    def g(self):\n"
+                          "        return self._w, runner._fn, os._exit\n"}
+    assert private_reads(sources) == ["pkg.loop:2: e._fn", "pkg.loop:2: e._w"]

@@ -491,7 +491,7 @@ class BatchEngine:
             if name == "prefill":
                 def fn(llm_params, ssm_params, staged, tokens, start, count, last, seed, values, first_mask=None):
                     e.count_trace(f"prefill of {tokens.shape[1]} tokens", staged.llm_cache)
-                    return pinned(prefill_row, e.mesh)(cfg, e._llm_forward, ssm_fwds, llm_params, ssm_params, staged,
+                    return pinned(prefill_row, e.mesh)(cfg, e.forward, ssm_fwds, llm_params, ssm_params, staged,
                                                        jnp.int32(0), tokens, start, count, last, seed, values,
                                                        first_mask)
 
@@ -1016,7 +1016,7 @@ class BatchEngine:
         ``count`` real), fed from slot ``fed``; ``first_mask`` [1, words] the first token's grammar mask."""
         args = jax.device_put((tokens, np.int32(fed), np.int32(count), np.bool_(last), np.uint32(seed % 2**32),
                                values, first_mask))
-        return (self.engine._llm_params, self.engine._group_params, self.staging_state, *args)
+        return (self.engine.llm_params, self.engine.group_params, self.staging_state, *args)
 
     def _ready_prefix(self) -> None:
         """The prefix cache's cut and paste compile with the staging capacity's first chunk (a hit later compiles
@@ -1179,7 +1179,7 @@ class BatchEngine:
     def _finish_learning(self, slot: "_Slot") -> None:
         """Folds a request that left its row into auto's statistics (a request never observed changes nothing)."""
         if self.engine.auto:
-            for chooser in self.engine._choosers.values():
+            for chooser in self.engine.choosers.values():
                 chooser.finish(slot.ticket)
 
     def _decode(self) -> None:
@@ -1285,7 +1285,7 @@ class BatchEngine:
             extra["chain_masks"] = jax.device_put(masks.chain_masks(chains, proposals, cfg.forced_depth,
                                                                     cfg.ngram_depth))
         start = time.perf_counter()
-        self.state, out = e._step_fn(cfg)(e._llm_params, e._group_params, self.state, *arrays, **extra)
+        self.state, out = e.step(cfg, self.state, *arrays, **extra)
         host = time.perf_counter() - began  # the launch returns before the device is done
         self.iterations += 1
         forced = [len(c) for c in chains] or [0] * self.rows

@@ -139,7 +139,7 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
         from jaxspec.engine.planner import curve_probe  # noqa: PLC0415
 
         # the engine's own weights and its weightless view of the LLM: the loaded tree is not held by the probe
-        engine.curve_probe = curve_probe(engine.llm, engine.ssms, engine.lowering, params=engine._llm_params)
+        engine.curve_probe = curve_probe(engine.llm, engine.ssms, engine.lowering, params=engine.llm_params)
     return engine
 
 

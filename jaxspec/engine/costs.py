@@ -3,8 +3,10 @@
 Measured, never modelled: the engine's tree choice needs the cost curve of the device that runs
 it (the curves differ by device: docs/gpu/ and DESIGN.md record two). ``measure_llm_costs``
 times one jitted forward (compiled first, then the median of several runs);
-``load_or_measure`` keeps such calibrations as JSON under ``<cache root>/costs/``, keyed by
-device kind, model, dtype and lowering (``calibration_key``), so a process measures once per key.
+``load_or_measure`` keeps such calibrations, and every other per-machine record, as JSON under
+``<cache root>/costs/``, keyed by what was measured (``calibration_key``: model, dtype, lowering) and by
+``jaxspec.cache.speed_key`` (XLA flags, jax and jaxlib, source digest, device, lowering), so a process measures
+once per key and a record measured under other flags or code is never read.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxspec.cache import cache_root
+from jaxspec.cache import cache_root, speed_key
 from jaxspec.errors import warn_once
 from jaxspec.decoding.kv_cache import causal_mask
 from jaxspec.decoding.speculate import call
@@ -175,15 +177,10 @@ def measure_draft_costs(
 
 
 def calibration_key(model: LoadedModel, lowering: Lowering | None = None, **extra: object) -> dict:
-    """What a measured cost depends on: device kind and count, jax version, model config, dtype, the lowering
-    (default: this platform's), plus ``extra``."""
-    device = jax.devices()[0]
+    """What a measured cost depends on beyond the machine (``load`` adds ``speed_key``): model config, dtype, the
+    lowering (default: this platform's), plus ``extra``."""
     config = json.dumps(dataclasses.asdict(model.cfg), sort_keys=True, default=str)
     return {
-        "platform": device.platform,
-        "device_kind": device.device_kind,
-        "device_count": jax.device_count(),
-        "jax": jax.__version__,
         "model": model.name,
         "config": hashlib.sha256(config.encode()).hexdigest()[:16],
         "dtype": jnp.dtype(model.dtype).name,
@@ -218,14 +215,16 @@ def costs_dir():
     return cache_root() / "costs"
 
 
-def _path(key: dict) -> tuple[str, Path]:
-    text = json.dumps(_encode(key), sort_keys=True)
-    return text, costs_dir() / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+def _path(key: dict) -> tuple[dict, str, Path]:
+    """The stored key (``key`` with ``speed_key`` of the lowering it names, else this process's), its text, its file."""
+    full = {"record": key, "machine": speed_key(key.get("lowering"))}
+    text = json.dumps(_encode(full), sort_keys=True)
+    return full, text, costs_dir() / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
 
 def load(key: dict) -> Any | None:
-    """The calibration stored for ``key``, or None (never measures)."""
-    text, path = _path(key)
+    """The calibration stored for ``key`` on this machine as it runs now (``speed_key``), or None (never measures)."""
+    _, text, path = _path(key)
     if path.is_file():
         try:
             stored = json.loads(path.read_text())
@@ -243,7 +242,7 @@ def load_or_measure(key: dict, measure: Callable[[], dict], refresh: bool = Fals
     ``refresh`` re-measures and overwrites. Non-string keys (token counts) survive the
     round trip. A cache that cannot be read or written is skipped, never an error.
     """
-    _, path = _path(key)
+    full, _, path = _path(key)
     stored = None if refresh else load(key)
     if stored is not None:
         return stored
@@ -251,7 +250,7 @@ def load_or_measure(key: dict, measure: Callable[[], dict], refresh: bool = Fals
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.partial")
-        tmp.write_text(json.dumps({"key": _encode(key), "value": _encode(value), "measured_at": time.time()},
+        tmp.write_text(json.dumps({"key": _encode(full), "value": _encode(value), "measured_at": time.time()},
                                   indent=1))
         os.replace(tmp, path)
     except OSError as exc:

@@ -9,9 +9,10 @@ executable directly.
 
 What an executable depends on is its key: the caller's ``ident`` (the configuration it was built
 from: the step's tree, the models' configs and dtypes, the lowering, the mesh), the shapes, dtypes and
-placements of its arguments, the digest of this project's source files, the jax version, the platform,
-device kind and count, and ``XLA_FLAGS``. Weights are arguments, never baked in (an executable with
-captured constants refuses to serialize and simply stays in memory). A damaged entry is removed and
+placements of its arguments, and ``jaxspec.cache.speed_key`` (the XLA flags, jax and jaxlib versions, the
+source digest, the device); a traced program is also found by its own digest in place of the source's.
+Weights are arguments, never baked in (an executable with captured constants refuses to serialize and
+simply stays in memory). A damaged entry is removed and
 rebuilt; anything that cannot be serialized (grammar steps call back into the host) is compiled as
 before. Off with the compilation cache (``--no-compile-cache``), with ``JAXSPEC_EXECUTABLE_CACHE=off`` (the
 test suite's default: its compile counts must not depend on which test ran first) and in multi-process runs.
@@ -19,7 +20,6 @@ test suite's default: its compile counts must not depend on which test ran first
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -30,22 +30,8 @@ from typing import Any, Callable
 
 import jax
 
-from jaxspec.cache import EXECUTABLE_CACHE_ENV, OFF, STATS
+from jaxspec.cache import EXECUTABLE_CACHE_ENV, OFF, STATS, speed_key
 from jaxspec.errors import warn_once
-
-_SOURCES = ("jaxspec", "models")  # the packages whose code shapes what an executable computes
-
-
-@functools.lru_cache(maxsize=1)
-def source_digest() -> str:
-    """sha256 of every Python file of the packages that trace executables (a changed line is a new key)."""
-    root = Path(__file__).resolve().parents[2]
-    digest = hashlib.sha256()
-    for package in _SOURCES:
-        for path in sorted((root / package).rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 def store_dir() -> Path | None:
@@ -124,11 +110,8 @@ class Stored:
         if directory is None:
             return self.jitted
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        device = jax.devices()[0]
-        machine = {"jax": jax.__version__, "platform": device.platform, "device": device.device_kind,
-                   "devices": jax.device_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
         described = repr((tree, tuple(map(_described, leaves))))
-        key = _digest({"ident": self.ident, "args": described, "source": source_digest(), **machine})
+        key = _digest({"ident": self.ident, "args": described, **speed_key()})
         index = directory / "index" / key
         program = _read_text(index)
         if program is not None:  # this key was stored before: no trace at all
@@ -143,7 +126,7 @@ class Stored:
         lowered = jax.jit(_renamed(self.fn, name), donate_argnums=self.donate_argnums).lower(*args, **kwargs)
         # the arguments enter too: jit prunes the unused ones from the program (a prefill never reads the draft head),
         # but a loaded executable checks every argument it was compiled with
-        program = _digest({"program": lowered.as_text().replace(name, "jaxspec"), "args": described, **machine})
+        program = _digest({"args": described, **speed_key(program=lowered.as_text().replace(name, "jaxspec"))})
         compiled = _load(directory / f"{program}.bin", program)  # the same program under another key (a new
         if compiled is None:                                     # jaxspec version that left it unchanged)
             compiled, fresh = _compile_fresh(lowered)

@@ -305,13 +305,12 @@ def speculator_trees(curve: CostCurve, speculators: Sequence) -> tuple[tuple[int
 
 
 def curve_key(llm, ssms: Sequence = (), lowering=None) -> dict:
-    """What a cost curve depends on: the device, the LLM and the learned speculators (``LoadedModel``s), the
-    lowering, the points timed and the host's cores (its key in the cost cache)."""
-    from jaxspec.cache import host_cores  # noqa: PLC0415 (JAX loads only where a curve is measured)
-    from jaxspec.engine import costs  # noqa: PLC0415
+    """What a cost curve depends on beyond the machine (``jaxspec.cache.speed_key``): the LLM and the learned
+    speculators (``LoadedModel``s), the lowering and the points timed (its key in the cost cache)."""
+    from jaxspec.engine import costs  # noqa: PLC0415 (JAX loads only where a curve is measured)
 
     return costs.calibration_key(llm, lowering, what="cost-curve", tokens=list(CURVE_TOKENS),
-                                 capacity=CURVE_CAPACITY, host_cores=host_cores(), fastest_of=CURVE_REPEATS,
+                                 capacity=CURVE_CAPACITY, fastest_of=CURVE_REPEATS,
                                  timed="interleaved rounds",
                                  ssms=[[s.name, repr(s.cfg), str(s.dtype), s.draft_vocab, list(DRAFT_WIDTHS)]
                                        for s in ssms])

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxspec.cache import host_cores
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.engine.executables import Stored
@@ -412,6 +411,28 @@ class Runner:
             out.append(Member(name, depth, positions))
         return out
 
+    # -- the executor's contract: weights, the LLM's forward, one step -----------------------
+    @property
+    def llm_params(self) -> Any:
+        """The LLM's weights in this engine's layout and placement: the first argument of its steps and prefills."""
+        return self._llm_params
+
+    @property
+    def group_params(self) -> tuple:
+        """The SSM groups' weights, one stacked tree per ``groups`` entry: the second argument of steps and prefills."""
+        return self._group_params
+
+    @property
+    def forward(self) -> Forward:
+        """The LLM's forward in this engine's layout, ``forward(params, tokens, positions, cache, mask)``."""
+        return self._llm_forward
+
+    def step(self, cfg: DecodeConfig, state: DecodeState, *arrays: Any, **extra: Any) -> tuple[DecodeState, Any]:
+        """Dispatches one iteration of member ``cfg`` on ``state`` (donated) with this engine's weights: (the new
+        state, the step's output), returned before the device is done. ``arrays``: the n-gram proposals (tokens,
+        count) and, where ``cfg`` forces tokens, those (tokens, count); ``extra``: ``chain_masks``."""
+        return self._step_fn(cfg)(self._llm_params, self._group_params, state, *arrays, **extra)
+
     # -- compiled functions -------------------------------------------------------------
     def _step_fn(self, cfg: DecodeConfig) -> Callable:
         if cfg not in self._compiled:
@@ -498,12 +519,11 @@ class Runner:
 
     def _member_ident(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
                       batch: int) -> dict:
-        """What a member's measurements at a bucket are kept under (the calibration cache's key)."""
+        """What a member's measurements at a bucket are kept under (the calibration cache's key, beside the machine's
+        ``jaxspec.cache.speed_key``)."""
         return {
             "what": "step-member",
             "revision": STEP_REVISION,
-            "jax": jax.__version__,
-            "device": jax.devices()[0].device_kind,
             "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))],
             "ssms": [[s.name, repr(s.cfg), str(jnp.dtype(s.dtype)), s.draft_vocab] for s in self.ssms],
             "ngram": self.family(params)[name].ngram_depth,
@@ -547,11 +567,11 @@ class Runner:
                                   ssms=[[s.name, repr(s.cfg), s.draft_vocab] for s in self.ssms])
 
     def _build_record(self, what: str, value: Any, **extra: Any) -> Any:
-        """A measurement about building executables, cached per device and LLM beside the calibrations."""
+        """A measurement about building executables, cached per machine (``jaxspec.cache.speed_key``) and LLM beside
+        the calibrations."""
         from jaxspec.engine import costs  # noqa: PLC0415
 
-        ident = {"what": what, "revision": STEP_REVISION, "jax": jax.__version__, "host_cores": host_cores(),
-                 "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+        ident = {"what": what, "revision": STEP_REVISION, "lowering": self.lowering.label,
                  "llm": [self.llm.name, repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))], **extra}
         if value is None:
             return costs.load(ident)
@@ -559,12 +579,10 @@ class Runner:
 
     def prefill_chunks(self, found: dict | None = None) -> dict | None:
         """What the prompt chunk search found on this device (``jaxspec.engine.prefill.ChunkSizer.state``), kept
-        beside the calibrations per device, host and engine; given ``found``, records it."""
+        beside the calibrations per machine (``jaxspec.cache.speed_key``) and engine; given ``found``, records it."""
         from jaxspec.engine import costs  # noqa: PLC0415
 
-        ident = {"what": "prefill-chunks", "revision": STEP_REVISION, "jax": jax.__version__,
-                 "host_cores": host_cores(), "device": jax.devices()[0].device_kind,
-                 "platform": jax.default_backend(), "devices": jax.device_count(), **self.identity()}
+        ident = {"what": "prefill-chunks", "revision": STEP_REVISION, **self.identity()}
         if found is None:
             return costs.load(ident)
         return costs.load_or_measure(ident, lambda: found, refresh=True)

@@ -1,0 +1,98 @@
+"""Per-machine records are keyed by what changes the code's speed (``jaxspec.cache.speed_key``): a calibration or
+an executable written under one XLA flags setting, source or lowering is never read under another, and one written
+under the same setting is read back, in this process and in another."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec import cache
+from jaxspec.cache import STATS, speed_key, xla_flags
+from jaxspec.engine import costs
+from jaxspec.engine.executables import Stored
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = {"what": "test-record", "lowering": "dense=plain,kv_write=rows,layers=unroll,attention=dense,proj=fused"}
+
+
+def test_xla_flags_are_normalised(monkeypatch):
+    jax.devices()  # the backend read its flags at start: what the environment says from here on is only a key
+    monkeypatch.setenv("XLA_FLAGS", " --b=2  --a=1 --b=3 --c ")
+    assert xla_flags() == "--a=1 --b=3 --c"  # sorted, the last of a flag given twice wins (as XLA reads them)
+    monkeypatch.setenv("XLA_FLAGS", "--c --a=1 --b=3")
+    assert speed_key()["xla_flags"] == "--a=1 --b=3 --c"
+    monkeypatch.delenv("XLA_FLAGS")
+    assert xla_flags() == ""
+
+
+def test_speed_key_names_flags_versions_code_device_and_lowering(monkeypatch):
+    key = speed_key("layers=scan")
+    assert {"xla_flags", "jax", "jaxlib", "source", "platform", "device", "devices", "lowering"} <= set(key)
+    assert key["lowering"] == "layers=scan" and key["source"] == cache.source_digest()
+    program = speed_key(program="module @jaxspec {}")
+    assert "source" not in program and program["program"] != speed_key(program="module @other {}")["program"]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=3")
+    assert speed_key("layers=scan") != key
+
+
+def test_a_record_is_read_only_under_the_setting_it_was_written_under(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {1: float(len(calls))}
+
+    written = os.environ.get("XLA_FLAGS", "")  # the suite's own (XLA optimisation level 0)
+    assert costs.load_or_measure(KEY, measure) == {1: 1.0} and costs.load(KEY) == {1: 1.0}
+    monkeypatch.setenv("XLA_FLAGS", " ".join(f for f in written.split() if "optimization_level" not in f))
+    assert costs.load(KEY) is None  # optimised code is never priced by the suite's unoptimised runs
+    assert costs.load_or_measure(KEY, measure) == {1: 2.0} and len(calls) == 2
+    monkeypatch.setenv("XLA_FLAGS", written)
+    assert costs.load(KEY) == {1: 1.0}  # the first setting's record, untouched
+    assert costs.load({**KEY, "lowering": "layers=scan"}) is None  # another lowering
+    monkeypatch.setattr(cache, "source_digest", lambda: "another revision")
+    assert costs.load(KEY) is None  # another source
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 2
+
+
+def test_an_executable_is_loaded_only_under_the_flags_it_was_stored_under(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSPEC_EXECUTABLE_CACHE", str(tmp_path / "executables"))
+    written = os.environ.get("XLA_FLAGS", "")
+    x = jnp.arange(4.0)
+
+    def fresh() -> int:
+        """Loads counted for one new ``Stored`` called once."""
+        loaded = STATS.executables_loaded
+        assert Stored(lambda v: v * 3 - 1, {"what": "test-flags"})(x).tolist() == [-1.0, 2.0, 5.0, 8.0]
+        return STATS.executables_loaded - loaded
+
+    assert fresh() == 0 and fresh() == 1  # stored, then loaded
+    monkeypatch.setenv("XLA_FLAGS", f"{written} --xla_cpu_enable_fast_math=true")
+    assert fresh() == 0  # another setting: neither its key nor its program's finds the first entry
+    monkeypatch.setenv("XLA_FLAGS", written)
+    assert fresh() == 1
+
+
+def _read_in_a_process(flags: str, home: Path) -> object:
+    """``costs.load(KEY)`` in a new process started under ``XLA_FLAGS=flags``."""
+    code = "import json; from jaxspec.engine import costs; print(json.dumps(costs.load(%r)))" % (KEY,)
+    env = {**os.environ, "XLA_FLAGS": flags, "JAXSPEC_CACHE": str(home)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_another_process_reads_a_record_only_under_the_same_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    flags = os.environ.get("XLA_FLAGS", "")
+    costs.load_or_measure(KEY, lambda: {"seconds": 0.25})
+    assert _read_in_a_process(flags, tmp_path) == {"seconds": 0.25}
+    assert _read_in_a_process("", tmp_path) is None
