@@ -39,6 +39,7 @@ from jaxspec.cli.common import (
 )
 
 if TYPE_CHECKING:  # the engine loads JAX: the CLI imports it only when a command runs
+    from jaxspec.api import CompletionOutput
     from jaxspec.engine.batch import BatchEngine
 
 # Set by ``generate`` once its output is written: nothing this process still runs (a background build whose tree
@@ -157,7 +158,7 @@ class JsonLines:
             self.fd = None
 
 
-def record(row: dict, out, args) -> dict:
+def record(row: dict, out: "CompletionOutput", args: argparse.Namespace) -> dict:
     """One JSONL line from a finished ``jaxspec.api.CompletionOutput``: its text cut before the first stop string
     (the rule the server applies), the engine's counters and its speculation; a failed request's line has
     ``finish_reason`` "error" and its one-line ``error``."""
