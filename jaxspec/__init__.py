@@ -1,7 +1,8 @@
 """jaxspec: tree-based speculative inference and verification (SpecInfer) in JAX/Flax.
 
-The few names most users need, loaded on first use (``import jaxspec`` imports no JAX);
-everything else lives in the modules named below.
+The few names most users need, loaded on first use (``import jaxspec`` imports no JAX): the Python API
+(``LLM``, ``SamplingParams`` and the outputs, ``jaxspec.api``) first, then the engine's own names; everything else
+lives in the modules named below.
 """
 
 from __future__ import annotations
@@ -9,6 +10,12 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "LLM": "jaxspec.api",
+    "SamplingParams": "jaxspec.api",
+    "RequestOutput": "jaxspec.api",
+    "CompletionOutput": "jaxspec.api",
+    "StreamOutput": "jaxspec.api",
+    "SpecStats": "jaxspec.engine.runner",
     "BatchEngine": "jaxspec.engine.batch",
     "Request": "jaxspec.engine.batch",
     "DecodeConfig": "jaxspec.decoding.step",
@@ -24,7 +31,6 @@ _EXPORTS = {
     "VocabularyMismatch": "jaxspec.errors",
     "early_exit": "jaxspec.speculators.early_exit",
     "LoadedModel": "models.loaded",
-    "SamplingParams": "jaxspec.decoding.sampling",
     "TokenTree": "jaxspec.decoding.tree",
     "expansion_topology": "jaxspec.decoding.tree",
     "merge": "jaxspec.decoding.tree",

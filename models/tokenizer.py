@@ -396,11 +396,15 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     """Token ids of ``text``: as one user turn of the chat template (with the assistant prefix)
     when ``chat`` and the tokenizer has a template, else plain (BOS only if the tokenizer adds it)."""
     if chat and getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-        return list(tokenizer.encode(rendered, add_special_tokens=False))
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer.encode(text))
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation (``{"role", "content"}`` turns) rendered by the tokenizer's chat template, with
+    the assistant's prefix after it: the one rendering ``generate``, ``serve`` and the Python API share."""
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
 def vocab_signature(tokenizer) -> str:

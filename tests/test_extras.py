@@ -141,11 +141,11 @@ def test_the_scan_sees_lazy_imports_and_skips_guarded_ones(tmp_path):
     assert imports(src, modules(), lazy=False) == (set(), set(), {"fallback"})
 
 
-def test_the_readme_names_each_commands_extra():
-    readme = (ROOT / "README.md").read_text()
+def test_the_usage_page_names_each_commands_extra():
+    usage = (ROOT / "docs" / "usage.md").read_text()
     for part, needs in NEEDS.items():
         if not part.startswith("the "):
-            assert re.search(rf"\|\s*`jaxspec {part}[^|]*`\s*\|\s*`{needs.extra}`", readme), part
+            assert re.search(rf"\|\s*`jaxspec {part}[^|]*`\s*\|\s*`{needs.extra}`", usage), part
 
 
 def test_repro_stops_before_the_first_experiment_without_accelerate(monkeypatch, capsys):

@@ -130,6 +130,11 @@ def test_imports_run_one_way():
                 wrong.append(f"{mod} -> {t} (only the command line starts the server)")
             if within(mod, "jaxspec") and within(t, "training") and not within(mod, "jaxspec.cli"):
                 wrong.append(f"{mod} -> {t} (training is reached from the command line only)")
+            if t == "jaxspec.api" and not within(mod, "jaxspec.cli"):
+                wrong.append(f"{mod} -> {t} (the Python API sits beside the command line, over the engine: only the "
+                             "command line builds on it)")
+            if mod == "jaxspec.api" and any(within(t, p) for p in ("jaxspec.cli", "jaxspec.serving", "jaxspec.repro")):
+                wrong.append(f"{mod} -> {t} (the Python API drives the engine, not the server or the command line)")
             if within(t, "jaxspec.cli") and not (within(mod, "jaxspec.cli") or mod == "jaxspec.__main__"):
                 wrong.append(f"{mod} -> {t} (nothing drives the command line but python -m)")
     assert wrong == []
@@ -157,9 +162,10 @@ def test_speculators_and_training_load_no_engine():
 
 
 def test_every_module_lives_in_its_layer():
-    """Flat modules under jaxspec/ are the package's front door, its cache paths, and the configuration and errors below every layer."""
+    """Flat modules under jaxspec/ are the package's front door and its Python API, its cache paths, and the
+    configuration and errors below every layer."""
     flat = {m for m in modules() if within(m, "jaxspec") and not any(within(m, p) for p in LAYERS)}
-    assert flat == {"jaxspec", "jaxspec.__main__", "jaxspec.cache", "jaxspec.config", "jaxspec.errors"}
+    assert flat == {"jaxspec", "jaxspec.__main__", "jaxspec.api", "jaxspec.cache", "jaxspec.config", "jaxspec.errors"}
 
 
 def test_import_jaxspec_stays_light():
@@ -169,6 +175,9 @@ def test_import_jaxspec_stays_light():
     code = "import jaxspec; print(jaxspec.Engine.__module__, jaxspec.SamplingParams.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["jaxspec.engine", "SamplingParams"]
+    code = "import sys, jaxspec; jaxspec.LLM, jaxspec.SamplingParams; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False"]  # the API's names load no JAX until a model is built
 
 
 def _private(name: str) -> bool:

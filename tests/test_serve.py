@@ -566,22 +566,34 @@ def test_flags_fail_before_loading(server):
 def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_path):
     """A second server speculating with the n-gram chain: the same greedy outputs, alone and 8 at once, streamed,
     cut by a stop string, and the speculation counters move (drafts, draft tokens, accepted per position, mean
-    acceptance length)."""
+    acceptance length). Every response carries its own speculation (an extension field the openai client keeps,
+    streamed on a choice's last chunk), and those add up to the /metrics totals."""
     spec = Server(tmp_path / "spec.log", ("--mode", "sequence", "--ssm", "ngram:3", "--expansion", "1,1,1,1"))
+    seen = []  # every response's per-request speculation
+
+    def answer(prompt: str, **kw) -> str:
+        choice = chat(spec, prompt, 16, temperature=0, **kw).choices[0]
+        seen.append(choice.model_extra["speculation"])
+        return choice.message.content
+
     try:
         prompts = PROMPTS[:4] + ["Count from one to twenty, separated by commas."]
         want = [chat(server, p, 16, temperature=0).choices[0].message.content for p in prompts]
-        assert [chat(spec, p, 16, temperature=0).choices[0].message.content for p in prompts] == want
+        assert [answer(p) for p in prompts] == want
         with ThreadPoolExecutor(len(prompts)) as pool:
-            together = list(pool.map(lambda p: chat(spec, p, 16, temperature=0).choices[0].message.content,
-                                     prompts, timeout=300))
+            together = list(pool.map(answer, prompts, timeout=300))
         assert together == want
-        pieces, finish, _ = streamed(chat(spec, prompts[4], 16, temperature=0, stream=True))
-        assert "".join(pieces) == want[4] and finish[0] in ("stop", "length")
+        pieces, last = [], None
+        for chunk in chat(spec, prompts[4], 16, temperature=0, stream=True):
+            for c in chunk.choices:
+                pieces.append(c.delta.content or "")
+                assert ("speculation" in c.model_extra) == (c.finish_reason is not None)
+                last = c if c.finish_reason else last
+        assert "".join(pieces) == want[4] and last.finish_reason in ("stop", "length")
+        seen.append(last.model_extra["speculation"])
         stop = want[4][len(want[4]) // 2:][:3]
         if stop.strip():
-            cut = chat(spec, prompts[4], 16, temperature=0, stop=stop).choices[0].message.content
-            assert cut == want[4][:want[4].index(stop)]
+            assert answer(prompts[4], stop=stop) == want[4][:want[4].index(stop)]
         m = spec.metrics()
         drafts = counter(m, "jaxspec_spec_decode_num_drafts_total")
         accepted = counter(m, "jaxspec_spec_decode_num_accepted_tokens_total")
@@ -590,6 +602,15 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
                                if name == "jaxspec_spec_decode_num_accepted_tokens_per_pos_total")
         assert counter(m, "jaxspec_spec_decode_mean_acceptance_length") == pytest.approx(1 + accepted / drafts)
         assert counter(m, "jaxspec_iterations_total", tree="tree") > 0
+        # per request: the same counts, one speculator, each request's accept length from its own steps
+        assert sum(s["draft_steps"] for s in seen) == drafts
+        assert sum(s["draft_tokens"] for s in seen) == counter(m, "jaxspec_spec_decode_num_draft_tokens_total")
+        assert sum(s["accepted_tokens"] for s in seen) == accepted > 0
+        for s in seen:
+            assert set(s["by_speculator"]) == {"ngram:3"}
+            assert s["by_speculator"]["ngram:3"] == {"drafted": s["draft_tokens"], "accepted": s["accepted_tokens"]}
+            assert 0 < s["verify_steps"] <= 16 and s["draft_steps"] <= s["verify_steps"]
+            assert s["accept_length"] == pytest.approx(1 + s["accepted_tokens"] / s["verify_steps"], abs=1e-4)
     finally:
         spec.stop()
 

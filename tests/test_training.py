@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import subprocess
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -356,12 +358,32 @@ def test_every_boost_config_loads(path):
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "drafter").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_drafter_config_loads_and_warm_starts_from_a_shipped_drafter(path):
+def test_every_drafter_config_loads_and_warm_starts_from_a_shipped_or_restorable_drafter(path):
     from training.drafter import DrafterConfig
+    from training.fused import RETIRED_DRAFTERS
 
     cfg = DrafterConfig.load(str(path))
     assert cfg.steps > 0 and cfg.cache_rows % 64 == 0
-    assert cfg.init_from is None or (ROOT / cfg.init_from / "drafter.json").exists(), cfg.init_from
+    assert (cfg.init_from is None or (ROOT / cfg.init_from / "drafter.json").exists()
+            or cfg.init_from in RETIRED_DRAFTERS), cfg.init_from
+
+
+def test_a_retired_drafter_is_in_the_commit_named_and_its_absence_says_how_to_restore_it(tmp_path, monkeypatch):
+    """The superseded drafters left the tree; the commit recorded for each still holds it (where history is here),
+    and warm-starting from one that is not restored names the git command."""
+    from training.fused import RETIRED_DRAFTERS, restore_command, warm_start_dir
+
+    monkeypatch.chdir(tmp_path)  # no restored copy here
+    for directory, commit in RETIRED_DRAFTERS.items():
+        assert not (ROOT / directory).exists(), f"{directory} ships again: drop it from RETIRED_DRAFTERS"
+        with pytest.raises(FileNotFoundError, match=re.escape(restore_command(directory))):
+            warm_start_dir(directory)
+        known = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+        if known.returncode == 0:  # a clone with this history (not a shallow one or an sdist)
+            subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}:{directory}/drafter.json"],
+                           check=True)
+    (tmp_path / "jaxspec/pools/smollm2_drafter_v2").mkdir(parents=True)  # restored: used as it is
+    assert warm_start_dir("jaxspec/pools/smollm2_drafter_v2").is_dir()
 
 
 def test_dataclass_defaults_are_the_default_recipe():

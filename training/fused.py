@@ -114,7 +114,29 @@ def make_fused_step(dcfg, layers: tuple[int, ...], ids: jax.Array, cfg, opt):
     return jax.jit(step, donate_argnums=(0, 3)), jax.jit(evaluate)
 
 
-def _warm_start(own: dict, directory: str, llm_params: dict, layers: tuple[int, ...]) -> dict:
+# Drafters that left the shipped tree (superseded by ``jaxspec/pools/smollm2_drafter``; 19.5 MB) -> the commit that
+# still holds them. The configs that trained them or warm-start from them keep naming their old place.
+RETIRED_DRAFTERS = {
+    "jaxspec/pools/smollm2_drafter_v1": "d1480a4514d1c86d0540eeb8619bdb612d992375",
+    "jaxspec/pools/smollm2_drafter_v2": "d1480a4514d1c86d0540eeb8619bdb612d992375",
+}
+
+
+def restore_command(directory: str) -> str:
+    """The git command that puts a retired drafter back where its configs expect it."""
+    return f"git restore --source={RETIRED_DRAFTERS[directory][:12]} -- {directory}"
+
+
+def warm_start_dir(directory: str) -> Path:
+    """The drafter directory ``init_from`` names; a retired one that is not restored is an error saying how."""
+    path = Path(directory)
+    if not path.is_dir() and directory in RETIRED_DRAFTERS:
+        raise FileNotFoundError(f"init_from {directory}: this drafter no longer ships; restore it from git history "
+                                f"with `{restore_command(directory)}`")
+    return path
+
+
+def _warm_start(own: dict, directory: str | Path, llm_params: dict, layers: tuple[int, ...]) -> dict:
     """``own`` with every tensor of the drafter at ``directory`` whose name and shape match (fc, layer_0);
     ``fuse`` then starts as the highest block's normalised output times the LLM's final-norm scale, i.e.
     close to the final-norm state such a drafter read."""
@@ -258,7 +280,7 @@ def train_fused(cfg, export_only: bool = False) -> Path:
         opt_state = state["opt"]
     else:
         if cfg.init_from:
-            own = _warm_start(own, cfg.init_from, llm.params, layers)
+            own = _warm_start(own, warm_start_dir(cfg.init_from), llm.params, layers)
         opt_state = opt.init(own)
     run = {"config": dataclasses.asdict(cfg), "feature_layers": list(layers)}
 

@@ -39,6 +39,7 @@ from jaxspec.cli.common import (
 )
 
 if TYPE_CHECKING:  # the engine loads JAX: the CLI imports it only when a command runs
+    from jaxspec.api import CompletionOutput
     from jaxspec.engine.batch import BatchEngine
 
 # Set by ``generate`` once its output is written: nothing this process still runs needs to finish, so
@@ -156,28 +157,29 @@ class JsonLines:
             self.fd = None
 
 
-def record(row: dict, sample: int, gen, tokenizer, args) -> dict:
-    """One JSONL line: the text is cut before the first stop string, by the rule the server applies; a failed
-    request's line has ``finish_reason`` "error" and its one-line ``error``."""
-    from jaxspec.engine.stops import StopText  # noqa: PLC0415
-
+def record(row: dict, out: "CompletionOutput", args: argparse.Namespace) -> dict:
+    """One JSONL line from a finished ``jaxspec.api.CompletionOutput``: its text cut before the first stop string
+    (the rule the server applies), the engine's counters and its speculation; a failed request's line has
+    ``finish_reason`` "error" and its one-line ``error``."""
+    gen = out.generation
     return {
         "id": row["id"],
-        "sample": sample,
+        "sample": out.index,
         "prompt": row["prompt"],
-        "text": StopText.text_of(tokenizer, gen.token_ids, args.stop)[0],
-        "token_ids": gen.token_ids,
+        "text": out.text,
+        "token_ids": out.token_ids,
         "llm_steps": gen.llm_steps,
         "ssm_steps": gen.ssm_steps,
         "tokens_per_step": round(gen.tokens_per_step, 4),
-        "seconds": round(gen.seconds, 4),
-        "prefill_seconds": round(gen.prefill_seconds, 4),
-        "cached_tokens": gen.cached_tokens,
-        "finish_reason": gen.finish_reason,
-        "seed": args.seed + sample,
+        "seconds": round(out.seconds, 4),
+        "prefill_seconds": round(out.prefill_seconds, 4),
+        "cached_tokens": out.cached_tokens,
+        "finish_reason": out.finish_reason,
+        "seed": out.seed,
         "mode": args.mode,
         "tree": gen.tree_counts,
-        "error": gen.error,
+        "speculation": out.speculation.as_dict(),
+        "error": out.error,
     }
 
 
@@ -267,29 +269,26 @@ def report_prefill(requests: list, gens: list, batch) -> None:
 
 
 def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
-    """Every prompt x sample through the one scheduling loop; a single prompt streams its text.
+    """Every prompt x sample through the one scheduling loop, by the Python API's layer (``jaxspec.api.run``); a
+    single prompt streams its text.
 
     JSONL lines come in completion order (each names its ``id`` and ``sample``), written as each request finishes; up
     to ``--max-batch`` requests are decoded together. A failed request gets its error line and the others run on;
     the command then exits 1, naming the failed ones.
     """
+    from jaxspec import api
     from jaxspec.config import SchedulerConfig
     from jaxspec.engine import lockstep
-    from jaxspec.engine.batch import Request, job_model_len
+    from jaxspec.engine.batch import job_model_len
     from jaxspec.engine.build import build_scheduler
-    from jaxspec.engine.stops import StopText
     from models.tokenizer import encode_prompt
 
-    jobs = []  # (row, sample, request)
-    for row in rows:
-        ids = encode_prompt(llm.tokenizer, row["prompt"], chat=not args.no_chat)
-        grammar = grammar_for(args, row)
-        for sample in range(args.num_samples):
-            stop = StopText(llm.tokenizer, args.stop) if args.stop else None  # one per request: it holds the text
-            jobs.append((row, sample, Request(ids, args.max_new_tokens, sampling_params(args, sample), stop=stop,
-                                              id=f"{row['id']}/{sample}", stop_strings=tuple(args.stop),
-                                              grammar=grammar)))
-    longest = max(len(r.prompt_ids) for _, _, r in jobs)
+    params = api.SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), n=args.num_samples)
+    prompts = [encode_prompt(llm.tokenizer, row["prompt"], chat=not args.no_chat) for row in rows]
+    jobs = api.jobs_for(llm.tokenizer, prompts, [params] * len(rows), [grammar_for(args, row) for row in rows],
+                        ids=[row["id"] for row in rows])
+    longest = max(len(ids) for ids in prompts)
     say = (lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr)) if args.verbose else None  # noqa: E731
     limits = SchedulerConfig(max_batch=min(args.max_batch, len(jobs)),
                              max_model_len=job_model_len(longest + args.max_new_tokens,
@@ -297,7 +296,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
                              prefill_chunk=args.prefill_chunk, prefill_stall=args.prefill_stall,
                              prefix_cache_bytes=prefix_cache_bytes(args))
     batch = build_scheduler(engine, limits, sync=lockstep.loop_sync(), verbose=say)
-    prepare_job(batch, [r for _, _, r in jobs])
+    prepare_job(batch, [job.request for job in jobs])
     try:
         return _run_jobs(engine, llm, rows, args, out, batch, jobs)
     finally:
@@ -315,61 +314,58 @@ def prepare_job(batch: BatchEngine, requests: list) -> None:
 
 
 def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list) -> int:
-    """``generate_requests``' loop over its prepared requests, streaming a single one."""
+    """``generate_requests``' loop over its prepared ``jaxspec.api.Job`` s, streaming a single one."""
     from tqdm import tqdm
 
-    from jaxspec.engine.stops import StopText
+    from jaxspec import api
+    from jaxspec.cache import BACKEND
 
     if engine.auto and args.recalibrate:
-        report_calibration(engine, batch, args, jobs[0][2].prompt_ids)
+        report_calibration(engine, batch, args, jobs[0].request.prompt_ids)
     streaming = len(jobs) == 1
-    shown = StopText(llm.tokenizer, args.stop)  # the streamed text, held back where a stop string may begin
-
     first: list[float] = []  # when the first token reached the host
-
-    def on_event(_: int, ev) -> None:
-        if not first and ev.token_ids:
-            first.append(time.perf_counter())
-        if args.verbose and engine.auto and ev.tree is not None:
-            print(f"\n[jaxspec] step: tree {ev.tree}, {len(ev.token_ids)} tokens", file=sys.stderr)
-        if streaming:
-            sys.stdout.write(shown.add(ev.token_ids))
-            sys.stdout.flush()
-
-    requests = [r for _, _, r in jobs]
+    outputs: dict[tuple[int, int], object] = {}  # (prompt, sample) -> its CompletionOutput
+    bar = None if streaming else tqdm(total=len(jobs), desc="generate", unit="request", file=sys.stderr)
+    compiles = BACKEND.listen()
+    try:
+        for piece in api.run(batch, llm.tokenizer, jobs):
+            if not first and piece.token_ids:
+                first.append(time.perf_counter())
+            if args.verbose and engine.auto and piece.tree is not None:
+                print(f"\n[jaxspec] step: tree {piece.tree}, {len(piece.token_ids)} tokens", file=sys.stderr)
+            if streaming:  # the text as it comes, held back where a stop string may begin
+                sys.stdout.write(piece.text)
+                sys.stdout.flush()
+            if piece.output is not None:
+                outputs[piece.prompt_index, piece.index] = piece.output
+                if out:
+                    out.write(record(rows[piece.prompt_index], piece.output, args))
+                if bar is not None:
+                    bar.update()
+    finally:
+        if bar is not None:
+            bar.close()
+    report_compiles(BACKEND.count - compiles, args)
+    requests = [job.request for job in jobs]
+    gens = [outputs[job.prompt_index, job.index].generation for job in jobs]
     if streaming:
-        gens = counted(batch, args, requests, on_event=on_event)
-        print(shown.finish()[0])
+        print()
         gen = gens[0]
         print(f"[jaxspec] {len(gen.token_ids)} tokens in {gen.seconds:.2f}s, {gen.llm_steps} LLM steps, "
               f"{gen.tokens_per_step:.2f} tokens/step ({gen.finish_reason})", file=sys.stderr)
-        if args.verbose:
-            report_prefill([requests[0]], [gen], batch)
-            report_startup(args, first)
-        report_host(batch, args)
-        if out:
-            out.write(record(rows[0], 0, gen, llm.tokenizer, args))
-        if gen.finish_reason == "error":
-            print(f"jaxspec: error: the request failed: {gen.error}", file=sys.stderr)
-            return 1
-        return 0
-
-    def write(k: int, gen) -> None:
-        row, sample, _ = jobs[k]
-        out.write(record(row, sample, gen, llm.tokenizer, args))
-        bar.update()
-
-    with tqdm(total=len(jobs), desc="generate", unit="request", file=sys.stderr) as bar:
-        gens = counted(batch, args, requests, on_finish=write, on_event=on_event)
-    steps = sum(g.llm_steps for g in gens)
-    tokens = sum(sum(g.step_tokens) for g in gens)
-    print(f"[jaxspec] {len(jobs)} requests in batches of up to {batch.max_batch}: {batch.iterations} iterations, "
-          f"{tokens / max(steps, 1):.2f} tokens/step per request", file=sys.stderr)
+    else:
+        steps = sum(g.llm_steps for g in gens)
+        tokens = sum(sum(g.step_tokens) for g in gens)
+        print(f"[jaxspec] {len(jobs)} requests in batches of up to {batch.max_batch}: {batch.iterations} iterations, "
+              f"{tokens / max(steps, 1):.2f} tokens/step per request", file=sys.stderr)
     if args.verbose:
         report_prefill(requests, gens, batch)
         report_startup(args, first)
     report_host(batch, args)
     failed = [req.id for req, gen in zip(requests, gens) if gen.finish_reason == "error"]
+    if streaming and failed:
+        print(f"jaxspec: error: the request failed: {gens[0].error}", file=sys.stderr)
+        return 1
     if failed:
         shown_ids = ", ".join(failed[:10]) + (f" and {len(failed) - 10} more" if len(failed) > 10 else "")
         print(f"jaxspec: error: {len(failed)} of {len(jobs)} requests failed ({shown_ids}); every other line is "
@@ -378,18 +374,12 @@ def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list) -> in
     return 0
 
 
-def counted(batch: BatchEngine, args, requests: list, **hooks) -> list:
-    """``batch.generate(requests, **hooks)``, counting XLA's compiles while it runs: none after ``prepare_job`` (a
-    compile there is a defect, said on stderr; ``-v`` says the count either way)."""
-    from jaxspec.cache import BACKEND
-
-    before = BACKEND.listen()
-    gens = batch.generate(requests, **hooks)
-    made = BACKEND.count - before
+def report_compiles(made: int, args) -> None:
+    """XLA's compiles while the requests ran: none after ``prepare_job`` (one is a defect, said on stderr; ``-v``
+    says the count either way)."""
     if made or args.verbose:
         print(f"[jaxspec] {made} executable(s) compiled while the requests ran"
               + (" (preparation missed them)" if made else ""), file=sys.stderr)
-    return gens
 
 
 def main(argv: Iterable[str] | None = None, started: float | None = None) -> int:

@@ -41,7 +41,7 @@ import dataclasses
 import os
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -187,7 +187,8 @@ class IterationStats:
     active: int
     queued: int
     emitted: list[int]  # tokens emitted per active slot
-    drafted: list[int]  # draft tokens verified per active slot (0 without speculation)
+    drafted: list[int]  # draft tokens verified per active slot, a grammar's forced ones included (0 without
+    #                     speculation; the sum of the slot's ``Runner.row_drafts``, no padding node)
     accepted_depth: list[int]  # per active slot: draft tokens accepted (depths 1..a)
 
 
@@ -686,11 +687,50 @@ class BatchEngine:
                     on_finish(k, out[k])
             return listener
 
+        for _ in self._drive(requests, hear):
+            pass
+        return [out[k] for k in range(len(requests))]
+
+    def stream(self, requests: Sequence[Request]) -> Iterator[tuple[int, Event, Generation | None]]:
+        """``generate`` as an iterator: (k, event, request k's Generation on its final event, else None) as events
+        come, in this thread; closing it early cancels the requests not finished (their rows retired before it
+        returns)."""
+        for req in requests:
+            self.check(req)
+        heard: collections.deque[tuple[int, Event, Generation | None]] = collections.deque()
+        tickets: list[Ticket] = []
+
+        def hear(k: int) -> Callable[[Event], None]:
+            def listener(ev: Event) -> None:
+                heard.append((k, ev, finished(requests[k], ev) if ev.finish_reason is not None else None))
+            return listener
+
+        left = len(requests)
+        try:
+            for _ in self._drive(requests, hear, tickets):
+                while heard:
+                    k, ev, gen = heard.popleft()
+                    left -= gen is not None
+                    yield k, ev, gen
+        finally:
+            if left:  # closed early: the rest are cancelled and their rows retired now
+                for ticket in tickets:
+                    ticket.cancel()
+                for _ in self._drive((), hear):  # the cancelled rows retire; their events go unheard
+                    pass
+
+    def _drive(self, requests: Sequence[Request], hear: Callable[[int], Callable[[Event], None]],
+               tickets: list[Ticket] | None = None) -> Iterator[None]:
+        """Submits ``requests`` as the queue has room (each with listener ``hear(k)``; their tickets into
+        ``tickets``) and steps the loop until it is idle, yielding after every step. Where the loop itself fails,
+        every request not finished ends with that error and the drive stops (what finished is kept)."""
         pending = collections.deque(enumerate(requests))
         while pending or not self.idle():
             while pending and len(self.waiting) + len(self.incoming) < self.max_queue:
                 k, req = pending.popleft()
-                self.submit(req, hear(k))
+                ticket = self.submit(req, hear(k))
+                if tickets is not None:
+                    tickets.append(ticket)
             try:
                 self.step()
             except Exception as exc:  # noqa: BLE001 — what finished is kept; the rest end with the loop's error
@@ -699,8 +739,9 @@ class BatchEngine:
                 self.fail_all(error)
                 for k, req in pending:
                     hear(k)(Event(req.id, [], "error", error, prompt_tokens=len(req.prompt_ids)))
-                break
-        return [out[k] for k in range(len(requests))]
+                yield
+                return
+            yield
 
     def step(self) -> None:
         """One iteration: cancellations, admission (prefill chunks of at most one largest bucket), decoding.
@@ -1206,19 +1247,17 @@ class BatchEngine:
         stalled = self.planner.readies != it.readies  # the loop readied a bucket while it ran: not its cost
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
         stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
-        ssm_nodes = cfg.num_nodes - 1 - cfg.ngram_depth - cfg.forced_depth
         for i, slot in live:
             n = int(num[i])
             learn = it.chooser is not None and slot.ticket.request.learn  # warm-up teaches nothing
             if learn and not it.forced[i]:  # forced levels would pass as the drafters' hits
                 it.chooser.observe(it.name, depths[i], len(it.proposals[i]), it.matched[i], key=slot.ticket)
             slot.committed += n
-            slot.gen.llm_steps += 1
+            drafted, accepted = self.engine.row_drafts(cfg, len(it.proposals[i]), it.forced[i], depths[i], n)
+            slot.gen.count_step(n, it.name, drafted, accepted)
             slot.gen.ssm_steps += cfg.draft_levels
-            slot.gen.step_tokens.append(n)
-            slot.gen.trees.append(it.name)
             stats.emitted.append(n)
-            stats.drafted.append(ssm_nodes + (min(len(it.proposals[i]), cfg.ngram_depth) if cfg.ngram_depth else 0))
+            stats.drafted.append(sum(drafted.values()))
             stats.accepted_depth.append(n - 1)
         if it.chooser is not None and live and not stalled:  # a grammar step also waits on host masks: timed apart
             if cfg.grammar:

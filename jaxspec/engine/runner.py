@@ -42,6 +42,36 @@ from models.transformer import Forward, KVCache, decoding_layout
 MIN_PROMPT_BUCKET = 16
 
 
+@dataclasses.dataclass(frozen=True)
+class SpecStats:
+    """One request's speculation, as the server's ``/metrics`` counts it over all requests.
+
+    A draft token proposed by two speculators counts as accepted for both; ``accepted_tokens`` counts it once.
+    """
+
+    verify_steps: int  # LLM verification passes after the prefill
+    draft_steps: int  # of those, passes that verified at least one draft token (/metrics' num_drafts)
+    drafted: dict[str, int]  # speculator -> draft tokens it had verified ("grammar": tokens a grammar forced)
+    accepted: dict[str, int]  # speculator -> of those, tokens on the accepted path
+    accepted_tokens: int  # draft tokens accepted; each verify step emits these plus the LLM's own token
+
+    @property
+    def draft_tokens(self) -> int:
+        return sum(self.drafted.values())
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens per verify step (accepted drafts + 1; 0 before the first step), SGLang's accept length."""
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+    def as_dict(self) -> dict:
+        """The plain form every output carries (JSONL ``speculation``, the server's extension field, the API)."""
+        return {"verify_steps": self.verify_steps, "draft_steps": self.draft_steps, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens, "accept_length": round(self.accept_length, 4),
+                "by_speculator": {name: {"drafted": d, "accepted": self.accepted.get(name, 0)}
+                                  for name, d in self.drafted.items()}}
+
+
 @dataclasses.dataclass
 class Generation:
     """One finished generation and its counters."""
@@ -56,6 +86,26 @@ class Generation:
     prefill_seconds: float = 0.0  # from the request's admission (its first prompt chunk) to its first token
     cached_tokens: int = 0  # prompt tokens whose K/V were reused from an earlier prompt, not computed
     error: str | None = None  # finish_reason "error": the one-line reason the request failed
+    drafted: dict[str, int] = dataclasses.field(default_factory=dict)  # speculator -> draft tokens verified
+    accepted: dict[str, int] = dataclasses.field(default_factory=dict)  # speculator -> draft tokens accepted
+    draft_steps: int = 0  # LLM steps that verified at least one draft token
+
+    def count_step(self, emitted: int, tree: str, drafted: dict[str, int], accepted: dict[str, int]) -> None:
+        """One LLM step of this request: ``emitted`` tokens (accepted drafts + 1) from family member ``tree``,
+        ``drafted`` / ``accepted`` draft tokens per speculator."""
+        self.llm_steps += 1
+        self.step_tokens.append(emitted)
+        self.trees.append(tree)
+        self.draft_steps += any(drafted.values())
+        for name, count in drafted.items():
+            self.drafted[name] = self.drafted.get(name, 0) + count
+            self.accepted[name] = self.accepted.get(name, 0) + accepted.get(name, 0)
+
+    @property
+    def speculation(self) -> SpecStats:
+        """This request's verify steps, drafts and acceptance by speculator."""
+        return SpecStats(self.llm_steps, self.draft_steps, dict(self.drafted), dict(self.accepted),
+                         sum(self.step_tokens) - len(self.step_tokens))
 
     @property
     def tree_counts(self) -> dict[str, int]:
@@ -281,6 +331,32 @@ class Runner:
         if cfg.ngram_depth:
             parts.append(f"ngram <1x{cfg.ngram_depth}>")
         return " + ".join(parts) or "no speculation"
+
+    @property
+    def speculator_names(self) -> tuple[str, ...]:
+        """Each SSM's name in per-request statistics, in ``ssms`` order (``#J`` added where two share one)."""
+        names = [s.name for s in self.ssms]
+        return tuple(n if names.count(n) == 1 else f"{n}#{j}" for j, n in enumerate(names))
+
+    def row_drafts(self, cfg: DecodeConfig, proposal: int, forced: int, depths: np.ndarray,
+                   emitted: int) -> tuple[dict[str, int], dict[str, int]]:
+        """One row's draft tokens in a step of ``cfg``, verified and accepted, per speculator (``Generation.count_step``).
+
+        ``proposal``: the n-gram's proposal length for the row, ``forced``: its grammar's forced chain, depths [P]:
+        ``StepOutput.source_depth``'s row, ``emitted``: the tokens the step emitted for it (accepted + 1)."""
+        drafted: dict[str, int] = {}
+        accepted: dict[str, int] = {}
+        for p, source in enumerate(cfg.sources):
+            if source == "ngram":
+                name, count = self.ngram.name, min(proposal, cfg.ngram_depth)
+            elif source == "forced":
+                name, count = "grammar", forced
+            else:  # "ssm:J"
+                j = int(source.split(":")[1])
+                name, count = self.speculator_names[j], cfg.topologies[j].num_nodes - 1
+            drafted[name] = drafted.get(name, 0) + count
+            accepted[name] = accepted.get(name, 0) + min(int(depths[p]), emitted - 1, count)
+        return drafted, accepted
 
     def members(self, params: sampling.SamplingParams | sampling.WarpSpec) -> list[Member]:
         """The family as the chooser sees it: per member, each kind's depth and source columns."""

@@ -53,13 +53,14 @@ class Completion:
                 "prompt_tokens_details": {"cached_tokens": self.job.choices[0].cached_tokens}}
 
     def chunk(self, c: Choice, text: str) -> dict:
+        """A choice's update; its last one carries the extension field ``speculation`` (``SpecStats.as_dict``)."""
         if not self.chat:
-            return {"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
+            return {"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason} | extra(c)
         delta = {"content": text} if text or c.finish_reason is None else {}
         if c.index not in self._started:
             self._started.add(c.index)
             delta = {"role": "assistant", "content": text}
-        return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason}
+        return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason} | extra(c)
 
     async def events(self) -> AsyncIterator[str]:
         """Server-sent events: one chunk per choice update, usage if asked, then ``[DONE]``."""
@@ -100,7 +101,7 @@ class Completion:
             raise ended(failed)
         if self.chat:
             choices = [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
-                        "logprobs": None, "finish_reason": c.finish_reason} for c in self.job.choices]
+                        "logprobs": None, "finish_reason": c.finish_reason} | extra(c) for c in self.job.choices]
         else:
             choices = [self.chunk(c, texts[c.index]) for c in self.job.choices]
         return self.head | {"object": "chat.completion" if self.chat else "text_completion", "choices": choices,
@@ -109,6 +110,11 @@ class Completion:
 
 
 
+
+
+def extra(choice: Choice) -> dict:
+    """jaxspec's extension fields of a finished choice (OpenAI's clients keep unknown fields): its speculation."""
+    return {"speculation": choice.speculation} if choice.finish_reason is not None and choice.speculation else {}
 
 
 def ended(choice: Choice) -> APIError:

@@ -71,6 +71,7 @@ class Choice:
     finish_reason: str | None = None
     error: str | None = None
     sampling: dict = dataclasses.field(default_factory=dict)  # its parameters and seed, for --request-log
+    speculation: dict | None = None  # its verify steps and drafts (``SpecStats.as_dict``), once finished
 
 
 class Job:
@@ -120,6 +121,8 @@ class Job:
                 rest, cut = choice.text.finish()
                 text += rest
                 choice.error = event.error
+                if event.generation is not None:
+                    choice.speculation = event.generation.speculation.as_dict()
                 if event.error:
                     log.error("request %s failed: %s", event.request_id, event.error)
                 choice.finish_reason = "stop" if cut else FINISH.get(event.finish_reason, event.finish_reason)
@@ -243,8 +246,9 @@ class Service:
         turns = [{"role": "system" if m.role == "developer" else m.role,
                   "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
                  for m in messages]
-        rendered = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer.encode(rendered, add_special_tokens=False))
+        from models.tokenizer import encode_chat  # noqa: PLC0415
+
+        return encode_chat(self.tokenizer, turns)
 
     def compile_grammar(self, body: SamplingBody):
         """The request's grammar, compiled against the LLM's tokenizer (cached by content; call it off the event
@@ -354,7 +358,8 @@ class Service:
             return
         line = {"id": f"{job.id}-{choice.index}", "time": round(time.time(), 3), "model": self.model_name,
                 "prompt_tokens": choice.prompt_tokens, "completion_tokens": event.completion_tokens,
-                "finish_reason": outcome, "error": event.error, **choice.sampling}
+                "finish_reason": outcome, "error": event.error, **choice.sampling,
+                "speculation": event.generation.speculation.as_dict() if event.generation is not None else None}
         self.request_log.write(json.dumps(line) + "\n")
         self.request_log.flush()
 
