@@ -207,21 +207,6 @@ def test_modes_tables_speedup_weighted_tokens_per_step_identity_and_tree_usage(c
     assert [s["identical_to_incremental"] for s in sampled] == ["", ""]
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """A random 2-layer LLaMA directory with the default LLM's tokenizer (prefill timings need no trained weights)."""
-    from models.config import ModelConfig
-    from models.loading import default_model_path
-    from models.random_checkpoint import write_random_checkpoint
-    from models.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(default_model_path())
-    cfg = ModelConfig("llama", len(tok), 64, 128, 2, 8, 4, 8, max_position_embeddings=1024, rms_norm_eps=1e-5)
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    write_random_checkpoint(directory, cfg, tok)
-    return directory
-
-
 def test_bench_prefill_reports_ttft_by_prompt_length(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "prefill.csv"
     assert cli.main(["bench", "prefill", "--model", str(tiny_checkpoint), "--mode", "incremental",
@@ -241,7 +226,7 @@ def test_bench_prefill_reports_ttft_by_prompt_length(tiny_checkpoint, tmp_path, 
     assert [(r["prefill_chunk"], int(r["prompt_tokens"])) for r in rows] == [("32", 40), ("32", 300), ("128", 40),
                                                                             ("128", 300)]
     assert all(float(r["prefill_tokens_per_s"]) > 0 for r in rows)
-    for flags, words in ((["--lengths", "1,x"], "--lengths"), (["--lengths", "2000"], "context"),
+    for flags, words in ((["--lengths", "1,x"], "--lengths"), (["--lengths", "4000"], "context"),
                          (["--prefill-chunk", "0"], "--prefill-chunk"), (["--chunks", "0"], "--chunks"),
                          (["--chunks", "64", "--prefill-chunk", "64"], "give one")):
         assert cli.main(["bench", "prefill", "--model", str(tiny_checkpoint), "--mode", "incremental", *flags,
