@@ -630,19 +630,21 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
         spec.stop()
 
 
-# ~6.5 min cold each (auto compiles its trees per batch bucket as they pay): the default run keeps the n-gram server
-# above (greedy identity, concurrency, streams, stops, draft counters) and test_serve_structured's tree server.
+# auto compiles its trees per batch bucket as they pay (minutes cold): the default run keeps the SSM server above
+# (greedy identity, concurrency, streams, stops, draft counters).
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [("--mode", "auto", "--verify", "coupled"),  # the default speculators, lazy trees
+@pytest.mark.parametrize("flags", [("--mode", "auto", "--verify", "coupled"),  # drafter + n-gram, lazy trees
                                    ("--mode", "tree", "--expansion", "1,2,1", "--verify", "mss")],  # default pool
                          ids=["auto-coupled", "tree-mss"])
-def test_auto_and_tree_servers_keep_greedy_output_through_streams_stops_and_disconnects(server, tmp_path, flags):
-    """Speculating servers (auto, and a fixed tree of the default pool) answer the incremental server's greedy
-    text alone, four at once beside sampled requests, streamed, cut by a stop string, and right after a client
-    dropped a speculating stream; every iteration the metrics count ran a member of the family (issue 22).
-    Under the coupled verifier (issue 24) the sampled requests, 8 clients at once, answer the incremental
-    server's text for their seeds too."""
-    spec = Server(tmp_path / "spec.log", flags)
+def test_auto_and_tree_servers_keep_greedy_output_through_streams_stops_and_disconnects(server, tmp_path, flags,
+                                                                                        tiny_drafter):
+    """Speculating servers (auto over a drafter and the n-gram, and a fixed tree of the shipped pool, which shares
+    the tokenizer) answer the incremental server's greedy text alone, four at once beside sampled requests,
+    streamed, cut by a stop string, and right after a client dropped a speculating stream; every iteration the
+    metrics count ran a member of the family (issue 22). Under the coupled verifier (issue 24) the sampled
+    requests, 8 clients at once, answer the incremental server's text for their seeds too."""
+    speculators = ("--ssm", f"drafter:{tiny_drafter}", "--ssm", "ngram") if flags[1] == "auto" else ()
+    spec = Server(tmp_path / "spec.log", (*flags, *speculators), server.checkpoint)
     try:
         prompts = PROMPTS[:3] + ["Count from one to twenty, separated by commas."]
         want = [chat(server, p, 24, temperature=0).choices[0].message.content for p in prompts]
@@ -667,7 +669,7 @@ def test_auto_and_tree_servers_keep_greedy_output_through_streams_stops_and_disc
         cut = chat(spec, prompts[3], 24, temperature=0, stop=[stop])
         assert cut.choices[0].message.content == want[3][:want[3].index(stop)]
         assert cut.choices[0].finish_reason == "stop"
-        stream = complete(spec, LONG, 200, temperature=0, stream=True)
+        stream = complete(spec, LONG, 200, temperature=0, n=LONG_N, stream=True)
         for received, _ in enumerate(stream, 1):
             if received == 3:
                 break
