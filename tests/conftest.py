@@ -197,6 +197,14 @@ def tiny_checkpoint(tmp_path_factory, default_tokenizer) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_checkpoint_llm(tiny_checkpoint) -> LoadedModel:
+    """``tiny_checkpoint`` loaded as the CLI loads an LLM (float32, its tokenizer: the default LLM's)."""
+    from jaxspec.speculators.resolve import load_llm
+
+    return load_llm(str(tiny_checkpoint))
+
+
+@pytest.fixture(scope="session")
 def tiny_ssm_checkpoint(tmp_path_factory, default_tokenizer) -> Path:
     """A random 1-layer LLaMA SSM directory (width 32, tied embeddings) sharing the tiny LLM's tokenizer."""
     from models.random_checkpoint import write_random_checkpoint
@@ -209,15 +217,14 @@ def tiny_ssm_checkpoint(tmp_path_factory, default_tokenizer) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_drafter(tmp_path_factory, tiny_checkpoint) -> Path:
+def tiny_drafter(tmp_path_factory, tiny_checkpoint, tiny_checkpoint_llm) -> Path:
     """A feature-drafter directory for the tiny LLM in the shipped drafter's form (fused, EAGLE-3's taps, a draft
     vocabulary of 4096 by random token counts), as training starts it: ``--ssm drafter:DIR``."""
     from jaxspec.speculators.drafter_io import save_drafter
     from jaxspec.speculators.pool import llm_identity
-    from jaxspec.speculators.resolve import load_llm
     from models.drafter import default_feature_layers, drafter_config, init_drafter, own_names
 
-    llm = load_llm(str(tiny_checkpoint))
+    llm = tiny_checkpoint_llm
     layers = default_feature_layers(llm.cfg.num_layers)
     cfg = drafter_config(llm.cfg)
     params = init_drafter(cfg, llm.params, 0, layers)
