@@ -298,7 +298,8 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(tiny_checkpoint):
     """`jaxspec generate ... | head -c 5`: the streamed text's reader closes the pipe; the command stops without a
     traceback (as a shell tool does), whatever else was still to be written."""
     proc = subprocess.Popen([sys.executable, "-m", "jaxspec", "generate", "--model", str(tiny_checkpoint),
-                             "--prompt", "Count from one to twenty.", "--max-new-tokens", "24", "--mode", "incremental"],
+                             "--prompt", "Count from one to twenty.", "--max-new-tokens", "24",
+                             "--mode", "incremental"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = proc.stdout.read(5)
     proc.stdout.close()

@@ -197,7 +197,8 @@ def test_no_private_name_crosses_a_module():
 def test_the_private_name_finder_sees_every_form():
     mods = {"pkg", "pkg.a", "pkg.b"}
     source = ("import pkg.a\nimport pkg.a as alias\nfrom pkg import b\nfrom pkg.a import _direct, public\n"
-              "x = pkg.a._long + alias._aliased + b._imported + b.public + b.__doc__ + _local\n")
+              "x = pkg.a._long + alias._aliased + b._imported\n"
+              "y = b.public + b.__doc__ + _local\n")
     assert private_crossings("pkg.c", source, mods) == {
         "pkg.c -> pkg.a._direct", "pkg.c -> pkg.a._long", "pkg.c -> pkg.a._aliased", "pkg.c -> pkg.b._imported"}
     assert private_crossings("pkg.a", "import pkg.a\nx = pkg.a._own\n", mods) == set()  # its own name

@@ -723,7 +723,7 @@ def test_no_compilation_while_serving(server):
 
     with ThreadPoolExecutor(2 * MAX_BATCH) as pool:  # more clients than slots: every row bucket, the queue
         assert all(list(pool.map(ask, range(4 * len(kinds)), timeout=REQUEST_S)))
-    long = "Summarise: " + " ".join(PROMPTS * 4)  # a prompt of several chunks (218 tokens), then its hit in the prefix cache
+    long = "Summarise: " + " ".join(PROMPTS * 4)  # several prompt chunks (218 tokens), then a prefix-cache hit
     first, again = (chat(server, long, 6, temperature=0) for _ in range(2))
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert again.choices[0].message.content == first.choices[0].message.content

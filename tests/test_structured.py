@@ -487,8 +487,8 @@ def test_cli_grammar_flags_and_per_prompt_grammars(tmp_path, capsys, tiny_checkp
                            "type": "object", "properties": {"fruit": {"enum": ["apple", "pear"]}},
                            "required": ["fruit"], "additionalProperties": False}}) + "\n")
     out = tmp_path / "out.jsonl"
-    assert cli.main(["generate", *model, "--prompt-file", str(prompts), "--mode", "incremental", "--max-new-tokens", "16",
-                     "--output", str(out)]) == 0
+    assert cli.main(["generate", *model, "--prompt-file", str(prompts), "--mode", "incremental",
+                     "--max-new-tokens", "16", "--output", str(out)]) == 0
     a, b = (json.loads(line) for line in out.read_text().splitlines())
     assert re.fullmatch("(yes|no)!", a["text"]) and a["finish_reason"] == "eos"
     assert json.loads(b["text"])["fruit"] in ("apple", "pear")
