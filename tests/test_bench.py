@@ -130,10 +130,11 @@ def test_load_or_measure_caches_per_key_and_keeps_int_keys(tmp_path, monkeypatch
     assert load_or_measure(key, measure) == {1: 0.5, 64: 3.0} and len(calls) == 3
 
 
-def test_bench_modes_runs_each_mode_as_generate_in_its_own_process(tmp_path, capsys):
+def test_bench_modes_runs_each_mode_as_generate_in_its_own_process(tmp_path, capsys, tiny_checkpoint):
     out = tmp_path / "modes.csv"
-    assert cli.main(["bench", "modes", "--prompt-file", _prompts(tmp_path, 2), "--limit", "2", "--max-new-tokens", "4",
-                     "--modes", "incremental,sequence", "--ssm", "layers:4", "--expansion", "1,1",
+    assert cli.main(["bench", "modes", "--model", str(tiny_checkpoint), "--prompt-file", _prompts(tmp_path, 2),
+                     "--limit", "2", "--max-new-tokens", "4", "--modes", "incremental,sequence", "--ssm", "layers:1",
+                     "--expansion", "1,1",
                      "--draft-vocab", "4096", "--output", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
     assert [(r["mode"], r["id"]) for r in rows] == [("incremental", "q0"), ("incremental", "q1"),
