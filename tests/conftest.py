@@ -170,6 +170,7 @@ def default_llm() -> LoadedModel:
 # weights of small LLaMA shapes over the default LLM's real tokenizer and chat template, written once per session.
 
 TINY_MAX_LEN = 2048  # the tiny LLM's context (its SSM's too)
+TINY_SEED = 0  # the tiny LLM's weights (its SSM starts from them)
 
 
 def tiny_checkpoint_config(vocab: int) -> ModelConfig:
@@ -192,7 +193,7 @@ def tiny_checkpoint(tmp_path_factory, default_tokenizer) -> Path:
     from models.random_checkpoint import write_random_checkpoint
 
     directory = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    write_random_checkpoint(directory, tiny_checkpoint_config(len(default_tokenizer)), default_tokenizer, seed=0)
+    write_random_checkpoint(directory, tiny_checkpoint_config(len(default_tokenizer)), default_tokenizer, TINY_SEED)
     return directory
 
 
@@ -204,15 +205,24 @@ def tiny_checkpoint_llm(tiny_checkpoint) -> LoadedModel:
     return load_llm(str(tiny_checkpoint))
 
 
+TINY_SSM_NOISE = 0.1  # the tiny SSM's weights: the tiny LLM's plus this much of each matrix's spread in noise
+
+
 @pytest.fixture(scope="session")
 def tiny_ssm_checkpoint(tmp_path_factory, default_tokenizer) -> Path:
-    """A random 1-layer LLaMA SSM directory (width 32, tied embeddings) sharing the tiny LLM's tokenizer."""
+    """An SSM directory for the tiny LLM: its weights with TINY_SSM_NOISE noise, so it agrees with the LLM on part of
+    its drafts (about two tokens a step on a chain of four). Speculation on it accepts and rejects: an unrelated
+    random SSM's drafts would all be rejected, and an identity test over them would never commit an accepted path."""
+    from safetensors.numpy import load_file, save_file
+
     from models.random_checkpoint import write_random_checkpoint
 
-    cfg = ModelConfig("llama", len(default_tokenizer), 32, 64, 1, 4, 2, 8, max_position_embeddings=TINY_MAX_LEN,
-                      rms_norm_eps=1e-5, tie_word_embeddings=True)
     directory = tmp_path_factory.mktemp("tiny") / "tiny-ssm"
-    write_random_checkpoint(directory, cfg, default_tokenizer, seed=1)
+    write_random_checkpoint(directory, tiny_checkpoint_config(len(default_tokenizer)), default_tokenizer, TINY_SEED)
+    rng = np.random.default_rng(1)
+    weights = {name: w + (TINY_SSM_NOISE * w.std() * rng.standard_normal(w.shape)).astype(w.dtype) if w.ndim == 2
+               else w for name, w in load_file(str(directory / "model.safetensors")).items()}
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
 
