@@ -60,6 +60,18 @@ def device_env(count: int, **extra: str) -> dict[str, str]:
     return {**os.environ, "XLA_FLAGS": " ".join([*flags, f"{FAKE_DEVICES}={count}"]), **extra}
 
 
+def user_qwen_pair() -> tuple[str, str]:
+    """The Qwen2.5-Coder GGUF pair that scripts/fetch_qwen_pair.py downloads into the user's cache root: model files a
+    slow test reads (never writes) where the user fetched them; CheckpointError where they are absent."""
+    from models.loading import qwen_pair_paths
+
+    saved, os.environ["JAXSPEC_CACHE"] = os.environ["JAXSPEC_CACHE"], str(USER_CACHE)
+    try:
+        return qwen_pair_paths()
+    finally:
+        os.environ["JAXSPEC_CACHE"] = saved
+
+
 def cache_listing(root: Path) -> dict[str, tuple[int, int]]:
     """Every file under ``root`` -> (size, mtime in ns); empty where ``root`` does not exist."""
     out = {}
