@@ -177,12 +177,15 @@ def default_llm() -> LoadedModel:
 
 
 # --------------------------------------------------------------------------------------
-# The tiny family as checkpoint directories: what `--model` and `--ssm` load in the tests whose assertions hold for
-# any weights (HTTP, streaming, stops, grammar masks, prefix-cache counts, seeds, shutdown, CLI plumbing). Random
-# weights of small LLaMA shapes over the default LLM's real tokenizer and chat template, written once per session.
+# The tiny family as checkpoint files: what `--model` and `--ssm` load in the tests whose assertions hold for any
+# weights (HTTP, streaming, stops, grammar masks, prefix-cache counts, seeds, shutdown, CLI plumbing). Random weights
+# of a small LLaMA shape in GGUF files carrying the default LLM's real tokenizer and chat template (a GGUF's tokenizer
+# loads without transformers: each process a test starts is seconds quicker than with an HF directory), written once
+# per session.
 
 TINY_MAX_LEN = 2048  # the tiny LLM's context (its SSM's too)
 TINY_SEED = 0  # the tiny LLM's weights (its SSM starts from them)
+TINY_SSM_NOISE = 0.1  # the tiny SSM's weights: the tiny LLM's plus this much of each matrix's spread in noise
 
 
 def tiny_checkpoint_config(vocab: int) -> ModelConfig:
@@ -199,14 +202,20 @@ def default_tokenizer():
     return load_tokenizer(default_model_path())
 
 
+def _tiny_gguf(directory: Path, name: str, vocab: int, noise: float = 0.0) -> Path:
+    """Writes the tiny LLM's shape to ``directory/name`` (``noise``: ``models.random_checkpoint.random_tensors``'s)."""
+    from models.loading import default_model_path
+    from models.random_checkpoint import write_random_gguf
+
+    path = directory / name
+    write_random_gguf(path, tiny_checkpoint_config(vocab), default_model_path(), TINY_SEED, noise)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, default_tokenizer) -> Path:
-    """A random 2-layer LLaMA HF directory (``tiny_checkpoint_config``) with the default LLM's tokenizer."""
-    from models.random_checkpoint import write_random_checkpoint
-
-    directory = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    write_random_checkpoint(directory, tiny_checkpoint_config(len(default_tokenizer)), default_tokenizer, TINY_SEED)
-    return directory
+    """A random 2-layer LLaMA GGUF file (``tiny_checkpoint_config``) with the default LLM's tokenizer."""
+    return _tiny_gguf(tmp_path_factory.mktemp("tiny"), "tiny-llama.gguf", len(default_tokenizer))
 
 
 @pytest.fixture(scope="session")
@@ -217,25 +226,12 @@ def tiny_checkpoint_llm(tiny_checkpoint) -> LoadedModel:
     return load_llm(str(tiny_checkpoint))
 
 
-TINY_SSM_NOISE = 0.1  # the tiny SSM's weights: the tiny LLM's plus this much of each matrix's spread in noise
-
-
 @pytest.fixture(scope="session")
 def tiny_ssm_checkpoint(tmp_path_factory, default_tokenizer) -> Path:
-    """An SSM directory for the tiny LLM: its weights with TINY_SSM_NOISE noise, so it agrees with the LLM on part of
-    its drafts (about two tokens a step on a chain of four). Speculation on it accepts and rejects: an unrelated
-    random SSM's drafts would all be rejected, and an identity test over them would never commit an accepted path."""
-    from safetensors.numpy import load_file, save_file
-
-    from models.random_checkpoint import write_random_checkpoint
-
-    directory = tmp_path_factory.mktemp("tiny") / "tiny-ssm"
-    write_random_checkpoint(directory, tiny_checkpoint_config(len(default_tokenizer)), default_tokenizer, TINY_SEED)
-    rng = np.random.default_rng(1)
-    weights = {name: w + (TINY_SSM_NOISE * w.std() * rng.standard_normal(w.shape)).astype(w.dtype) if w.ndim == 2
-               else w for name, w in load_file(str(directory / "model.safetensors")).items()}
-    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
+    """An SSM file for the tiny LLM: its weights with TINY_SSM_NOISE noise, so it agrees with the LLM on part of its
+    drafts (about two tokens a step on a chain of four). Speculation on it accepts and rejects: an unrelated random
+    SSM's drafts would all be rejected, and an identity test over them would never commit an accepted path."""
+    return _tiny_gguf(tmp_path_factory.mktemp("tiny"), "tiny-ssm.gguf", len(default_tokenizer), TINY_SSM_NOISE)
 
 
 @pytest.fixture(scope="session")
