@@ -631,11 +631,11 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
         spec.stop()
 
 
-# auto compiles its trees per batch bucket as they pay (minutes cold): the default run keeps the SSM server above
-# (greedy identity, concurrency, streams, stops, draft counters).
-@pytest.mark.slow
+# The shipped pool's fixed tree compiles every member at every bucket (two minutes cold): under -m slow; the default
+# run keeps the auto server (the default mode, its trees compiled as they pay) and the SSM server above.
 @pytest.mark.parametrize("flags", [("--mode", "auto", "--verify", "coupled"),  # drafter + n-gram, lazy trees
-                                   ("--mode", "tree", "--expansion", "1,2,1", "--verify", "mss")],  # default pool
+                                   pytest.param(("--mode", "tree", "--expansion", "1,2,1", "--verify", "mss"),
+                                                marks=pytest.mark.slow)],  # the shipped pool
                          ids=["auto-coupled", "tree-mss"])
 def test_auto_and_tree_servers_keep_greedy_output_through_streams_stops_and_disconnects(server, tmp_path, flags,
                                                                                         tiny_drafter):
