@@ -32,7 +32,8 @@ def test_a_command_a_test_starts_writes_under_the_suite_root_only(tmp_path, tiny
     out = tmp_path / "out.jsonl"
     proc = subprocess.run([sys.executable, "-m", "jaxspec.cli", "generate", "--model", str(tiny_checkpoint),
                            "--mode", "incremental", "--prompt", "Hello", "--max-new-tokens", "2", "--output",
-                           str(out)], capture_output=True, text=True, timeout=300, env={**os.environ, "HOME": str(home)})
+                           str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HOME": str(home)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(out.read_text())["token_ids"]
     assert cache_listing(cache_root()) != before  # it wrote (or touched) its executables there

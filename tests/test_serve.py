@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -60,8 +61,8 @@ def free_port() -> int:
 class Server:
     """A ``jaxspec serve`` subprocess of ``model`` (None: the default LLM) and clients for it."""
 
-    def __init__(self, log_path, mode_flags: tuple[str, ...] = ("--mode", "incremental"), model=None,
-                 max_batch: int = MAX_BATCH) -> None:
+    def __init__(self, log_path: Path, mode_flags: tuple[str, ...] = ("--mode", "incremental"),
+                 model: Path | None = None, max_batch: int = MAX_BATCH) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -128,7 +129,7 @@ def server(tmp_path_factory, tiny_checkpoint):
     s.stop()
 
 
-def assert_still_serving(server) -> None:
+def assert_still_serving(server: Server) -> None:
     """The server answers the next request as it answered the first (no slot, cache or queue left dirty)."""
     again = complete(server, "Hello", 4, temperature=0)
     assert again.choices[0].text == server.hello.choices[0].text
@@ -179,7 +180,7 @@ def test_health_models_and_api_key(server):
     assert r.status_code == 401
 
 
-def generated(tmp_path, model, *flags: str) -> tuple[dict, str]:
+def generated(tmp_path: Path, model: Path | None, *flags: str) -> tuple[dict, str]:
     """``jaxspec generate --mode incremental <flags>`` of ``model`` (None: the default LLM): its JSONL row, stdout."""
     out = tmp_path / "gen.jsonl"
     proc = subprocess.run([sys.executable, "-m", "jaxspec.cli", "generate", *(["--model", str(model)] if model else []),
