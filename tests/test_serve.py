@@ -29,6 +29,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from jaxspec.cache import compile_cache_dir, weight_cache_dir  # noqa: E402
 from jaxspec.engine.runner import is_cut  # noqa: E402
 
 KEY = "test-key"
@@ -71,8 +72,13 @@ class Server:
                  "--max-batch", str(max_batch), "--max-queue", str(MAX_QUEUE),
                  "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-timeout", str(SHUTDOWN_S),
                  "--max-body-bytes", str(MAX_BODY)]
+        # measured costs and chunk sizes of its own (what the run's other processes measured must not steer this
+        # server: a chunk-size search they left open would probe, and compile, a size its warm-up never saw); the
+        # run's compiles and converted weights shared
+        own = dict(JAXSPEC_CACHE=str(Path(log_path).parent / f"{Path(log_path).stem}-cache"),
+                   JAXSPEC_COMPILE_CACHE=str(compile_cache_dir()), JAXSPEC_WEIGHT_CACHE=str(weight_cache_dir()))
         self.proc = subprocess.Popen(SERVE_CMD + flags, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, JAXSPEC_SERVE_FAULT=FAULT, JAXSPEC_API_KEY=KEY))
+                                     env=dict(os.environ, JAXSPEC_SERVE_FAULT=FAULT, JAXSPEC_API_KEY=KEY, **own))
         self.wait_ready()
         self.model = self.client().models.list().data[0].id
         self.compilations = self.metrics()[("jaxspec_compilations", ())]  # after the warm-up
