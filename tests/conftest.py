@@ -1,36 +1,124 @@
-"""Shared fixtures: one tiny random model family and the embedded default LLM (loaded once)."""
+"""Shared fixtures: tiny random model families (in memory, and as checkpoint directories over the real tokenizer),
+the embedded default LLM (loaded once), and the suite's own caches (the user's are never read or written)."""
 
 from __future__ import annotations
 
 import gc
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # Tests compile hundreds of executables of tiny models, and a fresh machine (CI) compiles every one: LLVM's
 # optimisation of the generated code costs more than running it. Level 0 keeps XLA's graph passes (the numerical
-# checks hold under it) and is inherited by the CLI and server processes the tests start; benchmarks never run under it.
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""),
-                                                 "--xla_backend_optimization_level=0"]))
+# checks hold under it) and is inherited by the CLI and server processes the tests start (``device_env`` keeps it
+# where a test sets fake devices); benchmarks never run under it.
+FAST_XLA = "--xla_backend_optimization_level=0"
+FAKE_DEVICES = "--xla_force_host_platform_device_count"
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), FAST_XLA]))
+
+# The suite's caches live in a directory of its own, made by the run's first process (xdist's workers and every
+# process a test starts inherit it), so no test reads a calibration, step cost or executable the user's runs made, and
+# none leaves unoptimised timings where a user's `jaxspec generate` would read them (none of those keys holds the XLA
+# flags). USER_CACHE is the root the user's runs use; pytest_sessionfinish checks the run left it as it found it.
+SUITE_CACHE_ENV = "JAXSPEC_SUITE_CACHE"
+USER_CACHE_ENV = "JAXSPEC_SUITE_USER_CACHE"
+MADE_SUITE_CACHE = SUITE_CACHE_ENV not in os.environ  # this process made it, and removes it at the run's end
+if MADE_SUITE_CACHE:
+    os.environ[USER_CACHE_ENV] = os.environ.get("JAXSPEC_CACHE") or str(Path.home() / ".cache" / "jaxspec")
+    os.environ[SUITE_CACHE_ENV] = tempfile.mkdtemp(prefix="jaxspec-suite-")
+os.environ["JAXSPEC_CACHE"] = os.environ[SUITE_CACHE_ENV]
+USER_CACHE = Path(os.environ[USER_CACHE_ENV])
+for _own in ("JAXSPEC_COMPILE_CACHE", "JAXSPEC_WEIGHT_CACHE"):  # a user's own locations: the suite uses its root's
+    os.environ.pop(_own, None)
 
 # Serialized executables stay off (tests/test_executables.py turns them on): with them a test's compile counts
 # would depend on which test wrote an executable of the same shape first. Inherited by the processes tests start.
-os.environ.setdefault("JAXSPEC_EXECUTABLE_CACHE", "off")
+os.environ["JAXSPEC_EXECUTABLE_CACHE"] = "off"
 
 import jax  # noqa: E402 (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxspec.cache import cache_root, enable_compile_cache
-from jaxspec.engine import LoadedModel
-from models.config import ModelConfig
-from models.transformer import init_params
+from jaxspec.cache import cache_root, enable_compile_cache  # noqa: E402
+from jaxspec.engine import LoadedModel  # noqa: E402
+from models.config import ModelConfig  # noqa: E402
+from models.transformer import init_params  # noqa: E402
 
 DEV_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "prompts" / "dev_prompts.jsonl"
 
-# One persistent compilation cache (outside the repository, as the CLI's): an engine
-# configuration that several tests build is compiled once per machine, not once per test.
+# One persistent compilation cache for the run (under the suite's root): an engine configuration that several tests
+# build is compiled once per run, not once per test.
 enable_compile_cache(cache_root() / "xla")
+
+
+def device_env(count: int, **extra: str) -> dict[str, str]:
+    """This environment with ``count`` fake CPU devices for a process a test starts: the suite's other XLA flags
+    (level 0) kept, the device count replaced, ``extra`` variables added."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(FAKE_DEVICES)]
+    return {**os.environ, "XLA_FLAGS": " ".join([*flags, f"{FAKE_DEVICES}={count}"]), **extra}
+
+
+def user_qwen_pair() -> tuple[str, str]:
+    """The Qwen2.5-Coder GGUF pair that scripts/fetch_qwen_pair.py downloads into the user's cache root: model files a
+    slow test reads (never writes) where the user fetched them; CheckpointError where they are absent."""
+    from models.loading import qwen_pair_paths
+
+    saved, os.environ["JAXSPEC_CACHE"] = os.environ["JAXSPEC_CACHE"], str(USER_CACHE)
+    try:
+        return qwen_pair_paths()
+    finally:
+        os.environ["JAXSPEC_CACHE"] = saved
+
+
+def cache_listing(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root`` -> (size, mtime in ns); empty where ``root`` does not exist."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = Path(dirpath) / name
+            try:
+                st = path.stat()
+            except OSError:  # removed meanwhile
+                continue
+            out[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+_USER_LISTING = pytest.StashKey[tuple[bool, dict[str, tuple[int, int]]]]()  # (root existed, its listing) at the start
+
+
+def _is_controller(config: pytest.Config) -> bool:
+    """The run's first process (no xdist worker): it made the suite's cache and owns the check of the user's."""
+    return not hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _is_controller(session.config):
+        session.config.stash[_USER_LISTING] = (USER_CACHE.exists(), cache_listing(USER_CACHE))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fails the run if it changed the user's cache root (a file added, removed or rewritten; the root made), then
+    removes the suite's own."""
+    if not _is_controller(session.config) or _USER_LISTING not in session.config.stash:
+        return
+    existed, before = session.config.stash[_USER_LISTING]
+    after = cache_listing(USER_CACHE)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if changed or existed != USER_CACHE.exists():
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"the test run changed the user's cache {USER_CACHE} ({len(changed)} files):", *changed[:20]]
+        if not existed:
+            lines.append(f"{USER_CACHE} did not exist before the run")
+        if reporter is not None:
+            reporter.write_sep("=", "user cache touched", red=True)
+            reporter.write_line("\n".join(lines))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if MADE_SUITE_CACHE:
+        shutil.rmtree(os.environ[SUITE_CACHE_ENV], ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -86,6 +174,82 @@ def default_llm() -> LoadedModel:
     from jaxspec.speculators.resolve import load_llm
 
     return load_llm(None, "float32")
+
+
+# --------------------------------------------------------------------------------------
+# The tiny family as checkpoint files: what `--model` and `--ssm` load in the tests whose assertions hold for any
+# weights (HTTP, streaming, stops, grammar masks, prefix-cache counts, seeds, shutdown, CLI plumbing). Random weights
+# of a small LLaMA shape in GGUF files carrying the default LLM's real tokenizer and chat template (a GGUF's tokenizer
+# loads without transformers: each process a test starts is seconds quicker than with an HF directory), written once
+# per session.
+
+TINY_MAX_LEN = 2048  # the tiny LLM's context (its SSM's too)
+TINY_SEED = 0  # the tiny LLM's weights (its SSM starts from them)
+TINY_SSM_NOISE = 0.1  # the tiny SSM's weights: the tiny LLM's plus this much of each matrix's spread in noise
+
+
+def tiny_checkpoint_config(vocab: int) -> ModelConfig:
+    """The tiny LLM: 2 layers, width 64, 8 heads over 4 KV heads (tensor=2 and 4 divide them)."""
+    return ModelConfig("llama", vocab, 64, 128, 2, 8, 4, 8, max_position_embeddings=TINY_MAX_LEN, rms_norm_eps=1e-5)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    """The embedded default LLM's tokenizer (its chat template with it), without its weights."""
+    from models.loading import default_model_path
+    from models.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_model_path())
+
+
+def _tiny_gguf(directory: Path, name: str, vocab: int, noise: float = 0.0) -> Path:
+    """Writes the tiny LLM's shape to ``directory/name`` (``noise``: ``models.random_checkpoint.random_tensors``'s)."""
+    from models.loading import default_model_path
+    from models.random_checkpoint import write_random_gguf
+
+    path = directory / name
+    write_random_gguf(path, tiny_checkpoint_config(vocab), default_model_path(), TINY_SEED, noise)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, default_tokenizer) -> Path:
+    """A random 2-layer LLaMA GGUF file (``tiny_checkpoint_config``) with the default LLM's tokenizer."""
+    return _tiny_gguf(tmp_path_factory.mktemp("tiny"), "tiny-llama.gguf", len(default_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_llm(tiny_checkpoint) -> LoadedModel:
+    """``tiny_checkpoint`` loaded as the CLI loads an LLM (float32, its tokenizer: the default LLM's)."""
+    from jaxspec.speculators.resolve import load_llm
+
+    return load_llm(str(tiny_checkpoint))
+
+
+@pytest.fixture(scope="session")
+def tiny_ssm_checkpoint(tmp_path_factory, default_tokenizer) -> Path:
+    """An SSM file for the tiny LLM: its weights with TINY_SSM_NOISE noise, so it agrees with the LLM on part of its
+    drafts (about two tokens a step on a chain of four). Speculation on it accepts and rejects: an unrelated random
+    SSM's drafts would all be rejected, and an identity test over them would never commit an accepted path."""
+    return _tiny_gguf(tmp_path_factory.mktemp("tiny"), "tiny-ssm.gguf", len(default_tokenizer), TINY_SSM_NOISE)
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tmp_path_factory, tiny_checkpoint, tiny_checkpoint_llm) -> Path:
+    """A feature-drafter directory for the tiny LLM in the shipped drafter's form (fused, EAGLE-3's taps, a draft
+    vocabulary of 4096 by random token counts), as training starts it: ``--ssm drafter:DIR``."""
+    from jaxspec.speculators.drafter_io import save_drafter
+    from jaxspec.speculators.pool import llm_identity
+    from models.drafter import default_feature_layers, drafter_config, init_drafter, own_names
+
+    llm = tiny_checkpoint_llm
+    layers = default_feature_layers(llm.cfg.num_layers)
+    cfg = drafter_config(llm.cfg)
+    params = init_drafter(cfg, llm.params, 0, layers)
+    counts = np.random.default_rng(0).integers(0, 1000, llm.cfg.vocab_size)
+    return save_drafter(tmp_path_factory.mktemp("tiny") / "tiny-drafter", cfg,
+                        {k: params[k] for k in own_names(layers)}, llm_identity(llm, str(tiny_checkpoint)), counts,
+                        4096, {}, "float32", layers)
 
 
 def dev_prompts(n: int | None = None) -> list[dict]:

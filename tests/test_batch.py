@@ -157,7 +157,7 @@ def test_batch_choice_sums_rows_and_steps_aside_when_speculation_costs_more():
 
 
 @pytest.mark.skipif(not DEV_PROMPTS.exists(), reason="needs ../shared/prompts")
-def test_generate_samples_run_as_one_batch_with_the_sequential_output(tmp_path):
+def test_generate_samples_run_as_one_batch_with_the_sequential_output(tmp_path, tiny_checkpoint):
     """`jaxspec generate --prompt-file --num-samples` through the batch: the JSONL of --max-batch 1.
 
     Sampled rows draw from their own keys, so batching changes no token.
@@ -168,9 +168,10 @@ def test_generate_samples_run_as_one_batch_with_the_sequential_output(tmp_path):
     out, logs = {}, {}
     for batch in ("1", "4"):
         path = tmp_path / f"out{batch}.jsonl"
-        done = subprocess.run([sys.executable, "-m", "jaxspec", "generate", "--mode", "incremental", "--prompt-file",
-                               str(prompts), "--max-new-tokens", "6", "--num-samples", "2", "--temperature", "0.8",
-                               "--top-p", "0.9", "--seed", "5", "--max-batch", batch, "--output", str(path)],
+        done = subprocess.run([sys.executable, "-m", "jaxspec", "generate", "--model", str(tiny_checkpoint),
+                               "--mode", "incremental", "--prompt-file", str(prompts), "--max-new-tokens", "6",
+                               "--num-samples", "2", "--temperature", "0.8", "--top-p", "0.9", "--seed", "5",
+                               "--max-batch", batch, "--output", str(path)],
                               check=True, timeout=600, capture_output=True, text=True)
         out[batch] = [json.loads(line) for line in path.read_text().splitlines()]
         logs[batch] = done.stderr

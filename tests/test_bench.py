@@ -131,10 +131,11 @@ def test_load_or_measure_caches_per_key_and_keeps_int_keys(tmp_path, monkeypatch
     assert load_or_measure(key, measure) == {1: 0.5, 64: 3.0} and len(calls) == 3
 
 
-def test_bench_modes_runs_each_mode_as_generate_in_its_own_process(tmp_path, capsys):
+def test_bench_modes_runs_each_mode_as_generate_in_its_own_process(tmp_path, capsys, tiny_checkpoint):
     out = tmp_path / "modes.csv"
-    assert cli.main(["bench", "modes", "--prompt-file", _prompts(tmp_path, 2), "--limit", "2", "--max-new-tokens", "4",
-                     "--modes", "incremental,sequence", "--ssm", "layers:4", "--expansion", "1,1",
+    assert cli.main(["bench", "modes", "--model", str(tiny_checkpoint), "--prompt-file", _prompts(tmp_path, 2),
+                     "--limit", "2", "--max-new-tokens", "4", "--modes", "incremental,sequence", "--ssm", "layers:1",
+                     "--expansion", "1,1",
                      "--draft-vocab", "4096", "--output", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
     assert [(r["mode"], r["id"]) for r in rows] == [("incremental", "q0"), ("incremental", "q1"),
@@ -208,21 +209,6 @@ def test_modes_tables_speedup_weighted_tokens_per_step_identity_and_tree_usage(c
     assert [s["identical_to_incremental"] for s in sampled] == ["", ""]
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """A random 2-layer LLaMA directory with the default LLM's tokenizer (prefill timings need no trained weights)."""
-    from models.config import ModelConfig
-    from models.loading import default_model_path
-    from models.random_checkpoint import write_random_checkpoint
-    from models.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(default_model_path())
-    cfg = ModelConfig("llama", len(tok), 64, 128, 2, 8, 4, 8, max_position_embeddings=1024, rms_norm_eps=1e-5)
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    write_random_checkpoint(directory, cfg, tok)
-    return directory
-
-
 def test_bench_prefill_reports_ttft_by_prompt_length(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "prefill.csv"
     assert cli.main(["bench", "prefill", "--model", str(tiny_checkpoint), "--mode", "incremental",
@@ -242,7 +228,7 @@ def test_bench_prefill_reports_ttft_by_prompt_length(tiny_checkpoint, tmp_path, 
     assert [(r["prefill_chunk"], int(r["prompt_tokens"])) for r in rows] == [("32", 40), ("32", 300), ("128", 40),
                                                                             ("128", 300)]
     assert all(float(r["prefill_tokens_per_s"]) > 0 for r in rows)
-    for flags, words in ((["--lengths", "1,x"], "--lengths"), (["--lengths", "2000"], "context"),
+    for flags, words in ((["--lengths", "1,x"], "--lengths"), (["--lengths", "4000"], "context"),
                          (["--prefill-chunk", "0"], "--prefill-chunk"), (["--chunks", "0"], "--chunks"),
                          (["--chunks", "64", "--prefill-chunk", "64"], "give one")):
         assert cli.main(["bench", "prefill", "--model", str(tiny_checkpoint), "--mode", "incremental", *flags,

@@ -1,4 +1,5 @@
-"""The command line: bad input gives one line naming the problem and exit code 2."""
+"""The command line: bad input gives one line naming the problem and exit code 2; runs on the tiny random family
+(``tests/conftest.py``) where the assertion holds for any weights, one end-to-end run on the default model."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import pytest
 
 from jaxspec import cli
-from jaxspec.cache import WEIGHT_CACHE_ENV, compile_cache_dir, weight_cache_dir
+from jaxspec.cache import compile_cache_dir
 from jaxspec.engine.runner import is_cut
 
 
@@ -59,7 +60,7 @@ def test_missing_and_corrupt_checkpoints(tmp_path, capsys):
     assert "architecture" in capsys.readouterr().err
 
 
-def test_bad_prompt_file_and_mode_flags(tmp_path, capsys):
+def test_bad_prompt_file_and_mode_flags(tmp_path, capsys, tiny_checkpoint):
     f = tmp_path / "p.jsonl"
     f.write_text('{"text": "no prompt field"}\n')
     assert cli.main(["generate", "--prompt-file", str(f)]) == 2
@@ -73,23 +74,26 @@ def test_bad_prompt_file_and_mode_flags(tmp_path, capsys):
     assert cli.main(["generate", "--prompt", "hi", "--prefill-stall", "-1"]) == 2
     assert "--prefill-stall must be >= 0" in capsys.readouterr().err
     for size in ("-5", "100000"):  # above the vocabulary it once meant "full" without a word
-        assert cli.main(["generate", "--prompt", "hi", "--ssm", "layers:4", "--draft-vocab", size]) == 2
+        assert cli.main(["generate", "--model", str(tiny_checkpoint), "--prompt", "hi", "--ssm", "layers:1",
+                         "--draft-vocab", size]) == 2
         assert f"--draft-vocab must be between 1 and the vocabulary size 49152 (0: full), got {size}" in \
             capsys.readouterr().err
 
 
-def test_prompt_longer_than_context_subprocess():
-    """A real process on the default model: a one-line error, exit 2, no traceback."""
-    proc = run_cli("generate", "--prompt", "word " * 9000, "--max-new-tokens", "8")
+def test_prompt_longer_than_context_subprocess(tiny_checkpoint):
+    """A real process: a one-line error, exit 2, no traceback."""
+    proc = run_cli("generate", "--model", str(tiny_checkpoint), "--mode", "incremental", "--prompt", "word " * 9000,
+                   "--max-new-tokens", "8")
     assert_clean_error(proc, "context")
 
 
-def test_generate_prompt_file_jsonl_and_tree_mode(tmp_path):
+def test_generate_prompt_file_jsonl_and_tree_mode(tmp_path, tiny_checkpoint, tiny_ssm_checkpoint):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"id": f"q{i}", "prompt": p}) for i, p in
                                  enumerate(["What is 2+2?", "Name a color."])) + "\n")
     out = tmp_path / "out.jsonl"
-    proc = run_cli("generate", "--prompt-file", str(prompts), "--mode", "tree", "--ssm", "layers:4",
+    proc = run_cli("generate", "--model", str(tiny_checkpoint), "--prompt-file", str(prompts), "--mode", "tree",
+                   "--ssm", str(tiny_ssm_checkpoint),
                    "--expansion", "1,2,1", "--max-new-tokens", "12", "--output", str(out), "-v")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
@@ -103,11 +107,14 @@ def test_generate_prompt_file_jsonl_and_tree_mode(tmp_path):
         assert 1 <= len(r["token_ids"]) <= 12
         assert r["llm_steps"] >= 1 and r["tokens_per_step"] >= 1.0
         assert r["ssm_steps"] == 3 * r["llm_steps"]
+    assert any(r["tokens_per_step"] > 1.0 for r in rows)  # the SSM's drafts were accepted in places
     assert "tokens/step" in proc.stderr
 
 
-def test_tree_mode_defaults_to_the_shipped_pool_and_keeps_the_output():
-    args = ("generate", "--prompt", "What is 2+2?", "--max-new-tokens", "12", "--seed", "0")
+def test_tree_mode_defaults_to_the_shipped_pool_and_keeps_the_output(tiny_checkpoint):
+    """The shipped pool shares the default tokenizer, so it drafts for the tiny LLM too: tree mode's default."""
+    args = ("generate", "--model", str(tiny_checkpoint), "--prompt", "What is 2+2?", "--max-new-tokens", "12",
+            "--seed", "0")
     tree = run_cli(*args, "--mode", "tree")
     assert tree.returncode == 0, tree.stderr[-3000:]
     assert "smollm2_default/ssm-0" in tree.stderr and "smollm2_default/ssm-1" in tree.stderr
@@ -184,20 +191,19 @@ def test_the_default_auto_path_prepares_then_speculates_and_compiles_nothing_whi
     assert [r["token_ids"] for r in rows] == want
 
 
-def test_ngram_speculator_spec(capsys):
-    assert cli.main(["generate", "--prompt", "a b a b a b", "--max-new-tokens", "8", "--mode", "tree",
-                     "--ssm", "ngram:2", "--expansion", "1,1,1,1", "--no-chat"]) == 0
+def test_ngram_speculator_spec(capsys, tiny_checkpoint):
+    assert cli.main(["generate", "--model", str(tiny_checkpoint), "--prompt", "a b a b a b", "--max-new-tokens", "8",
+                     "--mode", "tree", "--ssm", "ngram:2", "--expansion", "1,1,1,1", "--no-chat"]) == 0
     assert "speculators: ngram:2" in capsys.readouterr().err
     assert cli.main(["generate", "--prompt", "hi", "--mode", "tree", "--ssm", "ngram:x"]) == 2
     assert "ngram:N" in capsys.readouterr().err
     assert cli.main(["generate", "--prompt", "hi", "--mode", "tree", "--ssm", "ngram:0"]) == 2
 
 
-@pytest.mark.slow  # ~1 min cold; test_mss keeps per-SSM expansions ((2,2) beside (2,1)) in the default run
-def test_per_ssm_expansion_configs(tmp_path, capsys):
+def test_per_ssm_expansion_configs(tmp_path, capsys, tiny_checkpoint, tiny_ssm_checkpoint):
     out = tmp_path / "out.jsonl"
-    base = ["generate", "--prompt", "Name a color.", "--max-new-tokens", "10", "--mode", "tree",
-            "--ssm", "layers:2", "--ssm", "layers:4"]
+    base = ["generate", "--model", str(tiny_checkpoint), "--prompt", "Name a color.", "--max-new-tokens", "10",
+            "--mode", "tree", "--ssm", str(tiny_ssm_checkpoint), "--ssm", "layers:1"]
     assert cli.main([*base, "--expansion", "1,2,1;1,1", "--output", str(out)]) == 0
     row = json.loads(out.read_text())
     assert row["ssm_steps"] == (3 + 2) * row["llm_steps"]  # each SSM drafts its own depth per step
@@ -212,15 +218,16 @@ def _cache_stats(stderr: str) -> tuple[int, int]:
     return int(hits), int(misses)
 
 
-def test_second_run_of_a_command_compiles_nothing(tmp_path):
+def test_second_run_of_a_command_compiles_nothing(tmp_path, tiny_checkpoint):
     """Two processes, one command: the second reads every executable from the persistent cache; so does a third
     whose prompt and token limit differ (jobs share cache buckets, not their exact lengths). The three share a
-    cost cache of their own (the converted weights read from the suite's): which prefill chunks a prompt is fed
-    in follows the timings kept there, which the tests running beside would otherwise move between the runs."""
+    cost cache of their own: which prefill chunks a prompt is fed in follows the timings kept there, which the tests
+    running beside would otherwise move between the runs."""
     cache = tmp_path / "xla"
-    env = {**os.environ, "JAXSPEC_CACHE_STATS": "1", "JAXSPEC_CACHE": str(tmp_path / "root"),
-           WEIGHT_CACHE_ENV: str(weight_cache_dir() or "off")}
-    args = ["generate", "--prompt", "Hi", "--max-new-tokens", "4", "--mode", "incremental", "--compile-cache", str(cache)]
+    env = {**os.environ, "JAXSPEC_CACHE_STATS": "1", "JAXSPEC_CACHE": str(tmp_path / "root")}
+    model = ["--model", str(tiny_checkpoint)]
+    args = ["generate", *model, "--prompt", "Hi", "--max-new-tokens", "4", "--mode", "incremental",
+            "--compile-cache", str(cache)]
     first = run_cli(*args, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     hits, misses = _cache_stats(first.stderr)
@@ -231,7 +238,7 @@ def test_second_run_of_a_command_compiles_nothing(tmp_path):
     hits, misses = _cache_stats(second.stderr)
     assert misses == 0 and hits > 0, second.stderr[-2000:]
     # another job of another length: laid out on the same cache buckets, it reuses the first job's executables
-    other = ["generate", "--prompt", "Name three colours of the rainbow, please.", "--max-new-tokens", "9",
+    other = ["generate", *model, "--prompt", "Name three colours of the rainbow, please.", "--max-new-tokens", "9",
              "--mode", "incremental", "--compile-cache", str(cache)]
     third = run_cli(*other, env=env)
     assert third.returncode == 0, third.stderr[-3000:]
@@ -257,13 +264,14 @@ def test_compile_cache_location_flags_and_environment(tmp_path, monkeypatch):
     assert args.compile_cache == "d"
 
 
-def test_an_unseeded_sampled_run_reports_its_seed_which_repeats_it_in_any_mode(tmp_path):
+def test_an_unseeded_sampled_run_reports_its_seed_which_repeats_it_in_any_mode(tmp_path, tiny_checkpoint):
     """Without --seed a sampled run draws one, prints it and writes it to the JSONL; with the default verifier
     (coupled) that seed gives the same text again through n-gram speculation as decoded incrementally (issue 34:
     seeds that reproduce by default; under MSS the speculating run draws other text)."""
     out = tmp_path / "first.jsonl"
     # a prompt the n-gram drafts for (under --verify mss, seed 7 gives other text through the n-gram than alone)
-    args = ("generate", "--prompt", "Repeat exactly three times: the cat sat on the mat and the dog sat on the log.",
+    args = ("generate", "--model", str(tiny_checkpoint),
+            "--prompt", "Repeat exactly three times: the cat sat on the mat and the dog sat on the log.",
             "--max-new-tokens", "24", "--temperature", "0.9", "--top-p", "0.95")
     first = run_cli(*args, "--mode", "incremental", "--output", str(out))
     assert first.returncode == 0, first.stderr[-3000:]
@@ -275,11 +283,12 @@ def test_an_unseeded_sampled_run_reports_its_seed_which_repeats_it_in_any_mode(t
     assert again.stdout == first.stdout and first.stdout.strip()
 
 
-def test_a_reader_that_leaves_early_ends_the_command_quietly():
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tiny_checkpoint):
     """`jaxspec generate ... | head -c 5`: the streamed text's reader closes the pipe; the command stops without a
     traceback (as a shell tool does), whatever else was still to be written."""
-    proc = subprocess.Popen([sys.executable, "-m", "jaxspec", "generate", "--prompt", "Count from one to twenty.",
-                             "--max-new-tokens", "24", "--mode", "incremental"],
+    proc = subprocess.Popen([sys.executable, "-m", "jaxspec", "generate", "--model", str(tiny_checkpoint),
+                             "--prompt", "Count from one to twenty.", "--max-new-tokens", "24",
+                             "--mode", "incremental"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = proc.stdout.read(5)
     proc.stdout.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import device_env
 from jaxspec import cli
 from jaxspec.cli import cluster
 from jaxspec.parallel import distributed
@@ -26,23 +26,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory) -> Path:
-    """A random 2-layer LLaMA HF directory (8 heads, 4 KV heads: tensor=2 and 4 divide) with the default LLM's tokenizer."""
-    from models.config import ModelConfig
-    from models.loading import default_model_path
-    from models.random_checkpoint import write_random_checkpoint
-    from models.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(default_model_path())
-    cfg = ModelConfig("llama", len(tok), 64, 128, 2, 8, 4, 8, max_position_embeddings=512, rms_norm_eps=1e-5)
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    write_random_checkpoint(directory, cfg, tok)
-    return directory
-
-
 def _env(devices: int) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    """This environment with ``devices`` fake CPU devices (the suite's XLA flags kept), no cluster variables."""
+    env = device_env(devices)
     for key in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
         env.pop(key, None)
     return env

@@ -104,13 +104,15 @@ def test_sampled_requests_draft_the_fixed_fallback(models):
         DecodeConfig((dyn,), sampling.WarpSpec.of(warm), "mss")
 
 
-def test_parse_and_cli_errors(capsys):
+def test_parse_and_cli_errors(capsys, tiny_checkpoint):
     assert parse_expansion("dynamic:16") == DynamicTree(16, 4, 4)
     assert parse_expansion("dynamic:10:3:2") == DynamicTree(10, 3, 2)
     for bad, msg in (("dynamic:x", "integers"), ("dynamic:60:2:4", "drafts only"), ("dynamic:6:4:4", "feeds")):
         with pytest.raises(ValueError, match=msg):
             parse_expansion(bad)
-    assert main(["generate", "--prompt", "hi", "--mode", "sequence", "--expansion", "dynamic:16"]) == 2
+    model = ["--model", str(tiny_checkpoint)]
+    assert main(["generate", *model, "--prompt", "hi", "--mode", "sequence", "--expansion", "dynamic:16"]) == 2
     assert "expansion of 1s" in capsys.readouterr().err
-    assert main(["generate", "--prompt", "hi", "--mode", "tree", "--ssm", "ngram", "--expansion", "dynamic:16"]) == 2
+    assert main(["generate", *model, "--prompt", "hi", "--mode", "tree", "--ssm", "ngram", "--expansion",
+                 "dynamic:16"]) == 2
     assert "n-gram speculator proposes a chain" in capsys.readouterr().err

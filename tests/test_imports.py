@@ -140,16 +140,73 @@ def test_imports_run_one_way():
     assert wrong == []
 
 
+# Private names used across modules today, by attribute access; each is a debt, listed so that no new one passes.
+KNOWN_PRIVATE_CROSSINGS = {
+    "jaxspec.parallel.sharding -> models.axes._CONSTRAIN",  # the activation pin's context variable
+}
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``a.b.c`` of a chain of attributes over a name; None for anything else (a call, a subscript)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def private_crossings(name: str, source: str, mods: set[str]) -> set[str]:
+    """``module -> other._x`` for every other project module's private name that ``source`` (module ``name``)
+    imports (``from m import _x``) or reads as an attribute of a module it imported (``import m; m._x``,
+    ``import a.m as m``, ``from a import m``)."""
+    tree = ast.parse(source)
+    bound: dict[str, str] = {}  # local name -> the project module (or package root) it is bound to
+    out = set()
+    private = lambda n: n.startswith("_") and not n.startswith("__")  # noqa: E731
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and a.name in mods:
+                    bound[a.asname] = a.name
+                elif not a.asname and a.name.split(".")[0] in {m.split(".")[0] for m in mods}:
+                    bound[a.name.split(".")[0]] = a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                if f"{node.module}.{a.name}" in mods:
+                    bound[a.asname or a.name] = f"{node.module}.{a.name}"
+                elif node.module in mods and private(a.name):
+                    out.add(f"{name} -> {node.module}.{a.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            chain = _dotted(node.value)
+            head, _, rest = (chain or "").partition(".")
+            target = ".".join(filter(None, [bound.get(head), rest]))
+            if head in bound and target in mods and target != name:
+                out.add(f"{name} -> {target}.{node.attr}")
+    return out
+
+
 def test_no_private_name_crosses_a_module():
-    """``from m import _x`` of another module's private name: make it public or keep it where it is used."""
+    """Another module's private name, imported or read as an attribute: make it public or keep it where it is used.
+    The known crossings are still there (a fixed one leaves the list)."""
     mods = modules()
-    wrong = []
+    found = set()
     for name, path in mods.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module in mods and node.level == 0:
-                wrong += [f"{name}: from {node.module} import {a.name}" for a in node.names
-                          if a.name.startswith("_") and not a.name.startswith("__")]
-    assert wrong == []
+        found |= private_crossings(name, path.read_text(), set(mods))
+    assert found - KNOWN_PRIVATE_CROSSINGS == set()
+    assert KNOWN_PRIVATE_CROSSINGS - found == set()
+
+
+def test_the_private_name_finder_sees_every_form():
+    mods = {"pkg", "pkg.a", "pkg.b"}
+    source = ("import pkg.a\nimport pkg.a as alias\nfrom pkg import b\nfrom pkg.a import _direct, public\n"
+              "x = pkg.a._long + alias._aliased + b._imported\n"
+              "y = b.public + b.__doc__ + _local\n")
+    assert private_crossings("pkg.c", source, mods) == {
+        "pkg.c -> pkg.a._direct", "pkg.c -> pkg.a._long", "pkg.c -> pkg.a._aliased", "pkg.c -> pkg.b._imported"}
+    assert private_crossings("pkg.a", "import pkg.a\nx = pkg.a._own\n", mods) == set()  # its own name
 
 
 def test_speculators_and_training_load_no_engine():

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY_HF_CASES
+from conftest import TINY_HF_CASES, user_qwen_pair
 from models.loading import CheckpointError, default_model_path, load_checkpoint, qwen_pair_paths
 from models.tokenizer import encode_prompt, load_tokenizer
 from models.transformer import KVCache, make_forward, param_shapes
@@ -389,7 +389,7 @@ def test_qwen_pair_matches_transformers(which):
     import torch
     from transformers import AutoModelForCausalLM
 
-    path = Path(qwen_pair_paths()[0 if which == "llm" else 1])  # CheckpointError says to run the fetch script
+    path = Path(user_qwen_pair()[0 if which == "llm" else 1])  # CheckpointError says to run the fetch script
     start = time.perf_counter()
     cfg, params = load_checkpoint(path)
     seconds = time.perf_counter() - start

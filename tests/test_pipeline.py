@@ -12,7 +12,6 @@ file is its own worker), so other test files keep their device count.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,8 +44,10 @@ NEW_TOKENS = 12
 
 def run_worker(suite: str) -> dict:
     """Runs this file as a worker with 8 fake CPU devices; returns its JSON results."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, suite], capture_output=True, text=True, timeout=1200, env=env,
+    from conftest import device_env
+
+    proc = subprocess.run([sys.executable, __file__, suite], capture_output=True, text=True, timeout=1200,
+                          env=device_env(8, JAX_PLATFORMS="cpu"),
                           cwd=HERE.parent)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

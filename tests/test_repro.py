@@ -88,6 +88,27 @@ def test_repro_all_quick_on_a_tiny_pair(tiny_pair, tmp_path):
         report.split("## Claims")[1]
 
 
+def test_repro_a_table_and_the_report_end_to_end(tiny_pair, tmp_path):
+    """The default run's `jaxspec repro`: one experiment (Table 1) in its own process on the tiny pair, then the report
+    over it: the table's CSV, plot and section, and its claims measured in the claim table (the others not)."""
+    llm, ssm, prompts = tiny_pair
+    out = tmp_path / "repro"
+    proc = subprocess.run([sys.executable, "-m", "jaxspec", "repro", "table1", "--quick", "--model", str(llm), "--ssm",
+                           str(ssm), "--prompt-file", str(prompts), "--max-new-tokens", "8", "--output", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader((out / "table1.csv").open()))
+    assert {r["decoding"] for r in rows} == {"greedy", "stochastic"} and COLUMNS["table1"] <= set(rows[0])
+    assert all(0.0 <= float(r["k1"]) <= float(r["k5"]) <= 1.0 for r in rows)  # top-5 holds top-1
+    assert (out / "table1.png").read_bytes()[:4] == b"\x89PNG" and "**qa**" in (out / "table1.md").read_text()
+    report = subprocess.run([sys.executable, "-m", "jaxspec", "repro", "report", "--output", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-2000:]
+    table = (out / "report.md").read_text().split("## Claims")[1].split("\n## ")[0]
+    claims = [line for line in table.splitlines() if line.startswith("| ") and "Table 1" in line]
+    assert len(claims) == 2 and not any("not measured" in line for line in claims), claims
+
+
 def test_the_paper_data_parses_and_every_value_is_cited():
     paper = load_paper()
     for name in ("table1", "table2", "table3"):

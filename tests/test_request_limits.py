@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from jaxspec.cli.common import CliError
 from jaxspec.decoding import sampling
 from jaxspec.decoding.sampling import SamplingError, SamplingParams
+from jaxspec.engine.stops import MAX_STOPS
 from jaxspec.serving import protocol
 from jaxspec.serving.protocol import ChatCompletionRequest, CompletionRequest
 from jaxspec.serving.server import api_key
@@ -21,6 +22,22 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**80), 2**80) | s
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
                     max_leaves=8)
 FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "user")
+
+
+# Bodies every bound admits: each field anywhere in its range (its edges included), the prompt as text or ids.
+VALID_FIELDS = st.fixed_dictionaries({}, optional={
+    "model": st.text(max_size=256),
+    "max_tokens": st.integers(1, protocol.MAX_SEED),
+    "temperature": st.floats(0.0, 100.0),
+    "top_p": st.floats(1e-30, 1.0),
+    "top_k": st.integers(-1, protocol.MAX_TOP_K),
+    "seed": st.integers(-protocol.MAX_SEED - 1, protocol.MAX_SEED),
+    "stop": st.text(min_size=1, max_size=8) | st.lists(st.text(min_size=1, max_size=8), max_size=MAX_STOPS),
+    "n": st.integers(1, protocol.MAX_N),
+    "stream": st.booleans(),
+    "user": st.text(max_size=256),
+})
+VALID_PROMPTS = st.text(min_size=1, max_size=40) | st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=8)
 
 
 def _exact_int(v) -> bool:
@@ -32,8 +49,9 @@ def _exact_int(v) -> bool:
 def test_whatever_json_arrives_the_validator_refuses_it_or_every_field_is_in_bounds(fields, prompt):
     try:
         body = CompletionRequest.model_validate({"prompt": prompt, **fields})
-    except ValidationError:
-        return  # a 400 naming the field (tests/test_serve.py checks the wording)
+    except ValidationError as e:  # a 400 naming the field (tests/test_serve.py checks the wording)
+        assert {err["loc"][0] for err in e.errors()} <= {"prompt", *fields}, e.errors()  # one that was sent
+        return
     for name in ("max_tokens", "top_k", "seed"):
         v = getattr(body, name)
         assert v is None or _exact_int(v)
@@ -56,6 +74,16 @@ def test_whatever_json_arrives_the_validator_refuses_it_or_every_field_is_in_bou
             return
         assert np.float32(p.temperature) == p.temperature and np.float32(p.top_p) == p.top_p
         assert sampling.row_values([p], 1000)["top_k"][0] <= 1000
+
+
+@settings(max_examples=300, deadline=None)
+@given(VALID_FIELDS, VALID_PROMPTS)
+def test_every_in_bounds_body_is_accepted_as_sent(fields, prompt):
+    """The other side of the bounds above: a validator that refused more than it must (or everything) fails here."""
+    body = CompletionRequest.model_validate({"prompt": prompt, **fields})
+    assert body.prompt == prompt and all(getattr(body, name) == value for name, value in fields.items())
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+    assert all(getattr(chat, name) == value for name, value in fields.items())
 
 
 def test_chat_messages_and_contents_are_bounded_and_typed():

@@ -1,10 +1,11 @@
 """``jaxspec serve``: a real server process on 127.0.0.1, driven by the real ``openai`` client.
 
-One module-scoped server (the embedded SmolLM2-135M, float32, with an API key) serves every
-test; the last test stops it with SIGTERM. Invariants: greedy output is the same alone, under
-concurrency and in ``jaxspec generate``; choice i of ``n`` is the single request with seed
-``seed + i``; text is cut before the first stop string; every bad request gets its status and
-a message naming the problem, and the server answers the next request.
+One module-scoped server (the tiny random LLM over the default tokenizer, ``tests/conftest.py``, with an API key)
+serves every test but one; the last test stops it with SIGTERM. Invariants: greedy output is the same alone, under
+concurrency and in ``jaxspec generate``; choice i of ``n`` is the single request with seed ``seed + i``; text is cut
+before the first stop string; every bad request gets its status and a message naming the problem, and the server
+answers the next request as it answered before; nothing compiles after the warm-up. One server of the embedded
+SmolLM2-135M answers what ``jaxspec generate`` prints and a JSON request as trained weights do.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +29,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from jaxspec.cache import compile_cache_dir, weight_cache_dir  # noqa: E402
 from jaxspec.engine.runner import is_cut  # noqa: E402
 
 KEY = "test-key"
@@ -39,8 +42,12 @@ STARTUP_S = 600
 # A reply's bound: a speculating server compiles the trees a new batch shape needs while its clients wait (a minute
 # or more on a 2-core CPU shared with another test worker); a hung server still fails the test.
 REQUEST_S = 300
-SHUTDOWN_S = 3  # --shutdown-timeout: drain time on SIGTERM (a 6-token stream fits, a 240-token one does not)
-LONG = "1, 2, 3, 4, 5,"  # a completion prompt that runs to max_tokens (greedy: ", 6, 7, 8, ...")
+SHUTDOWN_S = 1  # --shutdown-timeout: drain time on SIGTERM (a 6-token stream fits, LONG_N choices do not)
+LONG = "1, 2, 3, 4, 5,"  # a completion prompt
+# A request that outlasts SHUTDOWN_S and a 1 s client timeout on any CPU, however fast the tiny model decodes: LONG_N
+# choices of 200 tokens share MAX_BATCH slots (1600 iterations: seconds even at 1 ms each). Half the queue: another
+# request fits beside it.
+LONG_N = MAX_QUEUE // 2
 SERVE_CMD = [sys.executable, "-m", "jaxspec.cli", "serve"]
 PROMPTS = ["What is 2+2?", "Name a color.", "Write a haiku about the sea.", "What is the capital of France?",
            "Say hello in Spanish.", "Count from one to five.", "What do cats eat?", "Explain rain briefly."]
@@ -53,18 +60,25 @@ def free_port() -> int:
 
 
 class Server:
-    """A ``jaxspec serve`` subprocess and clients for it."""
+    """A ``jaxspec serve`` subprocess of ``model`` (None: the default LLM) and clients for it."""
 
-    def __init__(self, log_path, mode_flags: tuple[str, ...] = ("--mode", "incremental")) -> None:
+    def __init__(self, log_path: Path, mode_flags: tuple[str, ...] = ("--mode", "incremental"),
+                 model: Path | None = None, max_batch: int = MAX_BATCH) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
-        flags = [*mode_flags, "--port", str(self.port), "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
+        flags = [*(["--model", str(model)] if model else []), *mode_flags, "--port", str(self.port),
+                 "--max-batch", str(max_batch), "--max-queue", str(MAX_QUEUE),
                  "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-timeout", str(SHUTDOWN_S),
                  "--max-body-bytes", str(MAX_BODY)]
+        # measured costs and chunk sizes of its own (what the run's other processes measured must not steer this
+        # server: a chunk-size search they left open would probe, and compile, a size its warm-up never saw); the
+        # run's compiles and converted weights shared
+        own = dict(JAXSPEC_CACHE=str(Path(log_path).parent / f"{Path(log_path).stem}-cache"),
+                   JAXSPEC_COMPILE_CACHE=str(compile_cache_dir()), JAXSPEC_WEIGHT_CACHE=str(weight_cache_dir()))
         self.proc = subprocess.Popen(SERVE_CMD + flags, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, JAXSPEC_SERVE_FAULT=FAULT, JAXSPEC_API_KEY=KEY))
+                                     env=dict(os.environ, JAXSPEC_SERVE_FAULT=FAULT, JAXSPEC_API_KEY=KEY, **own))
         self.wait_ready()
         self.model = self.client().models.list().data[0].id
         self.compilations = self.metrics()[("jaxspec_compilations", ())]  # after the warm-up
@@ -109,13 +123,23 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, tiny_checkpoint):
     home = tmp_path_factory.mktemp("serve")
     s = Server(home / "server.log", ("--mode", "incremental", "--verify", "coupled", "-v",
-                                     "--request-log", str(home / "requests.jsonl")))
+                                     "--request-log", str(home / "requests.jsonl")), tiny_checkpoint)
     s.request_log = home / "requests.jsonl"
+    s.checkpoint = tiny_checkpoint
+    s.hello = complete(s, "Hello", 4, temperature=0)  # what every "still serving" check must hear again
+    assert s.hello.usage.completion_tokens >= 1 and s.hello.choices[0].text
     yield s
     s.stop()
+
+
+def assert_still_serving(server: Server) -> None:
+    """The server answers the next request as it answered the first (no slot, cache or queue left dirty)."""
+    again = complete(server, "Hello", 4, temperature=0)
+    assert again.choices[0].text == server.hello.choices[0].text
+    assert again.usage.completion_tokens == server.hello.usage.completion_tokens
 
 
 def chat(server, prompt: str, max_tokens: int = 8, **kw):
@@ -162,15 +186,20 @@ def test_health_models_and_api_key(server):
     assert r.status_code == 401
 
 
+def generated(tmp_path: Path, model: Path | None, *flags: str) -> tuple[dict, str]:
+    """``jaxspec generate --mode incremental <flags>`` of ``model`` (None: the default LLM): its JSONL row, stdout."""
+    out = tmp_path / "gen.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "jaxspec.cli", "generate", *(["--model", str(model)] if model else []),
+                           "--mode", "incremental", *flags, "--output", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
 def test_greedy_chat_equals_jaxspec_generate(server, tmp_path):
     """The server's greedy chat completion is `jaxspec generate --mode incremental`'s, token for token."""
     prompt, tokens = PROMPTS[0], 16
-    out = tmp_path / "gen.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "jaxspec.cli", "generate", "--mode", "incremental", "--prompt",
-                           prompt, "--max-new-tokens", str(tokens), "--output", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    ref = json.loads(out.read_text())
+    ref, _ = generated(tmp_path, server.checkpoint, "--prompt", prompt, "--max-new-tokens", str(tokens))
     r = chat(server, prompt, tokens, temperature=0)
     assert r.choices[0].message.content == ref["text"]
     assert r.choices[0].message.role == "assistant"
@@ -181,6 +210,23 @@ def test_greedy_chat_equals_jaxspec_generate(server, tmp_path):
                                           stream_options={"include_usage": True}))
     assert pieces == [ref["text"]] and finish == [r.choices[0].finish_reason]
     assert (usage.prompt_tokens, usage.completion_tokens) == (r.usage.prompt_tokens, r.usage.completion_tokens)
+
+
+def test_the_default_model_serves_what_jaxspec_generate_prints(tmp_path):
+    """The one server of the embedded default LLM: its greedy chat is `jaxspec generate`'s, and a JSON-object request
+    answers what the trained weights know (the tiny server's answers hold for any weights)."""
+    real = Server(tmp_path / "default.log", ("--mode", "incremental"), max_batch=1)
+    try:
+        prompt, tokens = PROMPTS[3], 12
+        ref, _ = generated(tmp_path, None, "--prompt", prompt, "--max-new-tokens", str(tokens))
+        r = chat(real, prompt, tokens, temperature=0)
+        assert r.choices[0].message.content == ref["text"] and "Paris" in ref["text"]
+        assert r.usage.completion_tokens == len(ref["token_ids"])
+        r = chat(real, "Return a JSON object with the name and age of a cat called Tom who is 3.", 64, temperature=0,
+                 response_format={"type": "json_object"}, timeout=REQUEST_S)
+        assert json.loads(r.choices[0].message.content) == {"name": "Tom", "age": 3}
+    finally:
+        real.stop()
 
 
 def test_completions_streaming_and_not(server):
@@ -265,14 +311,10 @@ def test_a_stop_string_gives_the_same_text_in_jaxspec_generate_and_the_server(se
     word = next(w for w in full.split() if len(w) >= 5 and w.isalpha())
     stop = word[2:4]  # inside the word's token: text before it in the same token
     cut = full[:full.index(stop)]
-    out = tmp_path / "gen.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "jaxspec.cli", "generate", "--mode", "incremental", "--prompt",
-                           PROMPTS[3], "--max-new-tokens", "16", "--stop", stop, "--stop", "@@never@@",
-                           "--output", str(out)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    ref = json.loads(out.read_text())
+    ref, stdout = generated(tmp_path, server.checkpoint, "--prompt", PROMPTS[3], "--max-new-tokens", "16",
+                            "--stop", stop, "--stop", "@@never@@")
     r = chat(server, PROMPTS[3], 16, temperature=0, stop=[stop, "@@never@@"])
-    assert r.choices[0].message.content == ref["text"] == cut and proc.stdout == cut + "\n"
+    assert r.choices[0].message.content == ref["text"] == cut and stdout == cut + "\n"
     assert r.choices[0].finish_reason == "stop" and ref["finish_reason"] == "stop"
     assert r.usage.completion_tokens == len(ref["token_ids"]) < 16
 
@@ -364,7 +406,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert after - before >= len(cases)
     with pytest.raises(openai.NotFoundError):  # the client's own view of a 404
         server.client().completions.create(model="no-such-model", prompt="hi", max_tokens=2)
-    assert complete(server, "Hello", 4, temperature=0).choices[0].text is not None
+    assert_still_serving(server)
 
 
 def test_a_streamed_oversized_body_is_413_and_tiny_sampling_values_are_exact(server):
@@ -394,7 +436,7 @@ def test_an_oversized_body_gets_its_413_from_a_blocking_client(server):
             urllib.request.urlopen(req, timeout=60)
         assert e.value.code == 413, chunked
         assert str(MAX_BODY) in json.loads(e.value.read())["error"]["message"]
-    assert complete(server, "Hello", 2, temperature=0).choices[0].text is not None
+    assert_still_serving(server)
 
 
 def test_health_never_shows_exception_text(server):
@@ -412,7 +454,7 @@ def test_engine_failure_is_a_500_for_that_request(server):
         streamed(complete(server, "hi", 8, stop=FAULT, stream=True))
     assert "fault injected" in server.tail(200_000)  # the detail is in the server's log
     assert counter(server.metrics(), "jaxspec_requests_total", outcome="error") >= 2
-    assert complete(server, "Hello", 4, temperature=0).choices[0].text is not None
+    assert_still_serving(server)
 
 
 def test_engine_failure_spares_the_request_beside_it(server):
@@ -445,7 +487,7 @@ def test_full_queue_is_429(server):
         return m[("jaxspec_active_slots", ())] == 0 and m[("jaxspec_queue_depth", ())] == 0
 
     wait_for(drained, "slots and queue freed after closed streams")
-    assert complete(server, "Hello", 4, temperature=0).choices[0].text is not None
+    assert_still_serving(server)
 
 
 def wait_for(check, what: str, timeout: float = 60) -> None:
@@ -463,7 +505,7 @@ def test_client_disconnect_cancels_the_request(server):
         return counter(server.metrics(), "jaxspec_requests_total", outcome="cancelled")
 
     before = cancelled()
-    stream = complete(server, LONG, 200, temperature=0, stream=True)
+    stream = complete(server, LONG, 200, temperature=0, n=LONG_N, stream=True)
     for received, _ in enumerate(stream, 1):
         if received == 3:
             break
@@ -471,11 +513,11 @@ def test_client_disconnect_cancels_the_request(server):
     wait_for(lambda: cancelled() > before, "the streaming request's cancellation in /metrics")
     wait_for(lambda: server.metrics()[("jaxspec_active_slots", ())] == 0, "the slot to free")
     with pytest.raises(httpx.ReadTimeout):
-        server.post("/v1/completions", {"model": server.model, "prompt": LONG,
-                                        "max_tokens": 200, "temperature": 0}, timeout=3)
+        server.post("/v1/completions", {"model": server.model, "prompt": LONG, "n": LONG_N,
+                                        "max_tokens": 200, "temperature": 0}, timeout=1)
     wait_for(lambda: cancelled() > before + 1, "the waiting request's cancellation in /metrics")
     wait_for(lambda: server.metrics()[("jaxspec_active_slots", ())] == 0, "the slot to free")
-    assert complete(server, "Hello", 4, temperature=0).choices[0].text is not None
+    assert_still_serving(server)
     logged = [json.loads(line) for line in server.request_log.read_text().splitlines()]
     assert sum(row["finish_reason"] == "cancelled" for row in logged) >= 2  # the dropped requests are logged too
 
@@ -563,12 +605,14 @@ def test_flags_fail_before_loading(server):
         assert last.startswith("jaxspec: error:") and all(w in last for w in words), last
 
 
-def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_path):
-    """A second server speculating with the n-gram chain: the same greedy outputs, alone and 8 at once, streamed,
-    cut by a stop string, and the speculation counters move (drafts, draft tokens, accepted per position, mean
-    acceptance length). Every response carries its own speculation (an extension field the openai client keeps,
-    streamed on a choice's last chunk), and those add up to the /metrics totals."""
-    spec = Server(tmp_path / "spec.log", ("--mode", "sequence", "--ssm", "ngram:3", "--expansion", "1,1,1,1"))
+def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_path, tiny_ssm_checkpoint):
+    """A second server speculating with an SSM's chain (drafting at every step, part of it accepted): the same
+    greedy outputs, alone and 8 at once, streamed, cut by a stop string, and the speculation counters move (drafts,
+    draft tokens, accepted per position, mean acceptance length). Every response carries its own speculation (an
+    extension field the openai client keeps, streamed on a choice's last chunk), and those add up to the /metrics
+    totals."""
+    spec = Server(tmp_path / "spec.log", ("--mode", "sequence", "--ssm", str(tiny_ssm_checkpoint), "--expansion",
+                                          "1,1,1,1"), server.checkpoint)
     seen = []  # every response's per-request speculation
 
     def answer(prompt: str, **kw) -> str:
@@ -598,6 +642,7 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
         drafts = counter(m, "jaxspec_spec_decode_num_drafts_total")
         accepted = counter(m, "jaxspec_spec_decode_num_accepted_tokens_total")
         assert drafts > 0 and counter(m, "jaxspec_spec_decode_num_draft_tokens_total") >= drafts
+        assert accepted > 0  # the SSM agrees with the LLM on part of its drafts: accepted paths were committed
         assert accepted == sum(v for (name, _), v in m.items()
                                if name == "jaxspec_spec_decode_num_accepted_tokens_per_pos_total")
         assert counter(m, "jaxspec_spec_decode_mean_acceptance_length") == pytest.approx(1 + accepted / drafts)
@@ -607,27 +652,29 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
         assert sum(s["draft_tokens"] for s in seen) == counter(m, "jaxspec_spec_decode_num_draft_tokens_total")
         assert sum(s["accepted_tokens"] for s in seen) == accepted > 0
         for s in seen:
-            assert set(s["by_speculator"]) == {"ngram:3"}
-            assert s["by_speculator"]["ngram:3"] == {"drafted": s["draft_tokens"], "accepted": s["accepted_tokens"]}
+            (by,) = s["by_speculator"].values()  # one speculator: the SSM
+            assert by == {"drafted": s["draft_tokens"], "accepted": s["accepted_tokens"]}
             assert 0 < s["verify_steps"] <= 16 and s["draft_steps"] <= s["verify_steps"]
             assert s["accept_length"] == pytest.approx(1 + s["accepted_tokens"] / s["verify_steps"], abs=1e-4)
     finally:
         spec.stop()
 
 
-# ~6.5 min cold each (auto compiles its trees per batch bucket as they pay): the default run keeps the n-gram server
-# above (greedy identity, concurrency, streams, stops, draft counters) and test_serve_structured's tree server.
-@pytest.mark.slow
-@pytest.mark.parametrize("flags", [("--mode", "auto", "--verify", "coupled"),  # the default speculators, lazy trees
-                                   ("--mode", "tree", "--expansion", "1,2,1", "--verify", "mss")],  # default pool
+# The shipped pool's fixed tree compiles every member at every bucket (two minutes cold): under -m slow; the default
+# run keeps the auto server (the default mode, its trees compiled as they pay) and the SSM server above.
+@pytest.mark.parametrize("flags", [("--mode", "auto", "--verify", "coupled"),  # drafter + n-gram, lazy trees
+                                   pytest.param(("--mode", "tree", "--expansion", "1,2,1", "--verify", "mss"),
+                                                marks=pytest.mark.slow)],  # the shipped pool
                          ids=["auto-coupled", "tree-mss"])
-def test_auto_and_tree_servers_keep_greedy_output_through_streams_stops_and_disconnects(server, tmp_path, flags):
-    """Speculating servers (auto, and a fixed tree of the default pool) answer the incremental server's greedy
-    text alone, four at once beside sampled requests, streamed, cut by a stop string, and right after a client
-    dropped a speculating stream; every iteration the metrics count ran a member of the family (issue 22).
-    Under the coupled verifier (issue 24) the sampled requests, 8 clients at once, answer the incremental
-    server's text for their seeds too."""
-    spec = Server(tmp_path / "spec.log", flags)
+def test_auto_and_tree_servers_keep_greedy_output_through_streams_stops_and_disconnects(server, tmp_path, flags,
+                                                                                        tiny_drafter):
+    """Speculating servers (auto over a drafter and the n-gram, and a fixed tree of the shipped pool, which shares
+    the tokenizer) answer the incremental server's greedy text alone, four at once beside sampled requests,
+    streamed, cut by a stop string, and right after a client dropped a speculating stream; every iteration the
+    metrics count ran a member of the family (issue 22). Under the coupled verifier (issue 24) the sampled
+    requests, 8 clients at once, answer the incremental server's text for their seeds too."""
+    speculators = ("--ssm", f"drafter:{tiny_drafter}", "--ssm", "ngram") if flags[1] == "auto" else ()
+    spec = Server(tmp_path / "spec.log", (*flags, *speculators), server.checkpoint)
     try:
         prompts = PROMPTS[:3] + ["Count from one to twenty, separated by commas."]
         want = [chat(server, p, 24, temperature=0).choices[0].message.content for p in prompts]
@@ -652,7 +699,7 @@ def test_auto_and_tree_servers_keep_greedy_output_through_streams_stops_and_disc
         cut = chat(spec, prompts[3], 24, temperature=0, stop=[stop])
         assert cut.choices[0].message.content == want[3][:want[3].index(stop)]
         assert cut.choices[0].finish_reason == "stop"
-        stream = complete(spec, LONG, 200, temperature=0, stream=True)
+        stream = complete(spec, LONG, 200, temperature=0, n=LONG_N, stream=True)
         for received, _ in enumerate(stream, 1):
             if received == 3:
                 break
@@ -692,7 +739,24 @@ def test_64_concurrent_streams_lose_nothing(server):
 
 
 def test_no_compilation_while_serving(server):
-    """Every request of this module ran on executables the warm-up compiled."""
+    """What the warm-up compiled serves every kind of request: greedy and sampled, chat and completions, streamed,
+    n choices, stops, every row bucket at once, a long prompt fed in chunks, a prefix-cache hit (and every request
+    of this module before it)."""
+    kinds = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=1.0, extra_body={
+        "top_k": 5}, seed=2), dict(temperature=0, stop=["e"]), dict(temperature=0.7, n=3, seed=3)]
+
+    def ask(k: int) -> int:
+        kw = kinds[k % len(kinds)]
+        if k % 3 == 0:
+            return sum(len(p) for p in streamed(complete(server, PROMPTS[k % len(PROMPTS)], 12, stream=True, **kw))[0])
+        return chat(server, PROMPTS[k % len(PROMPTS)], 12, **kw).usage.completion_tokens
+
+    with ThreadPoolExecutor(2 * MAX_BATCH) as pool:  # more clients than slots: every row bucket, the queue
+        assert all(list(pool.map(ask, range(4 * len(kinds)), timeout=REQUEST_S)))
+    long = "Summarise: " + " ".join(PROMPTS * 4)  # several prompt chunks (218 tokens), then a prefix-cache hit
+    first, again = (chat(server, long, 6, temperature=0) for _ in range(2))
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].message.content == first.choices[0].message.content
     server.log.flush()
     late = [line for line in open(server.log_path) if "compiled while serving" in line]
     assert server.metrics()[("jaxspec_compilations", ())] == server.compilations and not late, late
@@ -702,7 +766,7 @@ def test_sigterm_drains_and_exits_zero(server):
     """Runs last: on SIGTERM a short in-flight stream finishes, one longer than --shutdown-timeout ends with a
     503 error event, new connections are refused, and the process exits 0 without a traceback."""
     short = iter(complete(server, "Count to ten:", 6, temperature=0, stream=True))
-    long = iter(complete(server, LONG, 240, temperature=0, stream=True))
+    long = iter(complete(server, LONG, 240, temperature=0, n=LONG_N, stream=True))
     first = [next(short), next(long)]  # both hold slots now
     server.proc.send_signal(signal.SIGTERM)
     done = [first[0], *short]
@@ -710,7 +774,7 @@ def test_sigterm_drains_and_exits_zero(server):
     with pytest.raises(openai.APIError, match="shutting down"):
         list(long)
     assert server.proc.wait(60) == 0, server.tail()
-    log = server.tail(20000)
+    log = server.tail(1 << 30)  # the whole log: -v writes a line per iteration after "draining"
     assert "Traceback" not in log and "draining" in log
     # -v: what the loop's host work cost per iteration while serving (warm-up excluded), said as it stops
     host = re.search(r"host ([\d.]+) ms per iteration \(p90 [\d.]+\) of ([\d.]+) ms .*?; (\d+) iterations", log)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dev_prompts
-from models.loading import CheckpointError, default_model_path, qwen_pair_paths
+from conftest import dev_prompts, user_qwen_pair
+from models.loading import CheckpointError, default_model_path
 from models.tokenizer import (
     PRE_TOKENIZER_SPLITS,
     _from_gguf,
@@ -416,7 +416,7 @@ def test_cli_generates_without_torch(tmp_path):
 def test_qwen_pair_equals_transformers(which):
     """Qwen2.5-Coder 0.5B / 1.5B GGUF tokenizers (qwen2 pre-tokenizer, 151k tokens) vs transformers'."""
     try:
-        llm, ssm = qwen_pair_paths()
+        llm, ssm = user_qwen_pair()
     except CheckpointError as e:
         pytest.skip(f"Qwen2.5 GGUF pair not on this machine: {e}")
     path = Path(llm if which == "llm" else ssm)
