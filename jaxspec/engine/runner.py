@@ -162,7 +162,8 @@ class Runner:
         before); a mesh with ``pipe`` > 1 runs the LLM's layers as pipeline stages (``models.pipeline``);
         ``offload`` keeps them in host memory and streams them in layer by layer (``jaxspec.parallel.offload``);
         ``forced_tokens``: how many tokens a grammar forces ahead of a constrained request's root ride in its tree
-        as a draft chain (0: none); ``cuts``: auto's shallower members, (kind, depth) as ``jaxspec.engine.planner.tree_cuts`` gives them."""
+        as a draft chain (0: none); ``cuts``: auto's shallower members, (kind, depth) as
+        ``jaxspec.engine.planner.tree_cuts`` gives them."""
         expansions = _per_ssm(expansion, len(speculators))
         self.speculators = tuple(speculators)
         self.batch_ssms = batch_ssms
@@ -451,7 +452,7 @@ class Runner:
 
     def member_cost(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
                     batch: int = 1, refresh: bool = False) -> float:
-        """Seconds per iteration of one family member on ``batch`` rows of ``capacity`` slots (cached, see calibrate)."""
+        """Seconds per iteration of one family member on ``batch`` rows of ``capacity`` slots (cached: calibrate)."""
         if self._injected_costs is not None:
             return self._injected_costs[name]
         key = (_warp(params), capacity, batch, name)
@@ -496,7 +497,7 @@ class Runner:
 
     def _measure(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, reps: int = 7,
                  batch: int = 1, names: Sequence[str] | None = None) -> dict[str, float]:
-        """Seconds per iteration of members (default all) on ``batch`` rows of ``capacity`` slots (reps 0: compile only).
+        """Seconds per iteration of members (default all) on ``batch`` rows of ``capacity`` slots (reps 0: one run).
 
         Each is the fastest of ``reps`` timed runs (whatever else runs on the host only ever adds time). A tree is
         timed in rounds with the plain step where that is compiled and measured here: its cost is the plain step's
