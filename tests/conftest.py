@@ -122,6 +122,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
+def _measurements_of_its_own(tmp_path_factory):
+    """Each module runs on a machine of its own as far as measurements go: step costs, compile times and prompt-chunk
+    sizes under a fresh ``JAXSPEC_CACHE`` whose ``xla`` and ``weights`` are the run's (compiles and converted weights
+    shared). What another module measured, or left half-searched, then steers none of its decisions: a chunk-size
+    search left open made a ready server compile while serving, and engine tests ran several times slower after
+    others had calibrated the machine than alone."""
+    root = tmp_path_factory.mktemp("measured")
+    suite = Path(os.environ[SUITE_CACHE_ENV])
+    for shared in ("xla", "weights"):
+        (suite / shared).mkdir(exist_ok=True)
+        (root / shared).symlink_to(suite / shared, target_is_directory=True)
+    saved, os.environ["JAXSPEC_CACHE"] = os.environ["JAXSPEC_CACHE"], str(root)
+    yield
+    os.environ["JAXSPEC_CACHE"] = saved
+
+
+@pytest.fixture(scope="module", autouse=True)
 def _drop_compiled_executables():
     """Frees each module's compiled executables after it: a worker runs many modules, and JAX
     keeps every executable it compiled (a worker otherwise grows past 8 GB over the suite)."""

@@ -1,7 +1,8 @@
 """The suite's own caches and XLA flags reach every process a test starts; the user's cache root is never used.
 
-``tests/conftest.py`` points ``JAXSPEC_CACHE`` at a directory of the run's own and, at the run's end, fails it if the
-user's root (``$JAXSPEC_CACHE`` as the user set it, else ``~/.cache/jaxspec``) changed. These tests check the means.
+``tests/conftest.py`` points ``JAXSPEC_CACHE`` at a directory of the module's own (its ``xla`` and ``weights`` the
+run's) and, at the run's end, fails the run if the user's root (``$JAXSPEC_CACHE`` as the user set it, else
+``~/.cache/jaxspec``) changed. These tests check the means.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from jaxspec.cache import cache_root, compile_cache_dir, weight_cache_dir
 
 
 def test_the_suite_root_is_its_own():
-    root = cache_root()
-    assert root == Path(os.environ[SUITE_CACHE_ENV]) and root != USER_CACHE
-    assert root != Path.home() / ".cache" / "jaxspec"
-    assert compile_cache_dir() == root / "xla" and weight_cache_dir() == root / "weights"
+    """A module's root is its own (its measurements), its compiles and converted weights the run's."""
+    root, suite = cache_root(), Path(os.environ[SUITE_CACHE_ENV])
+    assert root not in (USER_CACHE, suite, Path.home() / ".cache" / "jaxspec") and not (root / "costs").exists()
+    assert compile_cache_dir() == root / "xla" and compile_cache_dir().resolve() == (suite / "xla").resolve()
+    assert weight_cache_dir() == root / "weights" and weight_cache_dir().resolve() == (suite / "weights").resolve()
 
 
 def test_a_command_a_test_starts_writes_under_the_suite_root_only(tmp_path, tiny_checkpoint):
@@ -28,7 +30,8 @@ def test_a_command_a_test_starts_writes_under_the_suite_root_only(tmp_path, tiny
     the suite's root, and nothing is made under HOME (where the user's default root lives)."""
     home = tmp_path / "home"
     home.mkdir()
-    before = cache_listing(cache_root())
+    suite = Path(os.environ[SUITE_CACHE_ENV])
+    before = cache_listing(suite), cache_listing(cache_root())
     out = tmp_path / "out.jsonl"
     proc = subprocess.run([sys.executable, "-m", "jaxspec.cli", "generate", "--model", str(tiny_checkpoint),
                            "--mode", "incremental", "--prompt", "Hello", "--max-new-tokens", "2", "--output",
@@ -36,7 +39,7 @@ def test_a_command_a_test_starts_writes_under_the_suite_root_only(tmp_path, tiny
                           env={**os.environ, "HOME": str(home)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(out.read_text())["token_ids"]
-    assert cache_listing(cache_root()) != before  # it wrote (or touched) its executables there
+    assert (cache_listing(suite), cache_listing(cache_root())) != before  # it wrote (or touched) executables there
     assert not (home / ".cache" / "jaxspec").exists()
 
 
