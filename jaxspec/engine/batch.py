@@ -623,12 +623,17 @@ class BatchEngine:
             raise
         self.cancel_all("cancelled")
 
-    def cancel_all(self, reason: str) -> None:
-        """Ends every waiting, staged and running request with ``reason``."""
+    def _take_queued(self) -> list[tuple[Ticket, Callable[[Event], None]]]:
+        """Empties the queue: every waiting and incoming request, with its listener."""
         with self.lock:
-            waiting = list(self.waiting) + list(self.incoming)
+            queued = list(self.waiting) + list(self.incoming)
             self.waiting.clear()
             self.incoming.clear()
+        return queued
+
+    def cancel_all(self, reason: str) -> None:
+        """Ends every waiting, staged and running request with ``reason``."""
+        waiting = self._take_queued()
         for ticket, on_event in waiting:
             _deliver(on_event, Event(ticket.request.id, [], reason, prompt_tokens=len(ticket.request.prompt_ids)))
         if self.staging is not None:
@@ -642,16 +647,18 @@ class BatchEngine:
     def fail_all(self, error: str) -> None:
         """Ends every waiting, staged and running request with ``error`` after the loop itself failed: the device
         state is not trusted (nothing runs on it), so the rows are dropped, not retired."""
-        with self.lock:
-            waiting = list(self.waiting) + list(self.incoming)
-            self.waiting.clear()
-            self.incoming.clear()
+        waiting = self._take_queued()
         if self.staging is not None:
             waiting.append((self.staging.ticket, self.staging.on_event))
             self.staging, self._staged = None, []
         for ticket, on_event in waiting:
             _deliver(on_event, Event(ticket.request.id, [], "error", error,
                                      prompt_tokens=len(ticket.request.prompt_ids)))
+        self._drop_rows(error)
+
+    def _drop_rows(self, error: str) -> None:
+        """Ends every running request with ``error`` without touching the device state (not trusted after a
+        failure): each keeps the tokens it emitted."""
         slots, self.slots, self._pending = self.slots, [], None
         for slot in slots:
             slot.row = -1
@@ -795,15 +802,8 @@ class BatchEngine:
             self._decode()
         except Exception as exc:  # noqa: BLE001 — fail the batch's requests, keep serving
             self.sync.failed("a decoding step", exc)
-            self._pending = None
             self.state = self.engine.init_state(self.rows, self.capacity, sampling.MIXED, active=False)
-            slots, self.slots = self.slots, []
-            for slot in slots:
-                slot.row = -1
-                self._finish_learning(slot)
-                _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error", reason_of(exc),
-                                              prompt_tokens=len(slot.ticket.request.prompt_ids),
-                                              completion_tokens=len(slot.gen.token_ids), generation=slot.gen))
+            self._drop_rows(reason_of(exc))
 
     def _drop_cancelled_waiting(self) -> None:
         """Ends cancelled requests still in the queue now, so they stop counting against ``max_queue``."""
