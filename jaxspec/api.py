@@ -251,7 +251,7 @@ class LLM:
                                                           grammar_of(json_schema, regex, grammar)))
 
     def prepare(self, sampled: bool = True, structured: bool = False) -> float:
-        """Readies every executable the loop can reach (``BatchEngine.prepare``: greedy, and ``sampled`` warps too;
+        """Readies every executable the loop can reach (``BatchEngine.prepare``: greedy, and the sampled warp too;
         ``structured``: the grammar steps), so no later call waits on a compile; returns the seconds. Without it a
         call's first use of a bucket readies that bucket's members then."""
         from jaxspec.decoding import sampling  # noqa: PLC0415

@@ -80,8 +80,8 @@ def test_a_request_depends_on_its_own_seed_only(llm):
     b = batch.generate([Request(PROMPTS[2], 10, sampling.SamplingParams(0.5, top_k=5, seed=9)),
                         Request(PROMPTS[3], 10), mine])
     assert a[0].token_ids == b[2].token_ids
-    # a temperature-only row samples the same tokens in a batch without the top-k/top-p stages as beside
-    # a top-p row (batch a), whose rows run every stage
+    # a temperature-only row samples the same tokens alone (the top-k/top-p sort skipped at run time) as
+    # beside a top-p row (batch a), where the sort runs for every row
     alone = batch.generate([Request(PROMPTS[1], 10, sampling.SamplingParams(0.7, seed=1))])
     assert alone[0].token_ids == a[1].token_ids
     # the greedy row of a mixed (greedy + sampled) batch is still exactly greedy

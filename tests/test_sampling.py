@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxspec.engine import Engine
-from jaxspec.decoding.sampling import (MIXED, SAMPLED, SamplingError, SamplingParams, WarpSpec, batch_warp, row_values, sample,
-                              warp_arrays, warped_probs)
+from jaxspec.decoding.sampling import (MIXED, SAMPLED, SamplingError, SamplingParams, WarpSpec, batch_warp, row_values,
+                                     sample, truncating, warp_arrays, warped_probs)
 
 
 def reference_warp(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
@@ -80,14 +80,27 @@ def test_same_seed_same_output(tiny_llm):
     assert a != c
 
 
-def test_batch_warp_compiles_only_the_stages_some_row_needs():
-    """Greedy rows alone run greedy; temperature-only rows skip the sorting stages; any top-k/top-p row adds them."""
+def test_batch_warp_is_greedy_or_every_stage():
+    """Greedy rows alone run greedy; any sampled row runs MIXED (one sampled executable set to prepare)."""
     greedy, hot = SamplingParams(), SamplingParams(0.7)
     assert batch_warp([greedy, greedy]) == WarpSpec()
-    assert batch_warp([greedy, hot]) == SAMPLED and not (SAMPLED.use_top_k or SAMPLED.use_top_p)
+    assert batch_warp([greedy, hot]) == MIXED
     assert batch_warp([hot, SamplingParams(0.7, top_p=0.9)]) == MIXED
     assert batch_warp([greedy, SamplingParams(0.7, top_k=5)]) == MIXED
-    assert batch_warp([SamplingParams(top_k=5), hot]) == SAMPLED  # a greedy row's top-k does nothing
+
+
+def test_the_sort_runs_only_where_a_sampled_row_truncates():
+    """``truncating`` is False for temperature-only rows and greedy rows whatever their top-k (they take the
+    argmax), True once one sampled row asks for top-k or top-p."""
+    hot, vocab = SamplingParams(0.7), 50
+    asks = lambda rows: bool(truncating(MIXED, jax.device_put(row_values(rows, vocab)), vocab))  # noqa: E731
+    assert not asks([hot, SamplingParams(), SamplingParams(1.3)])
+    assert not asks([hot, SamplingParams(top_k=5), SamplingParams(top_p=0.5)])  # greedy rows' values do nothing
+    assert not asks([SamplingParams(0.7, top_k=vocab), hot])  # top-k of the whole vocabulary keeps every token
+    assert asks([hot, SamplingParams(0.7, top_k=5)])
+    assert asks([SamplingParams(0.9, top_p=0.8), hot])
+    top_p_only = jax.device_put(row_values([SamplingParams(0.9, top_p=0.8)], vocab))
+    assert not bool(truncating(WarpSpec(False, use_top_k=True), top_p_only, vocab))  # no top-p stage compiled
 
 
 def test_a_row_without_top_k_or_top_p_has_the_same_distribution_under_mixed():
@@ -97,3 +110,8 @@ def test_a_row_without_top_k_or_top_p_has_the_same_distribution_under_mixed():
     values = jax.device_put(row_values(rows, 50))
     np.testing.assert_array_equal(np.asarray(warped_probs(logits, SAMPLED, values)),
                                   np.asarray(warped_probs(logits, MIXED, values)))
+    # beside a row that truncates (the sort runs), the others keep their exact distribution
+    cut = jax.device_put(row_values(rows + [SamplingParams(0.9, top_k=3)], 50))
+    both = np.asarray(warped_probs(jnp.concatenate([logits, logits[:1]]), MIXED, cut))
+    np.testing.assert_array_equal(both[:3], np.asarray(warped_probs(logits, SAMPLED, values)))
+    assert ((both[3] > 0).sum(-1) == 3).all()

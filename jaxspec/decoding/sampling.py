@@ -82,24 +82,23 @@ class WarpSpec:
 
 
 SAMPLED = WarpSpec(greedy=False)
-"""A batch of greedy and sampled rows that use temperature alone: no top-k / top-p stage compiled."""
+"""A single sampled request that uses temperature alone: no top-k / top-p stage compiled."""
 MIXED = WarpSpec(greedy=False, use_top_k=True, use_top_p=True)
-"""A batch where some sampled row uses top-k or top-p: every stage compiled, each row's values decide."""
-BATCH_WARPS = (WarpSpec(), SAMPLED, MIXED)  # what a batch of rows can run (``batch_warp``)
+"""Any batch with a sampled row: every stage compiled, each row's values decide, and the top-k / top-p stage (a
+sort of the vocabulary at every tree node) runs only in an iteration where some sampled row asks for it."""
+BATCH_WARPS = (WarpSpec(), MIXED)  # what a batch of rows can run (``batch_warp``): one executable set each
 
 
 def batch_warp(rows: Sequence[SamplingParams]) -> WarpSpec:
-    """The cheapest of ``BATCH_WARPS`` that serves every row: greedy, temperature only, or every stage.
+    """The warp of ``BATCH_WARPS`` that serves every row: greedy, or every stage (``MIXED``).
 
-    The top-k / top-p stages sort the vocabulary of every tree node of every row; a row that
-    does not ask for them keeps its exact distribution in either executable (its top-k is
-    the vocabulary size and its top-p 1, which keep every token as it is).
+    One sampled warp rather than one per stage subset halves what a server prepares; a row that asks for
+    neither stage keeps its exact distribution there (its top-k is the vocabulary size and its top-p 1, and an
+    iteration where no sampled row truncates skips the sort at run time: ``warp_logits``).
     """
     if all(p.greedy for p in rows):
         return WarpSpec()
-    if any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in rows):
-        return MIXED
-    return SAMPLED
+    return MIXED
 
 
 def warp_arrays(params: SamplingParams, batch: int) -> dict[str, jax.Array]:
@@ -164,26 +163,46 @@ def warp_logits(logits: jax.Array, spec: WarpSpec, values: dict[str, jax.Array])
     extra = (1,) * (logits.ndim - 2)
     t = values["temperature"].reshape((b,) + extra + (1,))
     x = logits.astype(jnp.float32) / t
-    neg = jnp.finfo(jnp.float32).min
     if spec.use_top_k or spec.use_top_p:
-        order = jnp.sort(x, axis=-1)[..., ::-1]  # descending
-        if spec.use_top_k:
-            k = values["top_k"].reshape((b,) + extra + (1,))
-            kth = jnp.take_along_axis(order, jnp.clip(k - 1, 0, x.shape[-1] - 1), axis=-1)
-            x = jnp.where(x >= kth, x, neg)
-            order = jnp.where(jnp.arange(x.shape[-1]) < k, order, neg)
-        if spec.use_top_p:
-            p = values["top_p"].reshape((b,) + extra + (1,))
-            probs = jax.nn.softmax(order, axis=-1)
-            before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
-            keep = (before < p) | (p >= 1.0)  # smallest prefix whose mass reaches p; p = 1 keeps all exactly
-            threshold = jnp.min(jnp.where(keep, order, jnp.inf), axis=-1, keepdims=True)
-            x = jnp.where(x >= threshold, x, neg)
+        x = jax.lax.cond(truncating(spec, values, x.shape[-1]), lambda x: _truncate(x, spec, values), lambda x: x, x)
     logp = jax.nn.log_softmax(x, axis=-1)
     if "greedy" in values:  # argmax rows of a mixed batch: a one-hot distribution at the argmax
         onehot = jnp.arange(x.shape[-1]) == jnp.argmax(logits, axis=-1)[..., None]
         logp = jnp.where(values["greedy"].reshape((b,) + extra + (1,)), jnp.where(onehot, 0.0, -jnp.inf), logp)
     return logp
+
+
+def truncating(spec: WarpSpec, values: dict[str, jax.Array], vocab: int) -> jax.Array:
+    """Whether some sampled row of ``values`` asks for a compiled top-k or top-p stage (a scalar bool): where none
+    does, those stages keep every token and ``warp_logits`` skips their sort."""
+    asks = jnp.zeros(values["temperature"].shape, bool)
+    if spec.use_top_k:
+        asks |= (values["top_k"] > 0) & (values["top_k"] < vocab)  # 0 and the vocabulary size: off
+    if spec.use_top_p:
+        asks |= values["top_p"] < 1.0
+    if "greedy" in values:  # a greedy row's values do nothing: its distribution is its argmax
+        asks &= ~values["greedy"]
+    return jnp.any(asks)
+
+
+def _truncate(x: jax.Array, spec: WarpSpec, values: dict[str, jax.Array]) -> jax.Array:
+    """Scaled logits x [B, ..., V] with every token outside each row's top-k / top-p set to the float minimum."""
+    b, extra = x.shape[0], (1,) * (x.ndim - 2)
+    neg = jnp.finfo(jnp.float32).min
+    order = jnp.sort(x, axis=-1)[..., ::-1]  # descending
+    if spec.use_top_k:
+        k = values["top_k"].reshape((b,) + extra + (1,))
+        kth = jnp.take_along_axis(order, jnp.clip(k - 1, 0, x.shape[-1] - 1), axis=-1)
+        x = jnp.where(x >= kth, x, neg)
+        order = jnp.where(jnp.arange(x.shape[-1]) < k, order, neg)
+    if spec.use_top_p:
+        p = values["top_p"].reshape((b,) + extra + (1,))
+        probs = jax.nn.softmax(order, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+        keep = (before < p) | (p >= 1.0)  # smallest prefix whose mass reaches p; p = 1 keeps all exactly
+        threshold = jnp.min(jnp.where(keep, order, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x >= threshold, x, neg)
+    return x
 
 
 def gumbel_at(keys: jax.Array, positions: jax.Array, vocab: int) -> jax.Array:

@@ -25,8 +25,8 @@ before the first request (the JetStream / MaxText ``prefill`` / ``insert`` / ``g
 
 Greedy and sampled requests share one executable (a greedy row is a one-hot distribution,
 which multi-step speculative sampling verifies exactly as argmax); each iteration runs the
-cheapest warp its rows need (``sampling.batch_warp``: greedy alone, temperature only, or
-with the top-k / top-p stages, which sort the vocabulary at every tree node). A request's
+warp its rows need (``sampling.batch_warp``: greedy alone, or every sampling stage, whose top-k / top-p sort
+of the vocabulary at every tree node runs only in iterations where a sampled row asks for it). A request's
 output depends on its own seed only: each slot draws from its own key.
 
 Which members each bucket runs, at what measured cost, is ``jaxspec.engine.planner.Planner``. Over 600 lines,
