@@ -121,6 +121,9 @@ class Generation:
 # Bumped when a change moves what a decoding step costs (e.g. the KV cache layout), so calibrations
 # cached by an older jaxspec are measured again rather than trusted.
 STEP_REVISION = 2
+# Timed rounds per family member at a bucket (the fastest counts): four keep a tree's cost within a few percent of
+# seven's on a quiet host, at 4/7 of the start-up a server spends timing its buckets.
+MEMBER_REPEATS = 4
 
 
 def prompt_bucket(n: int) -> int:
@@ -495,7 +498,7 @@ class Runner:
             return costs.load(ident)
         return costs.load_or_measure(ident, lambda: found, refresh=True)
 
-    def _measure(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, reps: int = 7,
+    def _measure(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, reps: int = MEMBER_REPEATS,
                  batch: int = 1, names: Sequence[str] | None = None) -> dict[str, float]:
         """Seconds per iteration of members (default all) on ``batch`` rows of ``capacity`` slots (reps 0: one run).
 
