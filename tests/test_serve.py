@@ -36,6 +36,10 @@ KEY = "test-key"
 FAULT = "<<injected-fault>>"  # JAXSPEC_SERVE_FAULT: a request stopping at it fails inside the engine thread
 MAX_MODEL_LEN = 256
 MAX_BATCH = 4  # slots: four clients at once fill the server
+# The speculating servers' slots: row buckets 1 and 2 (each of them prepares every member's steps per row bucket and
+# warp; a third bucket would add a third more compiles and check the same paths). Their clients outnumber the slots:
+# requests queue, and greedy rows share batches with sampled ones.
+SPEC_BATCH = 2
 MAX_QUEUE = 64
 MAX_BODY = 1 << 20  # --max-body-bytes of the test server
 STARTUP_S = 600
@@ -612,7 +616,7 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
     extension field the openai client keeps, streamed on a choice's last chunk), and those add up to the /metrics
     totals."""
     spec = Server(tmp_path / "spec.log", ("--mode", "sequence", "--ssm", str(tiny_ssm_checkpoint), "--expansion",
-                                          "1,1,1,1"), server.checkpoint)
+                                          "1,1,1,1"), server.checkpoint, max_batch=SPEC_BATCH)
     seen = []  # every response's per-request speculation
 
     def answer(prompt: str, **kw) -> str:
@@ -669,12 +673,12 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
 def test_auto_and_tree_servers_keep_greedy_output_through_streams_stops_and_disconnects(server, tmp_path, flags,
                                                                                         tiny_drafter):
     """Speculating servers (auto over a drafter and the n-gram, and a fixed tree of the shipped pool, which shares
-    the tokenizer) answer the incremental server's greedy text alone, four at once beside sampled requests,
+    the tokenizer) answer the incremental server's greedy text alone, four at once beside four sampled requests,
     streamed, cut by a stop string, and right after a client dropped a speculating stream; every iteration the
     metrics count ran a member of the family (issue 22). Under the coupled verifier (issue 24) the sampled
     requests, 8 clients at once, answer the incremental server's text for their seeds too."""
     speculators = ("--ssm", f"drafter:{tiny_drafter}", "--ssm", "ngram") if flags[1] == "auto" else ()
-    spec = Server(tmp_path / "spec.log", (*flags, *speculators), server.checkpoint)
+    spec = Server(tmp_path / "spec.log", (*flags, *speculators), server.checkpoint, max_batch=SPEC_BATCH)
     try:
         prompts = PROMPTS[:3] + ["Count from one to twenty, separated by commas."]
         want = [chat(server, p, 24, temperature=0).choices[0].message.content for p in prompts]
