@@ -192,8 +192,10 @@ def test_a_prepared_loop_compiles_nothing_across_100_admissions(llm, lowering, m
 
     spec = dict(speculators=[early_exit(llm, 1), NGramSpeculator(3)], expansion=[(1, 2, 1), (1, 1, 1, 1)])
     engine = Engine(llm, **spec, lowering=default_lowering(lowering))
-    batch = BatchEngine(engine, max_batch=4, max_model_len=model_len, prefill_chunk=64)
-    assert len(batch.capacity_buckets) == (1 if lowering == "cpu" else 2)
+    # two row buckets (1, 2): a loop re-lays rows out between them as between any two; each bucket more is
+    # another set of every warp's and capacity's executables to prepare (max_batch=4: a third more compiling)
+    batch = BatchEngine(engine, max_batch=2, max_model_len=model_len, prefill_chunk=64)
+    assert batch.row_buckets == (1, 2) and len(batch.capacity_buckets) == (1 if lowering == "cpu" else 2)
     rng = np.random.default_rng(0)
     warps = [sampling.SamplingParams(), sampling.SamplingParams(0.8, top_p=0.9)]
     make = lambda k: Request(rng.integers(1, 60, size=int(rng.integers(1, longest))).tolist(),  # noqa: E731

@@ -3,6 +3,7 @@ function of (prompt, parameters, seed) alone, whatever the mode, tree, batch or 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,6 +30,12 @@ def llm():
     return tiny_model()
 
 
+@pytest.fixture(scope="module")
+def engines(llm) -> dict[str, Engine]:
+    """One engine per mode for the module: each traces its steps once, whichever test runs them first."""
+    return coupled_engines(llm)
+
+
 def coupled_engines(llm) -> dict[str, Engine]:
     near = early_exit(llm, 1)
     return {
@@ -42,9 +49,9 @@ def coupled_engines(llm) -> dict[str, Engine]:
 
 
 @pytest.fixture(scope="module")
-def wanted(llm) -> list[list[int]]:
+def wanted(engines) -> list[list[int]]:
     """Each request's incremental output: what every mode, alone or in a batch, must reproduce."""
-    want = [coupled_engines(llm)["incremental"].generate(p, 16, params).token_ids for p, params in zip(PROMPTS, PARAMS)]
+    want = [engines["incremental"].generate(p, 16, params).token_ids for p, params in zip(PROMPTS, PARAMS)]
     assert len({tuple(w) for w in want}) == len(want)
     return want
 
@@ -54,8 +61,8 @@ def wanted(llm) -> list[list[int]]:
 @pytest.mark.parametrize("name", ["tree", pytest.param("sequence", marks=pytest.mark.slow),
                                   pytest.param("dynamic", marks=pytest.mark.slow),
                                   pytest.param("auto", marks=pytest.mark.slow)])
-def test_same_seed_same_tokens_in_every_mode_alone_and_in_a_batch(llm, wanted, name):
-    engine = coupled_engines(llm)[name]
+def test_same_seed_same_tokens_in_every_mode_alone_and_in_a_batch(engines, wanted, name):
+    engine = engines[name]
     alone = [engine.generate(p, 16, params) for p, params in zip(PROMPTS, PARAMS)]
     assert [g.token_ids for g in alone] == wanted, name
     # eight slots, every request beside the others, then again in another order: other neighbours, other slots
@@ -70,7 +77,7 @@ def test_same_seed_same_tokens_in_every_mode_alone_and_in_a_batch(llm, wanted, n
     assert other != wanted[0]
 
 
-def test_the_coupled_draw_is_exact_for_the_first_and_second_tokens(llm):
+def test_the_coupled_draw_is_exact_for_the_first_and_second_tokens(llm, engines):
     """Chi-square of (first, second) sampled token pairs over many seeds against the LLM's warped joint
     distribution, incremental and through a tree, with top-k and top-p."""
     params = dict(temperature=1.0, top_k=5, top_p=0.9)
@@ -78,10 +85,14 @@ def test_the_coupled_draw_is_exact_for_the_first_and_second_tokens(llm):
     spec = sampling.WarpSpec.of(sampling.SamplingParams(**params))
     values = sampling.warp_arrays(sampling.SamplingParams(**params), 1)
 
+    @jax.jit  # one compile per prompt length (op by op, the reference cost more than the draws)
+    def warped_jit(params, ids):
+        cache = KVCache.create(llm.cfg, 1, ids.shape[1])
+        logits = prefill_model(llm.forward, params, cache, ids, jnp.asarray([ids.shape[1]]))[0]
+        return sampling.warped_probs(logits, spec, values)
+
     def warped(ids):  # the LLM's warped next-token distribution after ids
-        cache = KVCache.create(llm.cfg, 1, len(ids))
-        logits = prefill_model(llm.forward, llm.params, cache, jnp.asarray([ids]), jnp.asarray([len(ids)]))[0]
-        return np.asarray(sampling.warped_probs(logits, spec, values), np.float64)[0]
+        return np.asarray(warped_jit(llm.params, jnp.asarray([ids])), np.float64)[0]
 
     p1 = warped(prompt)
     joint = {}
@@ -90,10 +101,10 @@ def test_the_coupled_draw_is_exact_for_the_first_and_second_tokens(llm):
         for b in np.flatnonzero(p2 > 0):
             joint[(int(a), int(b))] = p1[a] * p2[b]
     seeds = 600
-    engines = coupled_engines(llm)
     for name in ("incremental", "tree"):
         engine = engines[name]
-        batch = BatchEngine(engine, max_batch=8, max_model_len=32)
+        # the loop shape of the mode test above (its steps already traced where it ran first)
+        batch = BatchEngine(engine, max_batch=8, max_model_len=64, prefill_chunk=16)
         outs = batch.generate([Request(prompt, 2, sampling.SamplingParams(**params, seed=s), stop_ids=[])
                                for s in range(seeds)])
         counts = {}

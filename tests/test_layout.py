@@ -26,8 +26,9 @@ FAMILIES = {
 def test_decoding_layout_matches_scanned_forward(family, batch, tokens):
     cfg = tiny_config(num_layers=2, **FAMILIES[family])
     params, toks, pos, cache, mask = ragged_forward_case(cfg, batch, tokens)
-    ref, ref_cache = make_forward(cfg)(params, toks, pos, cache, mask)
-    out, out_cache = make_forward(cfg, unrolled=True)(decoding_layout(params), toks, pos, cache, mask)
+    # jitted, as the engine runs them (op by op each forward cost seconds of dispatch and per-op compiles)
+    ref, ref_cache = jax.jit(make_forward(cfg))(params, toks, pos, cache, mask)
+    out, out_cache = jax.jit(make_forward(cfg, unrolled=True))(decoding_layout(params), toks, pos, cache, mask)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out_cache.k), np.asarray(ref_cache.k), rtol=1e-5, atol=1e-5)
 

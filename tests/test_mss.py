@@ -590,6 +590,9 @@ def models():
     return llm, near, far
 
 
+_LAW_FNS: dict = {}  # (LLM configuration, warp) -> the jitted law of ``_exact_two_token_law``
+
+
 def _exact_two_token_law(llm: LoadedModel, context, spec, values1) -> np.ndarray:
     """The LLM's warped p(y1 | context) p(y2 | context, y1) as a [V, V] array (float64)."""
     ctx = np.asarray(context, np.int32)
@@ -601,7 +604,7 @@ def _exact_two_token_law(llm: LoadedModel, context, spec, values1) -> np.ndarray
         lengths = jnp.full((VOCAB,), seqs.shape[1], jnp.int32)
         return sampling.warped_probs(prefill_model(llm.forward, params, cache, seqs, lengths)[0], spec, vals)
 
-    fn = jax.jit(probs, compiler_options=FAST)
+    fn = _LAW_FNS.setdefault((llm.cfg, spec), jax.jit(probs, compiler_options=FAST))  # compiled once per warp
     p2 = np.asarray(fn(llm.params, jnp.asarray(seqs), vals), np.float64)  # [V(y1), V(y2)]
     p1 = np.asarray(fn(llm.params, jnp.asarray(seqs[:, :-1]), vals), np.float64)[0]
     p1 /= p1.sum()
@@ -637,6 +640,10 @@ def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int, ngram: t
     ssms = tuple(restrict((near, far), draft_vocab, np.arange(VOCAB)[::-1]))  # the highest ids are "frequent"
     cfg = DecodeConfig((expansion_topology((2, 2)), expansion_topology((1, 1))), spec, verify,
                        tree_budget=10 + len(ngram), groups=groups, ngram_depth=len(ngram), vocab=VOCAB)
+    # b rows in chunks of E2E_CHUNK, each under its own key: XLA's compile time grows with the rows of one call (it
+    # constant-folds the empty caches' masked attention over every row), the draws are as independent either way
+    total, b = b, min(b, E2E_CHUNK)
+    assert total % b == 0
     proposal = (jnp.broadcast_to(jnp.asarray(ngram or (0,), jnp.int32), (b, max(len(ngram), 1))),
                 jnp.full((b,), len(ngram), jnp.int32))
     fw = (make_forward(TINY, unrolled=True, hidden=layers) if layers
@@ -662,7 +669,10 @@ def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int, ngram: t
 
     def sample(params: sampling.SamplingParams, seed: int):
         values = sampling.warp_arrays(params, b)
-        firsts, num = jax.device_get(fn(llm_params, tuple(s.params for s in ssms), jax.random.PRNGKey(seed), values))
+        draws = [jax.device_get(fn(llm_params, tuple(s.params for s in ssms),
+                                   jax.random.fold_in(jax.random.PRNGKey(seed), chunk), values))
+                 for chunk in range(total // b)]
+        firsts, num = (np.concatenate(parts) for parts in zip(*draws))
         first_row = {k: np.asarray(v[:1]) for k, v in values.items()}
         law = _exact_two_token_law(llm, E2E_PROMPT + [E2E_ROOT], spec, first_row)
         return firsts, num, law
@@ -682,6 +692,7 @@ WARPS = {
     "k5": sampling.SamplingParams(temperature=1.0, top_k=5),
 }
 E2E_B = 20_000
+E2E_CHUNK = 5_000  # rows of one compiled call (``_tree_sampler``)
 # One executable serves every warp: both stages compiled in, switched by the traced
 # values (top-k = V and top-p = 1 keep everything, up to float rounding of the top-p
 # cumulative sum; the exact law uses the same warp). The slow test compiles each warp's

@@ -144,7 +144,7 @@ def test_auto_measures_the_curve_before_the_engine_derives_its_trees_and_keeps_i
     given = engine_from(EngineConfig(mode="auto", expansion="1,1;1,1"), llm, speculators)
     assert given.cost_curve is None and given.family(sampling.SamplingParams())["ngram"].ngram_depth == 2
     greedy = sampling.WarpSpec.of(sampling.SamplingParams())
-    batch = BatchEngine(again, max_batch=8, max_model_len=64)
+    batch = BatchEngine(again, max_batch=8, max_model_len=64, prefill_chunk=16)  # no chunk search to prepare
     trees = speculator_trees(curve, again.speculators)
     for rows in batch.row_buckets:
         best = {f"{k}/{d}" for k, d in speculator_cuts(curve, again.speculators, trees, (rows,))}
