@@ -590,7 +590,7 @@ def models():
     return llm, near, far
 
 
-_LAW_FNS: dict = {}  # (LLM configuration, warp) -> the jitted law of ``_exact_two_token_law``
+_LAW_FNS: dict = {}  # (the LLM's forward, warp) -> the jitted law of ``_exact_two_token_law``
 
 
 def _exact_two_token_law(llm: LoadedModel, context, spec, values1) -> np.ndarray:
@@ -604,7 +604,10 @@ def _exact_two_token_law(llm: LoadedModel, context, spec, values1) -> np.ndarray
         lengths = jnp.full((VOCAB,), seqs.shape[1], jnp.int32)
         return sampling.warped_probs(prefill_model(llm.forward, params, cache, seqs, lengths)[0], spec, vals)
 
-    fn = _LAW_FNS.setdefault((llm.cfg, spec), jax.jit(probs, compiler_options=FAST))  # compiled once per warp
+    key = (llm.forward, spec)  # what ``probs`` closes over; the weights and values are its arguments
+    if key not in _LAW_FNS:
+        _LAW_FNS[key] = jax.jit(probs, compiler_options=FAST)  # compiled once per model and warp, not per call
+    fn = _LAW_FNS[key]
     p2 = np.asarray(fn(llm.params, jnp.asarray(seqs), vals), np.float64)  # [V(y1), V(y2)]
     p1 = np.asarray(fn(llm.params, jnp.asarray(seqs[:, :-1]), vals), np.float64)[0]
     p1 /= p1.sum()

@@ -121,8 +121,8 @@ class Generation:
 # Bumped when a change moves what a decoding step costs (e.g. the KV cache layout), so calibrations
 # cached by an older jaxspec are measured again rather than trusted.
 STEP_REVISION = 2
-# Timed rounds per family member at a bucket (the fastest counts): four keep a tree's cost within a few percent of
-# seven's on a quiet host, at 4/7 of the start-up a server spends timing its buckets.
+# Timed rounds per family member at a bucket (the fastest counts, each paired with a plain step): four rather than
+# seven spend 4/7 of the start-up a server times its buckets in (a default serve: 10 buckets in 86 s on 2 CPU cores).
 MEMBER_REPEATS = 4
 
 
