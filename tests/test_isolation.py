@@ -44,12 +44,12 @@ def test_a_command_a_test_starts_writes_under_the_suite_root_only(tmp_path, tiny
 
 
 def test_fake_devices_keep_the_suite_xla_flags():
-    """A multi-device subprocess gets its device count and keeps level 0 (replacing XLA_FLAGS dropped it)."""
+    """A multi-device subprocess gets its device count and keeps the suite's fast-compile flags (replacing XLA_FLAGS dropped them)."""
     env = device_env(4, JAX_PLATFORMS="cpu")
     flags = env["XLA_FLAGS"].split()
-    assert FAST_XLA in flags and flags.count(f"{FAKE_DEVICES}=4") == 1
+    assert set(FAST_XLA) <= set(flags) and flags.count(f"{FAKE_DEVICES}=4") == 1
     assert device_env(2, JAX_PLATFORMS="cpu")["XLA_FLAGS"].split().count(f"{FAKE_DEVICES}=2") == 1
     code = "import os, jax; print(jax.device_count(), os.environ['XLA_FLAGS'])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=device_env(3, JAX_PLATFORMS="cpu"), check=True).stdout.split()
-    assert out[0] == "3" and FAST_XLA in out[1:]
+    assert out[0] == "3" and set(FAST_XLA) <= set(out[1:])
