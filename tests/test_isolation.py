@@ -44,7 +44,8 @@ def test_a_command_a_test_starts_writes_under_the_suite_root_only(tmp_path, tiny
 
 
 def test_fake_devices_keep_the_suite_xla_flags():
-    """A multi-device subprocess gets its device count and keeps the suite's fast-compile flags (replacing XLA_FLAGS dropped them)."""
+    """A multi-device subprocess gets its device count and keeps the suite's fast-compile flags (replacing XLA_FLAGS
+    dropped them)."""
     env = device_env(4, JAX_PLATFORMS="cpu")
     flags = env["XLA_FLAGS"].split()
     assert set(FAST_XLA) <= set(flags) and flags.count(f"{FAKE_DEVICES}=4") == 1
