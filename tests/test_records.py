@@ -96,3 +96,17 @@ def test_another_process_reads_a_record_only_under_the_same_flags(tmp_path, monk
     costs.load_or_measure(KEY, lambda: {"seconds": 0.25})
     assert _read_in_a_process(flags, tmp_path) == {"seconds": 0.25}
     assert _read_in_a_process("", tmp_path) is None
+
+
+def test_the_compile_cache_is_trimmed_to_its_bound_oldest_first(tmp_path):
+    """``trim_compile_cache`` keeps the most recently used entries within the bound (and drops a removed entry's
+    access-time file); jax's own bound, which rescans every entry at each write, stays off."""
+    for i in range(5):
+        entry = tmp_path / f"k{i}-cache"
+        entry.write_bytes(b"x" * 100)
+        (tmp_path / f"k{i}-atime").write_bytes(b"t")
+        os.utime(entry, ns=(10**18 + i * 10**9, 10**18 + i * 10**9))  # k0 the least recently used
+    assert cache.trim_compile_cache(tmp_path, 250) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k3-atime", "k3-cache", "k4-atime", "k4-cache"]
+    assert cache.trim_compile_cache(tmp_path, 250) == 0
+    assert jax.config.jax_compilation_cache_max_size == -1  # conftest enabled the suite's cache
