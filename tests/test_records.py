@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec import cache
 from jaxspec.cache import STATS, speed_key, xla_flags
@@ -110,3 +111,18 @@ def test_the_compile_cache_is_trimmed_to_its_bound_oldest_first(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["k3-atime", "k3-cache", "k4-atime", "k4-cache"]
     assert cache.trim_compile_cache(tmp_path, 250) == 0
     assert jax.config.jax_compilation_cache_max_size == -1  # conftest enabled the suite's cache
+
+
+def test_executables_compile_with_the_platforms_options_unless_xla_flags_sets_them(monkeypatch):
+    """On a CPU every ``Stored`` executable compiles at LLVM's level 1 (``cache.PLATFORM_OPTIONS``), computing what
+    the default level computes; an option the user's ``XLA_FLAGS`` sets is left to it, and the options key records."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    assert cache.compiler_options() == {"xla_backend_optimization_level": 1}
+    ours = speed_key()
+    fn = Stored(lambda x: jnp.tanh(x) @ x.T, {"what": "test-options"})
+    assert fn.options == {"xla_backend_optimization_level": 1}
+    x = jnp.linspace(-2.0, 2.0, 48).reshape(6, 8)
+    np.testing.assert_allclose(np.asarray(fn(x)), np.asarray(jax.jit(lambda x: jnp.tanh(x) @ x.T)(x)), rtol=1e-6)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2")  # the user's level wins
+    assert cache.compiler_options() == {} and Stored(lambda x: x, {"what": "test-options"}).options is None
+    assert speed_key()["compiler_options"] == {} != ours["compiler_options"]

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import jax
 
-from jaxspec.cache import EXECUTABLE_CACHE_ENV, OFF, STATS, speed_key
+from jaxspec.cache import EXECUTABLE_CACHE_ENV, OFF, STATS, compiler_options, speed_key
 from jaxspec.errors import warn_once
 
 
@@ -75,7 +75,8 @@ class Stored:
         self.fn = fn
         self.persist = persist  # False: never written or read (a grammar step calls back into this process)
         self.donate_argnums = donate_argnums
-        self.jitted = jax.jit(fn, donate_argnums=donate_argnums)
+        self.options = compiler_options() or None  # the platform's (``jaxspec.cache.PLATFORM_OPTIONS``)
+        self.jitted = jax.jit(fn, donate_argnums=donate_argnums, compiler_options=self.options)
         self.ident = ident
         self.fixed = fixed
         self.loaded: dict = {}  # call signature -> compiled executable (``jitted`` where none is stored)
@@ -128,7 +129,8 @@ class Stored:
         # an executable it deserialized, which on a CPU does not serialize again (its code is missing from the blob:
         # "Function ... not found" when loaded). The name is left out of the program's digest.
         name = f"jaxspec_{uuid.uuid4().hex}"
-        lowered = jax.jit(_renamed(self.fn, name), donate_argnums=self.donate_argnums).lower(*args, **kwargs)
+        lowered = jax.jit(_renamed(self.fn, name), donate_argnums=self.donate_argnums,
+                          compiler_options=self.options).lower(*args, **kwargs)
         # the arguments enter too: jit prunes the unused ones from the program (a prefill never reads the draft head),
         # but a loaded executable checks every argument it was compiled with
         program = _digest({"args": described, **speed_key(program=lowered.as_text().replace(name, "jaxspec"))})
