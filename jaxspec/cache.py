@@ -193,9 +193,10 @@ def compiler_options() -> dict:
 
 def speed_key(lowering: str | None = None, program: str | None = None) -> dict:
     """What makes the same work compile to another program or run at another speed on this machine: the XLA flags
-    (normalised) and ``compiler_options``, the jax and jaxlib versions, the code (``program``'s digest where its lowered text is known, else
-    the digest of ``SOURCES``), the device (platform, kind, count), the host's cores and the lowering (a label;
-    default: this process's). Every per-machine record (calibrations, costs, executables) is keyed by it."""
+    (normalised) and ``compiler_options``, the jax and jaxlib versions, the code (``program``'s digest where its
+    lowered text is known, else the digest of ``SOURCES``), the device (platform, kind, count), the host's cores and
+    the lowering (a label; default: this process's). Every per-machine record (calibrations, costs, executables) is
+    keyed by it."""
     import jax  # noqa: PLC0415
     import jax.lib  # noqa: PLC0415 (its version is jaxlib's)
 
@@ -204,9 +205,10 @@ def speed_key(lowering: str | None = None, program: str | None = None) -> dict:
     device = jax.devices()[0]
     code = ({"program": hashlib.sha256(program.encode()).hexdigest()} if program is not None
             else {"source": source_digest()})
-    return {"xla_flags": xla_flags(), "compiler_options": compiler_options(), "jax": jax.__version__, "jaxlib": jax.lib.__version__, **code,
-            "platform": device.platform, "device": device.device_kind, "devices": jax.device_count(),
-            "host_cores": host_cores(), "lowering": lowering if lowering is not None else default_lowering().label}
+    return {"xla_flags": xla_flags(), "compiler_options": compiler_options(), "jax": jax.__version__,
+            "jaxlib": jax.lib.__version__, **code, "platform": device.platform, "device": device.device_kind,
+            "devices": jax.device_count(), "host_cores": host_cores(),
+            "lowering": lowering if lowering is not None else default_lowering().label}
 
 
 def device_words(m: dict | None = None) -> str:
