@@ -3,6 +3,8 @@ steps and prefills from disk and traces nothing, with the same tokens; a damaged
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import tiny_model
 from jaxspec.cache import STATS
 from jaxspec.speculators.ngram import NGramSpeculator
@@ -91,3 +93,27 @@ def test_an_unused_argument_of_another_shape_is_another_executable(tmp_path, mon
         fn = Stored(lambda used, _: used * 2 + 1, {"what": "test-unused", "n": n})
         assert fn(x, unused).tolist() == [1.0, 3.0, 5.0, 7.0]
     assert len(list((tmp_path / "executables").glob("*.bin"))) == 3
+
+
+def test_an_interrupted_preparation_drops_the_jobs_not_yet_started():
+    """Ctrl-C while a server or job prepares stops it: the jobs not yet started are dropped, not all run first (a
+    pool's orderly exit would run every one: minutes of compiles on a fresh machine before the process could end)."""
+    import signal
+    import threading
+    import time
+
+    from jaxspec.engine.prepare import compile_all
+
+    started = []
+
+    def job(k: int) -> None:
+        started.append(k)
+        if k == 0:  # once every job is queued and the caller waits on them
+            time.sleep(0.5)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.2)
+
+    with pytest.raises(KeyboardInterrupt):
+        compile_all([(f"job {k}", lambda k=k: job(k)) for k in range(40)], "test", progress=False)
+    time.sleep(0.5)  # the running jobs finish; nothing else starts
+    assert 1 <= len(started) < 10, started

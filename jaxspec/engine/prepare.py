@@ -29,10 +29,14 @@ def compile_all(jobs: Sequence[Job], what: str, progress: bool = True) -> float:
     with (tqdm(total=len(jobs), desc=what, unit="exe", file=sys.stderr, disable=not progress, mininterval=every) as bar,
           concurrent.futures.ThreadPoolExecutor(min(host_cores(), len(jobs)), "jaxspec-prepare") as pool):
         futures = {pool.submit(run): label for label, run in jobs}
-        for future in concurrent.futures.as_completed(futures):
-            if future.exception() is not None and failed is None:
-                failed = (futures[future], future.exception())
-            bar.update()
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                if future.exception() is not None and failed is None:
+                    failed = (futures[future], future.exception())
+                bar.update()
+        except BaseException:  # Ctrl-C, SIGTERM: the jobs not yet started are dropped (the pool's exit would run them)
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     if failed is not None:
         raise RuntimeError(f"preparing {failed[0]} failed: {type(failed[1]).__name__}: {failed[1]}") from failed[1]
     return time.perf_counter() - began
