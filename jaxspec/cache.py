@@ -153,11 +153,14 @@ def machine() -> dict:
             "host_cores": host_cores()}
 
 
+def _given_flags() -> dict[str, str]:
+    """``$XLA_FLAGS`` by name (``--name`` -> ``--name=value``; the last given wins, as XLA reads them)."""
+    return {flag.partition("=")[0]: flag for flag in os.environ.get("XLA_FLAGS", "").split()}
+
+
 def xla_flags() -> str:
     """``$XLA_FLAGS`` normalised: one ``--name=value`` per flag (the last given wins, as XLA reads them), sorted."""
-    flags: dict[str, str] = {}
-    for flag in os.environ.get("XLA_FLAGS", "").split():
-        flags[flag.partition("=")[0]] = flag
+    flags = _given_flags()
     return " ".join(flags[name] for name in sorted(flags))
 
 
@@ -187,7 +190,7 @@ def compiler_options() -> dict:
     what every executable jaxspec compiles is compiled with (``jaxspec.engine.executables.Stored``)."""
     import jax  # noqa: PLC0415
 
-    given = {flag.partition("=")[0].lstrip("-") for flag in os.environ.get("XLA_FLAGS", "").split()}
+    given = {name.lstrip("-") for name in _given_flags()}
     return {k: v for k, v in PLATFORM_OPTIONS.get(jax.default_backend(), {}).items() if k not in given}
 
 
