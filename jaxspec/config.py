@@ -12,6 +12,7 @@ the benches, ``repro`` and scripts build them directly; ``jaxspec.engine.build``
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 from jaxspec.errors import CliError
 
@@ -93,3 +94,12 @@ class SchedulerConfig:
     prefix_cache_bytes: int | None = None
     """Bound of the prefix cache (``--prefix-cache-gb``; ``jaxspec.engine.prefix``): prompts' K/V kept in blocks a
     later prompt sharing the prefix starts after; None: a share of free memory; 0: off."""
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+    """The smallest of the ascending ``buckets`` holding ``n`` (rows, cache slots, prompt tokens): one static shape,
+    one executable, per bucket."""
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")

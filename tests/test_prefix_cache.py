@@ -106,8 +106,8 @@ def test_a_row_whose_drafter_never_drafted_is_cached_without_a_read(llm, monkeyp
                     costs={"none": 1.0, "ssm": 100.0})
     batch = BatchEngine(engine, max_batch=2, max_model_len=200)
     reads = []
-    committed = batch._fn("committed")
-    monkeypatch.setitem(batch._compiled, "committed", lambda *a: reads.append(a) or committed(*a))
+    committed = batch.executor.fn("committed")
+    monkeypatch.setitem(batch.executor._compiled, "committed", lambda *a: reads.append(a) or committed(*a))
     prompt = SYSTEM[:40] + [5, 5]
     (first,) = batch.generate([Request(prompt, 20, stop_ids=())])
     assert set(first.trees) == {"none"} and not reads  # no tree ran: no read

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxspec.decoding.step import bucket
+from jaxspec.config import bucket
 from training.config import DataConfig
 from training.generate import PAD_ID, generate_batch, make_generator
 

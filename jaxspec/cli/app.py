@@ -118,7 +118,7 @@ def unavailable(sub, name: str, error: ImportError) -> None:
 def report_calibration(engine, batch, args, prompt_ids: list[int]) -> None:
     """``--recalibrate`` with ``--mode auto``: the family and its measured cost per iteration (one row, the first
     prompt's cache)."""
-    from jaxspec.decoding.step import bucket  # noqa: PLC0415
+    from jaxspec.config import bucket  # noqa: PLC0415
 
     warp = sampling.WarpSpec.of(sampling_params(args))
     capacity = bucket(batch.cache_need(len(prompt_ids)), batch.capacity_buckets)

@@ -1,4 +1,4 @@
-"""Sampling parameters and the logit warping shared by the LLM and every SSM.
+"""The logit warping shared by the LLM and every SSM, over a request's ``SamplingParams`` (``jaxspec.request``).
 
 The same warp (temperature, then top-k, then top-p) is applied to the LLM's and the
 SSMs' logits, so speculative sampling compares the distributions a user asked for.
@@ -13,52 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-class SamplingError(ValueError):
-    """Sampling parameters out of range."""
-
-
-# Values are made exact in the dtype the device uses (float32, int32) once, here, so every
-# process of a multi-process run (and the host's own decisions) sees what the device runs.
-MIN_TEMPERATURE = 1e-5  # below it a request is greedy (as vLLM): 1/T would overflow float32 logits
-MAX_TEMPERATURE = 1e4
-MIN_TOP_P = 1e-6  # any smaller nucleus holds the top token alone, as this one does (p_top >= 1/vocab)
-MAX_TOP_K = 2**31 - 1  # int32 on the device; a larger k keeps every token too
-_REAL = (int, float, np.integer, np.floating)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """What a request asks of the sampler; temperature 0 means greedy.
-
-    Canonical on construction: temperature below ``MIN_TEMPERATURE`` becomes 0 (greedy),
-    top-p below ``MIN_TOP_P`` becomes it and top-k above ``MAX_TOP_K`` becomes it (each
-    the same distribution); float values are rounded to float32, what the device uses.
-    """
-
-    temperature: float = 0.0  # 0 = greedy (argmax)
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off; must lie in (0, 1]
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        t, k, p = self.temperature, self.top_k, self.top_p
-        if isinstance(t, bool) or not isinstance(t, _REAL) or not 0 <= t <= MAX_TEMPERATURE:
-            raise SamplingError(f"temperature must lie in [0, {MAX_TEMPERATURE:g}], got {t!r}")
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
-            raise SamplingError(f"top-k must be an integer >= 0 (0 disables it), got {k!r}")
-        if isinstance(p, bool) or not isinstance(p, _REAL) or not 0.0 < p <= 1.0:
-            raise SamplingError(f"top-p must lie in (0, 1], got {p!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
-            raise SamplingError(f"seed must be an integer, got {self.seed!r}")
-        t = 0.0 if t < MIN_TEMPERATURE else float(np.float32(t))
-        object.__setattr__(self, "temperature", t)
-        object.__setattr__(self, "top_k", int(min(k, MAX_TOP_K)))
-        object.__setattr__(self, "top_p", float(np.float32(max(p, MIN_TOP_P))))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from jaxspec.request import SamplingError, SamplingParams  # noqa: F401 (importable from here as before)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -592,15 +592,6 @@ def _fit_cache(cache: KVCache, rows: int, capacity: int) -> KVCache:
     return KVCache(fit(cache.k), fit(cache.v), _fit(cache.length, g, rows))
 
 
-def bucket(n: int, buckets: Sequence[int]) -> int:
-    """The smallest of the ascending ``buckets`` holding ``n`` (rows, cache slots, prompt tokens): one static shape,
-    one executable, per bucket."""
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
 def resize(state: DecodeState, rows: int, capacity: int) -> DecodeState:
     """The state laid out for ``rows`` slots of ``capacity`` cache slots (jit with both static).
 

@@ -1,56 +1,31 @@
-"""The engine users drive: the device-side ``Runner`` plus ``generate``, one request through the scheduling loop.
+"""The engine users drive: ``Engine`` (the device-side ``Runner`` plus ``generate``) and the scheduling loop.
 
-Imports run one way: ``runner`` (device side) <- ``batch`` (the loop) <- ``engine``.
+Imports run one way: the host-only ``scheduler`` and the device-side ``runner`` / ``executor`` <- ``batch`` (the
+loop) <- ``engine``. The names below load on first use, so ``jaxspec.engine.scheduler`` imports no JAX.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import importlib
 
-from jaxspec.decoding import sampling
-from jaxspec.engine.batch import BatchEngine, Request, job_model_len
-from jaxspec.engine.runner import (  # noqa: F401 (the engine's public names)
-    Generation,
-    RequestError,
-    Runner,
-    VocabularyMismatch,
-    check_vocab,
-)
-from jaxspec.speculators.early_exit import early_exit  # noqa: F401 (layers:N, importable here as before)
-from jaxspec.structured import Grammar
-from models.loaded import LoadedModel  # noqa: F401
+_EXPORTS = {
+    "Engine": "jaxspec.engine.engine",
+    "BatchEngine": "jaxspec.engine.batch",
+    "Request": "jaxspec.request",
+    "Generation": "jaxspec.request",
+    "job_model_len": "jaxspec.engine.scheduler",
+    "RequestError": "jaxspec.errors",
+    "VocabularyMismatch": "jaxspec.errors",
+    "Runner": "jaxspec.engine.runner",
+    "check_vocab": "jaxspec.engine.runner",
+    "early_exit": "jaxspec.speculators.early_exit",
+    "LoadedModel": "models.loaded",
+}
+
+__all__ = sorted(_EXPORTS)
 
 
-class Engine(Runner):
-    """Speculative decoding with one LLM and zero or more speculators (incremental / sequence / tree / auto).
-
-    ``Runner`` documents the configuration; ``generate`` runs one request through the same
-    scheduling loop as a batch or a server (one slot, a loop per request length bucket: 256, 512, ... tokens).
-    """
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.solos: dict[int, BatchEngine] = {}  # the one-slot loops behind ``generate``, by request length bucket
-
-    # -- generation -------------------------------------------------------------------
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
-                 params: sampling.SamplingParams = sampling.SamplingParams(),
-                 stop_ids: Sequence[int] | None = None,
-                 stop: Callable[[list[int]], int | None] | None = None,
-                 grammar: Grammar | None = None) -> Generation:
-        """One request through the scheduling loop (one slot, laid out for its length bucket; readied at first use).
-
-        ``stop_ids`` defaults to the LLM's EOS ids; ``stop`` maps the generated ids to how many to
-        keep once a stop string completed (None otherwise; ``jaxspec.engine.stops.StopText(tokenizer,
-        stops)`` is the rule every entry point uses); ``grammar`` constrains the output
-        (``jaxspec.structured.Grammar``: a JSON schema, a regex or a Lark grammar). A request that fails raises
-        RequestError with its one-line reason.
-        """
-        length = job_model_len(len(prompt_ids) + max_new_tokens, self.llm.cfg.max_position_embeddings)
-        if length not in self.solos:  # a cache laid out for the request's length bucket, not the whole context
-            self.solos[length] = BatchEngine(self, max_batch=1, max_model_len=length)
-        (gen,) = self.solos[length].generate([Request(list(prompt_ids), max_new_tokens, params, stop_ids, stop,
-                                                      grammar=grammar, id="generate")])
-        if gen.finish_reason == "error":
-            raise RequestError(gen.error)
-        return gen
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxspec.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -29,9 +29,11 @@ warp its rows need (``sampling.batch_warp``: greedy alone, or every sampling sta
 of the vocabulary at every tree node runs only in iterations where a sampled row asks for it). A request's
 output depends on its own seed only: each slot draws from its own key.
 
-Which members each bucket runs, at what measured cost, is ``jaxspec.engine.planner.Planner``. Over 600 lines,
-for now: admission with prefix reuse, the dispatch and read of an iteration and retirement share
-the slots and the staging row; splitting them is issue 35's engine contract.
+Which members each bucket runs, at what measured cost, is ``jaxspec.engine.planner.Planner``. The loop is the
+engine contract's driver: the host-only ``jaxspec.engine.scheduler.Scheduler`` holds the queue, the rows' owners,
+their layout and the pacing, and decides; ``jaxspec.engine.executor.Executor`` owns the device state and the
+executables and carries the decisions out; this module joins them with admission (prefix reuse, the chunk search),
+the dispatch and read of an iteration, emission and retirement.
 """
 
 from __future__ import annotations
@@ -44,28 +46,27 @@ import time
 from typing import Callable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import STATS
 from jaxspec.decoding import constrain, ngram, sampling
+from jaxspec.decoding.step import DecodeConfig, StepOutput
 from jaxspec.engine.auto import TreeChooser
-from jaxspec.engine.executables import Stored
+from jaxspec.engine.executor import Executor
 from jaxspec.engine.planner import Planner
-from jaxspec.engine.prepare import Job, abstract, compile_all
+from jaxspec.engine.prepare import compile_all
 from jaxspec.engine.prefill import ChunkSizer
-from jaxspec.engine.prefix import BLOCK, PrefixCache, committed, cut_block, default_bytes, paste_block
-from jaxspec.engine.runner import Generation, RequestError, Runner, check_fits
+from jaxspec.engine.prefix import BLOCK, PrefixCache, default_bytes
+from jaxspec.engine.runner import RequestError, Runner, check_fits
+from jaxspec.engine.scheduler import (PREFILL_STALL, IterationStats, QueueFull, Scheduler,  # noqa: F401 (importable
+                                      Slot, Staging, Ticket, batch_buckets, capacity_buckets, cut_tokens,  # from
+                                      deliver, job_model_len, reason_of)  # here as before)
 from jaxspec.engine.stops import check_stops
-from jaxspec.parallel.sharding import fetch, pinned
-from jaxspec.decoding.step import (DecodeConfig, StepOutput, bucket, insert_row, move_row, prefill_row, resize,
-                                   set_inactive)
+from jaxspec.request import Event, Generation, Request, all_finished, finished  # noqa: F401 (as before)
 from jaxspec.speculators.ngram import NGramIndex
-from jaxspec.structured import Grammar, GrammarError
+from jaxspec.structured import GrammarError
 
-PREFILL_STALL = 0.5  # default pacing: prompt chunks take at most half the decoding rows' time while they decode
 DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
-MIN_CAPACITY = 256  # the smallest cache bucket: below it a step's cost hardly depends on the cache
 # Request ids (comma-separated) whose admission fails, as a device error or a bug would: how the tests prove that a
 # failed request costs that request only, through every entry point (the CLI, the server, the Python API).
 FAIL_REQUESTS_ENV = "JAXSPEC_FAIL_REQUESTS"
@@ -75,161 +76,10 @@ class InjectedFailure(RuntimeError):
     """The failure ``$JAXSPEC_FAIL_REQUESTS`` asks for at a request's admission."""
 
 
-def reason_of(exc: BaseException) -> str:
-    """A failure as one line: the exception's type and the first line of its message."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def batch_buckets(max_batch: int) -> tuple[int, ...]:
-    """Row counts the state is laid out for: 1, 2, 4, ... below ``max_batch``, then ``max_batch``."""
-    out = []
-    b = 1
-    while b < max_batch:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (max_batch,)
-
-
-def capacity_buckets(top: int, filled_only: bool = False) -> tuple[int, ...]:
-    """Cache capacities the state is laid out for: 256, 512, ... below ``top``, then ``top``; ``top`` alone where
-    attention reads only a cache's filled slots (``filled_only``: a step then costs what its rows hold, at any
-    capacity)."""
-    if filled_only:
-        return (top,)
-    out = []
-    c = MIN_CAPACITY
-    while c < top:
-        out.append(c)
-        c *= 2
-    return tuple(out) + (top,)
-
-
 def filled_only(engine: Runner) -> bool:
     """Whether the LLM's attention reads only a cache's filled slots (``blocks`` over the unrolled layout, where the
     cache is written in place): a step's cost then follows what its rows hold, not the capacity."""
     return engine.lowering.attention == "blocks" and engine.unroll and not engine.stacked
-
-
-def job_model_len(need: int, limit: int) -> int:
-    """The request length a batch job whose longest request needs ``need`` tokens is laid out for: the capacity
-    bucket at or above it (at most the model's ``limit``). A job's exact length would give it a cache bucket of its
-    own, so every prompt set would compile its steps afresh; on the shared buckets a job reuses the steps earlier
-    jobs (and auto's cost curve, timed at the smallest) compiled, and its rows fill only what they need."""
-    size = MIN_CAPACITY
-    while size < need:
-        size *= 2
-    return min(size, limit)
-
-
-def cut_tokens(done: list[int], new: list[int], limit: int, stop_ids: set[int],
-               stop: Callable[[list[int]], int | None] | None) -> tuple[list[int], str | None]:
-    """Truncates one step's tokens at the token limit, then at EOS or a stop string; returns (kept, reason).
-
-    EOS is looked for first, then a stop string over the text so far (a stop string that ends
-    inside the tokens before an EOS wins, since the EOS is cut away with what follows it).
-    """
-    reason = None
-    if len(done) + len(new) >= limit:
-        new = new[: limit - len(done)]
-        reason = "length"
-    for i, t in enumerate(new):
-        if t in stop_ids:
-            new, reason = new[: i + 1], "eos"
-            break
-    if stop is not None:
-        cut = stop(done + new)
-        if cut is not None:
-            return (done + new)[len(done): max(cut, len(done))], "stop"
-    return new, reason
-
-
-class QueueFull(RuntimeError):
-    """``submit`` while ``max_queue`` requests already wait for a slot."""
-
-
-@dataclasses.dataclass
-class Request:
-    """One generation request of a batch."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    params: sampling.SamplingParams = sampling.SamplingParams()
-    stop_ids: Sequence[int] | None = None  # None: the LLM's EOS ids
-    stop: Callable[[list[int]], int | None] | None = None  # stop check (``stops.StopText``): ids -> tokens kept
-    id: str = ""
-    stop_strings: tuple[str, ...] = ()  # what ``stop`` matches (a multi-host server sends them to its peers)
-    grammar: Grammar | None = None  # structured output: the text must match it (``jaxspec.structured``)
-    learn: bool = True  # False: auto's acceptance statistics ignore it (synthetic warm-up traffic)
-
-
-@dataclasses.dataclass
-class Event:
-    """What a request hears from the engine thread: new tokens, then a final event."""
-
-    request_id: str
-    token_ids: list[int]  # tokens new since the previous event (may be empty on the final event)
-    finish_reason: str | None  # None while running; "eos" | "stop" | "length" | "cancelled" | "error"
-    error: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0  # total so far
-    generation: Generation | None = None  # counters, on the final event
-    tree: str | None = None  # the family member whose iteration emitted these tokens (None: the prefill)
-    cached_tokens: int = 0  # prompt tokens whose K/V were reused, not computed (the prefix cache's hit)
-
-
-@dataclasses.dataclass
-class IterationStats:
-    """One decoding iteration of the batch, for metrics."""
-
-    tree: str  # family member run
-    seconds: float
-    active: int
-    queued: int
-    emitted: list[int]  # tokens emitted per active slot
-    drafted: list[int]  # draft tokens verified per active slot, a grammar's forced ones included (0 without
-    #                     speculation; the sum of the slot's ``Runner.row_drafts``, no padding node)
-    accepted_depth: list[int]  # per active slot: draft tokens accepted (depths 1..a)
-
-
-class Ticket:
-    """A submitted request's handle: ``cancel`` frees its slot at the next iteration."""
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.cancelled = threading.Event()
-        self.agreed_cancel = False  # multi-process: process 0 announced the cancellation to every process
-        self.seq = -1  # multi-process: the admission number every process knows this request by
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-
-@dataclasses.dataclass
-class _Slot:
-    ticket: Ticket
-    on_event: Callable[[Event], None]
-    gen: Generation
-    start: float
-    index: NGramIndex | None
-    committed: int  # tokens in the row's LLM cache
-    stop_ids: set[int]
-    row: int  # the state row it owns; -1 once retired
-    matcher: object = None  # llguidance matcher at the committed text (requests with a grammar)
-
-
-@dataclasses.dataclass
-class _Staging:
-    """The request being prefilled, chunk by chunk."""
-
-    ticket: Ticket
-    on_event: Callable[[Event], None]
-    fed: int = 0
-    cached: int = 0  # prompt tokens whose K/V were reused, not computed (the staging row's or the prefix cache's)
-    probe: int | None = None  # the chunk size its first tokens time for the chunk search (``ChunkSizer.probe``)
-    probe_seconds: float = 0.0  # its probe's chunks so far, each timed alone
-    matcher: object = None  # the request's grammar matcher, made when it is staged
-    began: float = dataclasses.field(default_factory=time.perf_counter)  # when its first chunk was staged
 
 
 class LoopSync:
@@ -263,7 +113,11 @@ class LoopSync:
 
 
 class BatchEngine:
-    """Slots, admission, one jitted iteration for every live row, retirement: the one scheduling loop."""
+    """Slots, admission, one jitted iteration for every live row, retirement: the one scheduling loop.
+
+    It drives the engine contract: ``scheduler`` (host-only: queue, rows, layout, pacing) decides and ``executor``
+    (device state and executables) carries out; ``planner`` says which member each bucket runs.
+    """
 
     def __init__(
         self,
@@ -300,6 +154,8 @@ class BatchEngine:
         max_model_len = max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
         if not 1 < max_model_len <= limit:
             raise RequestError(f"--max-model-len must lie in [2, {limit}] (the model's context), got {max_model_len}")
+        if prefix_cache_bytes is not None and prefix_cache_bytes < 0:
+            raise RequestError(f"--prefix-cache-gb must be >= 0, got {prefix_cache_bytes / 2**30:g}")
         self.engine = engine
         self.max_batch = max_batch
         self.max_model_len = max_model_len
@@ -320,37 +176,20 @@ class BatchEngine:
         self.row_buckets = batch_buckets(max_batch)
         self.capacity_buckets = capacity_buckets(self.max_capacity, filled_only(engine))
         self.vocab = engine.llm.cfg.vocab_size
-        self.rows, self.capacity = self.row_buckets[0], self.capacity_buckets[0]
-        self.state = engine.init_state(self.rows, self.capacity, sampling.MIXED, active=False)
-        self.staging_capacity = self.capacity  # the staging row's own bucket: its prompt's, at least the rows'
-        self._spare: tuple | None = None  # (state, capacity): a second staging row, for prompts admitted beside
-        self.staging_state = engine.init_state(1, self.capacity, sampling.MIXED, active=False)
-        self.slots: list[_Slot] = []  # live requests; slots[i] owns row i of the state
-        self.staging: _Staging | None = None
+        self.scheduler = Scheduler(max_batch, max_queue, self.row_buckets, self.capacity_buckets, self.max_capacity,
+                                   self._max_emit + self._max_nodes, prefill_stall)
         self._staged: list[int] = []  # the prompt prefix whose K/V the staging row holds
         self.reuse_prefix = reuse_prefix
         self.prefill_stall = prefill_stall
-        self._prefill_debt = 0.0  # seconds of prompt chunks the decoding rows have not yet made up (prefill_stall)
-        self.prefill_waits = 0  # iterations whose admission waited for the decoding rows (prefill_stall)
         self._chunk_queued = False  # this iteration's admission queued a prompt chunk before its step
         self.prefix_reuses = 0  # requests admitted after a reused prefix
-        if prefix_cache_bytes is not None and prefix_cache_bytes < 0:
-            raise RequestError(f"--prefix-cache-gb must be >= 0, got {prefix_cache_bytes / 2**30:g}")
         bound = default_bytes() if prefix_cache_bytes is None else prefix_cache_bytes
         # processes evict alike only under one bound (each pastes what process 0 pastes, in the same programs)
         self.prefix = PrefixCache(self.sync.agree_int(bound) if reuse_prefix else 0)
-        self._prefix_ready: set[int] = set()  # staging capacities whose cut and paste are compiled
-        self.waiting: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
-        self.incoming: collections.deque[tuple[Ticket, Callable[[Event], None]]] = collections.deque()
-        self.lock = threading.Lock()
-        self.wake = threading.Event()
+        self.executor = Executor(engine, self.row_buckets[0], self.capacity_buckets[0], bool(self.prefix.max_bytes))
         self.iterations = 0
-        self.resizes = 0  # state re-layouts (bucket changes)
-        self._compiled: dict = {}
         self.planner = Planner(engine, lambda: self.sync)
         self.prepared = False  # ``prepare`` ran: the chunk search probes only sizes it compiled
-        self._prefill_ready: set[tuple[int, int]] = set()  # (chunk size, staging capacity) compiled by ``prepare``
-        self._no_proposal: dict[tuple[int, int], tuple[jax.Array, jax.Array]] = {}
         self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
         self._last_done = 0.0
         self.overlapped = 0  # iterations dispatched before the previous one's tokens were read
@@ -359,6 +198,47 @@ class BatchEngine:
         self.host_times: collections.deque[float] = collections.deque(maxlen=4096)
         self.iteration_times: collections.deque[float] = collections.deque(maxlen=4096)
         self.iteration_trees: collections.deque[str] = collections.deque(maxlen=4096)  # the member each one ran
+
+    # -- what the scheduler and the executor hold, as the loop's callers read it ----------
+    @property
+    def slots(self) -> list[Slot]:
+        """Live requests; slots[i] owns row i of the state."""
+        return self.scheduler.slots
+
+    @property
+    def staging(self) -> Staging | None:
+        return self.scheduler.staging
+
+    @staging.setter
+    def staging(self, value: Staging | None) -> None:
+        self.scheduler.staging = value
+
+    @property
+    def state(self):
+        """The batched device state (``DecodeState``, rows x capacity)."""
+        return self.executor.state
+
+    @property
+    def rows(self) -> int:
+        return self.executor.rows
+
+    @property
+    def capacity(self) -> int:
+        return self.executor.capacity
+
+    @property
+    def staging_capacity(self) -> int:
+        return self.executor.staging_capacity
+
+    @property
+    def resizes(self) -> int:
+        """State re-layouts (bucket changes)."""
+        return self.executor.resizes
+
+    @property
+    def prefill_waits(self) -> int:
+        """Iterations whose admission waited for the decoding rows (``prefill_stall``)."""
+        return self.scheduler.pacer.waits
 
     def host_report(self) -> list[str]:
         """Host milliseconds per iteration (choosing, launching, reading) beside the whole iteration's, as medians
@@ -420,100 +300,41 @@ class BatchEngine:
         """
         self.check(req)
         ticket = Ticket(req)
-        with self.lock:
-            waiting = len(self.waiting) + len(self.incoming)
-            if waiting >= self.max_queue:
-                raise QueueFull(f"{waiting} requests are already waiting (--max-queue {self.max_queue})")
-            self.incoming.append((ticket, on_event))
-        self.wake.set()
+        self.scheduler.submit(ticket, on_event)
         return ticket
 
     def queue_depth(self) -> int:
-        return len(self.waiting) + len(self.incoming) + (self.staging is not None)
+        return self.scheduler.queue_depth()
 
     def tokens_left(self) -> int:
         """The longest live request's tokens still to come: the iterations its row has left, at most."""
-        return max((s.ticket.request.max_new_tokens - len(s.gen.token_ids) for s in self.slots), default=0)
+        return self.scheduler.tokens_left()
 
     # -- what a multi-process run's synchroniser (``jaxspec.engine.lockstep``) asks of the loop -------------
     def live_tickets(self) -> list[Ticket]:
         """Every admitted request's ticket: waiting, being prefilled, decoding."""
-        return ([t for t, _ in self.waiting] + ([self.staging.ticket] if self.staging else [])
-                + [s.ticket for s in self.slots])
+        return self.scheduler.live_tickets()
 
     def take_incoming(self, accept: Callable[[Ticket], bool | None]) -> tuple[list, list]:
-        """Takes submissions in order while ``accept`` says True; False leaves it and the rest for a later call;
-        None takes it out to be refused. Returns ((ticket, on_event) taken, (ticket, on_event) refused)."""
-        taken, refused = [], []
-        with self.lock:
-            while self.incoming:
-                verdict = accept(self.incoming[0][0])
-                if verdict is False:
-                    break
-                (taken if verdict else refused).append(self.incoming.popleft())
-        return taken, refused
+        """Takes submissions in order while ``accept`` says True (``Scheduler.take_incoming``)."""
+        return self.scheduler.take_incoming(accept)
 
     def enqueue(self, admitted: Sequence[tuple[Ticket, Callable[[Event], None]]]) -> None:
         """Queues requests for admission as they are (the multi-process run announced them already)."""
-        with self.lock:
-            self.waiting.extend(admitted)
+        self.scheduler.enqueue(admitted)
 
     def active_slots(self) -> int:
         return len(self.slots)
 
     def idle(self) -> bool:
-        return not self.waiting and not self.incoming and self.staging is None and not self.slots
+        return self.scheduler.idle()
 
     def _check_structured(self) -> None:
         """Grammars run on one process (a mesh included): each process would need the rows' matchers and masks."""
         if not self.sync.local:
             raise RequestError("structured output runs in one process for now: drop the multi-process flags")
 
-    # -- compiled pieces --------------------------------------------------------------
-    def _prefill_cfg(self) -> DecodeConfig:
-        cfg = next(iter(self.engine.family(sampling.MIXED).values()))
-        return dataclasses.replace(cfg, topologies=(None,) * len(cfg.topologies), tree_budget=None, ngram_depth=0)
-
-    def _fn(self, name: str) -> Callable:
-        if name not in self._compiled:
-            e, cfg = self.engine, self._prefill_cfg()
-            ssm_fwds = tuple(e.ssm_forwards[g.members[0]] for g in cfg.ssm_groups)
-            if name == "prefill":
-                def fn(llm_params, ssm_params, staged, tokens, start, count, last, seed, values, first_mask=None):
-                    e.count_trace(f"prefill of {tokens.shape[1]} tokens", staged.llm_cache)
-                    return pinned(prefill_row, e.mesh)(cfg, e.forward, ssm_fwds, llm_params, ssm_params, staged,
-                                                       jnp.int32(0), tokens, start, count, last, seed, values,
-                                                       first_mask)
-
-                self._compiled[name] = Stored(fn, {"what": "prefill", "cfg": repr(cfg), **e.identity()}, fixed=2,
-                                              donate_argnums=(2,))
-            else:  # a row's bookkeeping per state shape: loaded from disk as the steps are (no trace when warm)
-                def insert(state, staged, slot):
-                    return insert_row(cfg, state, staged, slot)
-
-                fns = {"insert": (pinned(insert, e.mesh), (0,)), "move": (pinned(move_row, e.mesh), (0,)),
-                       "retire": (pinned(set_inactive, e.mesh), (0,)),
-                       # the prefix cache's copies (one program serves the staging row's cut and a live row's)
-                       "cut": (cut_block, ()), "committed": (committed, ()), "paste": (pinned(paste_block, e.mesh), (0,))}
-                if name not in fns:
-                    raise KeyError(name)
-                fn, donate = fns[name]
-                self._compiled[name] = Stored(fn, {"what": name, "cfg": repr(cfg), **e.identity()},
-                                              donate_argnums=donate)
-        return self._compiled[name]
-
-    def _resize(self, state, rows: int, capacity: int):
-        return self._resizer(rows, capacity)(state)
-
-    def _resizer(self, rows: int, capacity: int) -> Stored:
-        """The executable laying a state out for ``rows`` x ``capacity`` (one per source shape)."""
-        key = ("resize", rows, capacity)
-        if key not in self._compiled:
-            self._compiled[key] = Stored(pinned(lambda s: resize(s, rows, capacity), self.engine.mesh),
-                                         {"what": "resize", "rows": rows, "capacity": capacity,
-                                          "cfg": repr(self._prefill_cfg()), **self.engine.identity()})
-        return self._compiled[key]
-
+    # -- prepare ----------------------------------------------------------------------
     def prepare(self, warps: Sequence[sampling.WarpSpec] | None = None, rows: Sequence[int] | None = None,
                 capacities: Sequence[int] | None = None, grammar: bool = False, progress: bool = True,
                 say: Callable[[str], None] | None = None) -> float:
@@ -532,9 +353,12 @@ class BatchEngine:
         warps = tuple(warps or sampling.BATCH_WARPS)
         rows, caps = tuple(rows or self.row_buckets), tuple(capacities or self.capacity_buckets)
         buckets = [(w, r, c) for w in warps for r in rows for c in caps]
-        jobs = self.planner.step_jobs(buckets, grammar) + self._prefill_jobs(caps) + self._row_jobs(rows, caps)
+        top = max(self.chunks.largest, self.chunks.candidate or 0)  # the chunk search's next size too
+        sizes = [b for b in self.chunks.sizes if b <= top]
+        jobs = (self.planner.step_jobs(buckets, grammar) + self.executor.prefill_jobs(sizes, caps)
+                + self.executor.row_jobs(rows, caps, self.row_buckets))
         compile_all(jobs, "preparing executables", progress)
-        self._prefix_copies(caps)
+        self.executor.prepare_prefix(caps)
         self.planner.ready(buckets, grammar, progress)
         self.prepared = True
         seconds = time.perf_counter() - began
@@ -543,62 +367,6 @@ class BatchEngine:
             say(f"prepared this machine for {len(buckets)} step bucket(s) in {seconds:.1f} s ({len(jobs)} "
                 f"executables, {made} compiled fresh); later starts load what the executable store kept")
         return seconds
-
-    def _prefill_jobs(self, capacities: Sequence[int]) -> list[Job]:
-        """The prefill of every chunk size the loop may feed (and the one the chunk search would try next) into a
-        staging row of each of ``capacities`` slots."""
-        fn, jobs = self._fn("prefill"), []
-        top = max(self.chunks.largest, self.chunks.candidate or 0)
-        for cap in capacities:
-            staged = self.engine.abstract_state(1, cap)
-            for size in (b for b in self.chunks.sizes if b <= min(top, cap)):
-                if (size, cap) in self._prefill_ready:
-                    continue
-                call = self._prefill_args(staged, np.zeros((1, size), np.int32), 0, size, True, 0)
-
-                def job(call=call, key=(size, cap)) -> None:
-                    fn.compiled(*call)
-                    self._prefill_ready.add(key)
-
-                jobs.append((f"prefill of {size} tokens, {cap} slots", job))
-        return jobs
-
-    def _row_jobs(self, rows: Sequence[int], capacities: Sequence[int]) -> list[Job]:
-        """Each bucket's row bookkeeping: a prompt's insertion, a retirement (the last row moved into the freed one,
-        or the last row ended), the prefix cache's reads of a finishing row, the re-layouts to every bucket the loop
-        may move to next (rows one bucket up or any down, any capacity), and the staging row's."""
-        put = lambda v: jax.device_put(np.int32(v))  # noqa: E731 (a row index or slot, as the loop passes them)
-        calls: list[tuple[str, Stored, tuple]] = []
-        for cap in capacities:
-            staged = self.engine.abstract_state(1, cap)
-            calls += [(f"staging re-layout to {to} slots", self._resizer(1, to), (staged,))
-                      for to in capacities if to != cap]
-            for r in rows:
-                state = self.engine.abstract_state(r, cap)
-                calls += [(f"{name}, {r} row(s) x {cap} slots", self._fn(name), args) for name, args in
-                          [("insert", (state, staged, put(0))), ("move", (state, put(0), put(0))),
-                           ("retire", (state, put(0)))]]
-                if self.prefix.max_bytes:
-                    calls.append((f"cut, {r} row(s) x {cap} slots", self._fn("cut"), (state, put(0), put(0))))
-                    if state.ssm_caches:
-                        calls.append((f"committed, {r} row(s)", self._fn("committed"), (state, put(0))))
-                up = [b for b in self.row_buckets if b > r][:1]
-                calls += [(f"re-layout {r} -> {r2} row(s) x {c2} slots", self._resizer(r2, c2), (state,))
-                          for r2 in [b for b in self.row_buckets if b <= r] + up for c2 in capacities
-                          if (r2, c2) != (r, cap)]
-        return [(what, (lambda fn=fn, args=args: fn.compiled(*args))) for what, fn, args in calls
-                if not fn.has(*args)]
-
-    def _prefix_copies(self, capacities: Sequence[int]) -> None:
-        """The prefix cache's cut and paste of a staging row of each capacity (the paste compiled for the block a cut
-        of a row of its own returns)."""
-        for cap in capacities:
-            if self.prefix.max_bytes and cap not in self._prefix_ready:
-                staged = self.engine.init_state(1, cap, sampling.MIXED, active=False)
-                at = jax.device_put(np.int32(0))
-                block = self._fn("cut").compiled(staged, at)(staged, at)
-                self._fn("paste").compiled(staged, block, at)
-                self._prefix_ready.add(cap)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -613,8 +381,8 @@ class BatchEngine:
                 if self.sync.exchange(self, stop.is_set()):
                     break
                 if self.idle():
-                    self.wake.wait(0.05)
-                    self.wake.clear()
+                    self.scheduler.wake.wait(0.05)
+                    self.scheduler.wake.clear()
                     continue
                 self.step()
         except Exception as exc:
@@ -623,23 +391,14 @@ class BatchEngine:
             raise
         self.cancel_all("cancelled")
 
-    def _take_queued(self) -> list[tuple[Ticket, Callable[[Event], None]]]:
-        """Empties the queue: every waiting and incoming request, with its listener."""
-        with self.lock:
-            queued = list(self.waiting) + list(self.incoming)
-            self.waiting.clear()
-            self.incoming.clear()
-        return queued
-
     def cancel_all(self, reason: str) -> None:
         """Ends every waiting, staged and running request with ``reason``."""
-        waiting = self._take_queued()
-        for ticket, on_event in waiting:
-            _deliver(on_event, Event(ticket.request.id, [], reason, prompt_tokens=len(ticket.request.prompt_ids)))
+        for ticket, on_event in self.scheduler.take_queued():
+            deliver(on_event, Event(ticket.request.id, [], reason, prompt_tokens=len(ticket.request.prompt_ids)))
         if self.staging is not None:
             st, self.staging = self.staging, None
-            _deliver(st.on_event, Event(st.ticket.request.id, [], reason,
-                                        prompt_tokens=len(st.ticket.request.prompt_ids)))
+            deliver(st.on_event, Event(st.ticket.request.id, [], reason,
+                                       prompt_tokens=len(st.ticket.request.prompt_ids)))
         for slot in list(self.slots):
             self._retire(slot, reason)
         self._pending = None
@@ -647,26 +406,25 @@ class BatchEngine:
     def fail_all(self, error: str) -> None:
         """Ends every waiting, staged and running request with ``error`` after the loop itself failed: the device
         state is not trusted (nothing runs on it), so the rows are dropped, not retired."""
-        waiting = self._take_queued()
+        waiting = self.scheduler.take_queued()
         if self.staging is not None:
             waiting.append((self.staging.ticket, self.staging.on_event))
             self.staging, self._staged = None, []
         for ticket, on_event in waiting:
-            _deliver(on_event, Event(ticket.request.id, [], "error", error,
-                                     prompt_tokens=len(ticket.request.prompt_ids)))
+            deliver(on_event, Event(ticket.request.id, [], "error", error,
+                                    prompt_tokens=len(ticket.request.prompt_ids)))
         self._drop_rows(error)
 
     def _drop_rows(self, error: str) -> None:
         """Ends every running request with ``error`` without touching the device state (not trusted after a
         failure): each keeps the tokens it emitted."""
-        slots, self.slots, self._pending = self.slots, [], None
-        for slot in slots:
-            slot.row = -1
+        self._pending = None
+        for slot in self.scheduler.drop_all():
             slot.gen.finish_reason, slot.gen.error = "error", error
-            _deliver(slot.on_event, Event(slot.ticket.request.id, [], "error", error,
-                                          prompt_tokens=len(slot.ticket.request.prompt_ids),
-                                          completion_tokens=len(slot.gen.token_ids), generation=slot.gen,
-                                          cached_tokens=slot.gen.cached_tokens))
+            deliver(slot.on_event, Event(slot.ticket.request.id, [], "error", error,
+                                         prompt_tokens=len(slot.ticket.request.prompt_ids),
+                                         completion_tokens=len(slot.gen.token_ids), generation=slot.gen,
+                                         cached_tokens=slot.gen.cached_tokens))
             self._finish_learning(slot)
 
     def generate(self, requests: Sequence[Request],
@@ -733,7 +491,7 @@ class BatchEngine:
         every request not finished ends with that error and the drive stops (what finished is kept)."""
         pending = collections.deque(enumerate(requests))
         while pending or not self.idle():
-            while pending and len(self.waiting) + len(self.incoming) < self.max_queue:
+            while pending and self.scheduler.queued() < self.max_queue:
                 k, req = pending.popleft()
                 ticket = self.submit(req, hear(k))
                 if tickets is not None:
@@ -756,24 +514,20 @@ class BatchEngine:
         Short prompts are admitted several per iteration; a long one is fed one chunk per
         iteration, so the running rows keep streaming while it is prefilled.
         """
+        sched = self.scheduler
         if self.sync.local:  # nothing to announce: submissions queue at once
-            with self.lock:
-                self.waiting.extend(self.incoming)
-                self.incoming.clear()
-        self._drop_cancelled_waiting()
+            sched.absorb()
+        for ticket, on_event in sched.drop_cancelled(self._cancelled):
+            deliver(on_event, Event(ticket.request.id, [], "cancelled", prompt_tokens=len(ticket.request.prompt_ids)))
         for slot in [s for s in self.slots if self._cancelled(s.ticket)]:
             self._retire(slot, "cancelled")
         beside = self._admit_beside()
-        budget = self.chunks.largest
-        paced = self.prefill_stall is not None and bool(self.slots)
-        to_feed = self.staging is not None or bool(self.waiting)
-        if not self.slots or self.staging is None:  # a prompt's first chunk is not paced: only a long one waits
-            self._prefill_debt = 0.0
-        if paced and self._prefill_debt > 0:
-            budget = 0  # the decoding rows are still making up the last chunk's time
-            self.prefill_waits += to_feed
-        elif paced and to_feed and self._pending is not None:
-            jax.block_until_ready(self._pending.out.tokens)  # a chunk is timed alone: the iteration in flight ends first
+        decoding = bool(self.slots)
+        to_feed = self.staging is not None or bool(sched.waiting)
+        budget = sched.pacer.budget(self.chunks.largest, decoding, self.staging is not None, to_feed)
+        paced = sched.pacer.paced(decoding)
+        if paced and budget and to_feed and self._pending is not None:
+            self.executor.wait(self._pending.out)  # a chunk is timed alone: the iteration in flight ends first
         began, fed_now = time.perf_counter(), 0
         while budget > 0:
             try:
@@ -782,16 +536,16 @@ class BatchEngine:
                 self.sync.failed("admitting a request", exc)
                 st, self.staging, self._staged = self.staging, None, []
                 if st is not None:
-                    _deliver(st.on_event, Event(st.ticket.request.id, [], "error", reason_of(exc),
-                                                prompt_tokens=len(st.ticket.request.prompt_ids)))
+                    deliver(st.on_event, Event(st.ticket.request.id, [], "error", reason_of(exc),
+                                               prompt_tokens=len(st.ticket.request.prompt_ids)))
                 break
             if not fed:
                 break
             budget -= fed
             fed_now += fed
         if paced and fed_now:
-            jax.block_until_ready(self.staging_state.root)
-            self._prefill_debt += time.perf_counter() - began
+            self.executor.wait_staging()
+            sched.pacer.fed(time.perf_counter() - began)
         # paced: the chunk is done before the next launch (a short prompt admitted beside is never waited for)
         self._chunk_queued = bool(beside) or (bool(fed_now) and not paced)
         if not self.slots:
@@ -802,18 +556,8 @@ class BatchEngine:
             self._decode()
         except Exception as exc:  # noqa: BLE001 — fail the batch's requests, keep serving
             self.sync.failed("a decoding step", exc)
-            self.state = self.engine.init_state(self.rows, self.capacity, sampling.MIXED, active=False)
+            self.executor.reset()
             self._drop_rows(reason_of(exc))
-
-    def _drop_cancelled_waiting(self) -> None:
-        """Ends cancelled requests still in the queue now, so they stop counting against ``max_queue``."""
-        with self.lock:
-            flags = [self._cancelled(t) for t, _ in self.waiting]
-            gone = [w for w, c in zip(self.waiting, flags) if c]
-            if gone:
-                self.waiting = collections.deque(w for w, c in zip(self.waiting, flags) if not c)
-        for ticket, on_event in gone:
-            _deliver(on_event, Event(ticket.request.id, [], "cancelled", prompt_tokens=len(ticket.request.prompt_ids)))
 
     def _cancelled(self, ticket: Ticket) -> bool:
         """Whether to end ``ticket`` now; across processes only once process 0 announced it."""
@@ -822,26 +566,18 @@ class BatchEngine:
     # -- the state's shape follows the work ---------------------------------------------
     def cache_need(self, committed: int) -> int:
         """Cache slots a row of ``committed`` tokens may touch before the host reads its next tokens."""
-        return committed + self._max_emit + self._max_nodes
+        return self.scheduler.cache_need(committed)
 
     def _fit(self, extra_rows: int = 0, need: int = 0) -> None:
         """Lays the state out for the live rows (+ ``extra_rows``) and the longest cache (at least ``need``): the
         smallest bucket that holds them, grown or shrunk at once (``prepare`` compiled every re-layout the loop can
         make; rows only grow while they live, so a bucket changes a few times per request at most)."""
-        rows = bucket(max(len(self.slots) + extra_rows, 1), self.row_buckets)
-        want = max([need] + [self.cache_need(s.committed) for s in self.slots])
-        capacity = bucket(min(want, self.max_capacity), self.capacity_buckets)
-        if (rows, capacity) == (self.rows, self.capacity):
-            return
-        self.state = self._resize(self.state, rows, capacity)
-        self.rows, self.capacity = rows, capacity
-        self.resizes += 1
+        self.executor.resize(*self.scheduler.layout(extra_rows, need))
 
     def _fit_staging(self, need: int, grow_only: bool = False) -> None:
-        """Lays the staging row out for ``need`` slots and at least the live rows' capacity (its insert then needs no
-        re-layout); its bucket is its own, so a long prompt entering changes nothing of the rows decoding beside it
-        (their state, executables and costs) until it is inserted. ``grow_only``: mid-prompt, never shrink."""
-        capacity = bucket(min(max(need, self.capacity), self.max_capacity), self.capacity_buckets)
+        """Lays the staging row out for ``need`` slots and at least the live rows' capacity (``Scheduler.
+        staging_layout``). ``grow_only``: mid-prompt, never shrink."""
+        capacity = self.scheduler.staging_layout(need, self.capacity)
         if capacity == self.staging_capacity or (grow_only and capacity < self.staging_capacity):
             return
         self._resize_staging(capacity)
@@ -853,8 +589,7 @@ class BatchEngine:
         the prompt prefix recorded as held there is cut with them (a longer record would let
         the next request sharing it start after K/V that are now zeros).
         """
-        self.staging_state = self._resize(self.staging_state, 1, capacity)
-        self.staging_capacity = capacity
+        self.executor.resize_staging(capacity)
         del self._staged[capacity:]
 
     def _admit(self) -> int:
@@ -863,19 +598,18 @@ class BatchEngine:
         The staging row keeps the K/V of the prompt it fed last, so a request sharing a
         prefix with it (``--num-samples``, a common system prompt) starts after that prefix.
         """
+        ex = self.executor
         if self.staging is None:
-            if len(self.slots) >= self.max_batch:
+            head = self.scheduler.next_waiting()
+            if head is None:
                 return 0
-            with self.lock:
-                if not self.waiting:
-                    return 0
-                ticket, on_event = self.waiting.popleft()
-            self.staging = _Staging(ticket, on_event)
+            ticket, on_event = head
+            self.staging = Staging(ticket, on_event)
             if ticket.request.id and ticket.request.id in self.fail_requests:
                 raise InjectedFailure(f"admission of request {ticket.request.id} failed (${FAIL_REQUESTS_ENV})")
             self._fit_staging(self.cache_need(len(ticket.request.prompt_ids)))  # a shrink cuts ``_staged``
             self._reuse_prefix(self.staging)
-            if not self.prepared or (self.chunks.candidate, self.staging_capacity) in self._prefill_ready:
+            if not self.prepared or (self.chunks.candidate, self.staging_capacity) in ex.prefill_ready:
                 self.staging.probe = self.chunks.probe(self.staging.fed, len(ticket.request.prompt_ids))
             if ticket.request.grammar is not None:
                 vocab = self.engine.row_masks().vocab
@@ -884,7 +618,7 @@ class BatchEngine:
         req = st.ticket.request
         if self._cancelled(st.ticket):
             self.staging = None
-            _deliver(st.on_event, Event(req.id, [], "cancelled", prompt_tokens=len(req.prompt_ids)))
+            deliver(st.on_event, Event(req.id, [], "cancelled", prompt_tokens=len(req.prompt_ids)))
             return 1
         prompt = req.prompt_ids
         left = len(prompt) - st.fed
@@ -902,15 +636,15 @@ class BatchEngine:
         if st.matcher is not None:
             first_mask = self.engine.row_masks().vocab.mask(st.matcher)[None, :]
         e = self.engine
-        self._ready_prefix()
+        ex.ready_prefix()
         self._staged = []  # invalid until the chunk is in
-        call = self._prefill_call(tokens, st.fed, count, last, req.params.seed, values, first_mask)
+        call = ex.chunk_args(tokens, st.fed, count, last, req.params.seed, values, first_mask)
         if st.probe is not None:
             self._probe_chunk(st, call, count)
         elif self.chunks.wants_timing(size):  # what each size costs here prices how a prompt's rest is fed
-            self.chunks.time_chunk(size, self._timed_prefill(call))
+            self.chunks.time_chunk(size, ex.timed_prefill(call, self._in_flight()))
         else:
-            self.staging_state = self._fn("prefill")(*call)
+            ex.prefill(call)
         st.fed += count
         self._staged = list(prompt[: st.fed])
         if not last:
@@ -919,19 +653,18 @@ class BatchEngine:
         if self.staging_capacity < self.capacity:  # (they grew past it meanwhile)
             self._resize_staging(self.capacity)
         row = len(self.slots)
-        self.state = self._fn("insert")(self.state, self.staging_state, jax.device_put(np.int32(row)))
+        first = ex.insert(row)
         try:
-            first = int(fetch(self.staging_state.root)[0])
             index = NGramIndex(prompt, e.ngram.max_n, e.ngram.min_n) if e.ngram else None
             stop_ids = set(e.llm.cfg.eos_token_ids if req.stop_ids is None else req.stop_ids)
             now = time.perf_counter()
             gen = Generation([], 0, 0, 0.0, "length", prefill_seconds=now - st.began, cached_tokens=st.cached)
-            slot = _Slot(st.ticket, st.on_event, gen, now, index, len(prompt), stop_ids, row, st.matcher)
+            slot = Slot(st.ticket, st.on_event, gen, now, index, len(prompt), stop_ids, row, st.matcher)
         except BaseException:  # the row went live on the device but no slot tracks it: take it back
-            self.state = self._fn("retire")(self.state, jax.device_put(np.int32(row)))
+            ex.release(row)
             raise  # ``step`` ends the still-staged request with an error event
         self.staging = None
-        self.slots.append(slot)
+        self.scheduler.add(slot)
         self._remember(prompt)  # the staging row still holds the prompt's K/V
         try:
             self._emit(slot, [first])
@@ -941,24 +674,19 @@ class BatchEngine:
                 self._retire(slot, "error", error=reason_of(exc))
         return size
 
+    def _in_flight(self) -> StepOutput | None:
+        return self._pending.out if self._pending is not None else None
+
     def _admit_beside(self) -> int:
         """Admits the waiting head in one chunk while a long prompt is still being fed, so a short request does not
         wait for a long one's whole entry (its first token comes in this iteration): the long prompt's staging row
         is set aside, a second one takes the short prompt through the usual admission, and the long one is put
         back. A row stays free for the long prompt. Returns the tokens fed."""
-        st = self.staging
-        if st is None or len(st.ticket.request.prompt_ids) - st.fed <= self.chunks.largest:
-            return 0  # nothing long in the way
-        if len(self.slots) + 2 > self.max_batch:
+        if not self.scheduler.may_admit_beside(self.chunks.largest):
             return 0
-        with self.lock:
-            if not self.waiting or len(self.waiting[0][0].request.prompt_ids) > self.chunks.largest:
-                return 0
-        aside = (st, self.staging_state, self.staging_capacity, self._staged)
-        if self._spare is None:
-            self._spare = (self.engine.init_state(1, self.capacity, sampling.MIXED, active=False), self.capacity)
+        aside = (self.staging, self._staged)
+        row = self.executor.swap_staging()  # the spare row takes the short prompt
         self.staging, self._staged = None, []  # the spare row's K/V are no prompt's record
-        self.staging_state, self.staging_capacity = self._spare
         fed = 0
         try:
             while True:  # staged, fed (one chunk, or a few where the cache's end bounds them) and inserted here
@@ -970,16 +698,16 @@ class BatchEngine:
             self.sync.failed("admitting a request", exc)
             short, fed = self.staging, 0
             if short is not None:
-                _deliver(short.on_event, Event(short.ticket.request.id, [], "error", reason_of(exc),
-                                               prompt_tokens=len(short.ticket.request.prompt_ids)))
-        self._spare = (self.staging_state, self.staging_capacity)
-        self.staging, self.staging_state, self.staging_capacity, self._staged = aside
+                deliver(short.on_event, Event(short.ticket.request.id, [], "error", reason_of(exc),
+                                              prompt_tokens=len(short.ticket.request.prompt_ids)))
+        self.executor.keep_spare(self.executor.swap_staging(row))
+        self.staging, self._staged = aside
         return fed
 
-    def _probe_chunk(self, st: _Staging, call: tuple, count: int) -> None:
+    def _probe_chunk(self, st: Staging, call: tuple, count: int) -> None:
         """Feeds a probing prompt's chunk timed alone (the iteration in flight and the chunk before it done first,
         its executable ready); once the probe's tokens are in, the chunk search hears their seconds."""
-        st.probe_seconds += self._timed_prefill(call)
+        st.probe_seconds += self.executor.timed_prefill(call, self._in_flight())
         width = self.chunks.candidate
         if width is not None and st.fed + count >= st.cached + width:
             self.chunks.record(st.probe, width, st.probe_seconds)
@@ -988,45 +716,7 @@ class BatchEngine:
         if width is None or st.fed + count >= st.cached + width:
             st.probe = None
 
-    def _prefill_call(self, tokens: np.ndarray, fed: int, count: int, last: bool, seed: int, values: dict,
-                      first_mask: np.ndarray) -> tuple:
-        """The prefill executable's arguments for one chunk into the staging row (``_prefill_args``)."""
-        return self._prefill_args(self.staging_state, tokens, fed, count, last, seed, values, first_mask)
-
-    def _prefill_args(self, staged, tokens: np.ndarray, fed: int, count: int, last: bool, seed: int,
-                      values: dict | None = None, first_mask: np.ndarray | None = None) -> tuple:
-        """The prefill executable's arguments for one chunk into staging state ``staged``: ``tokens`` [1, size] (its
-        first ``count`` real), fed from slot ``fed``; ``values`` the request's sampling values (default greedy's);
-        ``first_mask`` [1, words] the first token's grammar mask (default: every token allowed)."""
-        if values is None:
-            values = sampling.row_values([sampling.SamplingParams()], self.vocab)
-        if first_mask is None:
-            first_mask = np.full((1, constrain.words(self.vocab)), -1, np.int32)
-        args = jax.device_put((tokens, np.int32(fed), np.int32(count), np.bool_(last), np.uint32(seed % 2**32),
-                               values, first_mask))
-        return (self.engine.llm_params, self.engine.group_params, staged, *args)
-
-    def _ready_prefix(self) -> None:
-        """The prefix cache's cut and paste compile with the staging capacity's first chunk where ``prepare`` did not
-        compile them (a hit later compiles nothing): a block cut and pasted back where it was."""
-        if self.prefix.max_bytes and self.staging_capacity not in self._prefix_ready:
-            self._prefix_ready.add(self.staging_capacity)
-            at = jax.device_put(np.int32(0))
-            self.staging_state = self._fn("paste")(self.staging_state, self._fn("cut")(self.staging_state, at), at)
-
-    def _timed_prefill(self, call: tuple) -> float:
-        """Feeds a prompt chunk timed alone (its executable ready, the iteration in flight and the chunk before it
-        done first); returns its seconds."""
-        exe = self._fn("prefill").compiled(*call)
-        if self._pending is not None:
-            jax.block_until_ready(self._pending.out.tokens)
-        jax.block_until_ready(call[2].root)
-        began = time.perf_counter()
-        self.staging_state = exe(*call)
-        jax.block_until_ready(self.staging_state.root)
-        return time.perf_counter() - began
-
-    def _reuse_prefix(self, st: _Staging) -> None:
+    def _reuse_prefix(self, st: Staging) -> None:
         """Starts ``st`` after the longest prefix of its prompt whose K/V are at hand: the staging row's own (the
         prompt fed before it) or the prefix cache's blocks, copied into the staging row."""
         prompt = st.ticket.request.prompt_ids
@@ -1038,8 +728,7 @@ class BatchEngine:
         if len(chain) * BLOCK > shared:
             self._staged = []  # invalid while blocks are written
             for i in range(shared // BLOCK, len(chain)):
-                self.staging_state = self._fn("paste")(self.staging_state, chain[i].block,
-                                                       jax.device_put(np.int32(i * BLOCK)))
+                self.executor.paste(chain[i].block, i * BLOCK)
             shared = len(chain) * BLOCK
             self._staged = list(prompt[:shared])
         st.fed = st.cached = min(shared, len(prompt) - 1)
@@ -1052,28 +741,24 @@ class BatchEngine:
         committed there), so a conversation's next turn starts after its previous one. An SSM may lag the LLM
         there: only the tokens every cache of the row holds are cached, ``held`` of them where the caller knows
         it, else as the row's lengths read (one read: it waits for the iteration in flight)."""
-        if row is not None and self.state.ssm_caches and held is not None:
+        ssm_caches = bool(self.state.ssm_caches)
+        if row is not None and ssm_caches and held is not None:
             tokens = tokens[:held]
         if not self.prefix.max_bytes or len(tokens) < BLOCK:
             return
         chain = self.prefix.match(tokens)
         if (len(chain) + 1) * BLOCK > len(tokens):
             return  # nothing new: no read of the row's lengths
-        if row is not None:
-            at = jax.device_put(np.int32(row))
-            if self.state.ssm_caches and held is None:
-                tokens = tokens[: int(fetch(self._fn("committed")(self.state, at)))]
+        if row is not None and ssm_caches and held is None:
+            tokens = tokens[: self.executor.committed(row)]
         parent = chain[-1].id if chain else -1
         for start in range(len(chain) * BLOCK, len(tokens) - BLOCK + 1, BLOCK):
-            begin = jax.device_put(np.int32(start))
-            block = (self._fn("cut")(self.staging_state, begin) if row is None
-                     else self._fn("cut")(self.state, begin, at))
-            entry = self.prefix.add(parent, tokens[start:start + BLOCK], block)
+            entry = self.prefix.add(parent, tokens[start:start + BLOCK], self.executor.cut(start, row))
             if entry is None:
                 return
             parent = entry.id
 
-    def _emit(self, slot: "_Slot", new: list[int], tree: str | None = None) -> None:
+    def _emit(self, slot: Slot, new: list[int], tree: str | None = None) -> None:
         """Cuts ``new`` at the request's limits, delivers it, and retires the row when it finished."""
         req = slot.ticket.request
         new, reason = cut_tokens(slot.gen.token_ids, new, req.max_new_tokens, slot.stop_ids, req.stop)
@@ -1086,11 +771,11 @@ class BatchEngine:
         if reason:
             self._retire(slot, reason, new, tree=tree)
             return
-        _deliver(slot.on_event, Event(req.id, new, None, prompt_tokens=len(req.prompt_ids),
-                                      completion_tokens=len(slot.gen.token_ids), tree=tree,
-                                      cached_tokens=slot.gen.cached_tokens))
+        deliver(slot.on_event, Event(req.id, new, None, prompt_tokens=len(req.prompt_ids),
+                                     completion_tokens=len(slot.gen.token_ids), tree=tree,
+                                     cached_tokens=slot.gen.cached_tokens))
 
-    def _retire(self, slot: "_Slot", reason: str, new: Sequence[int] = (), error: str | None = None,
+    def _retire(self, slot: Slot, reason: str, new: Sequence[int] = (), error: str | None = None,
                 tree: str | None = None) -> None:
         """Ends ``slot``'s request; the last live row moves into its row, and the state shrinks if it can."""
         req = slot.ticket.request
@@ -1102,24 +787,19 @@ class BatchEngine:
                 self._remember(list(req.prompt_ids) + slot.gen.token_ids[:-1], slot.row, held)
             except Exception as exc:  # noqa: BLE001 (the request still ends; only its blocks go uncached)
                 self.sync.failed("caching a finished request's blocks", exc)
-        row, last = slot.row, len(self.slots) - 1
-        slot.row = -1
-        if row != last:
-            moved = self.slots[last]
-            self.state = self._fn("move")(self.state, *jax.device_put((np.int32(last), np.int32(row))))
-            moved.row = row
-            self.slots[row] = moved
+        row, moved = self.scheduler.release(slot)
+        if moved is None:
+            self.executor.release(row)
         else:
-            self.state = self._fn("retire")(self.state, jax.device_put(np.int32(row)))
-        self.slots.pop()
+            self.executor.move(moved, row)
         self._fit()
         slot.gen.finish_reason = reason
-        _deliver(slot.on_event, Event(req.id, list(new), reason, error, prompt_tokens=len(req.prompt_ids),
-                                      completion_tokens=len(slot.gen.token_ids), generation=slot.gen, tree=tree,
-                                      cached_tokens=slot.gen.cached_tokens))
+        deliver(slot.on_event, Event(req.id, list(new), reason, error, prompt_tokens=len(req.prompt_ids),
+                                     completion_tokens=len(slot.gen.token_ids), generation=slot.gen, tree=tree,
+                                     cached_tokens=slot.gen.cached_tokens))
         self._finish_learning(slot)
 
-    def _finish_learning(self, slot: "_Slot") -> None:
+    def _finish_learning(self, slot: Slot) -> None:
         """Folds a request that left its row into auto's statistics (a request never observed changes nothing)."""
         if self.engine.auto:
             for chooser in self.engine.choosers.values():
@@ -1156,22 +836,13 @@ class BatchEngine:
         """Whether some live row may still run after the iteration in flight (each emits at least one token)."""
         return self.tokens_left() > 1
 
-    def _proposal_arrays(self, proposals: list[list[int]], depth: int) -> tuple[jax.Array, jax.Array]:
-        """Device arrays (tokens [B, D], count [B]) of the rows' n-gram proposals for a member whose chain is
-        ``depth`` tokens (the runner's widths); the empty one is sent once per B and D."""
-        if any(proposals):
-            return jax.device_put(ngram.proposal_arrays(proposals, depth))
-        if (self.rows, depth) not in self._no_proposal:
-            self._no_proposal[self.rows, depth] = jax.device_put(ngram.proposal_arrays(proposals, depth))
-        return self._no_proposal[self.rows, depth]
-
     def _dispatch(self, stale: bool) -> "_InFlight | None":
         """Picks this iteration's tree and launches it; None if ``stale`` and the pick drafts with the n-gram.
 
         ``stale``: an iteration is still in flight, so the host's counts (committed tokens,
         n-gram index, acceptance statistics) lag it by one iteration.
         """
-        e = self.engine
+        e, ex = self.engine, self.executor
         began = time.perf_counter()
         self._fit()
         live = list(enumerate(self.slots))
@@ -1211,16 +882,15 @@ class BatchEngine:
         ahead = self._max_emit if stale else 0  # tokens the iteration in flight may still commit
         for _, s in live:
             check_fits(s.committed + ahead + cfg.num_nodes, self.capacity, "a decoding step")
-        arrays = self._proposal_arrays(proposals if cfg.ngram_depth else [[]] * self.rows,  # no chain: sent once
-                                       cfg.ngram_depth)
+        arrays = ex.proposal_arrays(proposals if cfg.ngram_depth else [[]] * self.rows,  # no chain: sent once
+                                    cfg.ngram_depth)
         if cfg.forced_depth:
-            arrays = (*arrays, *jax.device_put(ngram.proposal_arrays(chains, cfg.forced_depth)))
+            arrays = (*arrays, *ex.proposal_arrays(chains, cfg.forced_depth))
         extra = {}
         if cfg.host_masks:  # no SSM drafts: every node's path is known now, so are its masks
-            extra["chain_masks"] = jax.device_put(masks.chain_masks(chains, proposals, cfg.forced_depth,
-                                                                    cfg.ngram_depth))
+            extra["chain_masks"] = masks.chain_masks(chains, proposals, cfg.forced_depth, cfg.ngram_depth)
         start = time.perf_counter()
-        self.state, out = e.step(cfg, self.state, *arrays, **extra)
+        out = ex.step(cfg, arrays, extra)
         host = time.perf_counter() - began  # the launch returns before the device is done
         self.iterations += 1
         forced = [len(c) for c in chains] or [0] * self.rows
@@ -1229,7 +899,7 @@ class BatchEngine:
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
-        emitted, num, depths = fetch((it.out.tokens, it.out.num, it.out.source_depth))
+        emitted, num, depths = self.executor.read(it.out)
         now = time.perf_counter()
         try:
             self._account(it, emitted, num, depths, now)
@@ -1241,8 +911,7 @@ class BatchEngine:
         cfg = it.cfg
         seconds, self._last_done = now - max(it.start, self._last_done), now
         self.iteration_times.append(seconds)
-        if self.prefill_stall is not None:
-            self._prefill_debt = max(0.0, self._prefill_debt - self.prefill_stall * seconds)
+        self.scheduler.pacer.decoded(seconds)
         self.iteration_trees.append(it.name)
         stalled = self.planner.readies != it.readies  # the loop readied a bucket while it ran: not its cost
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
@@ -1283,7 +952,7 @@ class _InFlight:
 
     name: str  # family member
     cfg: DecodeConfig
-    live: list[tuple[int, "_Slot"]]  # (row, its request) at dispatch
+    live: list[tuple[int, Slot]]  # (row, its request) at dispatch
     proposals: list[list[int]]  # n-gram proposal per row
     matched: list[int]  # n-gram matched suffix length per row
     forced: list[int]  # tokens each row's grammar forced after its root (0 without a grammar)
@@ -1294,29 +963,3 @@ class _InFlight:
     host: float = 0.0  # host seconds from choosing it to its launch returning
     prefilled: bool = False  # a prompt chunk was queued on the device before it: its seconds include the chunk
     readies: int = 0  # ``Planner.readies`` at its launch (a later one: the loop readied a bucket while it ran)
-
-
-def finished(req: Request, ev: Event) -> Generation:
-    """A request's Generation from its final event (one that failed before any slot held it gets an empty one)."""
-    gen = ev.generation
-    if gen is None:
-        gen = Generation([], 0, 0, 0.0, ev.finish_reason or "error", cached_tokens=ev.cached_tokens)
-    if ev.finish_reason == "error":
-        gen.finish_reason, gen.error = "error", ev.error or "error"
-    return gen
-
-
-def all_finished(gens: Sequence[Generation]) -> list[Generation]:
-    """``gens`` where none failed; else RuntimeError naming the first failure (a benchmark's numbers need all)."""
-    for gen in gens:
-        if gen.finish_reason == "error":
-            raise RuntimeError(f"a request failed: {gen.error}")
-    return list(gens)
-
-
-def _deliver(on_event: Callable[[Event], None], event: Event) -> None:
-    """Calls a request's listener; a listener that fails (a client gone) must not stop the engine."""
-    try:
-        on_event(event)
-    except Exception:  # noqa: BLE001
-        pass

@@ -29,6 +29,7 @@ from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.engine.executables import Stored
 from jaxspec.engine.prepare import Job, abstract
 from jaxspec.errors import RequestError, VocabularyMismatch  # noqa: F401 (importable from here as before)
+from jaxspec.request import Generation, SpecStats  # noqa: F401 (importable from here as before)
 from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
 from jaxspec.parallel.sharding import TENSOR, describe as describe_mesh, pinned
@@ -40,82 +41,6 @@ from models.lowering import Lowering, default_lowering
 from models.transformer import Forward, KVCache, decoding_layout
 
 MIN_PROMPT_BUCKET = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecStats:
-    """One request's speculation, as the server's ``/metrics`` counts it over all requests.
-
-    A draft token proposed by two speculators counts as accepted for both; ``accepted_tokens`` counts it once.
-    """
-
-    verify_steps: int  # LLM verification passes after the prefill
-    draft_steps: int  # of those, passes that verified at least one draft token (/metrics' num_drafts)
-    drafted: dict[str, int]  # speculator -> draft tokens it had verified ("grammar": tokens a grammar forced)
-    accepted: dict[str, int]  # speculator -> of those, tokens on the accepted path
-    accepted_tokens: int  # draft tokens accepted; each verify step emits these plus the LLM's own token
-
-    @property
-    def draft_tokens(self) -> int:
-        return sum(self.drafted.values())
-
-    @property
-    def accept_length(self) -> float:
-        """Tokens per verify step (accepted drafts + 1; 0 before the first step), SGLang's accept length."""
-        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
-
-    def as_dict(self) -> dict:
-        """The plain form every output carries (JSONL ``speculation``, the server's extension field, the API)."""
-        return {"verify_steps": self.verify_steps, "draft_steps": self.draft_steps, "draft_tokens": self.draft_tokens,
-                "accepted_tokens": self.accepted_tokens, "accept_length": round(self.accept_length, 4),
-                "by_speculator": {name: {"drafted": d, "accepted": self.accepted.get(name, 0)}
-                                  for name, d in self.drafted.items()}}
-
-
-@dataclasses.dataclass
-class Generation:
-    """One finished generation and its counters."""
-
-    token_ids: list[int]
-    llm_steps: int  # LLM verification passes after the prefill
-    ssm_steps: int  # SSM draft forwards (all SSMs, all levels)
-    seconds: float
-    finish_reason: str  # "eos" | "stop" | "length" | "cancelled" | "error"
-    step_tokens: list[int] = dataclasses.field(default_factory=list)  # tokens emitted by each LLM step
-    trees: list[str] = dataclasses.field(default_factory=list)  # family member run by each LLM step
-    prefill_seconds: float = 0.0  # from the request's admission (its first prompt chunk) to its first token
-    cached_tokens: int = 0  # prompt tokens whose K/V were reused from an earlier prompt, not computed
-    error: str | None = None  # finish_reason "error": the one-line reason the request failed
-    drafted: dict[str, int] = dataclasses.field(default_factory=dict)  # speculator -> draft tokens verified
-    accepted: dict[str, int] = dataclasses.field(default_factory=dict)  # speculator -> draft tokens accepted
-    draft_steps: int = 0  # LLM steps that verified at least one draft token
-
-    def count_step(self, emitted: int, tree: str, drafted: dict[str, int], accepted: dict[str, int]) -> None:
-        """One LLM step of this request: ``emitted`` tokens (accepted drafts + 1) from family member ``tree``,
-        ``drafted`` / ``accepted`` draft tokens per speculator."""
-        self.llm_steps += 1
-        self.step_tokens.append(emitted)
-        self.trees.append(tree)
-        self.draft_steps += any(drafted.values())
-        for name, count in drafted.items():
-            self.drafted[name] = self.drafted.get(name, 0) + count
-            self.accepted[name] = self.accepted.get(name, 0) + accepted.get(name, 0)
-
-    @property
-    def speculation(self) -> SpecStats:
-        """This request's verify steps, drafts and acceptance by speculator."""
-        return SpecStats(self.llm_steps, self.draft_steps, dict(self.drafted), dict(self.accepted),
-                         sum(self.step_tokens) - len(self.step_tokens))
-
-    @property
-    def tree_counts(self) -> dict[str, int]:
-        """How many LLM steps ran each tree (``--mode auto`` switches between them)."""
-        return {t: self.trees.count(t) for t in dict.fromkeys(self.trees)}
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Mean tokens verified per LLM decoding step (prefill's first token excluded)."""
-        return float(np.mean(self.step_tokens)) if self.step_tokens else 0.0
 
 
 # Bumped when a change moves what a decoding step costs (e.g. the KV cache layout), so calibrations
