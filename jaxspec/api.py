@@ -25,7 +25,7 @@ from jaxspec.errors import RequestError
 
 if TYPE_CHECKING:
     from jaxspec.engine.batch import BatchEngine, Request
-    from jaxspec.engine.runner import Generation, SpecStats
+    from jaxspec.request import Generation, SpecStats
     from jaxspec.structured import Grammar
 
 Messages = Sequence[dict]  # one conversation: {"role": "system" | "user" | "assistant", "content": str} turns
