@@ -15,6 +15,7 @@ import hashlib
 import os
 import threading
 from pathlib import Path
+from typing import Callable, Iterable, Sequence
 
 COMPILE_CACHE_ENV = "JAXSPEC_COMPILE_CACHE"  # a directory, or off / 0 / false / none
 WEIGHT_CACHE_ENV = "JAXSPEC_WEIGHT_CACHE"  # a directory, or off / 0 / false / none
@@ -227,11 +228,11 @@ def compile_cache_on() -> bool:
     return bool(jax.config.jax_compilation_cache_dir)
 
 
-def trim_compile_cache(directory: Path, max_bytes: int) -> int:
-    """Removes the least recently used entries of the XLA cache in ``directory`` until it holds at most ``max_bytes``;
-    returns how many it removed. Recency is a file's last access or write, whichever is later (a hit reads it)."""
+def trim_lru(files: Iterable[Path], max_bytes: int, companions: Callable[[Path], Sequence[Path]] = lambda p: ()) -> int:
+    """Removes the least recently used of ``files`` (each with its ``companions``) until they hold at most
+    ``max_bytes``; returns how many it removed. Recency is a file's last access or write, whichever is later."""
     entries = []
-    for path in directory.glob("*-cache"):
+    for path in files:
         try:
             st = path.stat()
         except OSError:  # removed meanwhile by another process
@@ -241,10 +242,17 @@ def trim_compile_cache(directory: Path, max_bytes: int) -> int:
     for _, size, path in sorted(entries, key=lambda e: e[0]):
         if total <= max_bytes:
             break
-        for stale in (path, path.with_name(path.name.removesuffix("-cache") + "-atime")):
+        for stale in (path, *companions(path)):
             stale.unlink(missing_ok=True)
         total, removed = total - size, removed + 1
     return removed
+
+
+def trim_compile_cache(directory: Path, max_bytes: int) -> int:
+    """Removes the least recently used entries of the XLA cache in ``directory`` until it holds at most ``max_bytes``;
+    returns how many it removed (a hit reads an entry: its access time is its recency)."""
+    return trim_lru(directory.glob("*-cache"), max_bytes,
+                    lambda path: [path.with_name(path.name.removesuffix("-cache") + "-atime")])
 
 
 def enable_compile_cache(directory: Path) -> None:

@@ -119,3 +119,38 @@ def test_an_interrupted_preparation_drops_the_jobs_not_yet_started():
         compile_all([(f"job {k}", lambda k=k: job(k)) for k in range(8 * workers)], "test", progress=False)
     time.sleep(0.8)  # the running jobs finish; nothing else starts
     assert 1 <= len(started) <= 2 * workers, (len(started), workers)
+
+
+def test_the_store_is_bounded_least_recently_used_first_and_a_load_counts_as_a_use(tmp_path, monkeypatch):
+    """The executable store keeps its bound once per process, as the XLA cache does: the least recently loaded or
+    written executables go first. A load refreshes an entry (atime may be off), so a store in use keeps what its
+    jobs load; an index pointing to a removed executable compiles it again."""
+    import os
+
+    import jax.numpy as jnp
+
+    from jaxspec.engine import executables
+
+    store = tmp_path / "executables"
+    monkeypatch.setenv("JAXSPEC_EXECUTABLE_CACHE", str(store))
+    fns = [executables.Stored(lambda x, k=k: jnp.sin(x) * k, {"what": f"test-bound-{k}"}) for k in range(4)]
+    x = jnp.arange(8.0)
+    bins = []
+    for age, fn in enumerate(fns):  # fns[0] written first and made the least recently used
+        before = set(store.glob("*.bin"))
+        fn(x)
+        (path,) = set(store.glob("*.bin")) - before
+        os.utime(path, ns=(10**18 + age * 10**9,) * 2)
+        bins.append(path)
+    loaded = STATS.executables_loaded
+    executables.Stored(fns[0].fn, fns[0].ident)(x)  # a new process's object: nothing in memory, loaded from disk
+    assert STATS.executables_loaded == loaded + 1
+    assert bins[0].stat().st_mtime_ns > 10**18 + 3 * 10**9  # the load made it the most recently used
+    monkeypatch.setattr(executables, "MAX_BYTES", bins[0].stat().st_size + bins[3].stat().st_size)
+    monkeypatch.setattr(executables, "_BOUNDED", set())  # a fresh process
+    assert executables.store_dir() == store
+    assert sorted(store.glob("*.bin")) == sorted([bins[0], bins[3]])  # the two least recently used went
+    stored = STATS.executables_stored
+    executables.Stored(fns[1].fn, fns[1].ident)(x)  # its index survives, its executable does not: compiled again
+    assert STATS.executables_stored == stored + 1 and bins[1].is_file()
+    assert executables.store_dir() == store and len(list(store.glob("*.bin"))) == 3  # trimmed once per process

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import jax
 
-from jaxspec.cache import EXECUTABLE_CACHE_ENV, OFF, STATS, compiler_options, speed_key
+from jaxspec.cache import EXECUTABLE_CACHE_ENV, MAX_BYTES, OFF, STATS, compiler_options, speed_key, trim_lru
 from jaxspec.errors import warn_once
 
 
@@ -42,7 +42,14 @@ def store_dir() -> Path | None:
     setting = os.environ.get(EXECUTABLE_CACHE_ENV, "").strip()
     if not directory or setting.lower() in OFF or jax.process_count() > 1:
         return None
-    return Path(setting).expanduser() if setting else Path(directory) / "executables"
+    store = Path(setting).expanduser() if setting else Path(directory) / "executables"
+    if store not in _BOUNDED:  # once per process, as the XLA cache's bound (``jaxspec.cache.enable_compile_cache``)
+        _BOUNDED.add(store)
+        trim_lru(store.glob("*.bin"), MAX_BYTES)
+    return store
+
+
+_BOUNDED: set[Path] = set()  # stores this process trimmed to ``MAX_BYTES`` (least recently loaded or written first)
 
 
 def _leaf(x: Any) -> tuple:
@@ -204,12 +211,17 @@ def _load(path: Path, key: str) -> Callable | None:
             stored_key, payload, in_tree, out_tree = pickle.load(f)
         if stored_key != key:
             raise ValueError("another executable's entry")
-        return deserialize_and_load(payload, in_tree, out_tree)
+        compiled = deserialize_and_load(payload, in_tree, out_tree)
     except Exception as exc:  # noqa: BLE001 — truncated, unreadable or from another build: never trusted
         path.unlink(missing_ok=True)
         warn_once(f"load {path.parent}", f"a stored executable failed to load ({type(exc).__name__}: {exc}); "
                                           f"removed {path.name}, compiling it again")
         return None
+    try:
+        os.utime(path)  # a load is a use: the store's bound removes the least recently used (atime may be off)
+    except OSError:
+        pass
+    return compiled
 
 
 def _write(path: Path, key: str, compiled: Any) -> bool:
