@@ -54,7 +54,6 @@ from jaxspec.decoding.step import DecodeConfig, StepOutput
 from jaxspec.engine.auto import TreeChooser
 from jaxspec.engine.executor import Executor
 from jaxspec.engine.planner import Planner
-from jaxspec.engine.prepare import compile_all
 from jaxspec.engine.prefill import ChunkSizer
 from jaxspec.engine.prefix import BLOCK, PrefixCache, default_bytes
 from jaxspec.engine.runner import RequestError, Runner, check_fits
@@ -355,16 +354,14 @@ class BatchEngine:
         buckets = [(w, r, c) for w in warps for r in rows for c in caps]
         top = max(self.chunks.largest, self.chunks.candidate or 0)  # the chunk search's next size too
         sizes = [b for b in self.chunks.sizes if b <= top]
-        jobs = (self.planner.step_jobs(buckets, grammar) + self.executor.prefill_jobs(sizes, caps)
-                + self.executor.row_jobs(rows, caps, self.row_buckets))
-        compile_all(jobs, "preparing executables", progress)
-        self.executor.prepare_prefix(caps)
-        self.planner.ready(buckets, grammar, progress)
+        listed = self.executor.prepare(self.planner.step_jobs(buckets, grammar), sizes, rows, caps, self.row_buckets,
+                                       progress)
+        self.planner.ready(buckets, grammar, progress)  # under auto each bucket's members measured
         self.prepared = True
         seconds = time.perf_counter() - began
         made = STATS.fresh_compiles - fresh
         if made and say is not None:
-            say(f"prepared this machine for {len(buckets)} step bucket(s) in {seconds:.1f} s ({len(jobs)} "
+            say(f"prepared this machine for {len(buckets)} step bucket(s) in {seconds:.1f} s ({listed} "
                 f"executables, {made} compiled fresh); later starts load what the executable store kept")
         return seconds
 

@@ -22,7 +22,7 @@ from jaxspec.decoding.step import (DecodeConfig, DecodeState, StepOutput, insert
                                    set_inactive)
 from jaxspec.engine.executables import Stored
 from jaxspec.engine.prefix import committed, cut_block, paste_block
-from jaxspec.engine.prepare import Job
+from jaxspec.engine.prepare import Job, compile_all
 from jaxspec.engine.runner import Runner
 from jaxspec.parallel.sharding import fetch, pinned
 from jaxspec.request import SamplingParams
@@ -99,6 +99,17 @@ class Executor:
         return self._compiled[key]
 
     # -- prepare ------------------------------------------------------------------------
+    def prepare(self, steps: Sequence[Job], sizes: Sequence[int], rows: Sequence[int], capacities: Sequence[int],
+                row_buckets: Sequence[int], progress: bool = True) -> int:
+        """Readies ``steps`` (the planner's members at each bucket), the prefill of every chunk of ``sizes`` into a
+        staging row of each of ``capacities``, every bucket's row operations and re-layouts, and the prefix cache's
+        copies: compiled on the host's cores or loaded from the executable store. Returns how many executables were
+        listed (those not ready yet)."""
+        jobs = [*steps, *self.prefill_jobs(sizes, capacities), *self.row_jobs(rows, capacities, row_buckets)]
+        compile_all(jobs, "preparing executables", progress)
+        self.prepare_prefix(capacities)
+        return len(jobs)
+
     def prefill_jobs(self, sizes: Sequence[int], capacities: Sequence[int]) -> list[Job]:
         """The prefill of every chunk of ``sizes`` that fits into a staging row of each of ``capacities`` slots."""
         fn, jobs = self.fn("prefill"), []
