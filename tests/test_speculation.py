@@ -117,7 +117,7 @@ def test_capacity_edge_writes_stay_in_bounds(tiny_llm, monkeypatch):
     assert batch.capacity == 256
     fixed = BatchEngine(Engine(tiny_llm, [early_exit(tiny_llm, 1)], (1, 2), lowering=engine.lowering), max_batch=1,
                         max_model_len=300)
-    monkeypatch.setattr(fixed, "cache_need", lambda committed: committed)  # forgets the step's own writes
+    monkeypatch.setattr(fixed.scheduler, "cache_need", lambda committed: committed)  # forgets the step's writes
     (broken,) = fixed.generate([Request(list(range(16)), 280)])  # the request fails alone, naming the write
     assert broken.finish_reason == "error" and "a decoding step would write" in broken.error
 

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.request import SamplingError, SamplingParams  # noqa: F401 (importable from here as before)
+from jaxspec.request import (MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, MIN_TOP_P,  # noqa: F401 (importable from
+                             SamplingError, SamplingParams)  # here as before)
 
 
 @dataclasses.dataclass(frozen=True)
