@@ -104,6 +104,7 @@ def test_release_keeps_the_rows_contiguous():
     """A retired row's place is taken by the last live row (one row copy); the last row just ends."""
     sched = make()
     a, b, c = slot(sched), slot(sched), slot(sched)
+    assert sched.vacate(b) == (1, 2) and sched.slots == [a, b, c] and b.row == 1  # the plan changes nothing
     assert sched.release(b) == (1, 2)  # c moves from row 2 into row 1
     assert sched.slots == [a, c] and (a.row, b.row, c.row) == (0, -1, 1)
     assert sched.release(c) == (1, None)

@@ -784,11 +784,12 @@ class BatchEngine:
                 self._remember(list(req.prompt_ids) + slot.gen.token_ids[:-1], slot.row, held)
             except Exception as exc:  # noqa: BLE001 (the request still ends; only its blocks go uncached)
                 self.sync.failed("caching a finished request's blocks", exc)
-        row, moved = self.scheduler.release(slot)
+        row, moved = self.scheduler.vacate(slot)
         if moved is None:
             self.executor.release(row)
         else:
             self.executor.move(moved, row)
+        self.scheduler.release(slot)  # recorded once the device did it
         self._fit()
         slot.gen.finish_reason = reason
         deliver(slot.on_event, Event(req.id, list(new), reason, error, prompt_tokens=len(req.prompt_ids),
@@ -885,7 +886,7 @@ class BatchEngine:
             arrays = (*arrays, *ex.proposal_arrays(chains, cfg.forced_depth))
         extra = {}
         if cfg.host_masks:  # no SSM drafts: every node's path is known now, so are its masks
-            extra["chain_masks"] = masks.chain_masks(chains, proposals, cfg.forced_depth, cfg.ngram_depth)
+            extra["chain_masks"] = ex.put(masks.chain_masks(chains, proposals, cfg.forced_depth, cfg.ngram_depth))
         start = time.perf_counter()
         out = ex.step(cfg, arrays, extra)
         host = time.perf_counter() - began  # the launch returns before the device is done

@@ -266,10 +266,15 @@ class Executor:
             self._no_proposal[len(proposals), depth] = jax.device_put(ngram.proposal_arrays(proposals, depth))
         return self._no_proposal[len(proposals), depth]
 
+    @staticmethod
+    def put(value: np.ndarray) -> jax.Array:
+        """``value`` on the device (a grammar's masks by tree node), sent before a step is launched and timed."""
+        return jax.device_put(value)
+
     def step(self, cfg: DecodeConfig, arrays: tuple, extra: dict) -> StepOutput:
-        """Launches one decoding iteration of family member ``cfg`` on every row; returns its outputs (device arrays,
-        not read: the launch returns before the device is done)."""
-        self.state, out = self.runner.step(cfg, self.state, *arrays, **{k: jax.device_put(v) for k, v in extra.items()})
+        """Launches one decoding iteration of family member ``cfg`` on every row (``arrays`` and ``extra`` on the
+        device); returns its outputs (device arrays, not read: the launch returns before the device is done)."""
+        self.state, out = self.runner.step(cfg, self.state, *arrays, **extra)
         return out
 
     @staticmethod

@@ -304,18 +304,21 @@ class Scheduler:
             raise ValueError(f"a new request takes row {len(self.slots)}, not {slot.row}")
         self.slots.append(slot)
 
-    def release(self, slot: Slot) -> tuple[int, int | None]:
-        """Frees ``slot``'s row: the last live row moves into it. Returns (the freed row, the row that moved into it,
-        None where ``slot`` held the last row)."""
+    def vacate(self, slot: Slot) -> tuple[int, int | None]:
+        """What freeing ``slot``'s row takes, changing nothing: (the freed row, the last live row that moves into it,
+        None where ``slot`` holds the last row). The device acts on it, then ``release`` records it."""
         row, last = slot.row, len(self.slots) - 1
-        if row < 0 or self.slots[row] is not slot:
+        if row < 0 or row > last or self.slots[row] is not slot:
             raise ValueError("the request owns no row")
+        return row, (last if row != last else None)
+
+    def release(self, slot: Slot) -> tuple[int, int | None]:
+        """Frees ``slot``'s row: the last live row moves into it (``vacate``'s plan, now recorded)."""
+        row, moved = self.vacate(slot)
         slot.row = -1
-        moved = None
-        if row != last:
-            self.slots[row] = self.slots[last]
+        if moved is not None:
+            self.slots[row] = self.slots[moved]
             self.slots[row].row = row
-            moved = last
         self.slots.pop()
         return row, moved
 
