@@ -49,6 +49,25 @@ def test_a_speculator_that_failed_for_long_is_retried_once_traffic_changes(explo
     assert picks[-100:].count("ssm") >= 95  # once retried, it is learned to pay and kept
 
 
+def test_an_ngram_pick_beside_an_iteration_in_flight_pays_for_the_overlap_it_loses():
+    """The n-gram's proposal needs the tokens in flight, so picking it then makes the host's work serial: with
+    ``serial`` seconds added to n-gram members only, a chain that pays when nothing is in flight (about 1.5
+    tokens for 1.2x) loses to the plain step beside one (1.5 for 1.7x), and an SSM tree (which overlaps) is priced as before."""
+    members = NGRAM + [Member("ssm", {"ssm": 1}, {"ssm": (0,)})]
+    costs = {"none": 1.0, "ngram": 1.2, "ssm": 1.9}
+    chooser = TreeChooser(members, costs, explore=False, adapt_costs=False)
+    for i in range(20):
+        chooser.observe("ngram", np.asarray([i % 2]), ngram_len=4, key="r")  # agrees at depth 1 half the time
+    assert chooser.pick_batch([(4, 1)], keys=["r"]) == "ngram"
+    assert chooser.pick_batch([(4, 1)], keys=["r"], serial=0.5) == "none"
+    alone: dict[str, float] = {}
+    beside: dict[str, float] = {}
+    chooser.pick_batch([(4, 1)], keys=["r"], scores=alone)
+    chooser.pick_batch([(4, 1)], keys=["r"], scores=beside, serial=0.5)
+    assert beside["ssm"] == alone["ssm"] and beside["none"] == alone["none"]
+    assert beside["ngram"] == pytest.approx(alone["ngram"] * 1.2 / 1.7)
+
+
 def test_rows_keep_their_own_request_counts():
     """Two rows of different requests: each pick reads its own request's counts, and one finishing leaves the
     other's counts as they were (they used to be reset at every retirement)."""

@@ -346,7 +346,8 @@ class TreeChooser:
         return self.pick_batch([(ngram_len, ngram_match)], keys=[key])
 
     def pick_batch(self, rows: list[tuple[int, int]], costs: dict[str, float] | None = None,
-                   keys: Sequence[Hashable] | None = None, scores: dict[str, float] | None = None) -> str:
+                   keys: Sequence[Hashable] | None = None, scores: dict[str, float] | None = None,
+                   serial: float = 0.0) -> str:
         """The member with the most expected tokens per second summed over a batch's rows.
 
         ``rows`` holds each active row's (n-gram proposal length, matched suffix length);
@@ -356,6 +357,8 @@ class TreeChooser:
         whose own counts its rates read (default: none, every open request pooled). One draw
         per (kind, request) serves every member of the pick; ``scores``, when given, receives each
         candidate's expected tokens per second under that draw (what a compile decision weighs).
+        ``serial``: seconds added to each member that drafts with the n-gram where an iteration is in flight (its
+        proposal needs that iteration's tokens, so the host's work of this one cannot overlap the device's).
         """
         names = [n for n in self.members if n in (costs or self.costs)]
         if len(names) == 1:
@@ -364,7 +367,8 @@ class TreeChooser:
         lengths = np.array([length for length, _ in rows])  # [B]
         reach = self._reach(rates)
         tokens = self._member_tokens(names, lengths, reach).sum(axis=1)  # [len(names)]
-        rate = {n: float(t) / self.cost(n, costs) for n, t in zip(names, tokens)}
+        rate = {n: float(t) / (self.cost(n, costs) + (serial if "ngram" in self.members[n].depth else 0.0))
+                for n, t in zip(names, tokens)}
         if scores is not None:
             scores.update(rate)
         return max(rate, key=lambda n: (rate[n], n == "none"))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import os
 import threading
 import time
@@ -51,6 +52,7 @@ import numpy as np
 from jaxspec.cache import STATS
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.decoding.step import DecodeConfig, StepOutput
+from jaxspec.engine import auto
 from jaxspec.engine.auto import TreeChooser
 from jaxspec.engine.executor import Executor
 from jaxspec.engine.planner import Planner
@@ -195,6 +197,7 @@ class BatchEngine:
         # per iteration read, newest last: host seconds choosing, launching and reading it (not waiting on the
         # device), and wall seconds from its launch (or the previous read) to its tokens on the host
         self.host_times: collections.deque[float] = collections.deque(maxlen=4096)
+        self._host_median = (0, 0.0)  # (len(host_times) when it was read, their median): ``_host_seconds``
         self.iteration_times: collections.deque[float] = collections.deque(maxlen=4096)
         self.iteration_trees: collections.deque[str] = collections.deque(maxlen=4096)  # the member each one ran
 
@@ -834,6 +837,16 @@ class BatchEngine:
         """Whether some live row may still run after the iteration in flight (each emits at least one token)."""
         return self.tokens_left() > 1
 
+    def _host_seconds(self) -> float:
+        """The host's seconds per iteration (choosing, launching, reading and emitting), the median of the newest
+        ``auto.TIMING_WINDOW``: what an iteration adds to the cycle when it cannot overlap the one in flight (0
+        before ``auto.MIN_TIMINGS``). Read at most once per iteration timed."""
+        count = len(self.host_times)
+        if self._host_median[0] != count:
+            newest = list(itertools.islice(reversed(self.host_times), auto.TIMING_WINDOW))
+            self._host_median = (count, float(np.median(newest)) if len(newest) >= auto.MIN_TIMINGS else 0.0)
+        return self._host_median[1]
+
     def _dispatch(self, stale: bool) -> "_InFlight | None":
         """Picks this iteration's tree and launches it; None if ``stale`` and the pick drafts with the n-gram.
 
@@ -869,7 +882,8 @@ class BatchEngine:
             name, longest = chooser.pick_constrained(rows3, costs, tuple(sorted({0, longest})), keys=keys)
         elif chooser is not None:
             rows = [(len(proposals[i]), matched[i]) for i, _ in live]
-            name = self.sync.agree_pick(chooser.pick_batch(rows, costs, keys=keys), list(family))
+            serial = self._host_seconds() if stale else 0.0  # what an n-gram pick costs in lost overlap
+            name = self.sync.agree_pick(chooser.pick_batch(rows, costs, keys=keys, serial=serial), list(family))
         else:
             name = next(iter(family))
         cfg = family[name]
