@@ -171,6 +171,10 @@ def test_the_default_auto_path_prepares_then_speculates_and_compiles_nothing_whi
     auto = run_cli(*args, "-v", "--output", str(out), env=env, timeout=900)
     assert auto.returncode == 0, auto.stderr[-3000:]
     assert "[jaxspec] 0 executable(s) compiled while the requests ran" in auto.stderr, auto.stderr[-3000:]
+    # -v says where preparing went: every executable listed once under its kind, the plain step's among them
+    listed, where = re.search(r"prepared (\d+) executables in [\d.]+ s: (.*) \(slowest: ", auto.stderr).groups()
+    kinds = dict((kind, int(n)) for kind, n in re.findall(r"([^;]+?) (\d+) in [\d.]+ s(?:; |$)", where))
+    assert sum(kinds.values()) == int(listed) and kinds.get("step none", 0) >= 1 and "prefill" in kinds, where
     rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
     trees = collections.Counter()
     for r in rows:

@@ -159,3 +159,24 @@ def test_the_store_is_bounded_least_recently_used_first_and_a_load_counts_as_a_u
     executables.Stored(fns[1].fn, fns[1].ident)(x)  # its index survives, its executable does not: compiled again
     assert STATS.executables_stored == stored + 1 and bins[1].is_file()
     assert executables.store_dir() == store and len(list(store.glob("*.bin"))) == 3  # trimmed once per process
+
+
+def test_preparing_reports_each_job_once_under_its_kind():
+    """``compile_all`` hears every job's seconds on its thread, and ``describe_timings`` sums them per kind (the
+    label's words before its first size), the costliest kind first: what ``-v`` prints after preparing."""
+    import time as clock
+
+    from jaxspec.engine.prepare import compile_all, describe_timings
+
+    def sleep(seconds: float):
+        return lambda: clock.sleep(seconds)
+
+    jobs = [(f"step ssm, {r} row(s) x 256 slots, greedy", sleep(0.05)) for r in (1, 2, 4)]
+    jobs += [(f"prefill of {n} tokens, 256 slots", sleep(0.01)) for n in (16, 64)]
+    timings: list[tuple[str, float]] = []
+    compile_all(jobs, "test", progress=False, timings=timings)
+    assert sorted(label for label, _ in timings) == sorted(label for label, _ in jobs)
+    assert all(seconds >= 0.009 for _, seconds in timings)
+    line = describe_timings(timings, slowest=1)
+    assert line.startswith("step ssm 3 in ") and "; prefill 2 in " in line, line
+    assert line.endswith("s)") and "(slowest: step ssm, " in line, line

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -290,7 +291,7 @@ class TreeChooser:
         next timing of ``key`` arrives: every pick reads it, few iterations change it."""
         if key not in self._drifts:
             seen = self.timings.get(key, ())
-            self._drifts[key] = float(np.median(seen)) if len(seen) >= MIN_TIMINGS else None
+            self._drifts[key] = statistics.median(seen) if len(seen) >= MIN_TIMINGS else None  # (a few floats)
         return self._drifts[key]
 
     def observe_time(self, name: str, seconds: float, costs: dict[str, float] | None = None) -> None:

@@ -42,6 +42,7 @@ import collections
 import dataclasses
 import itertools
 import os
+import statistics
 import threading
 import time
 from typing import Callable, Iterator, Sequence
@@ -57,6 +58,7 @@ from jaxspec.engine.auto import TreeChooser
 from jaxspec.engine.executor import Executor
 from jaxspec.engine.planner import Planner
 from jaxspec.engine.prefill import ChunkSizer
+from jaxspec.engine.prepare import describe_timings
 from jaxspec.engine.prefix import BLOCK, PrefixCache, default_bytes
 from jaxspec.engine.runner import RequestError, Runner, check_fits
 from jaxspec.engine.scheduler import (PREFILL_STALL, IterationStats, QueueFull, Scheduler,  # noqa: F401 (importable
@@ -357,8 +359,12 @@ class BatchEngine:
         buckets = [(w, r, c) for w in warps for r in rows for c in caps]
         top = max(self.chunks.largest, self.chunks.candidate or 0)  # the chunk search's next size too
         sizes = [b for b in self.chunks.sizes if b <= top]
+        timings: list[tuple[str, float]] = []
         listed = self.executor.prepare(self.planner.step_jobs(buckets, grammar), sizes, rows, caps, self.row_buckets,
-                                       progress)
+                                       progress, timings)
+        if self.verbose is not None and timings:
+            self.verbose(f"prepared {listed} executables in {time.perf_counter() - began:.1f} s: "
+                         f"{describe_timings(timings)}")
         self.planner.ready(buckets, grammar, progress)  # under auto each bucket's members measured
         self.prepared = True
         seconds = time.perf_counter() - began
@@ -844,7 +850,7 @@ class BatchEngine:
         count = len(self.host_times)
         if self._host_median[0] != count:
             newest = list(itertools.islice(reversed(self.host_times), auto.TIMING_WINDOW))
-            self._host_median = (count, float(np.median(newest)) if len(newest) >= auto.MIN_TIMINGS else 0.0)
+            self._host_median = (count, statistics.median(newest) if len(newest) >= auto.MIN_TIMINGS else 0.0)
         return self._host_median[1]
 
     def _dispatch(self, stale: bool) -> "_InFlight | None":

@@ -100,13 +100,14 @@ class Executor:
 
     # -- prepare ------------------------------------------------------------------------
     def prepare(self, steps: Sequence[Job], sizes: Sequence[int], rows: Sequence[int], capacities: Sequence[int],
-                row_buckets: Sequence[int], progress: bool = True) -> int:
+                row_buckets: Sequence[int], progress: bool = True,
+                timings: list[tuple[str, float]] | None = None) -> int:
         """Readies ``steps`` (the planner's members at each bucket), the prefill of every chunk of ``sizes`` into a
         staging row of each of ``capacities``, every bucket's row operations and re-layouts, and the prefix cache's
         copies: compiled on the host's cores or loaded from the executable store. Returns how many executables were
-        listed (those not ready yet)."""
+        listed (those not ready yet); ``timings`` receives each one's seconds (``compile_all``)."""
         jobs = [*steps, *self.prefill_jobs(sizes, capacities), *self.row_jobs(rows, capacities, row_buckets)]
-        compile_all(jobs, "preparing executables", progress)
+        compile_all(jobs, "preparing executables", progress, timings)
         self.prepare_prefix(capacities)
         return len(jobs)
 

@@ -17,13 +17,17 @@ from jaxspec.cache import host_cores
 Job = tuple[str, Callable[[], Any]]  # (what it readies, in words; the call that readies it)
 
 
-def compile_all(jobs: Sequence[Job], what: str, progress: bool = True) -> float:
+def compile_all(jobs: Sequence[Job], what: str, progress: bool = True,
+                timings: list[tuple[str, float]] | None = None) -> float:
     """Runs every job on ``host_cores()`` threads, the bar on stderr where ``progress``; returns the seconds taken.
-    A job that fails is raised once the others finished (with what it was readying)."""
+    ``timings`` receives each job's (what it readied, its seconds on its thread). A job that fails is raised once the
+    others finished (with what it was readying)."""
     if not jobs:
         return 0.0
     from tqdm import tqdm  # noqa: PLC0415
 
+    if timings is not None:
+        jobs = [(label, _timed(label, run, timings)) for label, run in jobs]
     began, failed = time.perf_counter(), None
     every = 0.1 if sys.stderr.isatty() else 10.0  # a log file gets a line every 10 s, not every executable
     with (tqdm(total=len(jobs), desc=what, unit="exe", file=sys.stderr, disable=not progress, mininterval=every) as bar,
@@ -40,6 +44,32 @@ def compile_all(jobs: Sequence[Job], what: str, progress: bool = True) -> float:
     if failed is not None:
         raise RuntimeError(f"preparing {failed[0]} failed: {type(failed[1]).__name__}: {failed[1]}") from failed[1]
     return time.perf_counter() - began
+
+
+def _timed(label: str, run: Callable[[], Any], timings: list[tuple[str, float]]) -> Callable[[], Any]:
+    def timed() -> Any:
+        began = time.perf_counter()
+        try:
+            return run()
+        finally:
+            timings.append((label, time.perf_counter() - began))  # list.append: atomic across the pool's threads
+
+    return timed
+
+
+def describe_timings(timings: Sequence[tuple[str, float]], slowest: int = 3) -> str:
+    """Where preparing went, in one line: count and seconds per kind of executable (a label's words before its first
+    size: "step ssm", "prefill", "re-layout"), the costliest first, then the ``slowest`` jobs."""
+    import re  # noqa: PLC0415
+
+    kinds: dict[str, list[float]] = {}
+    for label, seconds in timings:
+        kind = re.sub(r"\s+(of\s+)?\d.*$", "", label.split(",")[0])
+        kinds.setdefault(kind, []).append(seconds)
+    order = sorted(kinds.items(), key=lambda kv: -sum(kv[1]))
+    parts = [f"{kind} {len(s)} in {sum(s):.1f} s" for kind, s in order]
+    worst = sorted(timings, key=lambda ls: -ls[1])[:slowest]
+    return "; ".join(parts) + " (slowest: " + "; ".join(f"{label} {seconds:.2f} s" for label, seconds in worst) + ")"
 
 
 def abstract(tree: Any) -> Any:
