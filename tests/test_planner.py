@@ -155,3 +155,41 @@ def test_auto_measures_the_curve_before_the_engine_derives_its_trees_and_keeps_i
     prompt = [5, 9, 13, 2, 7, 11]
     (gen,) = batch.generate([Request(prompt, 40, stop_ids=[])])
     assert gen.token_ids == Engine(llm, []).generate(prompt, 40, stop_ids=[]).token_ids
+
+
+def test_a_bucket_is_timed_on_one_state_set_back_before_every_run(tiny_llm, monkeypatch):
+    """Timing a bucket's members makes one state of that bucket (at a wide bucket a state is gigabytes: one per
+    member, and one more per pairing with the plain step, took most of a server's preparation), and every timed run
+    starts from a shortest prompt, whatever the runs before it committed."""
+    from jaxspec.engine.runner import MIN_PROMPT_BUCKET
+
+    engine = Engine(tiny_llm, speculators=[early_exit(tiny_llm, 1), NGramSpeculator(2)], expansion=[(1, 1), (1, 1)],
+                    auto=True)
+    params = sampling.SamplingParams()
+    names = list(engine.family(params))
+    assert len(names) >= 3
+    engine.warm(params, 64, batch=2)
+    made, lengths = [], []
+    init_state = engine.init_state
+
+    def counted(*args, **kwargs):
+        made.append(args[:2])
+        return init_state(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "init_state", counted)
+    step_fn = engine._step_fn
+
+    def watched(cfg):
+        fn = step_fn(cfg)
+
+        def run(llm_params, group_params, state, *rest, **kw):
+            lengths.append(set(state.llm_cache.length.tolist()))
+            return fn(llm_params, group_params, state, *rest, **kw)
+
+        return run
+
+    monkeypatch.setattr(engine, "_step_fn", watched)
+    measured = engine.calibrate(params, 64, batch=2)
+    assert set(measured) == set(names) and all(v > 0 for v in measured.values())
+    assert made == [(2, 64)]  # one state for the bucket's every member and pairing
+    assert len(lengths) > len(names) and all(seen == {MIN_PROMPT_BUCKET} for seen in lengths), lengths

@@ -371,16 +371,19 @@ class Runner:
         Each member's cost is cached on its own (``jaxspec.engine.costs``, keyed by device kind,
         models, dtype, warp, the member's tree, capacity and batch, outside the repository), so
         a loop that compiles only the members worth running measures only those; ``refresh``
-        measures again.
+        measures again. Every member measured here steps on one state of the bucket (at a wide bucket a state
+        is gigabytes: one made per member took most of a server's preparation).
         """
         if self._injected_costs is not None:
             return self._injected_costs
         names = list(self.family(params)) if names is None else list(names)
-        return {n: self.member_cost(params, n, capacity, batch, refresh) for n in names}
+        shared: list[DecodeState | None] = [None]
+        return {n: self.member_cost(params, n, capacity, batch, refresh, shared) for n in names}
 
     def member_cost(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
-                    batch: int = 1, refresh: bool = False) -> float:
-        """Seconds per iteration of one family member on ``batch`` rows of ``capacity`` slots (cached: calibrate)."""
+                    batch: int = 1, refresh: bool = False, shared: list | None = None) -> float:
+        """Seconds per iteration of one family member on ``batch`` rows of ``capacity`` slots (cached: calibrate);
+        ``shared`` holds the bucket's timing state where the caller measures several members (``_timed_step``)."""
         if self._injected_costs is not None:
             return self._injected_costs[name]
         key = (_warp(params), capacity, batch, name)
@@ -390,7 +393,7 @@ class Runner:
 
         ident = self._member_ident(params, name, capacity, batch)
         self._costs[key] = costs.load_or_measure(
-            ident, lambda: self._measure(params, capacity, batch=batch, names=[name])[name], refresh)
+            ident, lambda: self._measure(params, capacity, batch=batch, names=[name], shared=shared)[name], refresh)
         return self._costs[key]
 
     def _member_ident(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
@@ -404,7 +407,7 @@ class Runner:
             "ssms": [[s.name, repr(s.cfg), str(jnp.dtype(s.dtype)), s.draft_vocab] for s in self.ssms],
             "ngram": self.family(params)[name].ngram_depth,
             "member": [name, self.describe(name)],
-            "timed": "fastest run, a tree in rounds with the plain step",  # (was: the median, alone)
+            "timed": "fastest run from a shortest prompt, a tree in rounds with the plain step",  # (was: the median)
             "warp": repr(_warp(params)),
             "capacity": capacity,
             "batch": batch,
@@ -424,23 +427,25 @@ class Runner:
         return costs.load_or_measure(ident, lambda: found, refresh=True)
 
     def _measure(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, reps: int = MEMBER_REPEATS,
-                 batch: int = 1, names: Sequence[str] | None = None) -> dict[str, float]:
+                 batch: int = 1, names: Sequence[str] | None = None, shared: list | None = None) -> dict[str, float]:
         """Seconds per iteration of members (default all) on ``batch`` rows of ``capacity`` slots (reps 0: one run).
 
         Each is the fastest of ``reps`` timed runs (whatever else runs on the host only ever adds time). A tree is
         timed in rounds with the plain step where that is compiled and measured here: its cost is the plain step's
         measured cost times their ratio now, which a machine busy with other work (a test suite, a build) slows
-        alike, where two measurements taken at different moments compare a quiet one with a busy one."""
+        alike, where two measurements taken at different moments compare a quiet one with a busy one. Every run
+        steps on one state (``shared``'s, else one of this call's), its caches set back to a shortest prompt first."""
         family = self.family(params)
         warp = _warp(params)
         plain = self._costs.get((warp, capacity, batch, "none"))
+        shared = [None] if shared is None else shared
         out = {}
         for name in family if names is None else names:
-            runs = {name: self._timed_step(params, family[name], batch, capacity)}
+            runs = {name: self._timed_step(params, family[name], batch, capacity, shared)}
             paired = bool(reps) and name != "none" and plain is not None and self.is_warm(params, capacity, batch,
                                                                                           "none")
             if paired:
-                runs["none"] = self._timed_step(params, family["none"], batch, capacity)
+                runs["none"] = self._timed_step(params, family["none"], batch, capacity, shared)
             times: dict[str, list[float]] = {n: [] for n in runs}
             for _ in range(reps + 1):  # the first round compiles (or loads) and is not timed
                 for n, run in runs.items():
@@ -451,19 +456,26 @@ class Runner:
         return out
 
     def _timed_step(self, params: sampling.SamplingParams | sampling.WarpSpec, cfg: DecodeConfig, batch: int,
-                    capacity: int) -> Callable[[], float]:
-        """A callable that runs one iteration of ``cfg`` on a state of its own and returns its seconds."""
+                    capacity: int, shared: list | None = None) -> Callable[[], float]:
+        """A callable that runs one iteration of ``cfg`` and returns its seconds: on ``shared[0]``, the state every
+        run of a measurement steps on (made at the first run), else on a state of its own; before each run its caches
+        are set back to a shortest prompt (untimed), so every run is timed at the same length."""
         depth = cfg.ngram_depth  # a member's chain width: the plain step's never changes with the trees
         toks, count = jax.device_put(ngram.proposal_arrays([list(range(1, depth + 1))] * batch, depth))
         step_fn = self._step_fn(cfg)
-        state = self._measured_state(params, batch, capacity)
+        held = [None] if shared is None else shared
 
         def run() -> float:
-            nonlocal state
+            state = held[0]
+            held[0] = None  # donated below: never left behind deleted if a run fails
+            state = self._measured_state(params, batch, capacity, state)
+            jax.block_until_ready(state)
             t0 = time.perf_counter()
             state, res = step_fn(self._llm_params, self._group_params, state, toks, count)
             jax.block_until_ready(res)
-            return time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            held[0] = state
+            return seconds
 
         return run
 
@@ -522,12 +534,13 @@ class Runner:
         return self._compiled[key]
 
     def _measured_state(self, params: sampling.SamplingParams | sampling.WarpSpec, batch: int,
-                        capacity: int) -> DecodeState:
-        """A fresh state of ``batch`` rows whose caches hold a shortest prompt: what timing runs on."""
+                        capacity: int, state: DecodeState | None = None) -> DecodeState:
+        """A state of ``batch`` rows whose caches hold a shortest prompt, what timing runs on: ``state`` set back to
+        that (donated), else a fresh one."""
         key = ("lengths", batch, capacity)
         if key not in self._compiled:
             self._compiled[key] = jax.jit(lambda s: set_lengths(s, MIN_PROMPT_BUCKET), donate_argnums=(0,))
-        return self._compiled[key](self.init_state(batch, capacity, params))
+        return self._compiled[key](self.init_state(batch, capacity, params) if state is None else state)
 
     def forced_buckets(self) -> tuple[int, ...]:
         """Every forced-chain depth a grammar step may compile for (``forced_bucket``'s values)."""
