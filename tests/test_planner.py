@@ -10,13 +10,14 @@ import pytest
 from conftest import tiny_model
 from jaxspec.config import EngineConfig
 from jaxspec.decoding import sampling
-from jaxspec.speculators.ngram import NGramSpeculator
+from jaxspec.speculators.ngram import NGramSpeculator, acceptance_priors, speculator_kinds
 from jaxspec.engine import costs
 from jaxspec.engine import Engine
 from jaxspec.engine.batch import BatchEngine, Request
 from jaxspec.engine.build import engine_from
 from jaxspec.engine import planner as planner_module
 from jaxspec.engine.planner import (CURVE_TOKENS, CUT_ROWS, NGRAM_CONTINUATION, PRIOR_RATE, CostCurve, best_expansion,
+                                    merged_pays, merged_speed_up, speed_up,
                                     cached_curve, curve_passes, derive_expansions, expected_tokens, speculator_cuts,
                                     speculator_trees, time_points, tree_cuts, tree_nodes)
 from jaxspec.speculators.early_exit import early_exit
@@ -64,6 +65,27 @@ def test_wide_buckets_get_shallower_cuts_where_the_curve_climbs():
     assert CPU.tree_ratio(trees[0], 0, 1) == pytest.approx(CPU.tree_ratio(trees[0], 0))  # one row: as before
     wide = derive_expansions(H200, ["ssm", "ngram"], rates)
     assert tree_cuts(H200, ["ssm", "ngram"], wide, rates, rows=(2, 4, 8, 16)) == ()
+
+
+def test_the_merged_tree_is_a_member_only_where_it_beats_each_kind_alone():
+    """``ssm+ngram`` merges the drafter's tree with the n-gram's chain: under the priors it must beat the best member
+    drafting with one kind alone (either tree, any cut) on the bucket's rows. On both recorded curves the chain alone
+    wins (its prior assumes it proposes; the drafter's levels cost 14% of a pass even on the H200), so no bucket
+    prepares it; with draft levels for free and an LLM pass that costs the same at any size, the merged tree adds
+    agreement at no cost and is kept."""
+    rates = [(0.57, 0.52, 0.48)]
+    for curve in (CPU, H200):
+        trees = derive_expansions(curve, ["ssm", "ngram"], rates)
+        for rows in (1, 2, 8):
+            merged = merged_speed_up(curve, [(0, trees[0], rates[0]), (None, trees[1], ())], rows)
+            chain = speed_up(curve, trees[1], None, rows=rows)
+            assert merged < chain and not merged_pays(curve, ["ssm", "ngram"], trees, rates, rows)
+    flat = CostCurve({1: 1.0, 64: 1.0}, ({1: 1e-6, 64: 1e-6},))
+    trees = derive_expansions(flat, ["ssm", "ngram"], rates)
+    assert merged_pays(flat, ["ssm", "ngram"], trees, rates, 1)
+    assert merged_pays(CPU, ["ssm"], trees[:1], rates) and merged_pays(CPU, ["ngram"], trees[1:])  # nothing to merge
+    # one kind alone reads as merged_speed_up of that kind: the same as speed_up
+    assert merged_speed_up(CPU, [(0, trees[0], rates[0])], 4) == pytest.approx(speed_up(CPU, trees[0], 0, rates[0], 4))
 
 
 def test_a_speculator_is_scored_with_its_own_recorded_acceptance():
@@ -149,7 +171,10 @@ def test_auto_measures_the_curve_before_the_engine_derives_its_trees_and_keeps_i
     for rows in batch.row_buckets:
         best = {f"{k}/{d}" for k, d in speculator_cuts(curve, again.speculators, trees, (rows,))}
         members = batch.planner.members(greedy, rows)
-        assert {n for n in members if "/" not in n} == {n for n in again.family(greedy) if "/" not in n}
+        merged = merged_pays(curve, speculator_kinds(again.speculators), trees, acceptance_priors(again.speculators),
+                             rows)
+        whole = {n for n in again.family(greedy) if "/" not in n and (merged or n != "ssm+ngram")}
+        assert {n for n in members if "/" not in n} == whole and "ssm" in whole and "ngram" in whole
         assert {n for n in members if "/" in n} == best & set(again.family(greedy))
     batch.prepare(warps=[greedy], progress=False)
     prompt = [5, 9, 13, 2, 7, 11]

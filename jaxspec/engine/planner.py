@@ -52,6 +52,7 @@ WIDTHS = (1, 2, 3, 4, 6, 8)  # children per node considered at a level
 # Prompt lookup copies: once its first token agrees, the copy tends to go on (text repeats in runs), so each deeper
 # token of its chain is taken to agree with this chance given its parent did (a prior; the chooser learns the rest).
 NGRAM_CONTINUATION = 0.8
+MERGED = "ssm+ngram"  # the member merging the learned speculators' trees with the n-gram's chain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,15 +156,22 @@ def expected_tokens(expansion: Sequence[int], rate: float = PRIOR_RATE, deeper: 
     ``deeper``: the agreement below the first level, given the parent agreed (default ``rate``); ``rates``: the
     speculator's own top-1 agreement at depths 1, 2, ... given the parent agreed (the last holds below), in place
     of both."""
-    total, reach = 1.0, 1.0
+    return 1.0 + sum(reach_by_depth(expansion, rate, deeper, rates))
+
+
+def reach_by_depth(expansion: Sequence[int], rate: float = PRIOR_RATE, deeper: float | None = None,
+                   rates: Sequence[float] = ()) -> list[float]:
+    """P(the LLM's tokens agree with ``expansion``'s tree down to depth d), d = 1, 2, ...: ``expected_tokens``'s
+    terms (same arguments)."""
+    out, reach = [], 1.0
     for depth, k in enumerate(expansion):
         if rates:
             p = rates[min(depth, len(rates) - 1)]
         else:
             p = rate if depth == 0 or deeper is None else deeper
         reach *= agreement(k, p)
-        total += reach
-    return total
+        out.append(reach)
+    return out
 
 
 def _candidates(largest: int, chain: bool) -> list[tuple[int, ...]]:
@@ -237,6 +245,49 @@ def tree_cuts(curve: CostCurve, kinds: Sequence[str], trees: Sequence, rates: Se
             if best < len(tree):
                 out.add(("ngram" if index is None else "ssm", best))
     return tuple(sorted(out))
+
+
+def merged_speed_up(curve: CostCurve, parts: Sequence[tuple[int | None, Sequence[int], Sequence[float]]],
+                    rows: int = 1) -> float:
+    """Expected tokens per second over plain decoding's on ``rows`` rows of this curve, of one tree merging every
+    part's, (learned speculator index or None for the n-gram's chain, expansion, own agreement by depth) each: it
+    agrees at a depth where any part does (parts taken as independent, as the chooser takes them), and costs the
+    LLM's pass over all their nodes plus each learned part's draft levels."""
+    misses: list[float] = []  # per depth: P(no part agrees down to it)
+    nodes, levels = 1, {}
+    for index, expansion, own in parts:
+        chain = index is None
+        reach = reach_by_depth(expansion, PRIOR_RATE, NGRAM_CONTINUATION if chain else None, () if chain else own)
+        misses += [1.0] * (len(reach) - len(misses))
+        misses = [m * (1.0 - r) for m, r in zip(misses, reach + [0.0] * (len(misses) - len(reach)))]
+        nodes += tree_nodes(expansion) - 1
+        if not chain:
+            levels[index] = expansion_frontiers(expansion)
+    return (1.0 + sum(1.0 - m for m in misses)) / curve.iteration_ratio(nodes, levels, rows)
+
+
+def merged_pays(curve: CostCurve, kinds: Sequence[str], trees: Sequence, rates: Sequence[Sequence[float]] = (),
+                rows: int = 1) -> bool:
+    """Whether the learned speculators' trees merged with the n-gram's chain (auto's ``ssm+ngram``) beat, on ``rows``
+    rows of this curve under the priors, the best of the members drafting with one kind alone (the learned trees,
+    the chain, any cut of either): where a pass over more tokens costs more (this CPU) the merged tree's nodes cost
+    more than its extra agreement brings, and it is not worth an executable per bucket; where passes cost about the
+    same (the H200), it is. ``kinds``, ``trees`` and ``rates`` as ``derive_expansions`` takes and gives them; a
+    dynamic tree is always kept."""
+    parts = [(index, tree, own) for (index, own), tree in zip(_indexed(kinds, rates), trees)]
+    if any(not isinstance(tree, tuple) for _, tree, _ in parts):
+        return True
+    learned = [p for p in parts if p[0] is not None]
+    chain = [p for p in parts if p[0] is None]
+    if not learned or not chain:
+        return True
+
+    def cut(group: list, depth: int) -> list:
+        return [(index, tree[:depth], own) for index, tree, own in group]
+
+    alone = [merged_speed_up(curve, cut(group, d), rows) for group in (learned, chain)
+             for d in range(1, max(len(tree) for _, tree, _ in group) + 1)]
+    return merged_speed_up(curve, parts, rows) > max(alone)
 
 
 def speculator_cuts(curve: CostCurve, speculators: Sequence, trees: Sequence,
@@ -360,14 +411,20 @@ class Planner:
 
     def members(self, warp: sampling.WarpSpec, rows: int) -> list[str]:
         """The family members a bucket of ``rows`` rows runs: all of them, but a cut of auto's trees only where this
-        device's curve makes that depth the best at these rows (a wide batch on a device the step fills)."""
+        device's curve makes that depth the best at these rows (a wide batch on a device the step fills), and the
+        merged tree of every kind only where the curve makes it beat each kind alone (``merged_pays``)."""
         e = self.engine
         family = list(e.family(warp))
-        if e.cost_curve is None or not e.cuts:
+        if e.cost_curve is None:
             return family
         trees = speculator_trees(e.cost_curve, e.speculators)
-        wanted = {f"{kind}/{depth}" for kind, depth in speculator_cuts(e.cost_curve, e.speculators, trees, (rows,))}
-        return [n for n in family if "/" not in n or n in wanted]
+        if e.cuts:
+            wanted = {f"{kind}/{depth}" for kind, depth in speculator_cuts(e.cost_curve, e.speculators, trees, (rows,))}
+            family = [n for n in family if "/" not in n or n in wanted]
+        if MERGED in family and not merged_pays(e.cost_curve, speculator_kinds(e.speculators), trees,
+                                                acceptance_priors(e.speculators), rows):
+            family.remove(MERGED)
+        return family
 
     def costs(self, warp: sampling.WarpSpec, rows: int, capacity: int) -> dict[str, float] | None:
         """The measured costs of the members ready at a bucket (None: not auto), readying it where it is not."""
