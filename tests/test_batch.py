@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import DEV_PROMPTS, tiny_model
+from conftest import DEV_PROMPTS, random_prompts, tiny_model
 from jaxspec.decoding import sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.engine.batch import BatchEngine, Event, LoopSync, QueueFull, Request
@@ -209,6 +209,22 @@ def test_a_prepared_loop_compiles_nothing_across_100_admissions(llm, lowering, m
     assert batch.prefix_reuses == 0 or batch.prefix.stats.hits > 0
     assert engine.compilations == compiled and BACKEND.count == before, engine.traced[compiled:]
     assert lowering == "cpu" or batch.resizes > 0  # the dense loop moved between buckets
+
+
+def test_a_job_of_short_prompts_prepares_its_chunk_sizes_only_and_compiles_nothing(llm):
+    """``prepare(longest=)`` (what ``jaxspec generate`` passes): the prefills stop at the chunk size that holds the
+    job's longest prompt, and the job's prompts then compile nothing."""
+    from jaxspec.cache import BACKEND
+
+    batch = BatchEngine(Engine(llm), max_batch=2, max_model_len=300)
+    assert batch.chunks.reachable() == (16, 64, 256, 1024)
+    prompts = random_prompts(4, 40, seed=11)
+    batch.prepare(warps=[sampling.batch_warp([sampling.SamplingParams()])], progress=False,
+                  longest=max(map(len, prompts)))
+    assert {size for size, _ in batch.executor.prefill_ready} == {16, 64}
+    before = BACKEND.listen()
+    gens = batch.generate([Request(p, 3) for p in prompts])
+    assert [len(g.token_ids) for g in gens] == [3] * 4 and BACKEND.count == before
 
 
 def test_sampled_requests_on_a_dynamic_tree_fit_the_cache():

@@ -172,3 +172,26 @@ def test_a_short_request_is_admitted_beside_a_long_prompt_still_entering(llm):
     firsts.clear()
     got = full.generate(requests, on_event=lambda _, ev: ev.request_id in firsts or firsts.append(ev.request_id))
     assert [g.token_ids for g in got] == want and firsts.index("b") > firsts.index("long")
+
+
+def test_a_prompt_is_never_fed_past_its_own_bucket_so_a_job_of_short_prompts_prepares_only_its_sizes():
+    """Even where a larger chunk was timed cheaper than the one that holds the rest (noise), a rest is covered by
+    sizes up to that one: a prompt's chunks never exceed its bucket, so ``reachable`` may bound a job's prefills by
+    its longest prompt (the search's next size stays reachable for a prompt long enough to probe it)."""
+    odd = ChunkSizer(search=True)
+    for size, seconds in ((16, 0.09), (64, 0.15), (256, 0.10)):  # 256 timed cheaper than 64
+        for _ in range(prefill.TIMINGS):
+            odd.time_chunk(size, seconds)
+    assert odd.size(24, 27, 280) == 64 and odd.size(24, 9, 280) == 16 and odd.size(24, 73, 280) == 256
+    chunks = ChunkSizer(search=True)
+    assert chunks.largest == prefill.START and chunks.candidate == 1024
+    assert chunks.reachable() == (16, 64, 256, 1024)
+    assert chunks.reachable(10) == (16,) and chunks.reachable(40) == (16, 64) and chunks.reachable(64) == (16, 64)
+    assert chunks.reachable(300) == (16, 64, 256, 1024) and chunks.reachable(5000) == (16, 64, 256, 1024)
+    for length in (3, 16, 17, 64, 65, 200):
+        fed, sizes = 0, set()
+        while fed < length:
+            size = chunks.size(fed, length - fed, 10_000)
+            sizes.add(size)
+            fed += size
+        assert sizes <= set(chunks.reachable(length)), (length, sizes)

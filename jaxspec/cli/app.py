@@ -310,7 +310,8 @@ def prepare_job(batch: BatchEngine, requests: list) -> None:
     request has a grammar."""
     warp = sampling.batch_warp([r.params for r in requests])
     batch.prepare(warps=(warp,), grammar=any(r.grammar is not None for r in requests),
-                  say=lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr))
+                  say=lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr),
+                  longest=max(len(r.prompt_ids) for r in requests))
 
 
 def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list) -> int:

@@ -341,7 +341,7 @@ class BatchEngine:
     # -- prepare ----------------------------------------------------------------------
     def prepare(self, warps: Sequence[sampling.WarpSpec] | None = None, rows: Sequence[int] | None = None,
                 capacities: Sequence[int] | None = None, grammar: bool = False, progress: bool = True,
-                say: Callable[[str], None] | None = None) -> float:
+                say: Callable[[str], None] | None = None, longest: int | None = None) -> float:
         """Readies every executable the loop can reach before its first request; returns the seconds it took.
 
         Every (warp x row bucket x capacity bucket)'s members (``Planner.members``; ``grammar``: their grammar steps
@@ -350,6 +350,8 @@ class BatchEngine:
         executable store, then under auto each bucket's members measured (cached per machine). Defaults: every
         batch warp, row bucket and capacity bucket. ``progress`` shows the bars on stderr; ``say`` hears, where
         anything compiled fresh, that this machine was prepared and how long it took (later starts load it).
+        ``longest``: the longest prompt of a job known ahead (``jaxspec generate``): its prefills stop at the chunk
+        size that holds it (``ChunkSizer.reachable``); None (a server): every size the loop may feed.
         """
         began, fresh = time.perf_counter(), STATS.fresh_compiles
         if grammar:
@@ -357,8 +359,7 @@ class BatchEngine:
         warps = tuple(warps or sampling.BATCH_WARPS)
         rows, caps = tuple(rows or self.row_buckets), tuple(capacities or self.capacity_buckets)
         buckets = [(w, r, c) for w in warps for r in rows for c in caps]
-        top = max(self.chunks.largest, self.chunks.candidate or 0)  # the chunk search's next size too
-        sizes = [b for b in self.chunks.sizes if b <= top]
+        sizes = self.chunks.reachable(longest)  # the chunk search's next size too; a job's: up to its longest prompt
         timings: list[tuple[str, float]] = []
         listed = self.executor.prepare(self.planner.step_jobs(buckets, grammar), sizes, rows, caps, self.row_buckets,
                                        progress, timings)

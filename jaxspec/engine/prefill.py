@@ -111,9 +111,23 @@ class ChunkSizer:
         whole = [b for b in fits if b <= left]
         if whole and whole[-1] == fits[-1]:
             return whole[-1]  # a whole chunk of the largest size that fits
+        holds = next((b for b in fits if b >= left), fits[-1])  # the smallest chunk that holds the rest
         if whole and all(self.chunk_seconds(b) is not None for b in fits):
-            return cheapest_cover(left, fits, self.chunk_seconds)
-        return next((b for b in fits if b >= left), fits[-1])
+            # never a chunk above the one that holds the rest (it pads more for at best the same seconds): a prompt
+            # is fed in sizes up to its own bucket, so a job of short prompts prepares no larger one (``reachable``)
+            return cheapest_cover(left, [b for b in fits if b <= holds], self.chunk_seconds)
+        return holds
+
+    def reachable(self, longest: int | None = None) -> tuple[int, ...]:
+        """The chunk sizes a loop may feed (the search's next size included), or, given the ``longest`` prompt a job
+        holds, those its prompts can be fed in: every size up to the smallest that holds ``longest`` (``size``
+        never pads past it; the search probes only with a prompt longer than its next size)."""
+        top = max(self.largest, self.candidate or 0)
+        sizes = [b for b in self.sizes if b <= top]
+        if longest is not None:
+            holds = next((b for b in sizes if b >= longest), sizes[-1])
+            sizes = [b for b in sizes if b <= holds]
+        return tuple(sizes)
 
     def chunk_seconds(self, size: int) -> float | None:
         """What one chunk of ``size`` takes on this device (median of its timings; None until ``TIMINGS``)."""
