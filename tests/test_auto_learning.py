@@ -156,3 +156,14 @@ def test_batched_expected_tokens_match_the_per_row_sum():
         want = 1.0 + sum(1.0 - (1.0 - s) * (1.0 - n) for s, n in zip(reach_ssm, reach_ngram))
         assert got[b] == pytest.approx(want)
     assert chooser.batch_tokens("none", lengths, rates).tolist() == [1.0] * 4
+
+
+def test_the_loop_prices_lost_overlap_by_its_newest_host_seconds(tiny_llm):
+    """What an n-gram pick beside an iteration in flight is charged follows the newest host seconds, also once the
+    loop's record of them is full (its length then stops changing)."""
+    batch = BatchEngine(Engine(tiny_llm), max_batch=1, max_model_len=64)
+    assert batch._host_seconds() == 0.0  # nothing timed yet
+    batch.host_times.extend([0.001] * batch.host_times.maxlen)
+    assert batch._host_seconds() == pytest.approx(0.001)
+    batch.host_times.extend([0.004] * 32)
+    assert len(batch.host_times) == batch.host_times.maxlen and batch._host_seconds() == pytest.approx(0.004)

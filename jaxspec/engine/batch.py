@@ -199,7 +199,6 @@ class BatchEngine:
         # per iteration read, newest last: host seconds choosing, launching and reading it (not waiting on the
         # device), and wall seconds from its launch (or the previous read) to its tokens on the host
         self.host_times: collections.deque[float] = collections.deque(maxlen=4096)
-        self._host_median = (0, 0.0)  # (len(host_times) when it was read, their median): ``_host_seconds``
         self.iteration_times: collections.deque[float] = collections.deque(maxlen=4096)
         self.iteration_trees: collections.deque[str] = collections.deque(maxlen=4096)  # the member each one ran
 
@@ -847,12 +846,9 @@ class BatchEngine:
     def _host_seconds(self) -> float:
         """The host's seconds per iteration (choosing, launching, reading and emitting), the median of the newest
         ``auto.TIMING_WINDOW``: what an iteration adds to the cycle when it cannot overlap the one in flight (0
-        before ``auto.MIN_TIMINGS``). Read at most once per iteration timed."""
-        count = len(self.host_times)
-        if self._host_median[0] != count:
-            newest = list(itertools.islice(reversed(self.host_times), auto.TIMING_WINDOW))
-            self._host_median = (count, statistics.median(newest) if len(newest) >= auto.MIN_TIMINGS else 0.0)
-        return self._host_median[1]
+        before ``auto.MIN_TIMINGS``)."""
+        newest = list(itertools.islice(reversed(self.host_times), auto.TIMING_WINDOW))
+        return statistics.median(newest) if len(newest) >= auto.MIN_TIMINGS else 0.0
 
     def _dispatch(self, stale: bool) -> "_InFlight | None":
         """Picks this iteration's tree and launches it; None if ``stale`` and the pick drafts with the n-gram.

@@ -200,10 +200,8 @@ def speed_up(curve: CostCurve, expansion: Sequence[int], index: int | None, rate
              rows: int = 1) -> float:
     """Expected tokens per second of ``expansion``'s tree over plain decoding's on ``rows`` rows of this curve: for
     learned speculator ``index`` with its own agreement by depth ``rates`` (empty: the prior's), or for None the
-    n-gram's chain (its continuation prior)."""
-    chain = index is None
-    tokens = expected_tokens(expansion, PRIOR_RATE, NGRAM_CONTINUATION if chain else None, () if chain else rates)
-    return tokens / curve.tree_ratio(expansion, index, rows)
+    n-gram's chain (its continuation prior): ``merged_speed_up`` of that tree alone."""
+    return merged_speed_up(curve, [(index, expansion, rates)], rows)
 
 
 def _indexed(kinds: Sequence[str], rates: Sequence[Sequence[float]]) -> list[tuple[int | None, Sequence[float]]]:
@@ -253,13 +251,13 @@ def merged_speed_up(curve: CostCurve, parts: Sequence[tuple[int | None, Sequence
     part's, (learned speculator index or None for the n-gram's chain, expansion, own agreement by depth) each: it
     agrees at a depth where any part does (parts taken as independent, as the chooser takes them), and costs the
     LLM's pass over all their nodes plus each learned part's draft levels."""
-    misses: list[float] = []  # per depth: P(no part agrees down to it)
+    misses = [1.0] * max(len(expansion) for _, expansion, _ in parts)  # per depth: P(no part agrees down to it)
     nodes, levels = 1, {}
     for index, expansion, own in parts:
         chain = index is None
         reach = reach_by_depth(expansion, PRIOR_RATE, NGRAM_CONTINUATION if chain else None, () if chain else own)
-        misses += [1.0] * (len(reach) - len(misses))
-        misses = [m * (1.0 - r) for m, r in zip(misses, reach + [0.0] * (len(misses) - len(reach)))]
+        for depth, r in enumerate(reach):
+            misses[depth] *= 1.0 - r
         nodes += tree_nodes(expansion) - 1
         if not chain:
             levels[index] = expansion_frontiers(expansion)

@@ -34,6 +34,11 @@ def ladder(cap: int | None) -> tuple[int, ...]:
     return tuple(b for b in LADDER if b < cap) + (cap,)
 
 
+def holding(tokens: int, sizes: Sequence[int]) -> int:
+    """The smallest of ascending ``sizes`` that holds ``tokens`` (the largest where none does)."""
+    return next((b for b in sizes if b >= tokens), sizes[-1])
+
+
 def cheapest_cover(tokens: int, sizes: Sequence[int], pass_cost: Callable[[int], float]) -> int:
     """The first chunk of the cheapest run of chunks (each one of ``sizes``) covering ``tokens``, by ``pass_cost``
     per chunk; at equal cost the larger chunk (fewer calls)."""
@@ -111,7 +116,7 @@ class ChunkSizer:
         whole = [b for b in fits if b <= left]
         if whole and whole[-1] == fits[-1]:
             return whole[-1]  # a whole chunk of the largest size that fits
-        holds = next((b for b in fits if b >= left), fits[-1])  # the smallest chunk that holds the rest
+        holds = holding(left, fits)  # the smallest chunk that holds the rest
         if whole and all(self.chunk_seconds(b) is not None for b in fits):
             # never a chunk above the one that holds the rest (it pads more for at best the same seconds): a prompt
             # is fed in sizes up to its own bucket, so a job of short prompts prepares no larger one (``reachable``)
@@ -125,8 +130,7 @@ class ChunkSizer:
         top = max(self.largest, self.candidate or 0)
         sizes = [b for b in self.sizes if b <= top]
         if longest is not None:
-            holds = next((b for b in sizes if b >= longest), sizes[-1])
-            sizes = [b for b in sizes if b <= holds]
+            sizes = [b for b in sizes if b <= holding(longest, sizes)]
         return tuple(sizes)
 
     def chunk_seconds(self, size: int) -> float | None:

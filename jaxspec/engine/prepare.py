@@ -8,6 +8,7 @@ holds the interpreter, XLA's compile does not), with a progress bar that says wh
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -60,8 +61,6 @@ def _timed(label: str, run: Callable[[], Any], timings: list[tuple[str, float]])
 def describe_timings(timings: Sequence[tuple[str, float]], slowest: int = 3) -> str:
     """Where preparing went, in one line: count and seconds per kind of executable (a label's words before its first
     size: "step ssm", "prefill", "re-layout"), the costliest first, then the ``slowest`` jobs."""
-    import re  # noqa: PLC0415
-
     kinds: dict[str, list[float]] = {}
     for label, seconds in timings:
         kind = re.sub(r"\s+(of\s+)?\d.*$", "", label.split(",")[0])
