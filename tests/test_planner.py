@@ -176,6 +176,11 @@ def test_auto_measures_the_curve_before_the_engine_derives_its_trees_and_keeps_i
         whole = {n for n in again.family(greedy) if "/" not in n and (merged or n != "ssm+ngram")}
         assert {n for n in members if "/" not in n} == whole and "ssm" in whole and "ngram" in whole
         assert {n for n in members if "/" in n} == best & set(again.family(greedy))
+    worked = []  # preparing asks for each bucket's members several times: each is worked out once
+    monkeypatch.setattr(planner_module, "speculator_trees", lambda *a: worked.append(1) or trees)
+    fresh = BatchEngine(again, max_batch=8, max_model_len=64, prefill_chunk=16)
+    fresh.prepare(warps=[greedy], progress=False)
+    assert len(worked) == len(fresh.row_buckets)  # one warp: once per row bucket (it was 3 times each)
     batch.prepare(warps=[greedy], progress=False)
     prompt = [5, 9, 13, 2, 7, 11]
     (gen,) = batch.generate([Request(prompt, 40, stop_ids=[])])

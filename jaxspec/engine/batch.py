@@ -365,7 +365,7 @@ class BatchEngine:
         if self.verbose is not None and timings:
             self.verbose(f"prepared {listed} executables in {time.perf_counter() - began:.1f} s: "
                          f"{describe_timings(timings)}")
-        self.planner.ready(buckets, grammar, progress)  # under auto each bucket's members measured
+        self.planner.measure(buckets, progress)  # their steps compiled above; under auto each measured
         self.prepared = True
         seconds = time.perf_counter() - began
         made = STATS.fresh_compiles - fresh

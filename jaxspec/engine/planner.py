@@ -406,11 +406,21 @@ class Planner:
         self._sync = sync
         self.bucket_costs: dict[Bucket, dict[str, float] | None] = {}  # measured seconds per member (None: not auto)
         self.readies = 0  # buckets readied by the loop at their first use
+        self._members: dict[tuple, list[str]] = {}  # (warp, rows) -> ``members``, for the curve in ``_curve``
+        self._curve: Any = None
 
     def members(self, warp: sampling.WarpSpec, rows: int) -> list[str]:
         """The family members a bucket of ``rows`` rows runs: all of them, but a cut of auto's trees only where this
         device's curve makes that depth the best at these rows (a wide batch on a device the step fills), and the
-        merged tree of every kind only where the curve makes it beat each kind alone (``merged_pays``)."""
+        merged tree of every kind only where the curve makes it beat each kind alone (``merged_pays``). Worked out
+        once per (warp, rows) and curve: preparing asks for every bucket's members more than once."""
+        if self._curve is not self.engine.cost_curve:
+            self._members, self._curve = {}, self.engine.cost_curve
+        if (warp, rows) not in self._members:
+            self._members[(warp, rows)] = self._work_out_members(warp, rows)
+        return list(self._members[(warp, rows)])
+
+    def _work_out_members(self, warp: sampling.WarpSpec, rows: int) -> list[str]:
         e = self.engine
         family = list(e.family(warp))
         if e.cost_curve is None:
@@ -443,9 +453,13 @@ class Planner:
         return jobs
 
     def ready(self, buckets: Sequence[Bucket], grammar: bool = False, progress: bool = False) -> None:
-        """Compiles ``buckets``' members on the host's cores, then under auto measures each there (cached per
-        machine: a prepared machine reads them)."""
+        """Compiles ``buckets``' members on the host's cores, then under auto measures each there (``measure``)."""
         compile_all(self.step_jobs(buckets, grammar), "compiling steps", progress)
+        self.measure(buckets, progress)
+
+    def measure(self, buckets: Sequence[Bucket], progress: bool = False) -> None:
+        """Under auto measures the members of each of ``buckets`` not measured yet, their steps compiled already
+        (cached per machine: a prepared machine reads them); otherwise records that they have no costs."""
         from tqdm import tqdm  # noqa: PLC0415
 
         todo = [b for b in buckets if b not in self.bucket_costs]
