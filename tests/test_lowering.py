@@ -260,3 +260,34 @@ def test_one_device_mesh_keeps_the_fused_kernels():
     from jaxspec.parallel import sharding  # noqa: PLC0415
 
     assert Engine(tiny_model(), mesh=sharding.parse_mesh("tensor=1")).lowering.proj == "fused"
+
+
+def test_float32_means_float32_products_where_the_platform_default_rounds_them():
+    """``--dtype float32`` on a GPU or TPU asks for float32 products (JAX's default there is TF32 or bfloat16 passes,
+    whose shape-dependent rounding flipped greedy tokens on an H200): forced here as the GPU, every dot of the GPU
+    lowering's forward carries HIGHEST; bfloat16, a CPU and a precision the user set are left as they are."""
+    from jaxspec.engine.build import exact_float32
+
+    cfg = tiny_config()
+    params, toks, pos, cache, mask = ragged_forward_case(cfg, 3, 4)
+    fwd = make_forward(cfg, lowering=platform_lowering("gpu"))
+
+    def dots() -> tuple[int, int]:  # (dot products, those with HIGHEST precision) of the lowered forward
+        text = jax.jit(fwd).lower(params, toks, pos, cache, mask).as_text()
+        lines = [line for line in text.splitlines() if "dot_general" in line]
+        return len(lines), sum("HIGHEST" in line for line in lines)
+
+    before = jax.config.jax_default_matmul_precision
+    assert before is None  # nothing in the suite sets it
+    try:
+        assert not exact_float32("float32", platform="cpu")
+        assert not exact_float32("bfloat16", platform="gpu")
+        count, exact = dots()
+        assert count >= 3 * cfg.num_layers and exact == 0  # attention and MLP products per layer, the default's
+        assert exact_float32("float32", platform="gpu")
+        assert dots() == (count, count)
+        jax.config.update("jax_default_matmul_precision", "tensorfloat32")  # the user's choice stands
+        assert not exact_float32("float32", platform="tpu")
+        assert jax.config.jax_default_matmul_precision == "tensorfloat32"
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)

@@ -99,6 +99,7 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
     was placed on (default: ``config.mesh``'s); ``announce`` hears the speculators and trees chosen."""
     from jaxspec.engine import Engine  # noqa: PLC0415
 
+    exact_float32(config.dtype)  # before anything is traced: the cost curve, every step
     curve = auto_curve(config, llm, speculators, progress=announce is not None)
     expansion = expansion_for(config, speculators, curve)
     cuts = ()
@@ -224,6 +225,24 @@ def build_scheduler(engine: Engine, config: SchedulerConfig, **hooks: Any) -> Ba
                        prefill_stall=stall, prefix_cache_bytes=config.prefix_cache_bytes, **hooks)
 
 
+EXACT_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # where JAX's default float32 product is not float32
+
+
+def exact_float32(dtype: str, platform: str | None = None) -> bool:
+    """Makes ``--dtype float32`` mean float32 products where JAX's default does not: on NVIDIA GPUs it computes
+    float32 dots in TF32 (10-bit mantissas, bfloat16 passes on a TPU), whose shape-dependent rounding flipped
+    near-tie greedy tokens between batch sizes and between a tree pass and a one-token step on an H200
+    (docs/gpu/h200_2026-12-04). A precision the user set (``JAX_DEFAULT_MATMUL_PRECISION``) is kept; a CPU already
+    multiplies in float32. Returns whether it set the process's default matmul precision to ``highest``."""
+    import jax  # noqa: PLC0415
+
+    platform = platform or jax.default_backend()
+    if dtype != "float32" or platform not in EXACT_PLATFORMS or jax.config.jax_default_matmul_precision is not None:
+        return False
+    jax.config.update("jax_default_matmul_precision", "highest")
+    return True
+
+
 def device_line(engine: Engine) -> str:
     """Where and how the engine runs: device kind and count, platform, the LLM's dtype, the lowering (``-v``)."""
     import jax  # noqa: PLC0415
@@ -231,4 +250,6 @@ def device_line(engine: Engine) -> str:
 
     device = jax.devices()[0]
     return (f"device {device.device_kind} x{jax.device_count()} ({jax.default_backend()}, jax {jax.__version__}); "
-            f"precision {jnp.dtype(engine.llm.dtype).name}; lowering {engine.lowering.label}")
+            f"precision {jnp.dtype(engine.llm.dtype).name}"
+            + (f" (products: {jax.config.jax_default_matmul_precision})" if jax.config.jax_default_matmul_precision
+               else "") + f"; lowering {engine.lowering.label}")
