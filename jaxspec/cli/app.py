@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 
 from jaxspec.cli import bench, cache_cmd, cluster, repro
-from jaxspec.cli.jobs import ROW_SAMPLING, JsonLines, Row, check_rows, error_line, key_of
+from jaxspec.cli.jobs import ROW_SAMPLING, JsonLines, Row, check_rows, error_line
 from jaxspec.decoding import sampling
 from jaxspec.parallel import distributed
 from jaxspec.cli.common import (
@@ -29,7 +29,6 @@ from jaxspec.cli.common import (
     add_structured_args,
     check_prefill_args,
     config_from_args,
-    grammar_for,
     prefix_cache_bytes,
     read_prompts,
     report_compile_cache,
@@ -192,10 +191,12 @@ def cmd_generate(args) -> int:
             from jaxspec.engine.build import build_engine  # noqa: PLC0415
 
             began = time.perf_counter()
-            engine, llm = build_engine(config_from_args(args))
+            checked: list[tuple[list[Row], list[tuple[dict, str]]]] = []  # the rows, checked before any compile
+            engine, llm = build_engine(config_from_args(args),
+                                       check=lambda loaded: checked.append(check_rows(loaded, rows, args)))
             args.built_seconds = time.perf_counter() - began  # what -v reports as the engine's build (load included)
             try:
-                code = generate_requests(engine, llm, rows, args, out, streams)
+                code = generate_requests(engine, llm, *checked[0], args, out, streams)
             finally:
                 if engine.auto and args.verbose:
                     report_learned(engine)
@@ -270,14 +271,16 @@ def report_prefill(requests: list, gens: list, batch) -> None:
           f"{len(cache)} blocks, {cache.bytes / 2**20:.1f} of {cache.max_bytes / 2**20:.0f} MiB", file=sys.stderr)
 
 
-def generate_requests(engine, llm, rows: list[dict], args, out: JsonLines | None, streaming: bool = False) -> int:
+def generate_requests(engine, llm, good: list[Row], bad: list[tuple[dict, str]], args, out: JsonLines | None,
+                      streaming: bool = False) -> int:
     """Every prompt x sample through the one scheduling loop, by the Python API's layer (``jaxspec.api.run``);
     ``streaming``: the job's one request streams its text.
 
-    Each row is checked first (``jaxspec.cli.jobs.check_rows``): one that cannot run gets its error line at once and
-    nothing is prepared for it. JSONL lines come in completion order (each names its ``id`` and ``sample``), written
-    as each request finishes; up to ``--max-batch`` requests are decoded together. A failed request gets its error
-    line and the others run on; the command then exits 1, naming the failed ones.
+    ``good`` and ``bad``: the rows as ``jaxspec.cli.jobs.check_rows`` found them, before the engine compiled
+    anything; a bad row gets its error line at once and nothing is prepared for it. JSONL lines come in completion
+    order (each names its ``id`` and ``sample``), written as each request finishes; up to ``--max-batch`` requests
+    are decoded together. A failed request gets its error line and the others run on; the command then exits 1,
+    naming the failed ones.
     """
     from jaxspec import api
     from jaxspec.config import SchedulerConfig
@@ -285,7 +288,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out: JsonLines | None
     from jaxspec.engine.batch import job_model_len
     from jaxspec.engine.build import build_scheduler
 
-    good, bad = check_rows(engine, llm, rows, args)
+    total = len(good) + len(bad)
     if streaming and bad:  # the command's one request: refused as a whole, as a bad flag is
         raise RequestError(bad[0][1])
     for row, error in bad:
@@ -293,7 +296,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out: JsonLines | None
             out.write(error_line(row, args, error))
         print(f"[jaxspec] row {row['id']} cannot run: {error}", file=sys.stderr)
     if not good:
-        return report_failed([str(row["id"]) for row, _ in bad], len(rows))
+        return report_failed([str(row["id"]) for row, _ in bad], total)
     done = out.done if out else set()
     jobs = [job for job in api.jobs_for(llm.tokenizer, [r.prompt_ids for r in good], [r.params for r in good],
                                         [r.grammar for r in good], ids=[r.row["id"] for r in good])
@@ -309,7 +312,7 @@ def generate_requests(engine, llm, rows: list[dict], args, out: JsonLines | None
         batch.check(jobs[0].request)  # the command's one request: refused as a whole (exit 2)
     jobs, refused = checked_jobs(batch, good, jobs, args, out)
     if not jobs:
-        return report_failed([str(row["id"]) for row, _ in bad] + refused, len(rows))
+        return report_failed([str(row["id"]) for row, _ in bad] + refused, total)
     prepare_job(batch, [job.request for job in jobs])
     try:
         return _run_jobs(engine, llm, [r.row for r in good], args, out, batch, jobs, streaming,

@@ -46,27 +46,47 @@ def row_params(args: argparse.Namespace, row: dict) -> SamplingParams:
     return SamplingParams(n=args.num_samples, **{**values, "stop": tuple(stop)})
 
 
-def check_rows(engine, llm, rows: list[dict], args: argparse.Namespace) -> tuple[list[Row], list[tuple[dict, str]]]:
+def check_rows(llm, rows: list[dict], args: argparse.Namespace) -> tuple[list[Row], list[tuple[dict, str]]]:
     """Each row as a ``Row``, or (row, why it cannot run) naming the field: its sampling values, its grammar (compiled
-    against the tokenizer), its prompt's length against the model's context. Nothing is prepared for it; a problem
-    of the command line itself (a ``--regex`` that does not compile) still refuses the whole job."""
+    against the tokenizer), its prompt's length against the model's context. ``llm``: the loaded model, before
+    anything is compiled for it (``build_engine``'s ``check``). A problem of the command line itself (a ``--regex``
+    that does not compile) still refuses the whole job."""
     from jaxspec.cli.common import grammar_for  # noqa: PLC0415
     from jaxspec.decoding.sampling import SamplingError  # noqa: PLC0415
     from jaxspec.structured import GrammarError  # noqa: PLC0415
 
+    vocabulary = Grammars(llm)
     flag_grammar = grammar_for(args)
     if flag_grammar is not None:
-        engine.row_masks().vocab.compile(flag_grammar)  # GrammarError: one line, exit 2, before anything runs
+        vocabulary.compile(flag_grammar)  # GrammarError: one line, exit 2, before anything runs
     good, bad = [], []
     for row in rows:
         try:
-            good.append(check_row(engine, llm, row, args))
+            good.append(check_row(llm, vocabulary, row, args))
         except (RequestError, SamplingError, GrammarError) as e:
             bad.append((row, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__))
     return good, bad
 
 
-def check_row(engine, llm, row: dict, args: argparse.Namespace) -> Row:
+class Grammars:
+    """Compiles grammars against the LLM's tokenizer, made on first use (only a job with grammars pays for it)."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.vocabulary = None
+
+    def compile(self, grammar: Grammar) -> None:
+        """Raises GrammarError naming the problem where ``grammar`` does not compile."""
+        from jaxspec.structured import Vocabulary  # noqa: PLC0415
+
+        if self.vocabulary is None:
+            if self.llm.tokenizer is None:
+                raise RequestError(f"structured output needs the tokenizer of {self.llm.name}")
+            self.vocabulary = Vocabulary(self.llm.tokenizer, self.llm.cfg.vocab_size, self.llm.cfg.eos_token_ids)
+        self.vocabulary.compile(grammar)
+
+
+def check_row(llm, grammars: Grammars, row: dict, args: argparse.Namespace) -> Row:
     """``check_rows`` for one row: its ``Row``, else the error naming its field."""
     from jaxspec.cli.common import grammar_for  # noqa: PLC0415
     from jaxspec.structured import GrammarError  # noqa: PLC0415
@@ -77,7 +97,7 @@ def check_row(engine, llm, row: dict, args: argparse.Namespace) -> Row:
     try:
         grammar = grammar_for(args, row)
         if grammar is not None and field is not None:
-            engine.row_masks().vocab.compile(grammar)  # cached by content: the loop's own check finds it compiled
+            grammars.compile(grammar)
     except GrammarError as e:
         raise RequestError(f"{field}: {e}") from None
     ids = encode_prompt(llm.tokenizer, row["prompt"], chat=not args.no_chat)
