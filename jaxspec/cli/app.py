@@ -183,7 +183,8 @@ def cmd_generate(args) -> int:
     if args.resume and not args.output:
         raise CliError("--resume needs --output (the file whose finished lines it keeps)")
     streams = len(rows) * args.num_samples == 1  # a single request streams its text; JSONL only to --output
-    out = JsonLines(args.output, resume=args.resume) if args.output or not streams else None
+    out = (JsonLines(args.output, resume=args.resume, owner=distributed.is_leader())
+           if args.output or not streams else None)
     complete = False
     try:
         rows = rows_left(rows, args, out)

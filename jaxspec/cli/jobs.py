@@ -153,9 +153,10 @@ class JsonLines:
     With a path, lines go to ``PATH.partial``, renamed over ``PATH`` by ``close(complete=True)``: a failed or killed
     job leaves the earlier ``PATH`` as it was, and its partial file keeps every line it finished. ``resume``: the
     finished lines of ``PATH`` and of a partial file left behind are kept (``done``), failed ones dropped (their rows
-    run again). Without a path, lines go to stdout."""
+    run again). Without a path, lines go to stdout; so they do where ``owner`` is False (a multi-process run's other
+    processes, whose stdout goes nowhere: process 0 alone writes the file, each reads what ``--resume`` keeps)."""
 
-    def __init__(self, path: str | None, resume: bool = False) -> None:
+    def __init__(self, path: str | None, resume: bool = False, owner: bool = True) -> None:
         self.path = Path(path) if path else None
         self.fd: int | None = None
         self.written = 0  # lines this run wrote
@@ -163,9 +164,12 @@ class JsonLines:
         if self.path is None:
             return
         partial = partial_of(self.path)
+        if resume:
+            self.kept = {**finished_lines(self.path), **finished_lines(partial)}
+        if not owner:
+            return
         try:
             if resume:
-                self.kept = {**finished_lines(self.path), **finished_lines(partial)}
                 with replaced(partial) as tmp:  # a kill while this is written leaves the earlier partial file whole
                     tmp.write_text("".join(line + "\n" for line in self.kept.values()), encoding="utf-8")
                 self.fd = os.open(partial, os.O_WRONLY | os.O_APPEND)
