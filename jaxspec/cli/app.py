@@ -2,7 +2,8 @@
 (``jaxspec.cli.serve``), train-ssm.
 
 Every expected failure (bad checkpoint, bad prompt file, prompt too long, bad sampling
-parameters, mismatched tokenizer) ends with one line ``jaxspec: error: ...`` and exit 2.
+parameters, mismatched tokenizer) ends with one line ``jaxspec: error: ...`` and exit 2; in a job of several
+requests a row that cannot run (or a request that fails) costs its own line only, and the job exits 1 naming them.
 """
 
 from __future__ import annotations
