@@ -63,6 +63,7 @@ def test_bad_rows_become_error_lines_and_the_good_rows_run_as_alone(tmp_path, ca
         line = got[row["id"]]
         assert line["finish_reason"] == "error" and line["token_ids"] == [] and line["prompt"] == row["prompt"]
         assert all(w in line["error"] for w in words), line["error"]
+        assert set(line) == set(got["a"])  # the fields of every other line
 
     alone = tmp_path / "alone.jsonl"
     assert generate(tiny_checkpoint, write_rows(tmp_path / "good.jsonl", GOOD), alone) == 0
@@ -87,7 +88,7 @@ def test_a_single_bad_prompt_is_still_refused_whole(tmp_path, capsys, tiny_check
 def test_an_earlier_output_survives_a_job_killed_while_it_prepares(tmp_path, tiny_checkpoint):
     """A real process killed (SIGKILL) once its preparation starts: the earlier --output is byte for byte as it was,
     and the partial file is beside it."""
-    prompts = write_rows(tmp_path / "p.jsonl", GOOD * 1 + [{"id": f"x{i}", "prompt": f"Say {i}."} for i in range(5)])
+    prompts = write_rows(tmp_path / "p.jsonl", GOOD + [{"id": f"x{i}", "prompt": f"Say {i}."} for i in range(5)])
     out = tmp_path / "out.jsonl"
     earlier = '{"id": "a", "text": "from an earlier run"}\n'
     out.write_text(earlier)
@@ -119,7 +120,7 @@ def test_resume_keeps_finished_lines_and_runs_the_rest(tmp_path, capsys, tiny_ch
     out = tmp_path / "out.jsonl"
     first = [GOOD[0], GOOD[1], {"id": "long", "prompt": "word " * 3000}]
     assert generate(tiny_checkpoint, write_rows(tmp_path / "first.jsonl", first), out) == 1
-    before = {k: v for k, v in lines_of(out).items()}
+    before = lines_of(out)
     capsys.readouterr()
     # a killed run's partial file: row c finished, a line cut in mid-write
     other = tmp_path / "other.jsonl"
