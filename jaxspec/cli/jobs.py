@@ -132,16 +132,21 @@ def finished_lines(path: Path) -> dict[Key, str]:
     unterminated last line (a kill in mid-write) is dropped, any other line that is not a JSON object refused."""
     if not path.is_file():
         return {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"--resume: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     out = {}
-    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n")[:-1], 1):
+    for n, line in enumerate(text.split("\n")[:-1], 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             row = None
-        if not isinstance(row, dict) or "id" not in row:
-            raise CliError(f"--resume: {path}:{n} is not a JSON line with an 'id' (fix or remove it)")
+        if not isinstance(row, dict) or "id" not in row or not isinstance(row.get("sample", 0), int):
+            raise CliError(f"--resume: {path}:{n} is not a JSON line with an 'id' and an integer 'sample' (fix or "
+                           "remove it)")
         if row.get("finish_reason") != "error":
             out[key_of(row)] = line
     return out
