@@ -126,11 +126,15 @@ def test_a_failed_loop_ends_every_request_with_an_error_and_keeps_what_finished(
 
 
 def test_a_job_killed_half_way_keeps_every_line_it_finished(checkpoint, tmp_path):
-    """SIGTERM after some requests finished: the output holds their whole lines (no half line), each naming its id."""
+    """SIGTERM after some requests finished: the output's partial file holds their whole lines (no half line), each
+    naming its id; the output itself is written only when the job ends (``tests/test_job_edges.py``)."""
+    from jaxspec.files import partial_of
+
     prompts = [f"Write a sentence about the number {k}." for k in range(40)]
-    out = tmp_path / "killed.jsonl"
+    final = tmp_path / "killed.jsonl"
+    out = partial_of(final)
     proc = subprocess.Popen([sys.executable, "-m", "jaxspec.cli", "generate", "--prompt-file",
-                             str(prompt_file(tmp_path / "many.txt", prompts)), "--limit", "40", "--output", str(out),
+                             str(prompt_file(tmp_path / "many.txt", prompts)), "--limit", "40", "--output", str(final),
                              "--model", str(checkpoint), "--max-new-tokens", "24", "--max-batch", "1",
                              "--mode", "incremental", "--no-compile-cache"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -143,6 +147,7 @@ def test_a_job_killed_half_way_keeps_every_line_it_finished(checkpoint, tmp_path
     proc.send_signal(signal.SIGTERM)
     proc.wait(60)
     assert proc.returncode == -signal.SIGTERM
+    assert not final.exists()
     text = out.read_text()
     assert text.endswith("\n")
     rows = [json.loads(line) for line in text.splitlines()]

@@ -20,7 +20,8 @@ LAYERS = {  # subpackage -> what it is; see docs/architecture.md
     "jaxspec.cli": "the command line",
 }
 BELOW_ALL = ("jaxspec.errors", "jaxspec.config", "jaxspec.cache",  # modules every layer may import; they import no layer
-             "jaxspec.request")  # a request as plain data (no JAX), which the host-only scheduler shares
+             "jaxspec.request",  # a request as plain data (no JAX), which the host-only scheduler shares
+             "jaxspec.files")  # output files written beside their place, renamed in when whole
 # the server split by job, each importing only those before it: the wire schema, the engine thread's bridge, the
 # routes and middleware, the serve command's runtime
 SERVER_LAYERS = ("jaxspec.serving.protocol", "jaxspec.serving.service", "jaxspec.serving.app", "jaxspec.serving.server")
@@ -222,10 +223,10 @@ def test_speculators_and_training_load_no_engine():
 
 def test_every_module_lives_in_its_layer():
     """Flat modules under jaxspec/ are the package's front door and its Python API, its cache paths, and the
-    configuration and errors below every layer."""
+    configuration, errors, requests and output files below every layer."""
     flat = {m for m in modules() if within(m, "jaxspec") and not any(within(m, p) for p in LAYERS)}
     assert flat == {"jaxspec", "jaxspec.__main__", "jaxspec.api", "jaxspec.cache", "jaxspec.config", "jaxspec.errors",
-                    "jaxspec.request"}
+                    "jaxspec.request", "jaxspec.files"}
 
 
 def test_import_jaxspec_stays_light():

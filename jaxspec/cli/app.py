@@ -2,13 +2,13 @@
 (``jaxspec.cli.serve``), train-ssm.
 
 Every expected failure (bad checkpoint, bad prompt file, prompt too long, bad sampling
-parameters, mismatched tokenizer) ends with one line ``jaxspec: error: ...`` and exit 2.
+parameters, mismatched tokenizer) ends with one line ``jaxspec: error: ...`` and exit 2; in a job of several
+requests a row that cannot run (or a request that fails) costs its own line only, and the job exits 1 naming them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import sys
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 
 from jaxspec.cli import bench, cache_cmd, cluster, repro
+from jaxspec.cli.jobs import ROW_SAMPLING, JsonLines, Row, check_rows, error_line
 from jaxspec.decoding import sampling
 from jaxspec.parallel import distributed
 from jaxspec.cli.common import (
@@ -29,7 +30,6 @@ from jaxspec.cli.common import (
     add_structured_args,
     check_prefill_args,
     config_from_args,
-    grammar_for,
     prefix_cache_bytes,
     read_prompts,
     report_compile_cache,
@@ -68,12 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_structured_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="JSONL file, field 'prompt' (optional 'id')")
+    src.add_argument("--prompt-file", help="JSONL file, field 'prompt' (optional: 'id'; 'regex', 'json_schema' or "
+                     f"'grammar'; {', '.join(repr(k) for k in ROW_SAMPLING)} over the flags'); a row that cannot run "
+                     "becomes its error line and the others run")
     gen.add_argument("--num-samples", type=int, default=1, help="independent completions per prompt")
     gen.add_argument("--max-batch", type=int, default=8,
                      help="--prompt-file / --num-samples: requests decoded together by continuous batching "
                           "(1: one after another, each with its own cache)")
-    gen.add_argument("--output", help="write one JSON line per completion")
+    gen.add_argument("--output", help="write one JSON line per completion (to OUTPUT.partial, renamed over OUTPUT when "
+                     "the job ends: a failed or killed job leaves an earlier OUTPUT as it was)")
+    gen.add_argument("--resume", action="store_true",
+                     help="with --output: keep the finished lines of OUTPUT and of OUTPUT.partial (a killed run's) and "
+                          "run only the rest (rows whose line failed run again)")
     add_prefill_args(gen)
     gen.add_argument("--compile", choices=("lazy", "all"), default="lazy",
                      help="accepted for compatibility: either way every executable the job can reach (its row and "
@@ -129,34 +135,6 @@ def report_calibration(engine, batch, args, prompt_ids: list[int]) -> None:
               f"({seconds / base:.2f}x none)", file=sys.stderr)
 
 
-class JsonLines:
-    """The JSONL output, a whole line per ``os.write`` as each request finishes and flushed at once: a job stopped
-    half-way (Ctrl-C, a kill, a time limit) keeps every line it finished, and never half a line."""
-
-    def __init__(self, path: str | None) -> None:
-        self.fd = None
-        if path:
-            try:
-                self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            except OSError as e:
-                raise CliError(f"cannot write --output {path}: {e.strerror}") from None
-
-    def write(self, row: dict) -> None:
-        line = json.dumps(row) + "\n"
-        if self.fd is None:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            return
-        data = line.encode()
-        while data:
-            data = data[os.write(self.fd, data):]
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
 def record(row: dict, out: "CompletionOutput", args: argparse.Namespace) -> dict:
     """One JSONL line from a finished ``jaxspec.api.CompletionOutput``: its text cut before the first stop string
     (the rule the server applies), the engine's counters and its speculation; a failed request's line has
@@ -203,22 +181,49 @@ def cmd_generate(args) -> int:
     except RequestError as e:
         raise CliError(f"--{e}") from None
     rows = read_prompts(args.prompt_file, args.limit) if args.prompt_file else [{"id": "prompt", "prompt": args.prompt}]
-    from jaxspec.engine.build import build_engine  # noqa: PLC0415
-
+    if args.resume and not args.output:
+        raise CliError("--resume needs --output (the file whose finished lines it keeps)")
     streams = len(rows) * args.num_samples == 1  # a single request streams its text; JSONL only to --output
-    out = JsonLines(args.output) if args.output or not streams else None
+    out = (JsonLines(args.output, resume=args.resume, owner=distributed.is_leader())
+           if args.output or not streams else None)
+    complete = False
     try:
-        began = time.perf_counter()
-        engine, llm = build_engine(config_from_args(args))
-        args.built_seconds = time.perf_counter() - began  # what -v reports as the engine's build (load included)
-        try:
-            return generate_requests(engine, llm, rows, args, out)
-        finally:
-            if engine.auto and args.verbose:
-                report_learned(engine)
+        rows = rows_left(rows, args, out)
+        if rows:
+            from jaxspec.engine.build import build_engine  # noqa: PLC0415
+
+            began = time.perf_counter()
+            checked: list[tuple[list[Row], list[tuple[dict, str]]]] = []  # the rows, checked before any compile
+            engine, llm = build_engine(config_from_args(args),
+                                       check=lambda loaded: checked.append(check_rows(loaded, rows, args)))
+            args.built_seconds = time.perf_counter() - began  # what -v reports as the engine's build (load included)
+            try:
+                code = generate_requests(engine, llm, *checked[0], args, out, streams)
+            finally:
+                if engine.auto and args.verbose:
+                    report_learned(engine)
+        else:
+            code = 0
+        complete = True
+        return code
     finally:
         if out:
-            out.close()
+            out.close(complete)
+
+
+def rows_left(rows: list[dict], args, out: JsonLines | None) -> list[dict]:
+    """``--resume``: the rows with a completion the earlier runs did not finish (said on stderr); else ``rows``."""
+    if not args.resume:
+        return rows
+    ids = [str(row["id"]) for row in rows]
+    twice = next((i for i in ids if ids.count(i) > 1), None)
+    if twice is not None:
+        raise CliError(f"--resume needs each row's id once: {twice!r} names several rows")
+    done = out.done
+    left = [row for row in rows if any((str(row["id"]), i) not in done for i in range(args.num_samples))]
+    print(f"[jaxspec] --resume: {len(done)} finished line(s) kept; {len(left)} of {len(rows)} row(s) left to run",
+          file=sys.stderr)
+    return left
 
 
 def report_learned(engine) -> None:
@@ -268,40 +273,84 @@ def report_prefill(requests: list, gens: list, batch) -> None:
           f"{len(cache)} blocks, {cache.bytes / 2**20:.1f} of {cache.max_bytes / 2**20:.0f} MiB", file=sys.stderr)
 
 
-def generate_requests(engine, llm, rows: list[dict], args, out) -> int:
-    """Every prompt x sample through the one scheduling loop, by the Python API's layer (``jaxspec.api.run``); a
-    single prompt streams its text.
+def generate_requests(engine, llm, good: list[Row], bad: list[tuple[dict, str]], args, out: JsonLines | None,
+                      streaming: bool = False) -> int:
+    """Every prompt x sample through the one scheduling loop, by the Python API's layer (``jaxspec.api.run``);
+    ``streaming``: the job's one request streams its text.
 
-    JSONL lines come in completion order (each names its ``id`` and ``sample``), written as each request finishes; up
-    to ``--max-batch`` requests are decoded together. A failed request gets its error line and the others run on;
-    the command then exits 1, naming the failed ones.
+    ``good`` and ``bad``: the rows as ``jaxspec.cli.jobs.check_rows`` found them, before the engine compiled
+    anything; a bad row gets its error line at once and nothing is prepared for it. JSONL lines come in completion
+    order (each names its ``id`` and ``sample``), written as each request finishes; up to ``--max-batch`` requests
+    are decoded together. A failed request gets its error line and the others run on; the command then exits 1,
+    naming the failed ones.
     """
     from jaxspec import api
     from jaxspec.config import SchedulerConfig
     from jaxspec.engine import lockstep
     from jaxspec.engine.batch import job_model_len
     from jaxspec.engine.build import build_scheduler
-    from models.tokenizer import encode_prompt
 
-    params = api.SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), n=args.num_samples)
-    prompts = [encode_prompt(llm.tokenizer, row["prompt"], chat=not args.no_chat) for row in rows]
-    jobs = api.jobs_for(llm.tokenizer, prompts, [params] * len(rows), [grammar_for(args, row) for row in rows],
-                        ids=[row["id"] for row in rows])
-    longest = max(len(ids) for ids in prompts)
+    total = len(good) + len(bad)
+    if streaming and bad:  # the command's one request: refused as a whole, as a bad flag is
+        raise RequestError(bad[0][1])
+    for row, error in bad:
+        if out:
+            out.write(error_line(row, args, error))
+        print(f"[jaxspec] row {row['id']} cannot run: {error}", file=sys.stderr)
+    if not good:
+        return report_failed([str(row["id"]) for row, _ in bad], total)
+    done = out.done if out else set()
+    jobs = [job for job in api.jobs_for(llm.tokenizer, [r.prompt_ids for r in good], [r.params for r in good],
+                                        [r.grammar for r in good], ids=[r.row["id"] for r in good])
+            if (str(good[job.prompt_index].row["id"]), job.index) not in done]
     say = (lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr)) if args.verbose else None  # noqa: E731
     limits = SchedulerConfig(max_batch=min(args.max_batch, len(jobs)),
-                             max_model_len=job_model_len(longest + args.max_new_tokens,
-                                                         llm.cfg.max_position_embeddings),
+                             max_model_len=job_model_len(max(len(j.request.prompt_ids) + j.request.max_new_tokens
+                                                             for j in jobs), llm.cfg.max_position_embeddings),
                              prefill_chunk=args.prefill_chunk, prefill_stall=args.prefill_stall,
                              prefix_cache_bytes=prefix_cache_bytes(args))
     batch = build_scheduler(engine, limits, sync=lockstep.loop_sync(), verbose=say)
+    if streaming:
+        batch.check(jobs[0].request)  # the command's one request: refused as a whole (exit 2)
+    jobs, refused = checked_jobs(batch, good, jobs, args, out)
+    if not jobs:
+        return report_failed([str(row["id"]) for row, _ in bad] + refused, total)
     prepare_job(batch, [job.request for job in jobs])
     try:
-        return _run_jobs(engine, llm, rows, args, out, batch, jobs)
+        return _run_jobs(engine, llm, [r.row for r in good], args, out, batch, jobs, streaming,
+                         [str(row["id"]) for row, _ in bad] + refused)
     finally:
         global exit_at_once
         exit_at_once = distributed.active() is None
+
+
+def checked_jobs(batch: BatchEngine, good: list[Row], jobs: list, args, out: JsonLines | None) -> tuple[list, list]:
+    """``jobs`` the loop accepts (``BatchEngine.check``, its own rules over ``check_rows``'); the rest's rows get their
+    error line. Returns (the jobs to run, the ids of the refused rows)."""
+    from jaxspec.decoding.sampling import SamplingError  # noqa: PLC0415
+
+    refused: dict[int, str] = {}  # prompt index -> why
+    for job in jobs:
+        if job.prompt_index not in refused:
+            try:
+                batch.check(job.request)
+            except (RequestError, SamplingError) as e:
+                refused[job.prompt_index] = str(e)
+    for k, error in refused.items():
+        if out:
+            out.write(error_line(good[k].row, args, error))
+        print(f"[jaxspec] row {good[k].row['id']} cannot run: {error}", file=sys.stderr)
+    return [job for job in jobs if job.prompt_index not in refused], [str(good[k].row["id"]) for k in refused]
+
+
+def report_failed(failed: list[str], total: int) -> int:
+    """The command's last line where requests failed, naming them; returns its exit status (1; 0 where none did)."""
+    if not failed:
+        return 0
+    shown_ids = ", ".join(failed[:10]) + (f" and {len(failed) - 10} more" if len(failed) > 10 else "")
+    print(f"jaxspec: error: {len(failed)} of {total} requests failed ({shown_ids}); every other line is written",
+          file=sys.stderr)
+    return 1
 
 
 def prepare_job(batch: BatchEngine, requests: list) -> None:
@@ -314,8 +363,10 @@ def prepare_job(batch: BatchEngine, requests: list) -> None:
                   longest=max(len(r.prompt_ids) for r in requests))
 
 
-def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list) -> int:
-    """``generate_requests``' loop over its prepared ``jaxspec.api.Job`` s, streaming a single one."""
+def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list, streaming: bool,
+              refused: list[str]) -> int:
+    """``generate_requests``' loop over its prepared ``jaxspec.api.Job`` s (``streaming``: its one request's text to
+    stdout); ``refused``: the ids of rows that could not run, named with the failed ones."""
     from tqdm import tqdm
 
     from jaxspec import api
@@ -323,7 +374,6 @@ def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list) -> in
 
     if engine.auto and args.recalibrate:
         report_calibration(engine, batch, args, jobs[0].request.prompt_ids)
-    streaming = len(jobs) == 1
     first: list[float] = []  # when the first token reached the host
     outputs: dict[tuple[int, int], object] = {}  # (prompt, sample) -> its CompletionOutput
     bar = None if streaming else tqdm(total=len(jobs), desc="generate", unit="request", file=sys.stderr)
@@ -367,12 +417,7 @@ def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list) -> in
     if streaming and failed:
         print(f"jaxspec: error: the request failed: {gens[0].error}", file=sys.stderr)
         return 1
-    if failed:
-        shown_ids = ", ".join(failed[:10]) + (f" and {len(failed) - 10} more" if len(failed) > 10 else "")
-        print(f"jaxspec: error: {len(failed)} of {len(jobs)} requests failed ({shown_ids}); every other line is "
-              f"written", file=sys.stderr)
-        return 1
-    return 0
+    return report_failed(refused + failed, len(jobs) + len(refused))
 
 
 def report_compiles(made: int, args) -> None:

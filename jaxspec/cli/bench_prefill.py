@@ -14,15 +14,13 @@ every cache slot, the old form).
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from jaxspec.cli.common import (CliError, add_compile_cache_args, add_model_args, add_prefill_args, check_prefill_args,
-                                config_from_args,
-                                read_prompts)
+                                config_from_args, read_prompts, write_csv)
 
 DEFAULT_LENGTHS = "256,1024,2048,4096"
 
@@ -118,12 +116,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
                              "prefill_tokens_per_s": round(n / ttft, 1), "cold_ttft_s": round(ttfts[0], 4),
                              "repeats": args.repeats, "mode": args.mode, "prefill_chunk": batch.buckets[-1],
                              "chunk_found": chunk is None, "lowering": engine.lowering.label})
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    out = write_csv(args.output, rows)
     print(f"# {device_line(engine)}; mode {args.mode}")
     if args.chunks is None:
         print(f"# {batch.chunks.describe()}")

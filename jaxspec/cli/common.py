@@ -240,12 +240,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def write_csv(path: str | Path, rows: list[dict]) -> Path:
-    """Writes ``rows`` (dicts with the same keys) as a CSV with a header, creating its folder; returns the path."""
+    """Writes ``rows`` (dicts with the same keys) as a CSV with a header, creating its folder; returns the path. An
+    earlier file at ``path`` is replaced only once the new one is complete (``jaxspec.files.replaced``)."""
     import csv  # noqa: PLC0415
 
+    from jaxspec.files import replaced  # noqa: PLC0415
+
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
+    with replaced(out) as tmp, tmp.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
         w.writeheader()
         w.writerows(rows)

@@ -7,7 +7,7 @@ Every entry point (``generate``, ``serve``, the benches, ``repro``, scripts) bui
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 
 from jaxspec.config import (
     AUTO_SPECULATORS,
@@ -73,9 +73,11 @@ def peak_host_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def build_engine(config: EngineConfig, log: TextIO | None = None) -> tuple[Engine, LoadedModel]:
+def build_engine(config: EngineConfig, log: TextIO | None = None,
+                 check: Callable[[LoadedModel], None] | None = None) -> tuple[Engine, LoadedModel]:
     """Loads the LLM and speculators ``config`` names and returns (engine, the engine's weightless view of the LLM);
-    ``log`` (default stderr) hears the speculators and trees chosen, and with ``verbose`` memory and device."""
+    ``log`` (default stderr) hears the speculators and trees chosen, and with ``verbose`` memory and device;
+    ``check`` hears the loaded LLM before anything is compiled for it (``jaxspec generate`` checks its rows there)."""
     from jaxspec.speculators.resolve import load_llm, load_speculators  # noqa: PLC0415
 
     log = log or sys.stderr
@@ -85,6 +87,8 @@ def build_engine(config: EngineConfig, log: TextIO | None = None) -> tuple[Engin
     llm = load_llm(config.model, config.dtype, mesh=mesh, offload=config.offload)
     if config.verbose:
         print(f"[jaxspec] loaded {llm.name}: peak host memory of this process {peak_host_gb():.2f} GB", file=log)
+    if check is not None:
+        check(llm)
     speculators = load_speculators(speculator_specs(config), llm, config.dtype, config.draft_vocab)
     engine = engine_from(config, llm, speculators, mesh=mesh, announce=log)
     if config.verbose:

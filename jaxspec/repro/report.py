@@ -13,6 +13,7 @@ import platform
 import re
 from pathlib import Path
 
+from jaxspec.files import replaced
 from jaxspec.repro.experiments import Result
 from jaxspec.repro.paper import claim_rows, load_paper, mean_rows
 
@@ -34,15 +35,21 @@ def write(result: Result, output: Path, paper: dict | None = None) -> dict[str, 
     paper = paper or load_paper()
     output.mkdir(parents=True, exist_ok=True)
     paths = {kind: output / f"{result.name}.{kind}" for kind in ("csv", "png", "md", "json")}
-    with paths["csv"].open("w", newline="") as f:
+    with replaced(paths["csv"]) as tmp, tmp.open("w", newline="") as f:
         fields = list(dict.fromkeys(k for r in result.rows for k in r))
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(result.rows)
     PLOTS[result.name](result, paper, paths["png"])
-    paths["md"].write_text(section(result, paper))
-    paths["json"].write_text(json.dumps(dataclasses.asdict(result), indent=1))
+    write_text(paths["md"], section(result, paper))
+    write_text(paths["json"], json.dumps(dataclasses.asdict(result), indent=1))
     return paths
+
+
+def write_text(path: Path, text: str) -> None:
+    """``path``'s new text, in place only once whole (a killed run leaves the earlier file as it was)."""
+    with replaced(path) as tmp:
+        tmp.write_text(text)
 
 
 def read(output: Path, name: str) -> Result | None:
@@ -187,9 +194,9 @@ def report(output: Path, paper: dict | None = None) -> tuple[Path, Path, list[di
     for name, result in results.items():
         lines.append("\n" + (output / f"{name}.md").read_text())
     md = output / "report.md"
-    md.write_text("".join(lines))
+    write_text(md, "".join(lines))
     page = output / "report.html"
-    page.write_text(to_html("".join(lines)))
+    write_text(page, to_html("".join(lines)))
     return md, page, claims
 
 
