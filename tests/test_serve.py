@@ -729,6 +729,8 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
         assert accepted == sum(v for (name, _), v in m.items()
                                if name == "jaxspec_spec_decode_num_accepted_tokens_per_pos_total")
         assert counter(m, "jaxspec_spec_decode_mean_acceptance_length") == pytest.approx(1 + accepted / drafts)
+        assert_vllm_agrees(m, spec.model)  # routers' names: the same drafts, accepted tokens and positions
+        assert vllm_series(m, spec.model, "vllm:spec_decode_num_accepted_tokens_total") == accepted > 0
         assert counter(m, "jaxspec_iterations_total", tree="tree") > 0
         # per request: the same counts, one speculator, each request's accept length from its own steps
         assert sum(s["draft_steps"] for s in seen) == drafts
