@@ -174,6 +174,31 @@ def test_the_manifests_flags_parse(manifest) -> None:
         args = build_parser().parse_args(argv[1:])
         assert (args.command, args.process_id, args.num_processes) == ("serve", i, 2)
         assert args.coordinator == "leader.jaxspec:8476" and args.host == "0.0.0.0"
+        assert args.unauthenticated_metrics  # routers read /metrics without the key
+
+
+def test_unauthenticated_metrics_open_metrics_alone() -> None:
+    """The key middleware with /metrics open (--unauthenticated-metrics): /metrics and /health answer without the
+    key, every other path still needs it."""
+    import asyncio
+
+    import httpx
+
+    from jaxspec.serving.app import OPEN_METRICS, BearerAuth
+
+    async def ok(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def statuses(open_paths: tuple[str, ...], headers: dict) -> list[int]:
+        app = BearerAuth(ok, KEY, open_paths=open_paths)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as client:
+            return [(await client.get(path, headers=headers)).status_code
+                    for path in ("/metrics", "/health", "/v1/models", "/metricsx")]
+
+    assert asyncio.run(statuses(OPEN_METRICS, {})) == [200, 200, 401, 401]
+    assert asyncio.run(statuses((), {})) == [401, 200, 401, 401]
+    assert asyncio.run(statuses((), {"Authorization": f"Bearer {KEY}"})) == [200, 200, 200, 200]
 
 
 @pytest.mark.slow  # ~2 min cold (two processes prepare a server), as test_distributed's two-process server
@@ -218,6 +243,9 @@ def test_the_manifests_command_lines_serve_as_one_process(manifest, tiny_checkpo
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(ask, PROMPTS))
         assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401  # the key is required
+        scraped = httpx.get(f"{url}/metrics", timeout=10)  # but not for the metrics a router reads
+        assert scraped.status_code == 200 and 'vllm:num_requests_waiting{engine="jaxspec",model_name="smollm2"}' \
+            in scraped.text
     finally:
         procs[0].send_signal(signal.SIGTERM)
         results = finish(procs, tmp_path, 120)
