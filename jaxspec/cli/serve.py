@@ -89,7 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 prefill_chunk=args.prefill_chunk, prefill_stall=serve_stall(args.prefill_stall),
                                 prefix_cache_bytes=prefix_cache_bytes(args))
     config = server.ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                                api_key=key,
-                                unauthenticated_metrics=args.unauthenticated_metrics, max_body_bytes=args.max_body_bytes, request_log=args.request_log,
+                                api_key=key, unauthenticated_metrics=args.unauthenticated_metrics,
+                                max_body_bytes=args.max_body_bytes, request_log=args.request_log,
                                 shutdown_timeout=args.shutdown_timeout, warm_structured=args.warm_structured)
     return server.serve(config_from_args(args), scheduler, config)

@@ -2,8 +2,8 @@
 
 Names follow vLLM's where they mean the same thing (``spec_decode_*``, time to first token,
 time per output token), under the ``jaxspec_`` prefix; ``VllmView`` serves them again under vLLM's own
-``vllm:`` names, which routers read. Each server owns its own registry,
-so two servers in one process (tests) never share counters. The mean acceptance length is
+``vllm:`` names, which routers read. Each server owns its own registry, so two servers in one process
+(tests) never share counters. The mean acceptance length is
 exported as a gauge and is also ``1 + rate(accepted) / rate(drafts)`` from the counters.
 """
 
