@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -549,6 +550,84 @@ def test_metrics_parse_and_move(server):
         assert (name, ()) in after, name
 
 
+# vLLM's name of each jaxspec series of the same quantity (jaxspec.serving.metrics.VLLM_NAMES, sample names)
+VLLM_SAME = {"vllm:num_requests_waiting": "jaxspec_queue_depth", "vllm:num_requests_running": "jaxspec_active_slots",
+             "vllm:prompt_tokens_total": "jaxspec_prompt_tokens_total",
+             "vllm:generation_tokens_total": "jaxspec_generation_tokens_total",
+             "vllm:time_to_first_token_seconds_count": "jaxspec_time_to_first_token_seconds_count",
+             "vllm:time_to_first_token_seconds_sum": "jaxspec_time_to_first_token_seconds_sum",
+             "vllm:e2e_request_latency_seconds_count": "jaxspec_e2e_request_latency_seconds_count",
+             "vllm:request_time_per_output_token_seconds_count": "jaxspec_time_per_output_token_seconds_count",
+             "vllm:spec_decode_num_drafts_total": "jaxspec_spec_decode_num_drafts_total",
+             "vllm:spec_decode_num_draft_tokens_total": "jaxspec_spec_decode_num_draft_tokens_total",
+             "vllm:spec_decode_num_accepted_tokens_total": "jaxspec_spec_decode_num_accepted_tokens_total"}
+
+
+def vllm_series(m: dict, model: str, name: str, **labels) -> float:
+    """The value of a vllm: series, labelled like vLLM's (model_name) and with the engine serving it."""
+    return counter(m, name, model_name=model, engine="jaxspec", **labels)
+
+
+def assert_vllm_agrees(m: dict, model: str) -> None:
+    """Every vllm: series of one scrape equals its jaxspec twin; request_success is jaxspec_requests by outcome."""
+    for vllm, ours in VLLM_SAME.items():
+        assert vllm_series(m, model, vllm) == counter(m, ours), vllm
+    for reason, outcome in (("stop", "stop"), ("length", "length"), ("abort", "cancelled"), ("error", "error")):
+        assert vllm_series(m, model, "vllm:request_success_total", finished_reason=reason) == \
+            counter(m, "jaxspec_requests_total", outcome=outcome), reason
+    ours = {dict(k)["position"]: v for (name, k), v in m.items()
+            if name == "jaxspec_spec_decode_num_accepted_tokens_per_pos_total"}
+    theirs = {dict(k)["position"]: v for (name, k), v in m.items()
+              if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert theirs == ours
+    assert 0 <= vllm_series(m, model, "vllm:kv_cache_usage_perc") <= 1
+
+
+def test_vllm_named_metrics_agree_with_jaxspecs_under_concurrent_load(server):
+    """Routers read vLLM's names: under 2 x MAX_BATCH concurrent clients (requests queue) every scrape's vllm:
+    series equal the jaxspec ones, the KV cache usage rises with running requests and falls back to 0, the
+    counters moved by exactly the requests sent, and cache_config_info carries the prefix cache's block size."""
+    clients = 2 * MAX_BATCH
+    before = server.metrics()
+    assert_vllm_agrees(before, server.model)
+    (info,) = [dict(k) for (name, k), v in before.items() if name == "vllm:cache_config_info" and v == 1]
+    assert info["block_size"] == "16" and info["model_name"] == server.model and info["engine"] == "jaxspec"
+    scrapes, done = [], threading.Event()
+
+    def scrape() -> None:
+        while not done.is_set():
+            scrapes.append(server.metrics())
+            time.sleep(0.05)
+
+    poller = threading.Thread(target=scrape)
+    poller.start()
+    try:
+        with ThreadPoolExecutor(clients) as pool:
+            answers = list(pool.map(lambda p: chat(server, p, 24, temperature=0), PROMPTS[:clients],
+                                    timeout=REQUEST_S))
+    finally:
+        done.set()
+        poller.join()
+    idle = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    wait_for(lambda: not any(vllm_series(server.metrics(), server.model, name) for name in idle),
+             "no running or waiting request and an empty KV cache after the load")
+    after = server.metrics()
+    for m in [*scrapes, after]:
+        assert_vllm_agrees(m, server.model)
+    running = [vllm_series(m, server.model, "vllm:num_requests_running") for m in scrapes]
+    assert max(running) > 0 and max(running) <= MAX_BATCH
+    assert max(vllm_series(m, server.model, "vllm:kv_cache_usage_perc") for m, r in zip(scrapes, running) if r) > 0
+
+    def moved(name: str, **labels) -> float:
+        return vllm_series(after, server.model, name, **labels) - vllm_series(before, server.model, name, **labels)
+
+    finished = sum(moved("vllm:request_success_total", finished_reason=r) for r in ("stop", "length"))
+    assert finished == clients == moved("vllm:time_to_first_token_seconds_count") == \
+        moved("vllm:e2e_request_latency_seconds_count")
+    assert moved("vllm:prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers)
+    assert moved("vllm:generation_tokens_total") == sum(a.usage.completion_tokens for a in answers) > 0
+
+
 def test_a_shared_system_prompt_is_served_from_the_prefix_cache(server):
     """usage.prompt_tokens_details.cached_tokens and the prefix-cache counters are exact; a hit changes no text."""
     system = ("You are the ship's navigator on a long voyage. Answer in one short sentence, name the star you "
@@ -650,6 +729,8 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
         assert accepted == sum(v for (name, _), v in m.items()
                                if name == "jaxspec_spec_decode_num_accepted_tokens_per_pos_total")
         assert counter(m, "jaxspec_spec_decode_mean_acceptance_length") == pytest.approx(1 + accepted / drafts)
+        assert_vllm_agrees(m, spec.model)  # routers' names: the same drafts, accepted tokens and positions
+        assert vllm_series(m, spec.model, "vllm:spec_decode_num_accepted_tokens_total") == accepted > 0
         assert counter(m, "jaxspec_iterations_total", tree="tree") > 0
         # per request: the same counts, one speculator, each request's accept length from its own steps
         assert sum(s["draft_steps"] for s in seen) == drafts

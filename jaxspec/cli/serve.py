@@ -33,6 +33,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(a flag shows in ps). An empty key is an error")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve a non-loopback --host without an API key (anyone who reaches the port may use it)")
+    p.add_argument("--unauthenticated-metrics", action="store_true",
+                   help="serve /metrics without the API key (as vLLM does), so routers and Prometheus can read it; "
+                        "the completions stay behind the key")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, metavar="N",
                    help=f"larger request bodies get 413 ({MAX_BODY_BYTES})")
     p.add_argument("--request-log", metavar="FILE",
@@ -86,6 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 prefill_chunk=args.prefill_chunk, prefill_stall=serve_stall(args.prefill_stall),
                                 prefix_cache_bytes=prefix_cache_bytes(args))
     config = server.ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                                api_key=key, max_body_bytes=args.max_body_bytes, request_log=args.request_log,
+                                api_key=key, unauthenticated_metrics=args.unauthenticated_metrics,
+                                max_body_bytes=args.max_body_bytes, request_log=args.request_log,
                                 shutdown_timeout=args.shutdown_timeout, warm_structured=args.warm_structured)
     return server.serve(config_from_args(args), scheduler, config)

@@ -132,9 +132,13 @@ def sse(payload: dict | str) -> str:
 
 # ---------------------------------------------------------------------------------------- the app
 
+OPEN_METRICS = ("/metrics", "/metrics/")  # --unauthenticated-metrics: the paths that then answer without the key
+
+
 def create_app(service: Service, api_key: str | None = None, shutdown_timeout: float = 10.0,
-               max_body_bytes: int = MAX_BODY_BYTES):
-    """The FastAPI application over a started ``Service``."""
+               max_body_bytes: int = MAX_BODY_BYTES, open_paths: tuple[str, ...] = ()):
+    """The FastAPI application over a started ``Service``; ``open_paths`` answer without ``api_key`` (/health
+    always does)."""
     from contextlib import asynccontextmanager  # noqa: PLC0415
 
     from fastapi import FastAPI, Request  # noqa: PLC0415
@@ -159,7 +163,8 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout: f
     metrics_route.path_regex = re.compile("^/metrics(?P<path>.*)$")  # /metrics without a redirect
     app.router.routes.append(metrics_route)
     if api_key:
-        app.add_middleware(BearerAuth, key=api_key, on_refuse=lambda: metrics.requests.labels("rejected").inc())
+        app.add_middleware(BearerAuth, key=api_key, on_refuse=lambda: metrics.requests.labels("rejected").inc(),
+                           open_paths=open_paths)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
                        on_refuse=lambda: metrics.requests.labels("rejected").inc())
 
@@ -338,13 +343,16 @@ async def _drain(receive, limit: int, seconds: float) -> bool:
 
 
 class BearerAuth:
-    """ASGI middleware: every path but ``/health`` needs ``Authorization: Bearer KEY`` (401 otherwise)."""
+    """ASGI middleware: every path but ``/health`` and ``open_paths`` needs ``Authorization: Bearer KEY`` (401
+    otherwise)."""
 
-    def __init__(self, app, key: str, on_refuse: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, app, key: str, on_refuse: Callable[[], None] = lambda: None,
+                 open_paths: tuple[str, ...] = ()) -> None:
         self.app, self.key, self.on_refuse = app, key.encode(), on_refuse
+        self.open_paths = frozenset(("/health", *open_paths))
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.key):
                 self.on_refuse()

@@ -1,16 +1,20 @@
 """Prometheus metrics of ``jaxspec serve``: requests, latency, batch occupancy and speculation.
 
 Names follow vLLM's where they mean the same thing (``spec_decode_*``, time to first token,
-time per output token), under the ``jaxspec_`` prefix. Each server owns its own registry,
-so two servers in one process (tests) never share counters. The mean acceptance length is
+time per output token), under the ``jaxspec_`` prefix; ``VllmView`` serves them again under vLLM's own
+``vllm:`` names, which routers read. Each server owns its own registry, so two servers in one process
+(tests) never share counters. The mean acceptance length is
 exported as a gauge and is also ``1 + rate(accepted) / rate(drafts)`` from the counters.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import threading
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 OUTCOMES = ("stop", "length", "cancelled", "error", "rejected", "queue_full")
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -98,3 +102,82 @@ class ServerMetrics:
             self.e2e.observe(last - arrival)
             if tokens > 1:
                 self.tpot.observe((last - first) / (tokens - 1))
+
+
+# vLLM's name for each jaxspec series of the same quantity: routers (llm-d's endpoint picker, the Gateway API Inference
+# Extension) and vLLM's Grafana dashboards read these names, so a jaxspec pod sits behind them as a vLLM pod does.
+VLLM_NAMES = {
+    "jaxspec_queue_depth": "vllm:num_requests_waiting",
+    "jaxspec_active_slots": "vllm:num_requests_running",
+    "jaxspec_prompt_tokens": "vllm:prompt_tokens",
+    "jaxspec_generation_tokens": "vllm:generation_tokens",
+    "jaxspec_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "jaxspec_time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
+    "jaxspec_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "jaxspec_spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
+    "jaxspec_spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "jaxspec_spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "jaxspec_spec_decode_num_accepted_tokens_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
+}
+# jaxspec_requests' outcomes of requests that reached the engine, as vLLM's finished_reason (the HTTP refusals,
+# rejected and queue_full, never reach vLLM's engine either)
+VLLM_FINISHED = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
+ENGINE = "jaxspec"  # the ``engine`` label of every vllm: series
+
+
+def kv_cache_usage(batch) -> float:
+    """Share (0..1) of the KV cache's token capacity, ``max_batch`` x ``max_model_len``, the live requests hold
+    (vLLM's ``kv_cache_usage_perc``: a prefix kept only for reuse is free, as vLLM's evictable blocks are)."""
+    held = sum(slot.committed for slot in list(batch.slots))
+    return min(1.0, held / (batch.max_batch * batch.max_model_len))
+
+
+class VllmView(Collector):
+    """The server's own series again under vLLM's names, labelled ``model_name`` and ``engine`` as vLLM's are,
+    read from the jaxspec series at every scrape (one source: the two names cannot disagree), plus the KV cache
+    usage and ``vllm:cache_config_info`` that routers read."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str, kv_usage: Callable[[], float],
+                 cache_config: dict[str, str]) -> None:
+        self.metrics, self.kv_usage = metrics, kv_usage
+        self.labels = {"model_name": model_name, "engine": ENGINE}
+        self.cache_config = cache_config
+        self._reading = threading.local()  # this thread is reading the registry it sits in: yield nothing there
+
+    def collect(self) -> Iterator[Metric]:
+        if getattr(self._reading, "on", False):
+            return
+        self._reading.on = True
+        try:
+            families = list(self.metrics.registry.collect())
+        finally:
+            self._reading.on = False
+        for family in families:
+            if family.name == "jaxspec_requests":
+                yield self._finished(family)
+            elif family.name in VLLM_NAMES:
+                yield self._renamed(family, VLLM_NAMES[family.name])
+        usage = Metric("vllm:kv_cache_usage_perc", "KV cache usage (1 = 100%): tokens the live requests hold of "
+                       "max_batch x max_model_len", "gauge")
+        usage.add_sample("vllm:kv_cache_usage_perc", self.labels, self.kv_usage())
+        yield usage
+        info = Metric("vllm:cache_config_info", "The KV cache's configuration (block_size: the prefix cache's block "
+                      "of tokens)", "gauge")
+        info.add_sample("vllm:cache_config_info", {**self.labels, **self.cache_config}, 1.0)
+        yield info
+
+    def _renamed(self, family: Metric, name: str) -> Metric:
+        out = Metric(name, family.documentation, family.type)
+        for s in family.samples:
+            out.add_sample(name + s.name[len(family.name):], {**s.labels, **self.labels}, s.value, s.timestamp)
+        return out
+
+    def _finished(self, family: Metric) -> Metric:
+        out = Metric("vllm:request_success", "Finished requests by finished_reason (stop, length, abort, error)",
+                     "counter")
+        for s in family.samples:
+            reason = VLLM_FINISHED.get(s.labels["outcome"])
+            if reason is not None:
+                out.add_sample("vllm:request_success" + s.name[len(family.name):],
+                               {"finished_reason": reason, **self.labels}, s.value, s.timestamp)
+        return out

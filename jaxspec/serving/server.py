@@ -18,7 +18,7 @@ import time
 
 from jaxspec.config import MAX_BODY_BYTES, EngineConfig, SchedulerConfig
 from jaxspec.errors import CliError
-from jaxspec.serving.app import create_app
+from jaxspec.serving.app import OPEN_METRICS, create_app
 from jaxspec.serving.service import Service, stop_matcher
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,8 @@ class ServeConfig:
     """The model name clients send; None: the checkpoint's file name."""
     api_key: str | None = None
     """The key every endpoint but /health requires (``api_key`` resolves flag and environment); None: no key."""
+    unauthenticated_metrics: bool = False
+    """/metrics answers without the key too (as vLLM's does): routers and Prometheus scrape it."""
     max_body_bytes: int = MAX_BODY_BYTES
     """Larger request bodies get 413."""
     request_log: str | None = None
@@ -88,7 +90,8 @@ def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: Serve
     try:
         service.warm_up()
         log.info("ready in %.1f s: model '%s'", time.perf_counter() - t0, name)
-        app = create_app(service, config.api_key, config.shutdown_timeout, config.max_body_bytes)
+        app = create_app(service, config.api_key, config.shutdown_timeout, config.max_body_bytes,
+                         open_paths=OPEN_METRICS if config.unauthenticated_metrics else ())
         listen = uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                 timeout_graceful_shutdown=config.shutdown_timeout + SHUTDOWN_GRACE_S, lifespan="on")
         server = uvicorn_server(uvicorn, listen, service, config.shutdown_timeout)

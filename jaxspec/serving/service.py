@@ -21,6 +21,7 @@ import uuid
 from typing import IO, Any, AsyncIterator, Callable
 
 from jaxspec.cache import BACKEND
+from jaxspec.engine.prefix import BLOCK
 from jaxspec.engine.stops import StopText, check_stops
 from jaxspec.serving.protocol import (
     ENGINE_STOPPED,
@@ -140,13 +141,16 @@ class Service:
 
     def __init__(self, batch, tokenizer, vocab_size: int, model_name: str, max_queue: int,
                  verbose: bool = False, request_log: IO[str] | None = None) -> None:
-        from jaxspec.serving.metrics import ServerMetrics  # noqa: PLC0415
+        from jaxspec.serving.metrics import ServerMetrics, VllmView, kv_cache_usage  # noqa: PLC0415
 
         self.batch, self.tokenizer, self.vocab_size, self.model_name = batch, tokenizer, vocab_size, model_name
         self.max_queue = max_queue
         self.verbose = verbose
         self.request_log = request_log
         self.metrics = ServerMetrics(batch.queue_depth, batch.active_slots, lambda: batch.engine.compilations)
+        self.metrics.registry.register(VllmView(self.metrics, model_name, lambda: kv_cache_usage(batch), {
+            "block_size": str(BLOCK), "num_gpu_blocks": str(batch.max_batch * batch.max_model_len // BLOCK),
+            "enable_prefix_caching": str(bool(batch.prefix.max_bytes))}))
         self.created = int(time.time())
         self.observing = False  # warm-up iterations are not counted
         self._traced_seen = 0  # executables compiled before the last iteration observed (``Runner.traced``)
