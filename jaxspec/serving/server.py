@@ -107,9 +107,20 @@ def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: Serve
             sys.stderr.flush()
             os._exit(0)
         if request_log is not None:
-            request_log.close()
+            close_log(request_log, service)
     log.info("stopped")
     return 0
+
+
+def close_log(request_log, service: Service | None) -> None:
+    """Closes ``--request-log``; lines it could not flush (a full disk) are counted and logged, not raised at exit."""
+    try:
+        request_log.close()
+    except OSError as exc:
+        if service is None:
+            log.error("--request-log: closing it failed (%s)", exc)
+        else:
+            service.failures.report("request_log", "writing a --request-log line", exc)
 
 
 API_KEY_ENV = "JAXSPEC_API_KEY"
@@ -171,13 +182,15 @@ def uvicorn_server(uvicorn, config, service: Service, shutdown_timeout: float):
 
 
 def setup_logging() -> None:
-    """The serving modules' lines (``jaxspec.serving.*``) on stderr in uvicorn's format (``INFO:     ...``)."""
+    """The serving modules' lines (``jaxspec.serving.*``) on stderr in uvicorn's format (``INFO:     ...``), and the
+    engine's warnings and failures (``jaxspec.engine.*``: the first failure of each kind with its stack)."""
     from uvicorn.logging import DefaultFormatter  # noqa: PLC0415
 
-    root = logging.getLogger("jaxspec.serving")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
-        root.propagate = False
+    for name, level in (("jaxspec.serving", logging.INFO), ("jaxspec.engine", logging.WARNING)):
+        root = logging.getLogger(name)
+        if not root.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+            root.addHandler(handler)
+            root.setLevel(level)
+            root.propagate = False
