@@ -250,3 +250,28 @@ def test_a_failed_grammar_matcher_ends_its_row_only(tiny_checkpoint_llm, monkeyp
                                                                            for w in want]
     assert gens[0].finish_reason != "error" and re.fullmatch(
         r"(yes|no), because [a-z ]{1,40}\.", llm.tokenizer.decode(gens[0].token_ids, skip_special_tokens=True))
+
+
+def test_a_failed_decoding_step_logs_its_stack_once(tiny_llm, monkeypatch, caplog):
+    """A device error in a step (injected at the executor's launch) ends that step's rows with its one-line reason;
+    the log holds its full stack once, however often it recurs; the loop then serves the next request as before."""
+    batch = BatchEngine(Engine(tiny_llm), max_batch=2, max_model_len=64)
+    requests = [Request([1, 2, 3], 4, stop_ids=[]), Request([4, 5], 4, stop_ids=[])]
+    want = batch.generate(requests)
+    real = batch.executor.step
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("the device was lost (injected)\nits second line")
+
+    monkeypatch.setattr(batch.executor, "step", lost)
+    caplog.set_level(logging.ERROR, logger="jaxspec.engine.batch")
+    for _ in range(2):
+        gens = batch.generate(requests)
+        assert [g.finish_reason for g in gens] == ["error", "error"]
+        assert {g.error for g in gens} == {"RuntimeError: the device was lost (injected)"}
+    assert batch.failures.counts["a decoding step: RuntimeError"] >= 2
+    stacks = [r for r in caplog.records if r.exc_info]
+    assert len(stacks) == 1 and "a decoding step failed (RuntimeError" in stacks[0].getMessage()
+    assert "in lost" in caplog.text and "its second line" in caplog.text  # the whole stack and message
+    monkeypatch.setattr(batch.executor, "step", real)
+    assert [g.token_ids for g in batch.generate(requests)] == [w.token_ids for w in want]
