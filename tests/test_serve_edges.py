@@ -8,6 +8,8 @@ on the device) and ``$JAXSPEC_FAIL_REQUESTS`` failing the admission of choice 1 
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -97,3 +99,13 @@ def test_a_failed_choice_keeps_its_siblings_text(server):
     assert log.count("admitting a request failed (InjectedFailure") == 1, log[-3000:]
     assert log.count("failed: InjectedFailure") == 2  # each failed choice has its one line
     assert health(server)["status"] == "degraded"  # the request log still fails
+
+
+def test_sigterm_exits_zero_though_the_log_cannot_be_flushed(server):
+    """Runs last: the lines still buffered for the full disk fail once more as the log closes; the server reports
+    them as failed writes (no second stack) and exits 0 without a traceback of its stop."""
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0, server.tail()
+    log = server.tail(1 << 30)
+    assert "draining" in log and "Traceback" not in log[log.index("draining"):], log[-3000:]
+    assert log.count("writing a --request-log line failed") == 1

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from typing import IO
 
 from jaxspec.config import MAX_BODY_BYTES, EngineConfig, SchedulerConfig
 from jaxspec.errors import CliError
@@ -112,15 +113,13 @@ def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: Serve
     return 0
 
 
-def close_log(request_log, service: Service | None) -> None:
-    """Closes ``--request-log``; lines it could not flush (a full disk) are counted and logged, not raised at exit."""
+def close_log(request_log: IO[str], service: Service) -> None:
+    """Closes ``--request-log``; lines it could not flush (a full disk) are reported as ``service``'s failed writes
+    (logged with their stack unless one was already), not raised at exit."""
     try:
         request_log.close()
     except OSError as exc:
-        if service is None:
-            log.error("--request-log: closing it failed (%s)", exc)
-        else:
-            service.failures.report("request_log", "writing a --request-log line", exc)
+        service.failures.report("request_log", "writing a --request-log line", exc)
 
 
 API_KEY_ENV = "JAXSPEC_API_KEY"
