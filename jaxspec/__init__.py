@@ -8,6 +8,11 @@ lives in the modules named below.
 from __future__ import annotations
 
 import importlib
+import logging
+
+# A library logs, its application shows: without a handler configured (``jaxspec serve`` sets its own) jaxspec's log
+# records (failures the run survived, with their stacks) stay out of a command's or a notebook's stderr.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 _EXPORTS = {
     "LLM": "jaxspec.api",

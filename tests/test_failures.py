@@ -4,7 +4,9 @@ stopped half-way keeps what finished; a fallback the run survives says so on std
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,3 +188,95 @@ def test_each_fallback_says_what_failed_and_what_the_run_does_instead(tmp_path, 
     assert Stored(lambda v: v + 1, {"what": "test-fallback"})(x).tolist() == [1.0, 2.0, 3.0, 4.0]
     err = capsys.readouterr().err
     assert "[jaxspec] warning: a stored executable failed to load" in err and "compiling it again" in err
+
+
+def test_a_failed_ngram_proposal_ends_its_row_only(tiny_llm, monkeypatch, caplog):
+    """One row's n-gram proposal raising (host work of a decoding step) ends that request with the error and the
+    tokens it had emitted (a prefix of its output alone); the rows decoding beside it emit what they emit without the
+    failure; the failure is logged once with its stack, though the loop met it twice (a stale and a fresh pick)."""
+    from jaxspec.speculators.ngram import NGramIndex, NGramSpeculator
+
+    engine = Engine(tiny_llm, [NGramSpeculator(3)], [(1, 1, 1)])
+    prompts = [[1, 2, 3, 1, 2], [4, 5, 6, 4, 5], [7, 8, 9, 7, 8]]
+    requests = [Request(p, 12, stop_ids=[]) for p in prompts]
+    want = BatchEngine(engine, max_batch=4, max_model_len=64).generate(requests)
+    bad, real, raised = prompts[1], NGramIndex.propose, []
+
+    def propose(index: NGramIndex, depth: int) -> list[int]:
+        if index.tokens[: len(bad)] == bad and len(index.tokens) >= len(bad) + 4:
+            raised.append(len(index.tokens))
+            raise RuntimeError("the proposal failed (injected)\nsecond line")
+        return real(index, depth)
+
+    monkeypatch.setattr(NGramIndex, "propose", propose)
+    caplog.set_level(logging.ERROR, logger="jaxspec.engine.batch")
+    batch = BatchEngine(engine, max_batch=4, max_model_len=64)
+    gens = batch.generate(requests)
+    assert gens[1].finish_reason == "error" and gens[1].error == "RuntimeError: the proposal failed (injected)"
+    assert 4 <= len(gens[1].token_ids) < 12 and gens[1].token_ids == want[1].token_ids[: len(gens[1].token_ids)]
+    for k in (0, 2):
+        assert (gens[k].finish_reason, gens[k].token_ids) == ("length", want[k].token_ids)
+    assert len(raised) >= 1 and batch.failures.counts["an n-gram proposal: RuntimeError"] == len(raised)
+    stacks = [r for r in caplog.records if r.exc_info]
+    assert len(stacks) == 1 and "an n-gram proposal failed (RuntimeError" in stacks[0].getMessage()
+    assert "in propose" in caplog.text  # the stack names the function that raised
+
+
+def test_a_failed_grammar_matcher_ends_its_row_only(tiny_checkpoint_llm, monkeypatch):
+    """One constrained row whose masks fail in a decoding step (its matcher raising) ends with that error; a
+    constrained row and a free row beside it emit what they emit without it."""
+    from jaxspec.structured import Grammar, RowMasks, Vocabulary
+
+    llm = tiny_checkpoint_llm
+    engine = Engine(llm, ())
+    good, bad = Grammar("regex", r"(yes|no), because [a-z ]{1,40}\."), Grammar("regex", r"[a-z ]{1,30}")
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
+    requests = [Request(ids[0], 16, grammar=good), Request(ids[1], 16, grammar=bad), Request(ids[2], 8)]
+    want = BatchEngine(engine, max_batch=4, max_model_len=128).generate([requests[0], requests[2]])
+    made, real_matcher, real_mask = [], Vocabulary.matcher, RowMasks.path_mask
+
+    def matcher(vocab: Vocabulary, compiled):
+        m = real_matcher(vocab, compiled)
+        if compiled.grammar == bad:
+            made.append(m)
+        return m
+
+    def path_mask(masks: RowMasks, row: int, path: tuple[int, ...]):
+        if any(masks.rows[row] is m for m in made):
+            raise RuntimeError("the matcher failed (injected)")
+        return real_mask(masks, row, path)
+
+    monkeypatch.setattr(Vocabulary, "matcher", matcher)
+    monkeypatch.setattr(RowMasks, "path_mask", path_mask)
+    gens = BatchEngine(engine, max_batch=4, max_model_len=128).generate(requests)
+    assert made and gens[1].finish_reason == "error" and gens[1].error == "RuntimeError: the matcher failed (injected)"
+    assert len(gens[1].token_ids) == 1  # its first token (admission's mask), then its first step failed
+    assert [(g.finish_reason, g.token_ids) for g in (gens[0], gens[2])] == [(w.finish_reason, w.token_ids)
+                                                                           for w in want]
+    assert gens[0].finish_reason != "error" and re.fullmatch(
+        r"(yes|no), because [a-z ]{1,40}\.", llm.tokenizer.decode(gens[0].token_ids, skip_special_tokens=True))
+
+
+def test_a_failed_decoding_step_logs_its_stack_once(tiny_llm, monkeypatch, caplog):
+    """A device error in a step (injected at the executor's launch) ends that step's rows with its one-line reason;
+    the log holds its full stack once, however often it recurs; the loop then serves the next request as before."""
+    batch = BatchEngine(Engine(tiny_llm), max_batch=2, max_model_len=64)
+    requests = [Request([1, 2, 3], 4, stop_ids=[]), Request([4, 5], 4, stop_ids=[])]
+    want = batch.generate(requests)
+    real = batch.executor.step
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("the device was lost (injected)\nits second line")
+
+    monkeypatch.setattr(batch.executor, "step", lost)
+    caplog.set_level(logging.ERROR, logger="jaxspec.engine.batch")
+    for _ in range(2):
+        gens = batch.generate(requests)
+        assert [g.finish_reason for g in gens] == ["error", "error"]
+        assert {g.error for g in gens} == {"RuntimeError: the device was lost (injected)"}
+    assert batch.failures.counts["a decoding step: RuntimeError"] >= 2
+    stacks = [r for r in caplog.records if r.exc_info]
+    assert len(stacks) == 1 and "a decoding step failed (RuntimeError" in stacks[0].getMessage()
+    assert "in lost" in caplog.text and "its second line" in caplog.text  # the whole stack and message
+    monkeypatch.setattr(batch.executor, "step", real)
+    assert [g.token_ids for g in batch.generate(requests)] == [w.token_ids for w in want]

@@ -123,6 +123,35 @@ def test_row_masks_walk_paths_and_roll_back(vocab, llm):
     assert not m.is_error() and vocab.advance(m, [no, 2])[0] == 2  # the walk left the matcher where it was
 
 
+class _Broken:
+    """A matcher whose every call raises, as a bug or a failed llguidance call would."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"the matcher failed at {name} (injected)")
+
+
+def test_a_failing_matcher_costs_its_row_only(vocab, llm):
+    """A row whose matcher raises, in ``begin``'s pooled masks, in the mid-step callback, in ``chain_masks`` or in
+    ``forced``, is recorded in ``failed`` and left unconstrained; the other row's masks are those it gets alone."""
+    rows, m, yes, no, cat = _yes_no_rows(vocab, llm.tokenizer)
+    tokens = np.array([[0, yes, cat, 2]] * 2, np.int32)
+    parent = np.array([[-1, 0, 0, 1]] * 2, np.int32)
+    nodes = np.array([[0, 1, 2, 3]] * 2, np.int32)
+    alone = rows(tokens, parent, nodes)[0]  # [K, W]: the good matcher's masks as row 0 of rows [m, None]
+    broken = RowMasks(vocab)
+    broken.begin([_Broken(), m])  # the pooled call fails as a whole: each row's root mask comes alone
+    out = broken(tokens, parent, nodes)
+    assert (out[0] == -1).all() and (out[1] == alone).all()
+    (exc,) = broken.take_failed().values()
+    assert "injected" in str(exc) and broken.take_failed() == {}
+    broken.begin([_Broken(), m])
+    assert broken.forced(0, 4) == [] and list(broken.take_failed()) == [0]
+    broken.begin([_Broken(), m])
+    chains = broken.chain_masks([[], []], [[], []], 0, 0)  # [B, 1, W]
+    assert (chains[0] == -1).all() and (chains[1, 0] == alone[0]).all() and list(broken.failed) == [0]
+    assert not m.is_error() and vocab.advance(m, [no, 2])[0] == 2  # the good matcher was left where it was
+
+
 def test_root_masks_of_several_rows_are_computed_together(vocab, llm):
     """``begin`` computes every constrained row's root mask in one parallel call: the same masks, row by row,
     as one matcher at a time, and the rows without a grammar stay unmasked."""

@@ -40,7 +40,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"larger request bodies get 413 ({MAX_BODY_BYTES})")
     p.add_argument("--request-log", metavar="FILE",
                    help="append one JSON line per finished completion: its sampling parameters and seed (a request "
-                        "without one gets a random seed, logged here and not in the response), tokens, finish reason")
+                        "without one gets a random seed, logged here and not in the response), tokens, finish reason; "
+                        "a write that fails (a full disk) costs no request: it is counted on /metrics and /health says "
+                        "degraded")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are cancelled (10)")
     p.add_argument("--warm-structured", action="store_true",

@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import fnmatch
 import itertools
+import logging
 import os
 import statistics
 import threading
@@ -65,13 +67,17 @@ from jaxspec.engine.scheduler import (PREFILL_STALL, IterationStats, QueueFull, 
                                       Slot, Staging, Ticket, batch_buckets, capacity_buckets, cut_tokens,  # from
                                       deliver, job_model_len, reason_of)  # here as before)
 from jaxspec.engine.stops import check_stops
+from jaxspec.errors import FailureLog
 from jaxspec.request import Event, Generation, Request, all_finished, finished  # noqa: F401 (as before)
 from jaxspec.speculators.ngram import NGramIndex
 from jaxspec.structured import GrammarError
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
-# Request ids (comma-separated) whose admission fails, as a device error or a bug would: how the tests prove that a
-# failed request costs that request only, through every entry point (the CLI, the server, the Python API).
+# Request ids (comma-separated, each an ``fnmatch`` pattern: a server's ids are made per request) whose admission
+# fails, as a device error or a bug would: how the tests prove that a failed request costs that request only, through
+# every entry point (the CLI, the server, the Python API).
 FAIL_REQUESTS_ENV = "JAXSPEC_FAIL_REQUESTS"
 
 
@@ -167,6 +173,7 @@ class BatchEngine:
         self.sync = sync or LoopSync()
         self.verbose = verbose
         self.fail_requests = frozenset(filter(None, os.environ.get(FAIL_REQUESTS_ENV, "").split(",")))
+        self.failures = FailureLog(log)  # failures the loop survived, by kind: the first of each logged with its stack
         # the processes of a multi-process run must feed alike: no search there (timings differ per process)
         searched = prefill_chunk is None and jax.process_count() == 1
         self.chunks = ChunkSizer(prefill_chunk, engine.prefill_chunks() if searched else None, search=searched,
@@ -269,6 +276,13 @@ class BatchEngine:
         self.host_times.clear()
         self.iteration_times.clear()
         self.iteration_trees.clear()
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        """A failure inside the loop: ``sync.failed`` first (a multi-process run ends there), then, in a run that
+        goes on, the first failure of its kind logged with its full stack (``failures``); the caller ends the
+        requests concerned with ``reason_of(exc)``."""
+        self.sync.failed(what, exc)
+        self.failures.report(f"{what}: {type(exc).__name__}", what, exc)
 
     # -- requests ---------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -392,7 +406,7 @@ class BatchEngine:
                     continue
                 self.step()
         except Exception as exc:
-            self.sync.failed("the scheduling loop", exc)
+            self._failed("the scheduling loop", exc)
             self.fail_all(f"the scheduling loop failed ({reason_of(exc)})")
             raise
         self.cancel_all("cancelled")
@@ -505,7 +519,7 @@ class BatchEngine:
             try:
                 self.step()
             except Exception as exc:  # noqa: BLE001 — what finished is kept; the rest end with the loop's error
-                self.sync.failed("the scheduling loop", exc)
+                self._failed("the scheduling loop", exc)
                 error = f"the scheduling loop failed ({reason_of(exc)})"
                 self.fail_all(error)
                 for k, req in pending:
@@ -539,7 +553,7 @@ class BatchEngine:
             try:
                 fed = self._admit()
             except Exception as exc:  # noqa: BLE001 — one request's failure must not stop the others
-                self.sync.failed("admitting a request", exc)
+                self._failed("admitting a request", exc)
                 st, self.staging, self._staged = self.staging, None, []
                 if st is not None:
                     deliver(st.on_event, Event(st.ticket.request.id, [], "error", reason_of(exc),
@@ -561,7 +575,7 @@ class BatchEngine:
         try:
             self._decode()
         except Exception as exc:  # noqa: BLE001 — fail the batch's requests, keep serving
-            self.sync.failed("a decoding step", exc)
+            self._failed("a decoding step", exc)
             self.executor.reset()
             self._drop_rows(reason_of(exc))
 
@@ -611,7 +625,7 @@ class BatchEngine:
                 return 0
             ticket, on_event = head
             self.staging = Staging(ticket, on_event)
-            if ticket.request.id and ticket.request.id in self.fail_requests:
+            if ticket.request.id and any(fnmatch.fnmatchcase(ticket.request.id, p) for p in self.fail_requests):
                 raise InjectedFailure(f"admission of request {ticket.request.id} failed (${FAIL_REQUESTS_ENV})")
             self._fit_staging(self.cache_need(len(ticket.request.prompt_ids)))  # a shrink cuts ``_staged``
             self._reuse_prefix(self.staging)
@@ -675,7 +689,7 @@ class BatchEngine:
         try:
             self._emit(slot, [first])
         except Exception as exc:  # noqa: BLE001
-            self.sync.failed("emitting a first token", exc)
+            self._failed("emitting a first token", exc)
             if slot.row >= 0:
                 self._retire(slot, "error", error=reason_of(exc))
         return size
@@ -701,7 +715,7 @@ class BatchEngine:
                 if not some or self.staging is None:
                     break
         except Exception as exc:  # noqa: BLE001 — the short request fails alone
-            self.sync.failed("admitting a request", exc)
+            self._failed("admitting a request", exc)
             short, fed = self.staging, 0
             if short is not None:
                 deliver(short.on_event, Event(short.ticket.request.id, [], "error", reason_of(exc),
@@ -792,7 +806,7 @@ class BatchEngine:
                 held = None if slot.gen.ssm_steps else len(req.prompt_ids)
                 self._remember(list(req.prompt_ids) + slot.gen.token_ids[:-1], slot.row, held)
             except Exception as exc:  # noqa: BLE001 (the request still ends; only its blocks go uncached)
-                self.sync.failed("caching a finished request's blocks", exc)
+                self._failed("caching a finished request's blocks", exc)
         row, moved = self.scheduler.vacate(slot)
         if moved is None:
             self.executor.release(row)
@@ -864,10 +878,15 @@ class BatchEngine:
         family = e.family(warp)
         proposals = [[] for _ in range(self.rows)]
         matched = [0] * self.rows
+        failed: dict[int, str] = {}  # row -> why its host work failed: it runs undrafted, then ends with that error
         if e.ngram is not None and e.ngram_depth:
             for i, s in live:
-                proposals[i] = s.index.propose(e.ngram_depth)
-                matched[i] = s.index.matched
+                try:
+                    proposals[i] = s.index.propose(e.ngram_depth)
+                    matched[i] = s.index.matched
+                except Exception as exc:  # noqa: BLE001 — one row's proposal must not fail the batch
+                    self._failed("an n-gram proposal", exc)
+                    proposals[i], matched[i], failed[i] = [], 0, reason_of(exc)
         constrained = any(s.matcher is not None for _, s in live)
         if stale and constrained:  # masks walk the rows' matchers: they hold every token
             return None
@@ -910,11 +929,15 @@ class BatchEngine:
         self.iterations += 1
         forced = [len(c) for c in chains] or [0] * self.rows
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
-                         self._chunk_queued, self.planner.readies)
+                         self._chunk_queued, self.planner.readies, failed, constrained)
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
         emitted, num, depths = self.executor.read(it.out)
+        if it.constrained:  # the rows whose grammar failed, before dispatch or in the step's mask callback
+            for row, exc in self.engine.row_masks().take_failed().items():
+                self._failed("a grammar mask", exc)
+                it.failed.setdefault(row, reason_of(exc))
         now = time.perf_counter()
         try:
             self._account(it, emitted, num, depths, now)
@@ -930,6 +953,8 @@ class BatchEngine:
         self.iteration_trees.append(it.name)
         stalled = self.planner.readies != it.readies  # the loop readied a bucket while it ran: not its cost
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
+        failed = [(i, s) for i, s in live if i in it.failed]  # their host work failed: they end, their tokens dropped
+        live = [(i, s) for i, s in live if i not in it.failed]
         stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
         for i, slot in live:
             n = int(num[i])
@@ -948,13 +973,16 @@ class BatchEngine:
                 it.chooser.observe_constrained_time(it.name, cfg.forced_depth, seconds, it.costs)
             elif not it.prefilled:  # a chunk before it: not its cost
                 it.chooser.observe_time(it.name, seconds, it.costs)
+        for i, slot in failed:
+            if slot.row >= 0:
+                self._retire(slot, "error", error=it.failed[i])
         for i, slot in live:
             if slot.row < 0:
                 continue  # retired by an earlier row's failure in this loop
             try:
                 self._emit(slot, [int(t) for t in emitted[i, : int(num[i])]], it.name)
             except Exception as exc:  # noqa: BLE001 — e.g. a stop matcher that raised: fail this request only
-                self.sync.failed("emitting tokens", exc)
+                self._failed("emitting tokens", exc)
                 if slot.row >= 0:
                     self._retire(slot, "error", error=reason_of(exc))
         if self.on_iteration is not None and live:
@@ -978,3 +1006,5 @@ class _InFlight:
     host: float = 0.0  # host seconds from choosing it to its launch returning
     prefilled: bool = False  # a prompt chunk was queued on the device before it: its seconds include the chunk
     readies: int = 0  # ``Planner.readies`` at its launch (a later one: the loop readied a bucket while it ran)
+    failed: dict[int, str] = dataclasses.field(default_factory=dict)  # row -> why its host work failed (it ends)
+    constrained: bool = False  # some row has a grammar: its masks' failures are read with the tokens

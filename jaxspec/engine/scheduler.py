@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from jaxspec.config import bucket
+from jaxspec.errors import FailureLog
 from jaxspec.request import Event, Generation, Request
 
 if TYPE_CHECKING:
@@ -25,6 +27,7 @@ PREFILL_STALL = 0.5  # default pacing: prompt chunks take at most half the decod
 MIN_CAPACITY = 256  # the smallest cache bucket: below it a step's cost hardly depends on the cache
 
 Listener = Callable[[Event], None]
+log = logging.getLogger(__name__)
 
 
 def reason_of(exc: BaseException) -> str:
@@ -342,9 +345,12 @@ class Scheduler:
         return not self.waiting and not self.incoming and self.staging is None and not self.slots
 
 
+LISTENER_FAILURES = FailureLog(log)  # listeners that raised: the first logged with its stack, the rest counted
+
+
 def deliver(on_event: Listener, event: Event) -> None:
-    """Calls a request's listener; a listener that fails (a client gone) must not stop the engine."""
+    """Calls a request's listener; a listener that fails must not stop the engine (``LISTENER_FAILURES`` keeps it)."""
     try:
         on_event(event)
-    except Exception:  # noqa: BLE001
-        pass
+    except Exception as exc:  # noqa: BLE001
+        LISTENER_FAILURES.report(type(exc).__name__, f"a request's listener (request {event.request_id})", exc)

@@ -20,7 +20,6 @@ from jaxspec.config import MAX_BODY_BYTES
 from jaxspec.serving.protocol import (
     DRAIN_BYTES,
     DRAIN_S,
-    ENGINE_STOPPED,
     SHUTTING_DOWN,
     APIError,
     ChatCompletionRequest,
@@ -63,10 +62,13 @@ class Completion:
         return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason} | extra(c)
 
     async def events(self) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per choice update, usage if asked, then ``[DONE]``."""
+        """Server-sent events: one chunk per choice update, usage if asked, then ``[DONE]``. A choice that fails ends
+        with ``finish_reason`` "error" and an ``error`` field while its siblings stream on; a request of one choice,
+        or one the server cancels (shutdown), ends with an error event instead."""
+        alone = len(self.job.choices) == 1
         try:
             async for choice, text in self.job.updates():
-                if choice.finish_reason in ("error", "cancelled"):
+                if choice.finish_reason == "cancelled" or (choice.finish_reason == "error" and alone):
                     yield sse(ended(choice).body())
                     break
                 if text or choice.finish_reason is not None:
@@ -79,7 +81,9 @@ class Completion:
             self.job.cancel()  # a client gone mid-stream frees its slots at the next iteration
 
     async def result(self, request) -> dict:
-        """The whole response once every choice finished (cancelled if the client goes away); 500 on failure."""
+        """The whole response once every choice finished (cancelled if the client goes away): 500 when every choice
+        failed, 503 when the server cancelled them; a failed choice beside good ones keeps its text so far, with
+        ``finish_reason`` "error" and an ``error`` field, and its siblings keep theirs."""
         texts = {c.index: "" for c in self.job.choices}
 
         async def watch() -> None:
@@ -96,9 +100,11 @@ class Completion:
         finally:
             watcher.cancel()
             self.job.cancel()
-        failed = next((c for c in self.job.choices if c.finish_reason in ("error", "cancelled")), None)
-        if failed is not None:
-            raise ended(failed)
+        cancelled = next((c for c in self.job.choices if c.finish_reason == "cancelled"), None)
+        if cancelled is not None:
+            raise ended(cancelled)
+        if all(c.finish_reason == "error" for c in self.job.choices):
+            raise ended(self.job.choices[0])
         if self.chat:
             choices = [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
                         "logprobs": None, "finish_reason": c.finish_reason} | extra(c) for c in self.job.choices]
@@ -113,8 +119,12 @@ class Completion:
 
 
 def extra(choice: Choice) -> dict:
-    """jaxspec's extension fields of a finished choice (OpenAI's clients keep unknown fields): its speculation."""
-    return {"speculation": choice.speculation} if choice.finish_reason is not None and choice.speculation else {}
+    """jaxspec's extension fields of a finished choice (OpenAI's clients keep unknown fields): its speculation, and
+    for a choice that failed beside others, its ``error`` (as an error response's, no exception text)."""
+    out = {"speculation": choice.speculation} if choice.finish_reason is not None and choice.speculation else {}
+    if choice.finish_reason == "error":
+        out["error"] = ended(choice).body()["error"]
+    return out
 
 
 def ended(choice: Choice) -> APIError:
@@ -202,9 +212,8 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout: f
 
     @app.get("/health")
     async def health():
-        if service.dead:
-            return JSONResponse({"status": "error", "message": ENGINE_STOPPED}, status_code=503)
-        return {"status": "ok"}
+        status, body = service.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/v1/models")
     async def list_models():

@@ -44,6 +44,11 @@ class ServerMetrics:
         Gauge("jaxspec_active_slots", "Batch slots decoding a request", registry=r).set_function(active_slots)
         Gauge("jaxspec_compilations", "Traces of the decoding executables; flat after the warm-up (a rise is a "
               "shape compiled while serving, stalling every slot)", registry=r).set_function(compilations)
+        self.request_log_errors = Counter("jaxspec_request_log_errors", "--request-log lines that could not be "
+                                          "written (a full disk: /health says degraded while writes fail)",
+                                          registry=r)
+        self.metrics_errors = Counter("jaxspec_metrics_errors", "Events whose metrics failed to record (a bug: the "
+                                      "server log has the first one's stack)", registry=r)
         self.ttft = Histogram("jaxspec_time_to_first_token_seconds", "From arrival to the first generated token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("jaxspec_time_per_output_token_seconds", "Per request: (last token - first token) "

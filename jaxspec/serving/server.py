@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from typing import IO
 
 from jaxspec.config import MAX_BODY_BYTES, EngineConfig, SchedulerConfig
 from jaxspec.errors import CliError
@@ -110,9 +111,18 @@ def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: Serve
             sys.stderr.flush()
             os._exit(0)
         if request_log is not None:
-            request_log.close()
+            close_log(request_log, service)
     log.info("stopped")
     return 0
+
+
+def close_log(request_log: IO[str], service: Service) -> None:
+    """Closes ``--request-log``; lines it could not flush (a full disk) are reported as ``service``'s failed writes
+    (logged with their stack unless one was already), not raised at exit."""
+    try:
+        request_log.close()
+    except OSError as exc:
+        service.failures.report("request_log", "writing a --request-log line", exc)
 
 
 API_KEY_ENV = "JAXSPEC_API_KEY"
@@ -174,13 +184,15 @@ def uvicorn_server(uvicorn, config, service: Service, shutdown_timeout: float):
 
 
 def setup_logging() -> None:
-    """The serving modules' lines (``jaxspec.serving.*``) on stderr in uvicorn's format (``INFO:     ...``)."""
+    """The serving modules' lines (``jaxspec.serving.*``) on stderr in uvicorn's format (``INFO:     ...``), and the
+    engine's warnings and failures (``jaxspec.engine.*``: the first failure of each kind with its stack)."""
     from uvicorn.logging import DefaultFormatter  # noqa: PLC0415
 
-    root = logging.getLogger("jaxspec.serving")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
-        root.propagate = False
+    for name, level in (("jaxspec.serving", logging.INFO), ("jaxspec.engine", logging.WARNING)):
+        root = logging.getLogger(name)
+        if not root.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+            root.addHandler(handler)
+            root.setLevel(level)
+            root.propagate = False

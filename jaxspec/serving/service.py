@@ -4,7 +4,10 @@ One engine loop (``BatchEngine.run``) runs in its own thread, fed by ``submit``;
 back to the asyncio side through ``loop.call_soon_threadsafe`` into one queue per HTTP request
 (``Job``), where each choice's tokens become text under the stop rule ``jaxspec generate`` applies
 too (``StopText``). A client that disconnects cancels its requests; their slots free at the next
-iteration.
+iteration. The engine thread only hands events over: metrics and the ``--request-log`` line are
+recorded on the event loop after the event is queued for its client, so neither a full disk nor a
+failing metric can hold a request back (each such failure is counted on ``/metrics``, logged once
+with its stack, and a failing request log turns ``/health`` degraded).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import IO, Any, AsyncIterator, Callable
 
 from jaxspec.cache import BACKEND
 from jaxspec.engine.prefix import BLOCK
+from jaxspec.errors import FailureLog
 from jaxspec.engine.stops import StopText, check_stops
 from jaxspec.serving.protocol import (
     ENGINE_STOPPED,
@@ -85,30 +89,24 @@ class Job:
         self.choices: list[Choice] = []
 
     def listener(self, choice: Choice) -> Callable:
-        """The engine thread's ``on_event`` for one choice: metrics now, the rest on the event loop."""
-        metrics = self.service.metrics
-
+        """The engine thread's ``on_event`` for one choice: hands the event to the event loop (``arrive``), where
+        its client hears it first and metrics and the request log record it after."""
         def on_event(event) -> None:
             now = time.monotonic()
-            if event.token_ids and choice.first is None:
-                choice.first = now
-                choice.cached_tokens = event.cached_tokens
-                metrics.ttft.observe(now - choice.arrival)
-                metrics.prefix_queries.inc(choice.prompt_tokens)
-                metrics.prefix_hits.inc(event.cached_tokens)
             if event.finish_reason is not None:
                 self.service.retire(choice)
-                outcome = "stop" if event.finish_reason == "eos" else event.finish_reason
-                metrics.observe_finished(outcome, choice.arrival, choice.first, now, event.completion_tokens)
-                self.service.log_request(self, choice, outcome, event)  # every end, a dropped client's too
-            if event.token_ids:
-                metrics.observe_tokens(len(event.token_ids))
             try:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (choice.index, event))
-            except RuntimeError:  # the event loop is closed: the server is shutting down
-                pass
+                self.loop.call_soon_threadsafe(self.arrive, choice, event, now)
+            except RuntimeError:  # the event loop is closed (shutting down): no client left, the record still kept
+                self.service.record(self, choice, event, now)
 
         return on_event
+
+    def arrive(self, choice: Choice, event, now: float) -> None:
+        """On the event loop: queues ``event`` for its client, then records it (``Service.record``) in a callback
+        of its own, after the client's turn."""
+        self.queue.put_nowait((choice.index, event))
+        self.loop.call_soon(self.service.record, self, choice, event, now)
 
     async def updates(self) -> AsyncIterator[tuple[Choice, str]]:
         """(choice, new text) as events arrive; a finished choice has its finish_reason set."""
@@ -117,6 +115,8 @@ class Job:
             index, event = await self.queue.get()
             choice = self.choices[index]
             choice.completion_tokens = event.completion_tokens
+            if event.token_ids:
+                choice.cached_tokens = event.cached_tokens
             text = choice.text.add(list(event.token_ids))
             if event.finish_reason is not None:
                 rest, cut = choice.text.finish()
@@ -151,6 +151,9 @@ class Service:
         self.metrics.registry.register(VllmView(self.metrics, model_name, lambda: kv_cache_usage(batch), {
             "block_size": str(BLOCK), "num_gpu_blocks": str(batch.max_batch * batch.max_model_len // BLOCK),
             "enable_prefix_caching": str(bool(batch.prefix.max_bytes))}))
+        self.failures = FailureLog(log)  # metrics and request-log failures: the first of each logged with its stack
+        self.log_failing = False  # the latest --request-log write failed (``health``: degraded until one succeeds)
+        self.log_errors = 0  # --request-log lines lost
         self.created = int(time.time())
         self.observing = False  # warm-up iterations are not counted
         self._traced_seen = 0  # executables compiled before the last iteration observed (``Runner.traced``)
@@ -355,9 +358,57 @@ class Service:
         for job, _ in live:
             job.cancel()
 
+    def record(self, job: Job, choice: Choice, event, now: float) -> None:
+        """Metrics of one event of ``choice`` (``now``: when the engine thread emitted it) and, for its final event,
+        its ``--request-log`` line (every end, a dropped client's too). Runs after the event was handed to its client;
+        a failure of either is counted on /metrics and logged with its stack the first time, never raised."""
+        outcome = "stop" if event.finish_reason == "eos" else event.finish_reason
+        try:
+            self.observe(choice, event, outcome, now)
+        except Exception as exc:  # noqa: BLE001 — a metric must not cost a request
+            self.metrics.metrics_errors.inc()
+            self.failures.report("metrics", "recording a request's metrics", exc)
+        if event.finish_reason is None or self.request_log is None:
+            return
+        try:
+            self.log_request(job, choice, outcome, event)
+        except Exception as exc:  # noqa: BLE001 — a full disk must not cost a request
+            self.log_failing = True
+            self.log_errors += 1
+            self.metrics.request_log_errors.inc()
+            self.failures.report("request_log", "writing a --request-log line", exc)
+        else:
+            self.log_failing = False
+
+    def observe(self, choice: Choice, event, outcome: str | None, now: float) -> None:
+        """One event's metrics: time to first token and prefix-cache use at the first token, tokens, the outcome."""
+        metrics = self.metrics
+        if event.token_ids and choice.first is None:
+            choice.first = now
+            metrics.ttft.observe(now - choice.arrival)
+            metrics.prefix_queries.inc(choice.prompt_tokens)
+            metrics.prefix_hits.inc(event.cached_tokens)
+        if event.finish_reason is not None:
+            metrics.observe_finished(outcome, choice.arrival, choice.first, now, event.completion_tokens)
+        if event.token_ids:
+            metrics.observe_tokens(len(event.token_ids))
+
+    def health(self) -> tuple[int, dict]:
+        """``/health``'s status code and body: 503 once the engine loop stopped; 200 with ``degraded`` and its reasons
+        while the request log cannot be written (requests are still answered); else 200 ``ok``. Never exception text
+        (no key is needed to read it)."""
+        if self.dead:
+            return 503, {"status": "error", "message": ENGINE_STOPPED}
+        if self.log_failing:
+            lost = f"--request-log cannot be written ({self.log_errors} line(s) lost so far)"
+            return 200, {"status": "degraded", "reasons": [{
+                "code": "request_log_failing",
+                "message": f"{lost}: requests are still answered; the server log has the first failure"}]}
+        return 200, {"status": "ok"}
+
     def log_request(self, job: Job, choice: Choice, outcome: str, event) -> None:
-        """One ``--request-log`` JSON line per finished choice (engine thread): what it asked for, its seed,
-        how it ended (``outcome``: stop, length, cancelled or error, as the metrics count it)."""
+        """One ``--request-log`` JSON line per finished choice: what it asked for, its seed, how it ended
+        (``outcome``: stop, length, cancelled or error, as the metrics count it). Raises what the write raises."""
         if self.request_log is None:
             return
         line = {"id": f"{job.id}-{choice.index}", "time": round(time.time(), 3), "model": self.model_name,

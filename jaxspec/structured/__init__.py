@@ -187,7 +187,9 @@ class RowMasks:
     ``begin`` installs the rows' matchers before a step is dispatched (their state is the
     committed text: prompt start plus every emitted token, the pending root included);
     ``__call__`` is the ``Masker`` callback; ``forced`` proposes the chain the grammar forces.
-    Masks are memoised per (row, path) until the next ``begin``.
+    Masks are memoised per (row, path) until the next ``begin``. A row whose matcher fails (llguidance, a bug)
+    fails alone: it is recorded in ``failed`` (``take_failed``), left unconstrained, and the loop ends its request;
+    the other rows keep their masks.
     """
 
     def __init__(self, vocab: Vocabulary) -> None:
@@ -197,23 +199,38 @@ class RowMasks:
         self.masks = 0  # masks computed (not memoised), for the cost report
         self.seconds = 0.0  # host time spent in the callback
         self.callbacks = 0  # calls from inside a step (trees with SSM drafts; others get their masks as input)
+        self.failed: dict[int, BaseException] = {}  # row -> its matcher's failure since ``begin``
+
+    def take_failed(self) -> dict[int, BaseException]:
+        """The rows whose matcher failed since ``begin`` (row -> exception), forgotten once taken."""
+        out, self.failed = self.failed, {}
+        return out
 
     def begin(self, matchers: Sequence) -> None:
         """Installs the rows' matchers and computes every row's root mask at once, in llguidance's thread pool
         (every constrained step needs them; with the device idle until the step is dispatched)."""
         self.rows = list(matchers)
         self._memo.clear()
+        self.failed = {}
         live = [(r, m) for r, m in enumerate(self.rows) if m is not None]
         if len(live) < 2:
             return
         began = time.perf_counter()
-        out = np.empty((len(live), self.vocab.words), np.int32)
-        self.vocab.executor().unsafe_compute_mask_ptr([(m, i) for i, (_, m) in enumerate(live)], out.ctypes.data,
-                                                      out.shape[1] * 4, out.shape[0])
+        out = np.empty((len(live), self.vocab.words), np.int32)  # [rows with a grammar, W]
+        try:
+            self.vocab.executor().unsafe_compute_mask_ptr([(m, i) for i, (_, m) in enumerate(live)],
+                                                          out.ctypes.data, out.shape[1] * 4, out.shape[0])
+        except Exception:  # noqa: BLE001 — one bad matcher fails the pool's call: each row's mask comes alone
+            return
         for i, (r, _) in enumerate(live):
             self._memo[(r, ())] = out[i]
         self.masks += len(live)
         self.seconds += time.perf_counter() - began
+
+    def _guard(self, row: int, exc: Exception) -> None:
+        """Records row ``row``'s failure (its first one since ``begin``); the row is unconstrained from then on."""
+        self.failed.setdefault(row, exc)
+        self.rows[row] = None
 
     def path_mask(self, row: int, path: tuple[int, ...]) -> np.ndarray | None:
         """The mask after ``path`` from row ``row``'s committed state; None if the grammar forbids the path."""
@@ -238,17 +255,21 @@ class RowMasks:
         for r in range(min(b, len(self.rows))):
             if self.rows[r] is None:
                 continue
-            for j in range(k):
-                node = int(nodes[r, j])
-                if node < 0:
-                    continue
-                path = []
-                while node > 0 and len(path) < p:  # node 0 is the root, already consumed
-                    path.append(int(tokens[r, node]))
-                    node = int(parent[r, node])
-                mask = self.path_mask(r, tuple(reversed(path)))
-                if mask is not None:  # a path the grammar forbids is never accepted: leave it unmasked
-                    out[r, j] = mask
+            try:
+                for j in range(k):
+                    node = int(nodes[r, j])
+                    if node < 0:
+                        continue
+                    path = []
+                    while node > 0 and len(path) < p:  # node 0 is the root, already consumed
+                        path.append(int(tokens[r, node]))
+                        node = int(parent[r, node])
+                    mask = self.path_mask(r, tuple(reversed(path)))
+                    if mask is not None:  # a path the grammar forbids is never accepted: leave it unmasked
+                        out[r, j] = mask
+            except Exception as exc:  # noqa: BLE001 — this row fails alone (an exception here would fail the step)
+                self._guard(r, exc)
+                out[r] = -1
         self.seconds += time.perf_counter() - began
         return out
 
@@ -268,10 +289,14 @@ class RowMasks:
             ngram = [tuple(proposals[r][:t]) for t in range(1, min(len(proposals[r]), ngram_depth) + 1)]
             paths += ngram
             slots += [1 + forced_depth + t for t in range(len(ngram))]
-            for slot, path in zip(slots, paths):
-                mask = self.path_mask(r, path)
-                if mask is not None:
-                    out[r, slot] = mask
+            try:
+                for slot, path in zip(slots, paths):
+                    mask = self.path_mask(r, path)
+                    if mask is not None:
+                        out[r, slot] = mask
+            except Exception as exc:  # noqa: BLE001 — this row fails alone
+                self._guard(r, exc)
+                out[r] = -1
         self.seconds += time.perf_counter() - began
         return out
 
@@ -282,12 +307,20 @@ class RowMasks:
         forces, or those bytes tokenized greedily), and tokens that are the only one their mask
         allows (EOS once the grammar is complete). Proposed as a draft chain: the LLM verifies
         them like any draft, and where the mask allows one token only, its masked distribution
-        accepts it with certainty.
+        accepts it with certainty. A matcher that fails leaves the row unconstrained, with no chain (``failed``).
         """
         m = self.rows[row]
-        chain: list[int] = []
         if m is None or depth < 1:
-            return chain
+            return []
+        try:
+            return self._forced(row, m, depth)
+        except Exception as exc:  # noqa: BLE001 — this row fails alone
+            self._guard(row, exc)
+            return []
+
+    def _forced(self, row: int, m, depth: int) -> list[int]:
+        """``forced`` for row ``row``, whose matcher is ``m`` (raises what the matcher raises)."""
+        chain: list[int] = []
         ff: list[int] = []
         recorded = 0
         while len(chain) < depth:
