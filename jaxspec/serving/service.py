@@ -25,8 +25,8 @@ from typing import IO, Any, AsyncIterator, Callable
 
 from jaxspec.cache import BACKEND
 from jaxspec.engine.prefix import BLOCK
-from jaxspec.errors import FailureLog
 from jaxspec.engine.stops import StopText, check_stops
+from jaxspec.errors import FailureLog
 from jaxspec.serving.protocol import (
     ENGINE_STOPPED,
     FINISH,
