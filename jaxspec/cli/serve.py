@@ -41,9 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are cancelled (10)")
     p.add_argument("--warm-structured", action="store_true",
-                   help="also prepare the structured-output (grammar) steps before ready, so requests with a "
-                        "response_format compile nothing either (they call back into this process, so no store keeps "
-                        "them: every start compiles them again, which takes longer than the rest of a prepared start)")
+                   help="prepare the structured-output (grammar) steps before ready: what a one-process server does "
+                        "anyway (under auto they are the plain steps, their masks passed as arguments); kept for "
+                        "existing command lines")
     add_compile_cache_args(p)
     p.set_defaults(func=cmd_serve)
     return p
