@@ -525,16 +525,17 @@ def _auto(llm, tiny_drafter, *specs: str, forced: int = 8) -> Engine:
     return Engine(llm, ssms, ((1, 1, 1),) + ((1, 1, 1),) * len(specs), auto=True, forced_tokens=forced)
 
 
-def _listed(batch, grammar: bool) -> list[str]:
+def _listed(batch, grammar: bool, callbacks: bool = True) -> list[str]:
     buckets = [(w, r, c) for w in sampling.BATCH_WARPS for r in batch.row_buckets for c in batch.capacity_buckets]
-    return [label for label, _ in batch.planner.step_jobs(buckets, grammar)]
+    return [label for label, _ in batch.planner.step_jobs(buckets, grammar, callbacks)]
 
 
 def test_grammar_steps_share_one_executable_per_bucket(llm, tiny_drafter):
     """Under auto a grammar's masks are arguments of the plain steps of the members without SSM drafts, and its
     forced chain's tokens and count are arguments of one step: preparing structured output adds one stored
     executable per bucket ("none" with a chain at --forced-tokens' depth), whatever the forced depth; a fixed tree
-    of SSM drafts (masks from a callback mid-step) adds two (without and with the chain)."""
+    of SSM drafts (masks from a callback mid-step) adds two (without and with the chain), which a server prepares
+    only when asked (``callbacks``: no store keeps them)."""
     from jaxspec.engine.batch import BatchEngine
     from jaxspec.speculators.resolve import load_speculators
 
@@ -555,20 +556,32 @@ def test_grammar_steps_share_one_executable_per_bucket(llm, tiny_drafter):
         fixed = BatchEngine(Engine(llm, ssm, (1, 1, 3, 1), forced_tokens=forced), max_batch=4, max_model_len=256)
         buckets = len(sampling.BATCH_WARPS) * len(fixed.row_buckets) * len(fixed.capacity_buckets)
         assert len(_listed(fixed, True)) == 3 * buckets, _listed(fixed, True)
+        assert _listed(fixed, True, callbacks=False) == _listed(fixed, False)
         assert fixed.engine.forced_buckets() == (0, forced)
 
 
-def test_a_prepared_set_that_would_not_fit_the_mappings_is_refused_by_name():
-    """The count happens before anything compiles: a set over the share of vm.max_map_count says so, naming the
-    limit and the flags that reduce it; the same set under the real limit passes."""
-    from jaxspec.engine.prepare import check_room, estimated_maps, map_limit, mapped
+def test_a_default_server_fits_the_default_map_limit_and_a_set_over_it_is_refused_by_name(llm, tiny_drafter):
+    """What a default server prepares (16 slots, auto with the drafter and the n-gram, both warps, grammar steps
+    included), counted at the default model's mappings per executable, fits Linux's default vm.max_map_count with
+    a quarter to spare (before issue 75 it listed 283 executables, three times the ~95 one process can hold). The
+    count happens before anything compiles: a set over the limit's share is refused, naming the limit and the flags
+    that reduce it; an accelerator's executables are not counted."""
+    from jaxspec.engine.batch import BatchEngine
+    from jaxspec.engine.prepare import DEFAULT_MAX_MAP_COUNT, ROOM, check_room, estimated_maps, mapped
 
-    jobs = [(f"step none, {r} row(s) x 256 slots, greedy", lambda: None) for r in range(40)]
-    check_room(jobs, platform="cpu")  # 40 steps of the default model's size fit a default limit
-    small = mapped() + estimated_maps([label for label, _ in jobs]) // 2
-    with pytest.raises(RequestError, match=r"prepares 40 executables.*vm\.max_map_count.*--max-batch"):
+    batch = BatchEngine(_auto(llm, tiny_drafter, "ngram:3"), max_batch=16)
+    buckets = [(w, r, c) for w in sampling.BATCH_WARPS for r in batch.row_buckets for c in batch.capacity_buckets]
+    ex = batch.executor
+    jobs = [*batch.planner.step_jobs(buckets, grammar=True, callbacks=False),
+            *ex.prefill_jobs(batch.chunks.reachable(None), batch.capacity_buckets),
+            *ex.row_jobs(batch.row_buckets, batch.capacity_buckets, batch.row_buckets)]
+    need = estimated_maps([label for label, _ in jobs])
+    assert len(jobs) < 95 and need < ROOM * DEFAULT_MAX_MAP_COUNT, (len(jobs), need)
+    check_room(jobs, limit=int((mapped() + need + 1000) / ROOM), platform="cpu")
+    small = mapped() + need // 2
+    with pytest.raises(RequestError, match=rf"prepares {len(jobs)} executables.*vm\.max_map_count.*--max-batch"):
         check_room(jobs, limit=small, platform="cpu")
-    assert map_limit() > 0
+    check_room(jobs, limit=small, platform="gpu")
 
 
 def test_a_prepared_structured_server_compiles_nothing_and_fits_the_mappings(llm, tiny_drafter):

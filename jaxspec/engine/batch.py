@@ -340,7 +340,7 @@ class BatchEngine:
     # -- prepare ----------------------------------------------------------------------
     def prepare(self, warps: Sequence[sampling.WarpSpec] | None = None, rows: Sequence[int] | None = None,
                 capacities: Sequence[int] | None = None, grammar: bool = False, progress: bool = True,
-                say: Callable[[str], None] | None = None, longest: int | None = None) -> float:
+                say: Callable[[str], None] | None = None, longest: int | None = None, callbacks: bool = True) -> float:
         """Readies every executable the loop can reach before its first request; returns the seconds it took.
 
         Every (warp x row bucket x capacity bucket)'s members (``Planner.members``; ``grammar``: their grammar steps
@@ -350,7 +350,9 @@ class BatchEngine:
         batch warp, row bucket and capacity bucket. ``progress`` shows the bars on stderr; ``say`` hears, where
         anything compiled fresh, that this machine was prepared and how long it took (later starts load it).
         ``longest``: the longest prompt of a job known ahead (``jaxspec generate``): its prefills stop at the chunk
-        size that holds it (``ChunkSizer.reachable``); None (a server): every size the loop may feed.
+        size that holds it (``ChunkSizer.reachable``); None (a server): every size the loop may feed. ``callbacks``
+        False leaves out the grammar steps of SSM drafts (their masks come from a host callback: no store keeps them,
+        so every start would compile them again).
         """
         began, fresh = time.perf_counter(), STATS.fresh_compiles
         if grammar:
@@ -360,8 +362,8 @@ class BatchEngine:
         buckets = [(w, r, c) for w in warps for r in rows for c in caps]
         sizes = self.chunks.reachable(longest)  # the chunk search's next size too; a job's: up to its longest prompt
         timings: list[tuple[str, float]] = []
-        listed = self.executor.prepare(self.planner.step_jobs(buckets, grammar), sizes, rows, caps, self.row_buckets,
-                                       progress, timings)
+        listed = self.executor.prepare(self.planner.step_jobs(buckets, grammar, callbacks), sizes, rows, caps,
+                                       self.row_buckets, progress, timings)
         if self.verbose is not None and timings:
             self.verbose(f"prepared {listed} executables in {time.perf_counter() - began:.1f} s: "
                          f"{describe_timings(timings)}")

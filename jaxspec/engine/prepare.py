@@ -28,8 +28,8 @@ Job = tuple[str, Callable[[], Any]]  # (what it readies, in words; the call that
 # steps held ~250 and its row operations ~45 on the same day: a row operation's code does not grow with the model).
 STEP_MAPS = 650
 ROW_OP_MAPS = 100
-ROOM = 0.6  # share of vm.max_map_count a prepared set may fill (the loop, llguidance and later loads need the rest)
-STOP = 0.85  # share at which compiling stops before the process could die
+ROOM = 0.75  # share of vm.max_map_count a prepared set may fill (the loop, llguidance and later loads need the rest)
+STOP = 0.9  # share at which compiling stops before the process could die
 DEFAULT_MAX_MAP_COUNT = 65530  # Linux's default, where /proc/sys/vm/max_map_count cannot be read
 REDUCE = ("fewer executables: --max-batch (row buckets), --max-model-len (cache buckets), --forced-tokens 0, "
           "--mode incremental; or raise the limit: sysctl -w vm.max_map_count=262144")

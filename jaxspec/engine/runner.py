@@ -507,16 +507,17 @@ class Runner:
         return len(jobs)
 
     def step_jobs(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int = 1,
-                  names: Sequence[str] | None = None, grammar: bool = False) -> list[Job]:
+                  names: Sequence[str] | None = None, grammar: bool = False, callbacks: bool = True) -> list[Job]:
         """(what, a call compiling it) for each member's step at this bucket not compiled yet (``names``: default
         all; ``grammar``: instead the grammar steps a constrained iteration adds to them, ``forced_depths``: none for
-        a member without SSM drafts whose plain step serves): what ``jaxspec.engine.prepare.compile_all`` runs on the
+        a member without SSM drafts whose plain step serves; ``callbacks`` False leaves out those of SSM drafts, which
+        call back into this process and no store keeps): what ``jaxspec.engine.prepare.compile_all`` runs on the
         host's cores. A job marks its step warm once compiled."""
         warp, family = _warp(params), self.family(params)
         state = self.abstract_state(batch, capacity)
         names = list(family) if names is None else list(names)
-        variants = ({n: [d for d in ds if d or family[n].active] for n, ds in self.forced_depths(params, names).items()}
-                    if grammar else {n: [None] for n in names})
+        variants = ({n: [d for d in ds if d or family[n].active] for n, ds in self.forced_depths(params, names).items()
+                     if callbacks or not family[n].active} if grammar else {n: [None] for n in names})
         jobs = []
         for name, depths in variants.items():
             for forced in depths:

@@ -47,8 +47,8 @@ class ServeConfig:
     shutdown_timeout: float = 10.0
     """On SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are cancelled."""
     warm_structured: bool = False
-    """Prepare the structured-output (grammar) steps at start-up: what a one-process server does anyway (kept so
-    configurations that set it still load); a multi-process one refuses it (structured output runs in one process)."""
+    """Also prepare the grammar steps of SSM drafts at start-up (a one-process server prepares the others anyway):
+    their masks come from a host callback, so no store keeps them and every start compiles them again."""
 
 
 def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: ServeConfig) -> int:
@@ -86,7 +86,7 @@ def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: Serve
     log.info("preparing (%d slots, max model length %d%s)", batch.max_batch, batch.max_model_len,
              ", structured output" if structured else "")
     t0 = time.perf_counter()
-    service.start(grammar=structured)
+    service.start(grammar=structured, callbacks=config.warm_structured)
     try:
         service.warm_up()
         log.info("ready in %.1f s: model '%s'", time.perf_counter() - t0, name)
