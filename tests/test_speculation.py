@@ -297,6 +297,8 @@ def test_chooser_under_a_grammar_counts_forced_tokens_and_learns_their_cost():
     assert chooser.pick_constrained([(0, 0, 0)], chains=(0,)) == ("none", 0)
     assert chooser.pick_constrained([(0, 0, 2)], chains=(0,)) == ("ssm", 0)  # its masked drafts are the forced ones
     assert chooser.pick_constrained([(0, 0, 8)], chains=(0, 8)) == ("none", 8)  # 9 tokens for ~2x a plain step
+    # chains per member: only the depths a member's grammar steps were prepared for (here the ssm's chain only)
+    assert chooser.pick_constrained([(0, 0, 8)], chains={"none": (0,), "ssm": (0, 8)}) == ("ssm", 8)
     assert chooser.pick_constrained([(0, 0, 1)] * 4 + [(0, 0, 8)], chains=(0, 8)) == ("ssm", 0)
     for _ in range(4):
         chooser.observe_constrained_time("none", 8, 12.0)  # chains of 8 measured at 12 plain steps

@@ -468,7 +468,7 @@ def test_preparing_structured_output_compiles_every_grammar_step_a_request_needs
         engine = Engine(llm, load_speculators(["ngram:3"], llm, "float32"), (1, 1, 1, 1), forced_tokens=4)
         batch = BatchEngine(engine, max_batch=1, max_model_len=len(prompt) + 64)
         batch.prepare(warps=[sampling.WarpSpec()], grammar=warm, progress=False)
-        assert engine.forced_buckets() == (0, 1, 2, 4)
+        assert engine.forced_buckets() == (0, 4)
         other = [prompt[0] + 1] + prompt[1:]  # same chunks, no shared prefix to reuse
         batch.generate([Request(other, 4)])
         before = engine.compilations
@@ -544,3 +544,91 @@ def test_racing_callers_share_one_row_masks(llm):
     for t in threads:
         t.join()
     assert len(got) == 8 and len({id(x) for x in got}) == 1
+
+
+# -- the prepared set: few executables, shared by every grammar (issue 75) -------------------------------------------
+def _auto(llm, tiny_drafter, *specs: str, forced: int = 8) -> Engine:
+    from jaxspec.speculators.resolve import load_speculators
+
+    ssms = load_speculators([f"drafter:{tiny_drafter}", *specs], llm, "float32")
+    return Engine(llm, ssms, ((1, 1, 1),) + ((1, 1, 1),) * len(specs), auto=True, forced_tokens=forced)
+
+
+def _listed(batch, grammar: bool, callbacks: bool = True) -> list[str]:
+    buckets = [(w, r, c) for w in sampling.BATCH_WARPS for r in batch.row_buckets for c in batch.capacity_buckets]
+    return [label for label, _ in batch.planner.step_jobs(buckets, grammar, callbacks)]
+
+
+def test_grammar_steps_share_one_executable_per_bucket(llm, tiny_drafter):
+    """Under auto a grammar's masks are arguments of the plain steps of the members without SSM drafts, and its
+    forced chain's tokens and count are arguments of one step: preparing structured output adds one stored
+    executable per bucket ("none" with a chain at --forced-tokens' depth), whatever the forced depth; a fixed tree
+    of SSM drafts (masks from a callback mid-step) adds two (without and with the chain), which a server prepares
+    only when asked (``callbacks``: no store keeps them)."""
+    from jaxspec.engine.batch import BatchEngine
+    from jaxspec.speculators.resolve import load_speculators
+
+    for forced in (4, 8):
+        batch = BatchEngine(_auto(llm, tiny_drafter, "ngram:3", forced=forced), max_batch=4, max_model_len=256)
+        buckets = len(sampling.BATCH_WARPS) * len(batch.row_buckets) * len(batch.capacity_buckets)
+        plain, both = _listed(batch, False), _listed(batch, True)
+        extra = [label for label in both if label not in plain]
+        assert len(plain) == 4 * buckets and len(both) == len(plain) + buckets, extra
+        assert all(label.startswith(f"step none under a grammar forcing {forced},") for label in extra), extra
+        engine = batch.engine
+        family = engine.family(sampling.WarpSpec())
+        assert engine.grammar_members(sampling.WarpSpec()) == ["none", "ngram"]  # no SSM drafts: no callback
+        assert engine._step_fn(engine.constrained(family["none"], forced)).persist  # stored like a plain step
+
+    ssm = load_speculators(["default"], llm, "float32")
+    for forced in (4, 8):
+        fixed = BatchEngine(Engine(llm, ssm, (1, 1, 3, 1), forced_tokens=forced), max_batch=4, max_model_len=256)
+        buckets = len(sampling.BATCH_WARPS) * len(fixed.row_buckets) * len(fixed.capacity_buckets)
+        assert len(_listed(fixed, True)) == 3 * buckets, _listed(fixed, True)
+        assert _listed(fixed, True, callbacks=False) == _listed(fixed, False)
+        assert fixed.engine.forced_buckets() == (0, forced)
+
+
+def test_a_default_server_fits_the_default_map_limit_and_a_set_over_it_is_refused_by_name(llm, tiny_drafter):
+    """What a default server prepares (16 slots, auto with the drafter and the n-gram, both warps, grammar steps
+    included), counted at the default model's mappings per executable, fits Linux's default vm.max_map_count with
+    a quarter to spare (before issue 75 it listed 283 executables, three times the ~95 one process can hold). The
+    count happens before anything compiles: a set over the limit's share is refused, naming the limit and the flags
+    that reduce it; an accelerator's executables are not counted."""
+    from jaxspec.engine.batch import BatchEngine
+    from jaxspec.engine.prepare import DEFAULT_MAX_MAP_COUNT, ROOM, check_room, estimated_maps, mapped
+
+    batch = BatchEngine(_auto(llm, tiny_drafter, "ngram:3"), max_batch=16)
+    buckets = [(w, r, c) for w in sampling.BATCH_WARPS for r in batch.row_buckets for c in batch.capacity_buckets]
+    ex = batch.executor
+    jobs = [*batch.planner.step_jobs(buckets, grammar=True, callbacks=False),
+            *ex.prefill_jobs(batch.chunks.reachable(None), batch.capacity_buckets),
+            *ex.row_jobs(batch.row_buckets, batch.capacity_buckets, batch.row_buckets)]
+    need = estimated_maps([label for label, _ in jobs])
+    assert len(jobs) < 95 and need < ROOM * DEFAULT_MAX_MAP_COUNT, (len(jobs), need)
+    check_room(jobs, limit=int((mapped() + need + 1000) / ROOM), platform="cpu")
+    small = mapped() + need // 2
+    with pytest.raises(RequestError, match=rf"prepares {len(jobs)} executables.*vm\.max_map_count.*--max-batch"):
+        check_room(jobs, limit=small, platform="cpu")
+    check_room(jobs, limit=small, platform="gpu")
+
+
+def test_a_prepared_structured_server_compiles_nothing_and_fits_the_mappings(llm, tiny_drafter):
+    """``prepare(grammar=True)`` as a server calls it (both warps, every bucket): JSON-schema and regex requests,
+    greedy and sampled, then trace nothing, and the process holds under half of vm.max_map_count's mappings."""
+    from jaxspec.engine.batch import BatchEngine, Request
+    from jaxspec.engine.prepare import map_limit, mapped
+    from models.tokenizer import encode_prompt
+
+    batch = BatchEngine(_auto(llm, tiny_drafter, "ngram:3"), max_batch=2, max_model_len=256)
+    batch.prepare(grammar=True, progress=False)
+    assert mapped() < map_limit() / 2, (mapped(), map_limit())
+    before = batch.engine.compilations
+    requests = [Request(encode_prompt(llm.tokenizer, PROMPTS[kind], True), 32, grammar=GRAMMARS[kind],
+                        params=sampling.SamplingParams(temperature, seed=7))
+                for kind in ("json_schema", "regex") for temperature in (0.0, 0.8)]
+    gens = batch.generate(requests)
+    assert batch.engine.compilations == before, batch.engine.traced[before:]
+    for kind, gen in zip(("json_schema", "json_schema", "regex", "regex"), gens):
+        text = llm.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        assert gen.finish_reason == "length" or (gen.finish_reason == "eos" and valid(kind, text)), (kind, text)

@@ -46,9 +46,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are cancelled (10)")
     p.add_argument("--warm-structured", action="store_true",
-                   help="also prepare the structured-output (grammar) steps before ready, so requests with a "
-                        "response_format compile nothing either (they call back into this process, so no store keeps "
-                        "them: every start compiles them again, which takes longer than the rest of a prepared start)")
+                   help="also prepare the grammar steps of trees with SSM drafts (--mode tree/sequence) before ready "
+                        "(a one-process server prepares the others anyway: their masks are arguments). Those call "
+                        "back into this process for their masks, so no store keeps them: every start compiles them "
+                        "again")
     add_compile_cache_args(p)
     p.set_defaults(func=cmd_serve)
     return p

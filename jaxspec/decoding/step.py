@@ -100,9 +100,10 @@ class DecodeConfig:
 
     @property
     def host_masks(self) -> bool:
-        """A grammar step whose whole tree is known before dispatch (the root and chains: no SSM drafts), so
-        its masks travel in as an input (``RowMasks.chain_masks``) instead of a host callback mid-step."""
-        return self.grammar and not self.active
+        """The whole tree is known before dispatch (the root and chains: no SSM drafts), so a grammar's masks
+        travel in as an input (``RowMasks.chain_masks``; all -1 for rows without one) instead of a host callback
+        mid-step: one executable serves every grammar and unconstrained rows alike."""
+        return not self.active
 
     @property
     def ssm_groups(self) -> tuple[SSMGroup, ...]:
@@ -320,10 +321,11 @@ def decode_step(
 
     ``proposal`` = (tokens [B, D], count [B]) is the n-gram speculator's chain, needed
     when ``cfg.ngram_depth`` > 0; ``forced`` (tokens [B, F], count [B]) the grammar's forced
-    chain when ``cfg.forced_depth`` > 0. A grammar step (``cfg.grammar``) masks every draft level
-    and the LLM's logits at every tree node with ``masker``'s masks, or, where the tree holds no SSM
-    drafts (``cfg.host_masks``), with ``chain_masks`` [B, 1 + F + D, W] if given, computed on the host
-    before dispatch (``RowMasks.chain_masks``: no callback, so the step dispatches asynchronously).
+    chain when ``cfg.forced_depth`` > 0. A grammar step with SSM drafts (``cfg.grammar``) masks every draft
+    level and the LLM's logits at every tree node with ``masker``'s masks; a tree without SSM drafts
+    (``cfg.host_masks``) takes ``chain_masks`` [B, 1 + F + D, W] if given, computed on the host before
+    dispatch (``RowMasks.chain_masks``: no callback, so the step dispatches asynchronously), applied only
+    where some row has a grammar (all -1: the logits as they are).
     The caller guarantees every write fits the cache: length + cfg.num_nodes <= capacity for every
     row (``Engine`` checks it per step).
     """
@@ -335,12 +337,10 @@ def decode_step(
     noise = None
     if cfg.coupled:  # [B, D + 1, V]: the noise of the positions this iteration can emit (depth d -> length + d + 1)
         noise = sampling.gumbel_at(state.key, length[:, None] + 1 + jnp.arange(cfg.max_depth + 1), cfg.vocab)
-    if not cfg.grammar:
-        masker = chain_masks = None
-    elif chain_masks is not None:
-        if not cfg.host_masks:
-            raise ValueError("chain_masks serve trees without SSM drafts only")
+    if not cfg.grammar or cfg.host_masks:
         masker = None
+    if chain_masks is not None and not cfg.host_masks:
+        raise ValueError("chain_masks serve trees without SSM drafts only")
     tree, draft_probs, ssm_caches, proposed = draft(cfg, ssm_forwards, ssm_params, state, k_draft, proposal, noise,
                                                     masker, forced)
     tree = pad_tree(tree, cfg.num_nodes)
@@ -356,9 +356,9 @@ def decode_step(
     if masker is not None:  # the LLM's distribution at each node, restricted to what the grammar allows there
         nodes = jnp.where(tree.valid, jnp.arange(n)[None, :], -1)  # [B, N]: -1 = no mask (padding, pruned)
         logits = constrain.masked(masker, logits, tree.tokens, tree.parent, nodes)
-    elif chain_masks is not None:
+    elif chain_masks is not None:  # skipped at run time where no row has a grammar
         bits = constrain.chain_node_masks(chain_masks, tree, cfg.sources, cfg.forced_depth)
-        logits = constrain.apply(logits, bits)
+        logits = jax.lax.cond(jnp.any(chain_masks != -1), constrain.apply, lambda x, _: x, logits, bits)
     verdict = accept(cfg, tree, logits, draft_probs, state, k_verify, noise)
     verdict = Verdict(verdict.path, jnp.where(act, verdict.num, 0), verdict.next_token)  # idle rows emit nothing
 

@@ -321,11 +321,13 @@ class TreeChooser:
             self._drifts.pop(key, None)
 
     def pick_constrained(self, rows: list[tuple[int, int, int]], costs: dict[str, float] | None = None,
-                         chains: tuple[int, ...] = (0,), keys: Sequence[Hashable] | None = None) -> tuple[str, int]:
+                         chains: tuple[int, ...] | dict[str, tuple[int, ...]] = (0,),
+                         keys: Sequence[Hashable] | None = None) -> tuple[str, int]:
         """(member, forced-chain depth) with the most expected tokens per second over a batch under grammars.
 
         ``rows`` holds each active row's (n-gram proposal length, matched suffix length, tokens its
-        grammar forces after the root); ``chains`` the chain depths to choose from; members the
+        grammar forces after the root); ``chains`` the chain depths to choose from (or per member: those its
+        grammar steps were compiled for); members the
         bucket has not compiled (absent from ``costs``) are left out. A row
         whose grammar forces L tokens gets max(the tree's tokens with L certain levels,
         min(L, chain) + 1). ``keys`` name each row's request (default: none, every open request pooled).
@@ -337,7 +339,7 @@ class TreeChooser:
         reach = self._reach(rates, certain=forced)
         scores = {}
         for n, tree in zip(names, self._member_tokens(names, lengths, reach)):  # tree [B] per member
-            for b in chains:
+            for b in chains.get(n, (0,)) if isinstance(chains, dict) else chains:
                 tokens = float(np.maximum(tree, np.minimum(forced, b) + 1.0).sum())
                 scores[n, b] = tokens / self.constrained_cost(n, b, costs)
         return max(scores, key=lambda nb: (scores[nb], nb[0] == "none", -nb[1]))

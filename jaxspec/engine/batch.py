@@ -354,7 +354,7 @@ class BatchEngine:
     # -- prepare ----------------------------------------------------------------------
     def prepare(self, warps: Sequence[sampling.WarpSpec] | None = None, rows: Sequence[int] | None = None,
                 capacities: Sequence[int] | None = None, grammar: bool = False, progress: bool = True,
-                say: Callable[[str], None] | None = None, longest: int | None = None) -> float:
+                say: Callable[[str], None] | None = None, longest: int | None = None, callbacks: bool = True) -> float:
         """Readies every executable the loop can reach before its first request; returns the seconds it took.
 
         Every (warp x row bucket x capacity bucket)'s members (``Planner.members``; ``grammar``: their grammar steps
@@ -364,7 +364,9 @@ class BatchEngine:
         batch warp, row bucket and capacity bucket. ``progress`` shows the bars on stderr; ``say`` hears, where
         anything compiled fresh, that this machine was prepared and how long it took (later starts load it).
         ``longest``: the longest prompt of a job known ahead (``jaxspec generate``): its prefills stop at the chunk
-        size that holds it (``ChunkSizer.reachable``); None (a server): every size the loop may feed.
+        size that holds it (``ChunkSizer.reachable``); None (a server): every size the loop may feed. ``callbacks``
+        False leaves out the grammar steps of SSM drafts (their masks come from a host callback: no store keeps them,
+        so every start would compile them again).
         """
         began, fresh = time.perf_counter(), STATS.fresh_compiles
         if grammar:
@@ -374,8 +376,8 @@ class BatchEngine:
         buckets = [(w, r, c) for w in warps for r in rows for c in caps]
         sizes = self.chunks.reachable(longest)  # the chunk search's next size too; a job's: up to its longest prompt
         timings: list[tuple[str, float]] = []
-        listed = self.executor.prepare(self.planner.step_jobs(buckets, grammar), sizes, rows, caps, self.row_buckets,
-                                       progress, timings)
+        listed = self.executor.prepare(self.planner.step_jobs(buckets, grammar, callbacks), sizes, rows, caps,
+                                       self.row_buckets, progress, timings)
         if self.verbose is not None and timings:
             self.verbose(f"prepared {listed} executables in {time.perf_counter() - began:.1f} s: "
                          f"{describe_timings(timings)}")
@@ -890,7 +892,7 @@ class BatchEngine:
         constrained = any(s.matcher is not None for _, s in live)
         if stale and constrained:  # masks walk the rows' matchers: they hold every token
             return None
-        chains: list[list[int]] = []
+        chains: list[list[int]] = [[] for _ in range(self.rows)]
         if constrained:
             masks = e.row_masks()
             masks.begin([s.matcher for _, s in live] + [None] * (self.rows - len(live)))
@@ -900,8 +902,11 @@ class BatchEngine:
         chooser = e.chooser(warp) if e.auto else None
         keys = [s.ticket for _, s in live]  # each row's pick reads its own request's counts
         if chooser is not None and constrained:
+            depths = e.forced_depths(warp, list(costs or chooser.costs))  # the members and chains prepared
+            allowed = {n: c for n, c in (costs or chooser.costs).items() if n in depths}
             rows3 = [(len(proposals[i]), matched[i], len(chains[i])) for i, _ in live]
-            name, longest = chooser.pick_constrained(rows3, costs, tuple(sorted({0, longest})), keys=keys)
+            depths = {n: tuple(d for d in ds if d in (0, longest)) for n, ds in depths.items()}
+            name, longest = chooser.pick_constrained(rows3, allowed, depths, keys=keys)
         elif chooser is not None:
             rows = [(len(proposals[i]), matched[i]) for i, _ in live]
             serial = self._host_seconds() if stale else 0.0  # what an n-gram pick costs in lost overlap
@@ -912,7 +917,9 @@ class BatchEngine:
         if stale and cfg.ngram_depth:  # the n-gram's proposal needs the tokens in flight
             return None
         if constrained:
-            cfg = e.constrained(cfg, longest)
+            longest = longest if longest in e.forced_depths(warp, [name]).get(name, (0,)) else 0
+            if cfg.active or longest:  # masks from a callback (SSM drafts), or a forced chain
+                cfg = e.constrained(cfg, longest)
         ahead = self._max_emit if stale else 0  # tokens the iteration in flight may still commit
         for _, s in live:
             check_fits(s.committed + ahead + cfg.num_nodes, self.capacity, "a decoding step")
@@ -921,13 +928,15 @@ class BatchEngine:
         if cfg.forced_depth:
             arrays = (*arrays, *ex.proposal_arrays(chains, cfg.forced_depth))
         extra = {}
-        if cfg.host_masks:  # no SSM drafts: every node's path is known now, so are its masks
+        if cfg.host_masks and constrained:  # no SSM drafts: every node's path is known now, so are its masks
             extra["chain_masks"] = ex.put(masks.chain_masks(chains, proposals, cfg.forced_depth, cfg.ngram_depth))
+        elif cfg.host_masks:  # one executable serves rows with and without a grammar: none has one now
+            extra["chain_masks"] = e.no_masks(self.rows, 1 + cfg.forced_depth + cfg.ngram_depth)
         start = time.perf_counter()
         out = ex.step(cfg, arrays, extra)
         host = time.perf_counter() - began  # the launch returns before the device is done
         self.iterations += 1
-        forced = [len(c) for c in chains] or [0] * self.rows
+        forced = [len(c) for c in chains]
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
                          self._chunk_queued, self.planner.readies, failed, constrained)
 
@@ -969,7 +978,7 @@ class BatchEngine:
             stats.drafted.append(sum(drafted.values()))
             stats.accepted_depth.append(n - 1)
         if it.chooser is not None and live and not stalled:  # a grammar step also waits on host masks: timed apart
-            if cfg.grammar:
+            if it.constrained:
                 it.chooser.observe_constrained_time(it.name, cfg.forced_depth, seconds, it.costs)
             elif not it.prefilled:  # a chunk before it: not its cost
                 it.chooser.observe_time(it.name, seconds, it.costs)
@@ -1007,4 +1016,4 @@ class _InFlight:
     prefilled: bool = False  # a prompt chunk was queued on the device before it: its seconds include the chunk
     readies: int = 0  # ``Planner.readies`` at its launch (a later one: the loop readied a bucket while it ran)
     failed: dict[int, str] = dataclasses.field(default_factory=dict)  # row -> why its host work failed (it ends)
-    constrained: bool = False  # some row has a grammar: its masks' failures are read with the tokens
+    constrained: bool = False  # some row has a grammar: its masks' failures are read with the tokens; timed apart

@@ -142,7 +142,8 @@ def prepare(config: EngineConfig, scheduler: SchedulerConfig = SchedulerConfig()
     """Prepares this machine for the loop ``scheduler`` describes (default: ``jaxspec serve``'s with default flags)
     over the engine ``config`` names: the cost curve auto's trees come from (kept in the cost cache;
     ``recalibrate`` measures it again), then every greedy and sampled step, prefill and row executable that loop
-    can reach (``BatchEngine.prepare``, kept in the executable store) and their measured costs; says what it did."""
+    can reach (``BatchEngine.prepare``, kept in the executable store; grammar steps as ``serve`` prepares them) and
+    their measured costs; says what it did."""
     import time  # noqa: PLC0415
 
     from jaxspec.decoding import sampling  # noqa: PLC0415
@@ -150,7 +151,7 @@ def prepare(config: EngineConfig, scheduler: SchedulerConfig = SchedulerConfig()
     began = time.perf_counter()
     engine, llm = build_engine(config, log=sys.stderr)
     batch = build_scheduler(engine, scheduler)
-    batch.prepare(say=lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr))
+    batch.prepare(grammar=True, callbacks=False, say=lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr))
     trees = "; ".join(f"{n}: {engine.describe(n)}" for n in engine.family(sampling.SamplingParams()) if n != "none")
     curve = ""
     if engine.cost_curve is not None:

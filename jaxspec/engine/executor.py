@@ -22,7 +22,7 @@ from jaxspec.decoding.step import (DecodeConfig, DecodeState, StepOutput, insert
                                    set_inactive)
 from jaxspec.engine.executables import Stored
 from jaxspec.engine.prefix import committed, cut_block, paste_block
-from jaxspec.engine.prepare import Job, compile_all
+from jaxspec.engine.prepare import Job, check_room, compile_all
 from jaxspec.engine.runner import Runner
 from jaxspec.parallel.sharding import fetch, pinned
 from jaxspec.request import SamplingParams
@@ -105,8 +105,10 @@ class Executor:
         """Readies ``steps`` (the planner's members at each bucket), the prefill of every chunk of ``sizes`` into a
         staging row of each of ``capacities``, every bucket's row operations and re-layouts, and the prefix cache's
         copies: compiled on the host's cores or loaded from the executable store. Returns how many executables were
-        listed (those not ready yet); ``timings`` receives each one's seconds (``compile_all``)."""
+        listed (those not ready yet); ``timings`` receives each one's seconds (``compile_all``). A set that would not
+        fit in this process's memory mappings is refused before anything compiles (``check_room``)."""
         jobs = [*steps, *self.prefill_jobs(sizes, capacities), *self.row_jobs(rows, capacities, row_buckets)]
+        check_room(jobs)
         compile_all(jobs, "preparing executables", progress, timings)
         self.prepare_prefix(capacities)
         return len(jobs)

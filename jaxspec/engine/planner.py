@@ -442,14 +442,15 @@ class Planner:
             self.ready([key])
         return self.bucket_costs[key]
 
-    def step_jobs(self, buckets: Sequence[Bucket], grammar: bool = False) -> list[Job]:
-        """The compiles that ready ``buckets``' members (``grammar``: their grammar steps too)."""
+    def step_jobs(self, buckets: Sequence[Bucket], grammar: bool = False, callbacks: bool = True) -> list[Job]:
+        """The compiles that ready ``buckets``' members (``grammar``: their grammar steps too; ``callbacks`` False:
+        but not those that call back into this process, ``Runner.step_jobs``)."""
         jobs = []
         for warp, rows, capacity in buckets:
             names = self.members(warp, rows)
             jobs += self.engine.step_jobs(warp, capacity, rows, names)
             if grammar:
-                jobs += self.engine.step_jobs(warp, capacity, rows, names, grammar=True)
+                jobs += self.engine.step_jobs(warp, capacity, rows, names, grammar=True, callbacks=callbacks)
         return jobs
 
     def ready(self, buckets: Sequence[Bucket], grammar: bool = False, progress: bool = False) -> None:

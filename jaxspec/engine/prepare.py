@@ -3,6 +3,11 @@
 ``BatchEngine.prepare`` lists what a loop can reach (every step, prefill chunk, row operation and the prefix
 cache's copies at every bucket); ``compile_all`` readies such a list on a pool of ``host_cores()`` threads (a trace
 holds the interpreter, XLA's compile does not), with a progress bar that says what, how many and how long.
+
+A loaded XLA:CPU executable holds hundreds of memory mappings, and Linux refuses a process more than
+``vm.max_map_count`` (65,530 by default): past it LLVM fails to allocate and the process dies. ``check_room``
+counts a prepared set against that limit before anything compiles, and ``compile_all`` stops with the same
+clear error where the mappings it watches while compiling reach it anyway.
 """
 
 from __future__ import annotations
@@ -14,8 +19,62 @@ import time
 from typing import Any, Callable, Sequence
 
 from jaxspec.cache import host_cores
+from jaxspec.errors import RequestError
 
 Job = tuple[str, Callable[[], Any]]  # (what it readies, in words; the call that readies it)
+
+# Memory mappings one loaded executable holds on XLA:CPU (2026-12-04, the default model: 28 k at 42 executables,
+# 65 k at 95; docs/architecture.md): a model-running one (a step, a prefill), and a row operation's (a tiny model's
+# steps held ~250 and its row operations ~45 on the same day: a row operation's code does not grow with the model).
+STEP_MAPS = 650
+ROW_OP_MAPS = 100
+ROOM = 0.75  # share of vm.max_map_count a prepared set may fill (the loop, llguidance and later loads need the rest)
+STOP = 0.9  # share at which compiling stops before the process could die
+DEFAULT_MAX_MAP_COUNT = 65530  # Linux's default, where /proc/sys/vm/max_map_count cannot be read
+REDUCE = ("fewer executables: --max-batch (row buckets), --max-model-len (cache buckets), --forced-tokens 0, "
+          "--mode incremental; or raise the limit: sysctl -w vm.max_map_count=262144")
+
+
+def map_limit() -> int:
+    """``vm.max_map_count``: the most memory mappings one process may hold."""
+    try:
+        with open("/proc/sys/vm/max_map_count", encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return DEFAULT_MAX_MAP_COUNT
+
+
+def mapped() -> int:
+    """Memory mappings this process holds now (0 where /proc cannot say)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def estimated_maps(labels: Sequence[str]) -> int:
+    """Mappings the executables ``labels`` (``Job`` labels) will hold once loaded, on XLA:CPU."""
+    return sum(STEP_MAPS if label.startswith(("step", "prefill")) else ROW_OP_MAPS for label in labels)
+
+
+def check_room(jobs: Sequence[Job], limit: int | None = None, platform: str | None = None) -> None:
+    """Refuses, before anything compiles, a prepared set whose executables would fill more than ``ROOM`` of
+    ``limit`` (default ``vm.max_map_count``) with what this process holds already: naming the limit, the count and
+    the flags that reduce it, where compiling on would end in LLVM failing to allocate. Only XLA:CPU executables are
+    counted (``platform``: default JAX's backend)."""
+    if platform is None:
+        import jax  # noqa: PLC0415 (the command line imports this module before JAX is needed)
+
+        platform = jax.default_backend()
+    if platform != "cpu" or not jobs:
+        return
+    limit = map_limit() if limit is None else limit
+    now, need = mapped(), estimated_maps([label for label, _ in jobs])
+    if now + need > ROOM * limit:
+        raise RequestError(f"this configuration prepares {len(jobs)} executables, about {need:,} memory mappings on "
+                           f"top of the {now:,} this process holds, over {ROOM:.0%} of the limit of {limit:,} "
+                           f"(vm.max_map_count) one process may hold; use {REDUCE}")
 
 
 def compile_all(jobs: Sequence[Job], what: str, progress: bool = True,
@@ -29,7 +88,7 @@ def compile_all(jobs: Sequence[Job], what: str, progress: bool = True,
 
     if timings is not None:
         jobs = [(label, _timed(label, run, timings)) for label, run in jobs]
-    began, failed = time.perf_counter(), None
+    began, failed, limit = time.perf_counter(), None, map_limit()
     every = 0.1 if sys.stderr.isatty() else 10.0  # a log file gets a line every 10 s, not every executable
     with (tqdm(total=len(jobs), desc=what, unit="exe", file=sys.stderr, disable=not progress, mininterval=every) as bar,
           concurrent.futures.ThreadPoolExecutor(min(host_cores(), len(jobs)), "jaxspec-prepare") as pool):
@@ -39,6 +98,9 @@ def compile_all(jobs: Sequence[Job], what: str, progress: bool = True,
                 if future.exception() is not None and failed is None:
                     failed = (futures[future], future.exception())
                 bar.update()
+                if (now := mapped()) > STOP * limit:
+                    raise RequestError(f"preparing stopped at {now:,} memory mappings, near the limit of {limit:,} "
+                                       f"(vm.max_map_count) one process may hold; use {REDUCE}")
         except BaseException:  # Ctrl-C, SIGTERM: the jobs not yet started are dropped (the pool's exit would run them)
             pool.shutdown(wait=False, cancel_futures=True)
             raise

@@ -228,10 +228,27 @@ class Runner:
         return dataclasses.replace(cfg, grammar=True, forced_depth=forced, tree_budget=budget)
 
     def forced_bucket(self, longest: int) -> int:
-        """The forced-chain depth an iteration compiles for: 0, then powers of two up to ``forced_depth``."""
-        if longest <= 0:
-            return 0
-        return min(1 << (longest - 1).bit_length(), self.forced_depth)
+        """The forced-chain depth an iteration compiles for: 0 without a chain, else ``forced_depth`` (the chain's
+        tokens and count are arguments: one executable serves every chain up to that depth)."""
+        return self.forced_depth if longest > 0 else 0
+
+    def grammar_members(self, params: sampling.SamplingParams | sampling.WarpSpec,
+                        names: Sequence[str] | None = None) -> list[str]:
+        """The members (of ``names``, default all) a constrained iteration may run: every one, but under auto only
+        those without SSM drafts, whose masks come in as arguments (a mid-step callback cannot be stored, and each
+        such step would be one more executable per bucket)."""
+        family = self.family(params)
+        names = list(family) if names is None else list(names)
+        return [n for n in names if not (self.auto and family[n].active)]
+
+    def forced_depths(self, params: sampling.SamplingParams | sampling.WarpSpec,
+                      names: Sequence[str] | None = None) -> dict[str, tuple[int, ...]]:
+        """Per member a constrained iteration may run, the forced-chain depths its grammar steps compile for:
+        (0, ``forced_depth``), but under auto only the plain member gets the chain (one executable more per bucket;
+        the n-gram's members run without it). A member without SSM drafts at depth 0 runs its plain step (the masks
+        are its arguments)."""
+        depths = (0, self.forced_depth) if self.forced_depth else (0,)
+        return {n: depths if not self.auto or n == "none" else (0,) for n in self.grammar_members(params, names)}
 
     def row_masks(self):
         """The host side of constrained steps (``jaxspec.structured.RowMasks`` over the LLM's tokenizer).
@@ -330,7 +347,7 @@ class Runner:
             llm_fwd = self._llm_forward
             ssm_fwds = tuple(self.ssm_forwards[g.members[0]] for g in cfg.ssm_groups)
 
-            masker = self._masker if cfg.grammar else None
+            masker = self._masker if cfg.grammar and not cfg.host_masks else None
 
             def step(llm_params, ssm_params, state, proposal_tokens, proposal_count, forced_tokens=None,
                      forced_count=None, chain_masks=None):
@@ -339,9 +356,9 @@ class Runner:
                 return pinned(decode_step, self.mesh)(cfg, llm_fwd, ssm_fwds, llm_params, ssm_params, state,
                                                       (proposal_tokens, proposal_count), forced, masker, chain_masks)
 
-            # a grammar step calls back into this process's matchers: it cannot be kept on disk
+            # a grammar step with SSM drafts calls back into this process's matchers: it cannot be kept on disk
             self._compiled[cfg] = Stored(step, {"what": "step", "cfg": repr(cfg), **self.identity()}, fixed=2,
-                                         donate_argnums=(2,), persist=not cfg.grammar)
+                                         donate_argnums=(2,), persist=masker is None)
         return self._compiled[cfg]
 
     def count_trace(self, what: str, cache) -> None:
@@ -462,6 +479,7 @@ class Runner:
         are set back to a shortest prompt (untimed), so every run is timed at the same length."""
         depth = cfg.ngram_depth  # a member's chain width: the plain step's never changes with the trees
         toks, count = jax.device_put(ngram.proposal_arrays([list(range(1, depth + 1))] * batch, depth))
+        extra = {"chain_masks": self.no_masks(batch, 1 + depth)} if cfg.host_masks else {}
         step_fn = self._step_fn(cfg)
         held = [None] if shared is None else shared
 
@@ -471,7 +489,7 @@ class Runner:
             state = self._measured_state(params, batch, capacity, state)
             jax.block_until_ready(state)
             t0 = time.perf_counter()
-            state, res = step_fn(self._llm_params, self._group_params, state, toks, count)
+            state, res = step_fn(self._llm_params, self._group_params, state, toks, count, **extra)
             jax.block_until_ready(res)
             seconds = time.perf_counter() - t0
             held[0] = state
@@ -489,15 +507,20 @@ class Runner:
         return len(jobs)
 
     def step_jobs(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int = 1,
-                  names: Sequence[str] | None = None, grammar: bool = False) -> list[Job]:
+                  names: Sequence[str] | None = None, grammar: bool = False, callbacks: bool = True) -> list[Job]:
         """(what, a call compiling it) for each member's step at this bucket not compiled yet (``names``: default
-        all; ``grammar``: their grammar steps at every forced-chain depth instead): what
-        ``jaxspec.engine.prepare.compile_all`` runs on the host's cores. A job marks its step warm once compiled."""
+        all; ``grammar``: instead the grammar steps a constrained iteration adds to them, ``forced_depths``: none for
+        a member without SSM drafts whose plain step serves; ``callbacks`` False leaves out those of SSM drafts, which
+        call back into this process and no store keeps): what ``jaxspec.engine.prepare.compile_all`` runs on the
+        host's cores. A job marks its step warm once compiled."""
         warp, family = _warp(params), self.family(params)
         state = self.abstract_state(batch, capacity)
+        names = list(family) if names is None else list(names)
+        variants = ({n: [d for d in ds if d or family[n].active] for n, ds in self.forced_depths(params, names).items()
+                     if callbacks or not family[n].active} if grammar else {n: [None] for n in names})
         jobs = []
-        for name in list(family) if names is None else names:
-            for forced in self.forced_buckets() if grammar else (None,):
+        for name, depths in variants.items():
+            for forced in depths:
                 key = (warp, capacity, batch, name) + (() if forced is None else ("grammar", forced))
                 if key in self._warmed:
                     continue
@@ -519,11 +542,16 @@ class Runner:
         arrays = ngram.proposal_arrays([[]] * batch, cfg.ngram_depth)
         if cfg.forced_depth:
             arrays = (*arrays, *ngram.proposal_arrays([[]] * batch, cfg.forced_depth))
-        extra = {}
-        if cfg.host_masks:
+        extra = {"chain_masks": self.no_masks(batch, 1 + cfg.forced_depth + cfg.ngram_depth)} if cfg.host_masks else {}
+        return jax.device_put(arrays), extra
+
+    def no_masks(self, batch: int, slots: int) -> jax.Array:
+        """[B, slots, W] int32 of -1 on the device: the chain masks of rows without a grammar (sent once per shape)."""
+        key = ("no masks", batch, slots)
+        if key not in self._compiled:
             words = constrain.words(self.llm.cfg.vocab_size)
-            extra["chain_masks"] = np.full((batch, 1 + cfg.forced_depth + cfg.ngram_depth, words), -1, np.int32)
-        return jax.device_put(arrays), jax.device_put(extra)
+            self._compiled[key] = jax.device_put(np.full((batch, slots, words), -1, np.int32))
+        return self._compiled[key]
 
     def abstract_state(self, batch: int, capacity: int) -> DecodeState:
         """The shapes, dtypes and placements of a state of ``batch`` rows x ``capacity`` slots: what compiling for
@@ -544,7 +572,7 @@ class Runner:
 
     def forced_buckets(self) -> tuple[int, ...]:
         """Every forced-chain depth a grammar step may compile for (``forced_bucket``'s values)."""
-        return tuple(sorted({self.forced_bucket(n) for n in range(self.forced_depth + 1)}))
+        return tuple(sorted({0, self.forced_depth}))
 
     def is_warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int,
                 name: str) -> bool:

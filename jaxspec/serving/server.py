@@ -50,7 +50,8 @@ class ServeConfig:
     shutdown_timeout: float = 10.0
     """On SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are cancelled."""
     warm_structured: bool = False
-    """Also compile the structured-output (grammar) steps at start-up."""
+    """Also prepare the grammar steps of SSM drafts at start-up (a one-process server prepares the others anyway):
+    their masks come from a host callback, so no store keeps them and every start compiles them again."""
 
 
 def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: ServeConfig) -> int:
@@ -84,10 +85,11 @@ def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: Serve
         return 0  # another process of a multi-host server: it followed process 0 until its stop
     service = Service(batch, llm.tokenizer, llm.cfg.vocab_size, name, scheduler.max_queue,
                       verbose=engine_config.verbose, request_log=request_log)
+    structured = jax.process_count() == 1  # grammar steps too: a response_format request then compiles nothing
     log.info("preparing (%d slots, max model length %d%s)", batch.max_batch, batch.max_model_len,
-             ", structured output" if config.warm_structured else "")
+             ", structured output" if structured else "")
     t0 = time.perf_counter()
-    service.start(grammar=config.warm_structured)
+    service.start(grammar=structured, callbacks=config.warm_structured)
     try:
         service.warm_up()
         log.info("ready in %.1f s: model '%s'", time.perf_counter() - t0, name)

@@ -165,12 +165,13 @@ class Service:
         self._lock = threading.Lock()
 
     # -- the engine thread -------------------------------------------------------------------
-    def start(self, grammar: bool = False) -> None:
+    def start(self, grammar: bool = False, callbacks: bool = True) -> None:
         """Prepares the loop, then starts its thread: every executable it can reach, greedy and sampled (``grammar``:
-        the structured-output steps too), compiled or loaded before any request (``BatchEngine.prepare``; a
+        the structured-output steps too, ``callbacks`` False: but not those of SSM drafts, which no store keeps),
+        compiled or loaded before any request (``BatchEngine.prepare``; a
         multi-process run prepared in every process already, ``jaxspec.engine.lockstep.serve_role``)."""
         if self.batch.sync.local:
-            self.batch.prepare(grammar=grammar, say=lambda text: log.info("%s", text))
+            self.batch.prepare(grammar=grammar, callbacks=callbacks, say=lambda text: log.info("%s", text))
         self._thread.start()
 
     def _run(self) -> None:
