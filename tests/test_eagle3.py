@@ -1,0 +1,188 @@
+"""EAGLE-3 drafters in the speculators, SpecForge and original EAGLE dialects (``jaxspec.speculators.eagle3``).
+
+Invariants: a head written in each dialect (safetensors from numpy, no torch) computes, through the engine's
+drafter forward, exactly the logits a NumPy transcription of EAGLE-3's layer computes from the same tensors (aux ids
+in the checkpoint's order, rope_theta wherever the dialect wrote it, d2t or no map); greedy decoding with it equals
+incremental decoding (fixed and dynamic trees, merged with the n-gram) and every stochastic verifier runs seeded;
+export -> load gives the very same tensors and drafts; a head built for another target is refused naming what
+differs; the project's own drafter block is refused by the exporter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from conftest import random_prompts, tiny_model
+from jaxspec.decoding import sampling
+from jaxspec.decoding.kv_cache import causal_mask
+from jaxspec.errors import VocabularyMismatch
+from jaxspec.speculators.eagle3 import Eagle3Error, dialect, export_speculators, load_eagle3
+from jaxspec.speculators.resolve import load_speculators
+from models.transformer import KVCache
+
+LLM_LAYERS = 8  # EAGLE-3's default aux ids (2, 4, 5) are distinct from 7 layers on
+INTERMEDIATE = 48  # the head's own MLP width (the tiny LLM's is 64)
+THETA = 5000.0  # the head's rope_theta (not the 10000 default: a loader that misses it computes other logits)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return tiny_model(seed=2, num_layers=LLM_LAYERS)
+
+
+def eagle3_tensors(llm, aux: int, draft_ids: np.ndarray | None, seed: int = 0, embed: bool = False) -> dict:
+    """An EAGLE-3 head's tensors in torch layouts (``midlayer.`` names), random, on the tiny LLM's width."""
+    rng = np.random.default_rng(seed)
+    c = llm.cfg
+    d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    w = lambda *shape: (rng.standard_normal(shape) * 0.3).astype(np.float32)  # noqa: E731
+    norm = lambda: (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)  # noqa: E731
+    out = {
+        "fc.weight": w(d, aux * d),
+        "midlayer.input_layernorm.weight": norm(), "midlayer.hidden_norm.weight": norm(),
+        "midlayer.post_attention_layernorm.weight": norm(),
+        "midlayer.self_attn.q_proj.weight": w(n * h, 2 * d), "midlayer.self_attn.k_proj.weight": w(k * h, 2 * d),
+        "midlayer.self_attn.v_proj.weight": w(k * h, 2 * d), "midlayer.self_attn.o_proj.weight": w(d, n * h),
+        "midlayer.mlp.gate_proj.weight": w(INTERMEDIATE, d), "midlayer.mlp.up_proj.weight": w(INTERMEDIATE, d),
+        "midlayer.mlp.down_proj.weight": w(d, INTERMEDIATE),
+        "norm.weight": norm(),
+        "lm_head.weight": w(c.vocab_size if draft_ids is None else len(draft_ids), d) * 3,
+    }
+    if embed:
+        out["embed_tokens.weight"] = w(c.vocab_size, d)
+    if draft_ids is not None:
+        out["d2t"] = (draft_ids - np.arange(len(draft_ids))).astype(np.int64)
+        t2d = np.zeros(c.vocab_size, bool)
+        t2d[draft_ids] = True
+        out["t2d"] = t2d
+    return out
+
+
+def layer_config(llm, **extra) -> dict:
+    c = llm.cfg
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size, "intermediate_size": INTERMEDIATE, "num_hidden_layers": 1,
+            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+            "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "hidden_act": "silu", **extra}
+
+
+def write_head(directory: Path, kind: str, llm, tensors: dict, ids: list[int] | None, draft: int,
+               nbr: bool = False, **overrides) -> Path:
+    """``tensors`` as a checkpoint directory in dialect ``kind`` (``overrides`` go into its outer config)."""
+    directory.mkdir(parents=True)
+    if kind == "speculators":  # layers.0. names; rope_theta beside transformer_layer_config, not in it
+        tensors = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+        config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                  "draft_vocab_size": draft, "norm_before_residual": nbr, "target_hidden_size": None,
+                  "eagle_aux_hidden_state_layer_ids": ids, "rope_theta": THETA,
+                  "transformer_layer_config": layer_config(llm, rope_parameters={"rope_type": "default"}),
+                  "speculators_config": {"algorithm": "eagle3", "proposal_methods": [
+                      {"proposal_type": "greedy", "speculative_tokens": 3}], "verifier": {"name_or_path": "tiny"}}}
+    elif kind == "specforge":
+        config = layer_config(llm, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft,
+                              rope_parameters={"rope_type": "default", "rope_theta": THETA},
+                              **({"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}} if ids else {}))
+    else:
+        assert ids is None  # the original repository always reads EAGLE-3's three default layers
+        config = layer_config(llm, draft_vocab_size=draft, rope_theta=THETA)
+    config.update(overrides)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+# ------------------------------------------------------------------ a NumPy transcription of EAGLE-3's head
+
+
+def _rms(x, w):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-5) * w
+
+
+def _rope(x, theta):  # x [T, heads, H] at positions 0..T-1, HF's rotate-half convention
+    hd = x.shape[-1]
+    ang = np.arange(x.shape[0])[:, None] * (1.0 / theta ** (np.arange(0, hd, 2) / hd))[None]  # [T, H/2]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1))[:, None], np.sin(np.concatenate([ang, ang], -1))[:, None]
+    return x * cos + np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1) * sin
+
+
+def reference_logits(t: dict, llm, tokens: np.ndarray, aux: np.ndarray, nbr: bool, draft_ids) -> np.ndarray:
+    """[T, V]: EAGLE-3's logits at each slot (-inf outside its draft vocabulary); aux [T, k, D] in the
+    checkpoint's aux-id order, tokens [T], one causal sequence from position 0."""
+    c = llm.cfg
+    n, kv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+    g = lambda name: np.asarray(t[name], np.float64)  # noqa: E731
+    h = aux.reshape(len(tokens), -1) @ g("fc.weight").T  # [T, D]
+    embed = g("embed_tokens.weight") if "embed_tokens.weight" in t else np.asarray(llm.params["embed"]["embedding"])
+    normed = _rms(h, g("midlayer.hidden_norm.weight"))
+    x = np.concatenate([_rms(embed[tokens], g("midlayer.input_layernorm.weight")), normed], -1)  # [T, 2D]
+    q = _rope((x @ g("midlayer.self_attn.q_proj.weight").T).reshape(-1, n, hd), THETA)
+    k = np.repeat(_rope((x @ g("midlayer.self_attn.k_proj.weight").T).reshape(-1, kv, hd), THETA), n // kv, 1)
+    v = np.repeat((x @ g("midlayer.self_attn.v_proj.weight").T).reshape(-1, kv, hd), n // kv, 1)
+    s = np.einsum("qnh,knh->nqk", q, k) / np.sqrt(hd) + np.triu(np.full((len(tokens),) * 2, -np.inf), 1)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    a = np.einsum("nqk,knh->qnh", p / p.sum(-1, keepdims=True), v).reshape(len(tokens), -1)
+    x = (normed if nbr else h) + a @ g("midlayer.self_attn.o_proj.weight").T
+    y = _rms(x, g("midlayer.post_attention_layernorm.weight"))
+    gate = y @ g("midlayer.mlp.gate_proj.weight").T
+    x = x + (gate / (1 + np.exp(-gate)) * (y @ g("midlayer.mlp.up_proj.weight").T)) @ g(
+        "midlayer.mlp.down_proj.weight").T
+    small = _rms(x, g("norm.weight")) @ g("lm_head.weight").T  # [T, V']
+    if draft_ids is None:
+        return small
+    out = np.full((len(tokens), c.vocab_size), -np.inf)
+    out[:, draft_ids] = small
+    return out
+
+
+def drafter_logits(model, tokens: np.ndarray, feats: np.ndarray) -> np.ndarray:
+    """[T, V] the loaded drafter's logits over one causal sequence; feats [T, k·D] in ascending block order."""
+    t = len(tokens)
+    cache = KVCache.create(model.cfg, 1, t + 4)
+    logits, _, _ = model.forward(model.params, jnp.asarray(tokens)[None], jnp.arange(t)[None], cache,
+                                 causal_mask(jnp.zeros((1,), jnp.int32), t, t + 4), features=jnp.asarray(feats)[None])
+    return np.asarray(logits[0])
+
+
+CASES = {  # dialect -> (aux ids as written, draft vocabulary ids (None: the target's), norm_before_residual, own embed)
+    "speculators": ([6, 2, 4], "draft", True, False),  # unsorted ids; d2t/t2d; rope_theta outside the layer config
+    "specforge": (None, None, False, True),  # no aux ids (EAGLE-3's three), no maps, its own embedding
+    "eagle": (None, "draft", False, False),
+}
+
+
+def _case(tmp_path, llm, kind: str, seed: int = 0):
+    ids, vocab, nbr, embed = CASES[kind]
+    draft_ids = np.sort(np.random.default_rng(seed).choice(llm.cfg.vocab_size, 40, replace=False)) if vocab else None
+    tensors = eagle3_tensors(llm, 3, draft_ids, seed, embed)
+    draft = llm.cfg.vocab_size if draft_ids is None else len(draft_ids)
+    return write_head(tmp_path / kind, kind, llm, tensors, ids, draft, nbr), tensors, draft_ids
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_each_dialect_computes_eagle3_and_decodes_losslessly(tmp_path, llm, kind):
+    from jaxspec.engine import Engine
+
+    directory, tensors, draft_ids = _case(tmp_path, llm, kind)
+    assert dialect(directory) == kind
+    spec = f"eagle3:{directory}" if kind == "speculators" else str(directory)  # the prefix, or told by the config
+    [model] = load_speculators([spec], llm)
+    ids = CASES[kind][0] or [2, LLM_LAYERS // 2, LLM_LAYERS - 3]
+    assert model.features and model.feature_layers == tuple(sorted(i - 1 for i in ids))
+    assert model.draft_vocab == (0 if draft_ids is None else len(draft_ids))
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, llm.cfg.vocab_size, 9)
+    aux = rng.standard_normal((9, 3, llm.cfg.hidden_size)).astype(np.float32)  # [T, k, D] in the checkpoint's order
+    ascending = aux[:, np.argsort(ids)]  # [T, k, D] in the engine's order (ascending blocks)
+    got = drafter_logits(model, tokens, ascending.reshape(9, -1))
+    want = reference_logits(tensors, llm, tokens, aux, CASES[kind][2], draft_ids)
+    assert np.array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=2e-4, atol=2e-4)
+    incremental, tree = Engine(llm), Engine(llm, [model], (2, 1, 1))
+    for prompt in random_prompts(2, llm.cfg.vocab_size, seed=5, hi=14):
+        assert tree.generate(prompt, 16).token_ids == incremental.generate(prompt, 16).token_ids
