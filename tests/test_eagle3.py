@@ -186,3 +186,111 @@ def test_each_dialect_computes_eagle3_and_decodes_losslessly(tmp_path, llm, kind
     incremental, tree = Engine(llm), Engine(llm, [model], (2, 1, 1))
     for prompt in random_prompts(2, llm.cfg.vocab_size, seed=5, hi=14):
         assert tree.generate(prompt, 16).token_ids == incremental.generate(prompt, 16).token_ids
+
+
+def test_eagle3_head_merges_with_the_ngram_and_runs_under_every_verifier(tmp_path, llm):
+    """Greedy: merged with the n-gram and as a dynamic tree it emits the LLM's tokens; MSS, naive and coupled
+    sampling each produce the requested tokens and repeat them under the same seed."""
+    from jaxspec.decoding.tree import DynamicTree
+    from jaxspec.engine import Engine
+    from jaxspec.speculators.ngram import NGramSpeculator
+
+    model = load_eagle3(_case(tmp_path, llm, "speculators")[0], llm)
+    incremental = Engine(llm)
+    greedy = [Engine(llm, [model, NGramSpeculator(3)], ((1, 1, 1), (1, 1))), Engine(llm, [model], DynamicTree(8, 3, 2))]
+    prompt = random_prompts(1, llm.cfg.vocab_size, seed=7, hi=14)[0]
+    want = incremental.generate(prompt, 16).token_ids
+    for engine in greedy:
+        assert engine.generate(prompt, 16).token_ids == want
+    params = sampling.SamplingParams(temperature=0.8, seed=3)
+    for verify in ("mss", "naive", "coupled"):
+        engine = Engine(llm, [model], (2, 1), verify=verify)
+        gen = engine.generate(prompt, 12, params)
+        assert len(gen.token_ids) == 12
+        assert engine.generate(prompt, 12, params).token_ids == gen.token_ids
+
+
+def test_export_then_load_gives_the_same_drafter(tmp_path, llm):
+    """speculators export -> load: the very same tensors, the same drafts; a head over the target's vocabulary is
+    written without d2t/t2d; the project's own drafter block is refused, naming how it differs."""
+    from jaxspec.speculators.drafter_io import load_drafter
+    from test_fused_drafter import _drafter, _fused_model
+
+    for kind in ("eagle", "specforge"):
+        first = load_eagle3(_case(tmp_path, llm, kind, seed=4)[0], llm)
+        out = export_speculators(first, llm, tmp_path / f"{kind}-out")
+        assert dialect(out) == "speculators"
+        again = load_eagle3(out, llm)
+        assert (again.feature_layers, again.block, again.draft_vocab, again.cfg) == (
+            first.feature_layers, first.block, first.draft_vocab, first.cfg)
+        mine, theirs = _flat(first.params), _flat(again.params)
+        assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
+        rng = np.random.default_rng(2)
+        tokens, feats = rng.integers(0, llm.cfg.vocab_size, 7), rng.standard_normal((7, 3 * llm.cfg.hidden_size))
+        assert np.array_equal(drafter_logits(first, tokens, feats), drafter_logits(again, tokens, feats))
+        stored = load_file(str(out / "model.safetensors"))
+        assert ("d2t" in stored) == ("t2d" in stored) == (kind == "eagle")
+    own = load_drafter(_fused_model(llm, _drafter(llm), tmp_path), llm)
+    with pytest.raises(Eagle3Error, match="unit RMS"):
+        export_speculators(own, llm, tmp_path / "own-out")
+
+
+def _flat(params: dict) -> dict:
+    from models.loading import flatten
+
+    return {k: np.asarray(v) for k, v in flatten(params).items()}
+
+
+@pytest.mark.parametrize("change, error, words", [
+    ({"target_hidden_size": 48}, VocabularyMismatch, "hidden size 48"),
+    ({"transformer_layer_config": {"vocab_size": 100}}, VocabularyMismatch, "vocabulary of 100"),
+    ({"target_hidden_size": 32, "transformer_layer_config": {"hidden_size": 48}}, Eagle3Error, "48 wide"),
+    ({"transformer_layer_config": {"num_hidden_layers": 2}}, Eagle3Error, "2 decoder layers"),
+    ({"transformer_layer_config": {"mlp_bias": True}}, Eagle3Error, "mlp_bias"),
+    ({"eagle_aux_hidden_state_layer_ids": [2, 4, 9]}, Eagle3Error, r"outside \[1, 8\]"),
+    ({"eagle_aux_hidden_state_layer_ids": [0, 4, 6]}, Eagle3Error, "embeddings"),
+    ({"eagle_aux_hidden_state_layer_ids": [2, 4]}, Eagle3Error, "fc reads 96 features"),
+    ({"speculators_model_type": "eagle"}, Eagle3Error, "only eagle3"),
+    ({"draft_vocab_size": 41}, Eagle3Error, "d2t of shape"),
+])
+def test_a_head_for_another_target_is_refused_naming_the_mismatch(tmp_path, llm, change, error, words):
+    directory, _, _ = _case(tmp_path, llm, "speculators")
+    config, change = json.loads((directory / "config.json").read_text()), dict(change)
+    layer = {**config["transformer_layer_config"], **change.pop("transformer_layer_config", {})}
+    (directory / "config.json").write_text(json.dumps({**config, **change, "transformer_layer_config": layer}))
+    with pytest.raises(error, match=words):
+        load_speculators([f"eagle3:{directory}"], llm)
+
+
+def test_vocabulary_maps_into_another_vocabulary_are_refused(tmp_path, llm):
+    tensors = {k: v for k, v in eagle3_tensors(llm, 3, np.arange(40)).items() if k != "t2d"}
+    tensors["d2t"] = np.full(40, 30, np.int64)  # draft ids 30..69 of a 64-token vocabulary
+    directory = write_head(tmp_path / "d", "eagle", llm, tensors, None, 40)
+    with pytest.raises(VocabularyMismatch, match="outside the LLM's vocabulary of 64"):
+        load_eagle3(directory, llm)
+    with pytest.raises(Eagle3Error, match="no EAGLE-3 config.json"):
+        load_eagle3(tmp_path, llm)
+
+
+def test_cli_exports_an_eagle3_head_and_a_wrong_tokenizer_is_refused(tmp_path, tiny_checkpoint, tiny_checkpoint_llm,
+                                                                     tiny_drafter, capsys):
+    """``jaxspec export-drafter`` on a real checkpoint with a tokenizer: the written directory records the LLM's
+    tokenizer digest and loads back; the same head recorded for another tokenizer is refused; the project's own
+    drafter is refused with one error line."""
+    from jaxspec.cli import main
+
+    llm = tiny_checkpoint_llm
+    head = write_head(tmp_path / "head", "speculators", llm, eagle3_tensors(llm, 2, np.arange(0, 4096) * 3, 1),
+                      [1, 2], 4096)
+    out = tmp_path / "out"
+    assert main(["export-drafter", "--model", str(tiny_checkpoint), "--ssm", str(head), str(out)]) == 0
+    assert load_eagle3(out, llm).feature_layers == (0, 1)
+    config = json.loads((out / "config.json").read_text())
+    config["jaxspec"]["llm"]["tokenizer"] = "0" * 64
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(VocabularyMismatch, match="different tokenizer"):
+        load_eagle3(out, llm)
+    capsys.readouterr()
+    assert main(["export-drafter", "--model", str(tiny_checkpoint), "--ssm", f"drafter:{tiny_drafter}",
+                 str(tmp_path / "own")]) == 2
+    assert "only EAGLE-3 heads export" in capsys.readouterr().err
