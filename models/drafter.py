@@ -42,12 +42,15 @@ from models.transformer import Block, KVCache, output_head, write_kv
 
 OWN = ("fc", "layer_0")  # the drafter's trained parameters; the rest are the LLM's
 FUSED_OWN = ("fuse", "fc", "layer_0", "norm")  # the fused form's
+EAGLE3_OWN = ("fuse", "layer_0", "norm")  # the EAGLE-3 block's (on the LLM's embedding and head)
 # the drafter's layer: the project's (fc, then a block of the LLM's architecture) or EAGLE-3's (normed input halves)
 BLOCKS = ("own", "eagle3", "eagle3_norm_before_residual")
 
 
-def own_names(feature_layers: tuple[int, ...]) -> tuple[str, ...]:
+def own_names(feature_layers: tuple[int, ...], block: str = "own") -> tuple[str, ...]:
     """The parameters a drafter of this form trains and stores (the rest are the LLM's)."""
+    if block != "own":
+        return EAGLE3_OWN
     return FUSED_OWN if feature_layers else OWN
 
 
@@ -174,21 +177,24 @@ def param_tree(cfg: ModelConfig, seed: int = 0, feature_layers: tuple[int, ...] 
         jax.random.PRNGKey(seed), tok, feats, tok, cache, jnp.ones((1, 1, 4), bool))["params"])
 
 
-def init_drafter(cfg: ModelConfig, llm_params: dict, seed: int = 0, feature_layers: tuple[int, ...] = ()) -> dict:
+def init_drafter(cfg: ModelConfig, llm_params: dict, seed: int = 0, feature_layers: tuple[int, ...] = (),
+                 block: str = "own") -> dict:
     """A fresh drafter on the LLM's embedding/head that starts as "predict f_p = f_{p-1}".
 
     ``fc`` passes the feature half through (small noise on the token half) and ``layer_0``'s
     output projections start at zero, so the block is the identity: training begins from a
     drafter whose states are already on the LLM's scale instead of from noise. The fused form's
-    ``fuse`` starts as the mean of its k blocks' outputs.
+    ``fuse`` starts as the mean of its k blocks' outputs. The EAGLE-3 block has no ``fc``: its
+    residual stream starts from the state, so zeroed output projections make it the identity too.
     """
     d = cfg.hidden_size
-    params = param_tree(cfg, seed, feature_layers)
+    params = param_tree(cfg, seed, feature_layers, block)
     if feature_layers:
         k = len(feature_layers)
         params["fuse"]["kernel"] = jnp.tile(jnp.eye(d, dtype=params["fuse"]["kernel"].dtype), (k, 1)) / k
-    fc = params["fc"]["kernel"] * 0.1  # [2D, D]
-    params["fc"]["kernel"] = fc.at[d:].set(jnp.eye(d, dtype=fc.dtype))
+    if "fc" in params:
+        fc = params["fc"]["kernel"] * 0.1  # [2D, D]
+        params["fc"]["kernel"] = fc.at[d:].set(jnp.eye(d, dtype=fc.dtype))
 
     def zero_out(path, leaf):
         names = [getattr(k, "key", None) for k in path]

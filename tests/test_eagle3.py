@@ -294,3 +294,48 @@ def test_cli_exports_an_eagle3_head_and_a_wrong_tokenizer_is_refused(tmp_path, t
     assert main(["export-drafter", "--model", str(tiny_checkpoint), "--ssm", f"drafter:{tiny_drafter}",
                  str(tmp_path / "own")]) == 2
     assert "only EAGLE-3 heads export" in capsys.readouterr().err
+
+
+def test_a_drafter_trained_in_the_eagle3_block_exports_for_vllm(tmp_path, llm):
+    """What ``train-drafter`` writes with ``block: eagle3``: it starts as "predict f_p = f_{p-1}" (its state is the
+    fused features), its directory (format 3) loads and decodes losslessly, and its speculators export loads back
+    drafting the same logits."""
+    import jax
+
+    from jaxspec.engine import Engine
+    from jaxspec.speculators.drafter_io import load_drafter, save_drafter
+    from models.drafter import drafter_config, init_drafter, own_names
+
+    layers = (1, 3, 4)
+    dcfg = drafter_config(llm.cfg)
+    params = init_drafter(dcfg, llm.params, 0, layers, "eagle3")
+    assert set(own_names(layers, "eagle3")) == {"fuse", "layer_0", "norm"} and "fc" not in params
+    start = _eagle3_model(params, dcfg, layers)
+    rng = np.random.default_rng(3)
+    tokens, feats = rng.integers(0, llm.cfg.vocab_size, 6), rng.standard_normal((6, 3 * llm.cfg.hidden_size))
+    _, _, states = start.forward(params, jnp.asarray(tokens)[None], jnp.arange(6)[None], KVCache.create(dcfg, 1, 8),
+                                 causal_mask(jnp.zeros((1,), jnp.int32), 6, 8), features=jnp.asarray(feats)[None])
+    np.testing.assert_allclose(states[0], feats @ np.asarray(params["fuse"]["kernel"]), rtol=1e-5, atol=1e-5)
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), 64))
+    own = {k: jax.tree_util.tree_map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), params[k])
+           for k in own_names(layers, "eagle3")}
+    counts = rng.integers(0, 100, llm.cfg.vocab_size)
+    directory = save_drafter(tmp_path / "trained", dcfg, own, {"vocab_size": llm.cfg.vocab_size}, counts, 16, {},
+                             "float32", layers, block="eagle3")
+    assert json.loads((directory / "drafter.json").read_text())["format"] == 3
+    model = load_drafter(directory, llm)
+    assert (model.block, model.draft_vocab, model.feature_layers) == ("eagle3", 16, layers)
+    prompt = random_prompts(1, llm.cfg.vocab_size, seed=9, hi=14)[0]
+    assert Engine(llm, [model], (2, 1, 1)).generate(prompt, 16).token_ids == Engine(llm).generate(prompt, 16).token_ids
+    again = load_eagle3(export_speculators(model, llm, tmp_path / "vllm"), llm)
+    np.testing.assert_array_equal(drafter_logits(again, tokens, feats), drafter_logits(model, tokens, feats))
+
+
+def _eagle3_model(params: dict, cfg, layers) -> object:
+    """A feature drafter in the EAGLE-3 block over ``params`` (no draft vocabulary)."""
+    import dataclasses
+
+    from models.loaded import LoadedModel
+
+    return dataclasses.replace(LoadedModel("start", cfg, params), features=True, feature_layers=layers,
+                               block="eagle3")

@@ -284,7 +284,8 @@ def _fc_sorted(w: np.ndarray, ids: list[int], width: int, where: str) -> np.ndar
 
 
 def export_speculators(model: LoadedModel, llm: LoadedModel, out: str | Path, speculative_tokens: int = 3) -> Path:
-    """Writes an EAGLE-3 feature drafter (block "eagle3…") as a ``speculators`` directory vLLM loads.
+    """Writes an EAGLE-3 feature drafter (block "eagle3…": a loaded EAGLE-3 head, or one ``jaxspec train-drafter``
+    trained with ``block: eagle3``) as a ``speculators`` directory vLLM loads.
 
     The project's own block (``fc`` over [embedding ‖ state] and a plain LLaMA block, per-block RMS scaling
     before ``fuse``) is not EAGLE-3's computation, so such a drafter is refused rather than written wrongly.
@@ -296,7 +297,7 @@ def export_speculators(model: LoadedModel, llm: LoadedModel, out: str | Path, sp
             f"drafter {model.name!r} is the project's own block, which EAGLE-3 readers would compute differently: it "
             "scales each aux state to unit RMS before fusing them (EAGLE-3 fuses them raw), projects [embedding ‖ "
             "state] to one width before a plain LLaMA block (EAGLE-3 normalises both halves apart, projects q/k/v "
-            "from both, and starts the residual stream from the state); only EAGLE-3 heads export")
+            "from both, and starts the residual stream from the state); only EAGLE-3 heads export (train one with block: eagle3)")
     cfg, p = model.cfg, jax.tree_util.tree_map(lambda x: np.asarray(x), model.params)
     n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))  # noqa: E731
@@ -323,8 +324,8 @@ def export_speculators(model: LoadedModel, llm: LoadedModel, out: str | Path, sp
         t2d = np.zeros(cfg.vocab_size, bool)
         t2d[ids] = True
         tensors["t2d"] = t2d  # [V]
-    else:  # the target's vocabulary: no maps (vLLM then reads the head as is)
-        tensors["lm_head.weight"] = f32(p["lm_head"]["kernel"].T)  # [V, D]
+    else:  # the target's vocabulary: no maps (vLLM then reads the head as is); a tied head is the embedding
+        tensors["lm_head.weight"] = f32(p["lm_head"]["kernel"].T if "lm_head" in p else p["embed"]["embedding"])
     d_out = Path(out).expanduser()
     d_out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(d_out / WEIGHTS))
