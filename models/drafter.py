@@ -76,7 +76,11 @@ def drafter_config(llm: ModelConfig) -> ModelConfig:
 
 
 class Eagle3Block(nn.Module):
-    """EAGLE-3's decoder layer: attention over [input_norm(embedding) ‖ hidden_norm(state)], residual from the state."""
+    """EAGLE-3's decoder layer: attention over [input_norm(embedding) ‖ hidden_norm(state)], residual from the state.
+
+    Slot 0 (the first token, which no LLM state precedes) is seen by itself only: EAGLE-3 drafts from the pair
+    (x_1, h_0) on, so every later slot attends over exactly the keys EAGLE-3's own drafting has.
+    """
 
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
@@ -87,6 +91,7 @@ class Eagle3Block(nn.Module):
         # emb, h [B, T, D]; k_cache, v_cache [B, K, S, H]; positions [B, T]; mask [B, T, S]; write_at [B]
         cfg = self.cfg
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, name=name)  # noqa: E731
+        mask = mask & ((jnp.arange(mask.shape[-1]) > 0)[None, None, :] | (positions == 0)[:, :, None])  # [B, T, S]
         normed = norm("hidden_norm")(h)
         x = jnp.concatenate([norm("input_norm")(emb), normed], axis=-1)  # [B, T, 2D]
         a, k_new, v_new = Attention(cfg, self.dtype, in_width=2 * cfg.hidden_size, name="attn")(

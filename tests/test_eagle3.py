@@ -113,7 +113,8 @@ def _rope(x, theta):  # x [T, heads, H] at positions 0..T-1, HF's rotate-half co
 
 def reference_logits(t: dict, llm, tokens: np.ndarray, aux: np.ndarray, nbr: bool, draft_ids) -> np.ndarray:
     """[T, V]: EAGLE-3's logits at each slot (-inf outside its draft vocabulary); aux [T, k, D] in the
-    checkpoint's aux-id order, tokens [T], one causal sequence from position 0."""
+    checkpoint's aux-id order, tokens [T], one causal sequence from position 0 whose slot 0 (token 0 with a zero
+    state) no later slot sees, as EAGLE-3's drafting never has it."""
     c = llm.cfg
     n, kv, hd = c.num_heads, c.num_kv_heads, c.head_dim
     g = lambda name: np.asarray(t[name], np.float64)  # noqa: E731
@@ -124,7 +125,9 @@ def reference_logits(t: dict, llm, tokens: np.ndarray, aux: np.ndarray, nbr: boo
     q = _rope((x @ g("midlayer.self_attn.q_proj.weight").T).reshape(-1, n, hd), THETA)
     k = np.repeat(_rope((x @ g("midlayer.self_attn.k_proj.weight").T).reshape(-1, kv, hd), THETA), n // kv, 1)
     v = np.repeat((x @ g("midlayer.self_attn.v_proj.weight").T).reshape(-1, kv, hd), n // kv, 1)
-    s = np.einsum("qnh,knh->nqk", q, k) / np.sqrt(hd) + np.triu(np.full((len(tokens),) * 2, -np.inf), 1)
+    hidden = np.triu(np.full((len(tokens),) * 2, -np.inf), 1)  # causal, and slot 0 (no state before it) seen by
+    hidden[1:, 0] = -np.inf  # itself only: EAGLE-3 drafts from (x_1, h_0) on
+    s = np.einsum("qnh,knh->nqk", q, k) / np.sqrt(hd) + hidden
     p = np.exp(s - s.max(-1, keepdims=True))
     a = np.einsum("nqk,knh->qnh", p / p.sum(-1, keepdims=True), v).reshape(len(tokens), -1)
     x = (normed if nbr else h) + a @ g("midlayer.self_attn.o_proj.weight").T
