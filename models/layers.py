@@ -267,8 +267,8 @@ class Attention(nn.Module):
         cfg = self.cfg
         d, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         proj = lambda name, heads, hname: Dense(  # noqa: E731
-            (self.in_width or d,), (heads, h), (axes.EMBED,), (hname, axes.HEAD_DIM), cfg.attention_bias, self.dtype, self.transposed,
-            self.dense, name=name,
+            (self.in_width or d,), (heads, h), (axes.EMBED,), (hname, axes.HEAD_DIM), cfg.attention_bias, self.dtype,
+            self.transposed, self.dense, name=name,
         )
         if self.fused:
             qkv = proj("qkv", n + 2 * kv, axes.HEADS)(x)  # [B, T, N + 2K, H]

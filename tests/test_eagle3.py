@@ -3,9 +3,10 @@
 Invariants: a head written in each dialect (safetensors from numpy, no torch) computes, through the engine's
 drafter forward, exactly the logits a NumPy transcription of EAGLE-3's layer computes from the same tensors (aux ids
 in the checkpoint's order, rope_theta wherever the dialect wrote it, d2t or no map); greedy decoding with it equals
-incremental decoding (fixed and dynamic trees, merged with the n-gram) and every stochastic verifier runs seeded;
-export -> load gives the very same tensors and drafts; a head built for another target is refused naming what
-differs; the project's own drafter block is refused by the exporter.
+incremental decoding (fixed and dynamic trees, merged with the n-gram, `jaxspec generate` under a regex) and every
+stochastic verifier runs seeded; export -> load gives the very same tensors and drafts (a loaded head, and one
+trained in the EAGLE-3 block); a head built for another target is refused naming what differs; the project's own
+drafter block is refused by the exporter.
 """
 
 from __future__ import annotations
@@ -275,16 +276,44 @@ def test_vocabulary_maps_into_another_vocabulary_are_refused(tmp_path, llm):
         load_eagle3(tmp_path, llm)
 
 
+@pytest.fixture(scope="module")
+def checkpoint_head(tmp_path_factory, tiny_checkpoint_llm) -> Path:
+    """A speculators-format head for the tiny checkpoint LLM (2 layers, the real tokenizer): aux ids 1 and 2, a draft
+    vocabulary of 4096 ids."""
+    llm = tiny_checkpoint_llm
+    return write_head(tmp_path_factory.mktemp("eagle3") / "head", "speculators", llm,
+                      eagle3_tensors(llm, 2, np.arange(0, 4096) * 3, 1), [1, 2], 4096)
+
+
+def test_generate_with_an_eagle3_head_and_a_grammar_matches_incremental(tmp_path, tiny_checkpoint, checkpoint_head):
+    """``jaxspec generate --ssm eagle3:DIR --mode tree`` under a regex: the same tokens as ``--mode incremental``."""
+    import re
+
+    from test_cli import run_cli
+
+    regex = "(yes|no), [a-z ]{1,24}"
+    rows = {}
+    for mode in ("tree", "incremental"):
+        out = tmp_path / f"{mode}.jsonl"
+        drafts = ["--ssm", f"eagle3:{checkpoint_head}", "--expansion", "2,1"] if mode == "tree" else []
+        proc = run_cli("generate", "--model", str(tiny_checkpoint), "--prompt", "Is the sky blue?", "--mode", mode,
+                       *drafts, "--max-new-tokens", "16", "--regex", regex, "--output", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows[mode] = json.loads(out.read_text().splitlines()[0])
+    assert rows["tree"]["token_ids"] == rows["incremental"]["token_ids"]
+    assert re.fullmatch(regex, rows["tree"]["text"]) or len(rows["tree"]["token_ids"]) == 16
+    assert rows["tree"]["ssm_steps"] > 0  # the head drafted
+
+
 def test_cli_exports_an_eagle3_head_and_a_wrong_tokenizer_is_refused(tmp_path, tiny_checkpoint, tiny_checkpoint_llm,
-                                                                     tiny_drafter, capsys):
+                                                                     checkpoint_head, tiny_drafter, capsys):
     """``jaxspec export-drafter`` on a real checkpoint with a tokenizer: the written directory records the LLM's
     tokenizer digest and loads back; the same head recorded for another tokenizer is refused; the project's own
     drafter is refused with one error line."""
     from jaxspec.cli import main
 
     llm = tiny_checkpoint_llm
-    head = write_head(tmp_path / "head", "speculators", llm, eagle3_tensors(llm, 2, np.arange(0, 4096) * 3, 1),
-                      [1, 2], 4096)
+    head = checkpoint_head
     out = tmp_path / "out"
     assert main(["export-drafter", "--model", str(tiny_checkpoint), "--ssm", str(head), str(out)]) == 0
     assert load_eagle3(out, llm).feature_layers == (0, 1)

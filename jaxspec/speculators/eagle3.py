@@ -28,7 +28,6 @@ import json
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.errors import VocabularyMismatch
@@ -93,7 +92,7 @@ def _layer_config(hf: dict, kind: str, where: str) -> dict:
     return layer
 
 
-def _aux_ids(hf: dict, kind: str, num_layers: int) -> list[int] | None:
+def _aux_ids(hf: dict, kind: str) -> list[int] | None:
     """The dialect's aux hidden-state layer ids as written (None: EAGLE-3's default)."""
     if kind == "speculators":
         return hf.get("eagle_aux_hidden_state_layer_ids")
@@ -203,7 +202,7 @@ def load_eagle3(path: str | Path, llm: LoadedModel, dtype: str = "float32") -> L
         raise VocabularyMismatch(f"{where} was trained for a vocabulary of {own.vocab_size} tokens, but the LLM "
                                  f"{llm.name!r} has {lc.vocab_size}")
     _check_tokenizer(directory, hf, llm, where)
-    ids, layers = _taps(_aux_ids(hf, kind, lc.num_layers), lc.num_layers, where)
+    ids, layers = _taps(_aux_ids(hf, kind), lc.num_layers, where)
     try:
         tensors = {_name(k): v for k, v in checkpoint_tensors(directory).items()}
     except CheckpointError as e:
@@ -297,7 +296,8 @@ def export_speculators(model: LoadedModel, llm: LoadedModel, out: str | Path, sp
             f"drafter {model.name!r} is the project's own block, which EAGLE-3 readers would compute differently: it "
             "scales each aux state to unit RMS before fusing them (EAGLE-3 fuses them raw), projects [embedding ‖ "
             "state] to one width before a plain LLaMA block (EAGLE-3 normalises both halves apart, projects q/k/v "
-            "from both, and starts the residual stream from the state); only EAGLE-3 heads export (train one with block: eagle3)")
+            "from both, and starts the residual stream from the state); only EAGLE-3 heads export (train one with "
+            "block: eagle3)")
     cfg, p = model.cfg, jax.tree_util.tree_map(lambda x: np.asarray(x), model.params)
     n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))  # noqa: E731
@@ -355,7 +355,8 @@ def _speculators_config(model: LoadedModel, llm: LoadedModel, speculative_tokens
         "draft_vocab_size": model.draft_vocab or cfg.vocab_size,
         "target_hidden_size": llm.cfg.hidden_size,
         "norm_before_residual": model.block == "eagle3_norm_before_residual",
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in model.feature_layers],  # block i's output is layer i+1's input
+        # block i's output is the input of layer i + 1, what an aux id names
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in model.feature_layers],
         "transformer_layer_config": layer,
         "speculators_config": {
             "algorithm": "eagle3",
