@@ -315,9 +315,12 @@ def test_cli_exports_an_eagle3_head_and_a_wrong_tokenizer_is_refused(tmp_path, t
     llm = tiny_checkpoint_llm
     head = checkpoint_head
     out = tmp_path / "out"
-    assert main(["export-drafter", "--model", str(tiny_checkpoint), "--ssm", str(head), str(out)]) == 0
+    assert main(["export-drafter", "--model", str(tiny_checkpoint), "--ssm", str(head), "--verifier", "org/tiny",
+                 str(out)]) == 0
     assert load_eagle3(out, llm).feature_layers == (0, 1)
     config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2] and config["draft_vocab_size"] == 4096
     config["jaxspec"]["llm"]["tokenizer"] = "0" * 64
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(VocabularyMismatch, match="different tokenizer"):

@@ -18,6 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--ssm", required=True, metavar="SPEC", help="the drafter, as --ssm names it for generate")
     p.add_argument("--model", help="the LLM it drafts for (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--format", choices=FORMATS, default="speculators")
+    p.add_argument("--verifier", metavar="NAME_OR_PATH",
+                   help="the target recorded as speculators_config.verifier (vllm serve OUT loads it as the LLM; "
+                        "default: the --model file's name), e.g. its Hugging Face id")
     p.add_argument("--speculative-tokens", type=int, default=3,
                    help="draft depth recorded as the greedy proposal method (vLLM's num_speculative_tokens default)")
     p.set_defaults(func=cmd_export)
@@ -34,6 +37,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     loaded = load_speculators([args.ssm], llm)
     if len(loaded) != 1 or not getattr(loaded[0], "features", False):
         raise CliError(f"--ssm {args.ssm!r} is not a feature drafter: only EAGLE-3 heads export")
-    out = export_speculators(loaded[0], llm, args.out, args.speculative_tokens)
+    out = export_speculators(loaded[0], llm, args.out, args.speculative_tokens, args.verifier)
     print(f"wrote {args.format} drafter {out}")
     return 0

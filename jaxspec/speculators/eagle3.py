@@ -282,7 +282,8 @@ def _fc_sorted(w: np.ndarray, ids: list[int], width: int, where: str) -> np.ndar
     return parts[np.argsort(ids)].reshape(len(ids) * width, w.shape[0])
 
 
-def export_speculators(model: LoadedModel, llm: LoadedModel, out: str | Path, speculative_tokens: int = 3) -> Path:
+def export_speculators(model: LoadedModel, llm: LoadedModel, out: str | Path, speculative_tokens: int = 3,
+                       verifier: str | None = None) -> Path:
     """Writes an EAGLE-3 feature drafter (block "eagle3…": a loaded EAGLE-3 head, or one ``jaxspec train-drafter``
     trained with ``block: eagle3``) as a ``speculators`` directory vLLM loads.
 
@@ -329,12 +330,13 @@ def export_speculators(model: LoadedModel, llm: LoadedModel, out: str | Path, sp
     d_out = Path(out).expanduser()
     d_out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(d_out / WEIGHTS))
-    (d_out / CONFIG).write_text(json.dumps(_speculators_config(model, llm, speculative_tokens), indent=1))
+    config = _speculators_config(model, llm, speculative_tokens, verifier or llm.name)
+    (d_out / CONFIG).write_text(json.dumps(config, indent=1))
     return d_out
 
 
-def _speculators_config(model: LoadedModel, llm: LoadedModel, speculative_tokens: int) -> dict:
-    """The ``speculators`` config.json of an EAGLE-3 drafter for ``llm``."""
+def _speculators_config(model: LoadedModel, llm: LoadedModel, speculative_tokens: int, verifier: str) -> dict:
+    """The ``speculators`` config.json of an EAGLE-3 drafter for ``llm`` (recorded as ``verifier``)."""
     cfg = model.cfg
     rope = dict(cfg.rope_scaling_dict or {"rope_type": "default"})
     layer = {
@@ -363,7 +365,7 @@ def _speculators_config(model: LoadedModel, llm: LoadedModel, speculative_tokens
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": llm.name, "architectures": ["LlamaForCausalLM"]},
+            "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
         },
         "jaxspec": {"llm": llm_identity(llm)},  # vocabulary size and tokenizer digest, checked when loaded here
     }
