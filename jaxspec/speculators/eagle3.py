@@ -41,6 +41,7 @@ DIALECTS = ("speculators", "specforge", "eagle")
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 SPECULATORS_VERSION = "0.2.0"  # the speculators release whose config layout ``export_speculators`` writes
+VERIFIER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "opt": "OPTForCausalLM"}
 
 
 class Eagle3Error(ValueError):
@@ -365,7 +366,7 @@ def _speculators_config(model: LoadedModel, llm: LoadedModel, speculative_tokens
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
+            "verifier": {"name_or_path": verifier, "architectures": [VERIFIER_ARCHITECTURES[llm.cfg.arch]]},
         },
         "jaxspec": {"llm": llm_identity(llm)},  # vocabulary size and tokenizer digest, checked when loaded here
     }
