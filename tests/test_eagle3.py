@@ -255,6 +255,8 @@ def _flat(params: dict) -> dict:
     ({"eagle_aux_hidden_state_layer_ids": [0, 4, 6]}, Eagle3Error, "embeddings"),
     ({"eagle_aux_hidden_state_layer_ids": [2, 4]}, Eagle3Error, "fc reads 96 features"),
     ({"speculators_model_type": "eagle"}, Eagle3Error, "only eagle3"),
+    ({"norm_output": True}, Eagle3Error, "norm_output=true"),
+    ({"transformer_layer_config": {"model_type": "qwen3"}}, Eagle3Error, "'qwen3' decoder layer"),
     ({"draft_vocab_size": 41}, Eagle3Error, "d2t of shape"),
 ])
 def test_a_head_for_another_target_is_refused_naming_the_mismatch(tmp_path, llm, change, error, words):

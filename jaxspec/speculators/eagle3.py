@@ -41,6 +41,12 @@ DIALECTS = ("speculators", "specforge", "eagle")
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 SPECULATORS_VERSION = "0.2.0"  # the speculators release whose config layout ``export_speculators`` writes
+# speculators options the EAGLE-3 block does not compute (speculators 0.9) -> what each changes
+UNSUPPORTED_SPECULATORS_FLAGS = {
+    "norm_before_fc": "one RMSNorm over the concatenated aux states before fc",
+    "fc_norm": "an RMSNorm per aux state before fc",
+    "norm_output": "deeper levels read the normed state (EAGLE 3.1)",
+}
 VERIFIER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "opt": "OPTForCausalLM"}
 
 
@@ -85,6 +91,9 @@ def _layer_config(hf: dict, kind: str, where: str) -> dict:
     layer = dict(hf.get("transformer_layer_config") or {})
     if not layer:
         raise Eagle3Error(f"{where}: speculators config without transformer_layer_config")
+    for flag, what in UNSUPPORTED_SPECULATORS_FLAGS.items():
+        if hf.get(flag):
+            raise Eagle3Error(f"{where}: {flag}=true ({what}); the EAGLE-3 block does not compute it")
     rope = layer.get("rope_parameters") or {}
     if layer.get("rope_theta") is None and rope.get("rope_theta") is None:  # written beside, not inside, the layer's
         outer = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta"))
