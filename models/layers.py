@@ -256,6 +256,7 @@ class Attention(nn.Module):
     dense: str = "barrier"  # how those are multiplied (Lowering.dense)
     attention: str = "dense"  # over a cache written in place (store): "blocks" reads only filled slots (Lowering)
     fused: bool = False  # one output-major ``qkv`` kernel [N + 2K, H, D] instead of q, k, v (Lowering.proj)
+    in_width: int = 0  # width of x when it is not D (EAGLE-3's block projects q/k/v from [embedding ‖ state], 2D)
 
     @nn.compact
     def __call__(self, x, positions, mask, k_cache, v_cache, write_at, store=None):
@@ -266,8 +267,8 @@ class Attention(nn.Module):
         cfg = self.cfg
         d, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         proj = lambda name, heads, hname: Dense(  # noqa: E731
-            (d,), (heads, h), (axes.EMBED,), (hname, axes.HEAD_DIM), cfg.attention_bias, self.dtype, self.transposed,
-            self.dense, name=name,
+            (self.in_width or d,), (heads, h), (axes.EMBED,), (hname, axes.HEAD_DIM), cfg.attention_bias, self.dtype,
+            self.transposed, self.dense, name=name,
         )
         if self.fused:
             qkv = proj("qkv", n + 2 * kv, axes.HEADS)(x)  # [B, T, N + 2K, H]

@@ -26,6 +26,7 @@ class LoadedModel:
     draft_vocab: int = 0  # > 0: a drafting SSM whose params carry a reduced head (``jaxspec.speculators.draft_vocab``)
     features: bool = False  # a feature drafter (``models.drafter``): reads the LLM's states, not a Transformer
     feature_layers: tuple[int, ...] = ()  # a fused feature drafter's LLM blocks (empty: the final-norm state)
+    block: str = "own"  # a feature drafter's layer (``models.drafter.BLOCKS``): the project's or EAGLE-3's
     # a speculator's top-1 agreement with the LLM's greedy token at draft depths 1, 2, ... given the path above agreed,
     # as its training run measured it on held-out text (empty: not recorded; auto's trees then score with a prior)
     acceptance: tuple[float, ...] = ()
@@ -38,7 +39,7 @@ class LoadedModel:
     def forward_with(self, lowering: Lowering | None) -> Forward:
         """The forward of its stored (scanned) layout under ``lowering`` (None: this platform's)."""
         return forward_for(self.cfg, jnp.dtype(self.dtype), draft_vocab=self.draft_vocab, drafter=self.features,
-                           feature_layers=self.feature_layers, lowering=lowering)
+                           feature_layers=self.feature_layers, lowering=lowering, block=self.block)
 
 
 _FORWARDS: dict = {}
@@ -46,12 +47,14 @@ _FORWARDS: dict = {}
 
 def forward_for(cfg: ModelConfig, dtype, unrolled: bool = False, draft_vocab: int = 0,
                  hidden: bool | tuple[int, ...] = False, drafter: bool = False,
-                 feature_layers: tuple[int, ...] = (), lowering: Lowering | None = None) -> Forward:
+                 feature_layers: tuple[int, ...] = (), lowering: Lowering | None = None, block: str = "own") -> Forward:
     """One forward per configuration: a Transformer's (``hidden``: the states a feature drafter reads), or a
-    feature drafter's (``drafter``; ``feature_layers``: its fused form); ``lowering`` default: this platform's."""
+    feature drafter's (``drafter``; ``feature_layers``: its fused form; ``block``: its layer); ``lowering`` default:
+    this platform's."""
     lowering = lowering or default_lowering()
-    key = (cfg, dtype, unrolled, draft_vocab, hidden, drafter, tuple(feature_layers), lowering)
+    key = (cfg, dtype, unrolled, draft_vocab, hidden, drafter, tuple(feature_layers), lowering, block)
     if key not in _FORWARDS:
-        _FORWARDS[key] = (make_drafter_forward(cfg, dtype, draft_vocab, tuple(feature_layers), lowering) if drafter
+        _FORWARDS[key] = (make_drafter_forward(cfg, dtype, draft_vocab, tuple(feature_layers), lowering, block)
+                          if drafter
                           else make_forward(cfg, dtype, unrolled, draft_vocab, hidden, lowering))
     return _FORWARDS[key]

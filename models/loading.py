@@ -270,6 +270,16 @@ def _weight_files(directory: Path) -> list[Path]:
     raise CheckpointError(f"no weights (*.safetensors or pytorch_model*.bin) in checkpoint directory: {directory}")
 
 
+def checkpoint_tensors(directory: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a HF-style directory by its stored name (safetensors, sharded or not, else PyTorch .bin)."""
+    out = {}
+    for file in _weight_files(Path(directory)):
+        readers = _safetensors_readers(file) if file.suffix == ".safetensors" else _torch_readers(file)
+        source = _Source(file, readers)
+        out.update({name: source.read(name) for name in readers})
+    return out
+
+
 def _normalise(name: str) -> str:
     """Drops the base-model prefix: ``model.layers.0...`` and ``layers.0...`` name the same tensor."""
     return name[len("model."):] if name.startswith("model.") else name

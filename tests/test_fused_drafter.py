@@ -153,9 +153,11 @@ def test_engine_serves_a_fused_drafter_losslessly(tmp_path, monkeypatch):
     assert load_drafter(directory, llm).feature_layers == ()
 
 
-def test_a_fused_drafter_learns_a_repetitive_corpus(tmp_path):
+@pytest.mark.parametrize("block", ["own", "eagle3"])
+def test_a_fused_drafter_learns_a_repetitive_corpus(tmp_path, block):
     """A few hundred training-time-test steps on a periodic corpus: every draft level agrees with the LLM's
-    greedy token almost always (the features, the cache, the loss and the optimiser work together)."""
+    greedy token almost always (the features, the cache, the loss and the optimiser work together), in the
+    project's block and in EAGLE-3's."""
     import optax
 
     from training.drafter import DrafterConfig
@@ -167,14 +169,14 @@ def test_a_fused_drafter_learns_a_repetitive_corpus(tmp_path):
     build_cache(tmp_path, llm, {"name": "tiny"}, rows, CacheSpec(LAYERS, 48, "float32", top_k=4, rows_per_shard=8,
                                                                   batch=8), progress=False)
     batch = {k: jnp.asarray(v) for k, v in FeatureCache(tmp_path).rows(np.arange(8)).items()}
-    cfg = DrafterConfig(feature_layers=list(LAYERS), ttt_steps=3)
+    cfg = DrafterConfig(feature_layers=list(LAYERS), ttt_steps=3, block=block)
     ids = jnp.arange(llm.cfg.vocab_size)
     opt = optax.adam(3e-3)
     from training.fused import make_fused_step
 
     step, evaluate = make_fused_step(dcfg, LAYERS, ids, cfg, opt)
-    params = init_drafter(dcfg, llm.params, 0, LAYERS)
-    own = {k: params[k] for k in own_names(LAYERS)}
+    params = init_drafter(dcfg, llm.params, 0, LAYERS, block)
+    own = {k: params[k] for k in own_names(LAYERS, block)}
     frozen = {k: v for k, v in params.items() if k not in own}
     head = frozen["embed"]["embedding"]
     before = {k: float(v) for k, v in evaluate(own, frozen, head, batch).items()}

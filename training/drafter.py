@@ -70,6 +70,9 @@ class DrafterConfig:
     max_minutes: float = 0.0  # > 0: stop (and save) after this long; rerun to resume
     # the fused form (EAGLE-3; training.fused): set feature_layers ([] picks low/middle/high blocks)
     feature_layers: list[int] | None = None
+    # the fused form's layer: "own" (fc, then a LLaMA block) or "eagle3" (EAGLE-3's own layer: `jaxspec
+    # export-drafter` writes it in the speculators format vLLM loads)
+    block: str = "own"
     ttt_steps: int = 3  # unrolled drafting steps per position, each on the previous step's own states
     ttt_decay: float = 0.8  # loss weight of step j: ttt_decay ** (j - 1)
     soft_weight: float = 0.5  # CE against the LLM's top-K distribution (the rest: against its argmax)
@@ -105,6 +108,8 @@ class DrafterConfig:
         if cfg.answers and (cfg.answers <= cfg.eval_sequences or (cfg.answers - cfg.eval_sequences) % 64):
             raise ValueError(f"answers={cfg.answers}: need eval_sequences ({cfg.eval_sequences}) plus a multiple "
                              f"of 64 > 0 (rows per feature cache shard)")
+        if cfg.block not in ("own", "eagle3") or (cfg.block != "own" and cfg.feature_layers is None):
+            raise ValueError(f"block={cfg.block!r}: own, or eagle3 with feature_layers set (the fused form)")
         if not 0.0 <= cfg.answer_mix <= 1.0 or not 0 < cfg.answer_tokens < cfg.seq_len:
             raise ValueError("need answer_mix in [0, 1] and 0 < answer_tokens < seq_len")
         return cfg

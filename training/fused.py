@@ -73,7 +73,7 @@ def unrolled_states(draft, params: dict, dcfg, tokens: jax.Array, feats: jax.Arr
 
 def make_fused_step(dcfg, layers: tuple[int, ...], ids: jax.Array, cfg, opt):
     """The jitted training step and evaluation over cache batches (tokens, feats, top_ids, top_logp)."""
-    draft = make_drafter_forward(dcfg, feature_layers=layers)
+    draft = make_drafter_forward(dcfg, feature_layers=layers, block=cfg.block)
     vocab = dcfg.vocab_size
     slot = jnp.full((vocab,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
 
@@ -264,8 +264,8 @@ def train_fused(cfg, export_only: bool = False) -> Path:
                                                   cfg.learning_rate * 0.1)
     opt = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
-    names = own_names(layers)
-    params = init_drafter(dcfg, llm.params, cfg.seed, layers)
+    names = own_names(layers, cfg.block)
+    params = init_drafter(dcfg, llm.params, cfg.seed, layers, cfg.block)
     own = {k: params[k] for k in names}
     frozen = {k: v for k, v in params.items() if k not in names}
     head = frozen["embed"]["embedding"][ids] if dcfg.tie_word_embeddings else llm.params["lm_head"]["kernel"][:, ids].T
@@ -286,7 +286,7 @@ def train_fused(cfg, export_only: bool = False) -> Path:
 
     def export(step: int, extra: dict) -> Path:
         return save_drafter(out / "drafter", dcfg, own, identity, counts, cfg.draft_vocab,
-                            {"steps": step, **run, **extra}, feature_layers=layers)
+                            {"steps": step, **run, **extra}, feature_layers=layers, block=cfg.block)
 
     if export_only:
         return export(start, {})

@@ -1,5 +1,5 @@
 """The commands of the ``jaxspec`` command line: generate, bench (registered by ``jaxspec.cli.bench``), serve
-(``jaxspec.cli.serve``), train-ssm.
+(``jaxspec.cli.serve``), export-drafter (``jaxspec.cli.export_cmd``), train-ssm.
 
 Every expected failure (bad checkpoint, bad prompt file, prompt too long, bad sampling
 parameters, mismatched tokenizer) ends with one line ``jaxspec: error: ...`` and exit 2; in a job of several
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from jaxspec.cli import bench, cache_cmd, cluster, repro
+from jaxspec.cli import bench, cache_cmd, cluster, export_cmd, repro
 from jaxspec.cli.jobs import ROW_SAMPLING, JsonLines, Row, check_rows, error_line
 from jaxspec.decoding import sampling
 from jaxspec.parallel import distributed
@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     repro.add_parser(sub)
     cache_cmd.add_parser(sub)
+    export_cmd.add_parser(sub)
     try:
         from jaxspec.cli import serve
     except ImportError as e:  # the serving extras missing (e.g. a GPU image with JAX only): the rest still works

@@ -144,7 +144,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         f"sequence: <1,..,1>; tree: token trees (default expansion {DEFAULT_TREE})")
     p.add_argument("--ssm", action="append", default=None, metavar="PATH_OR_SPEC",
                    help="speculator: layers:N (LLM's first N layers), pool:DIR, drafter[:DIR] (a feature drafter "
-                        "reading the LLM's states; alone: the shipped one), a checkpoint path, ngram[:N] "
+                        "reading the LLM's states; alone: the shipped one), eagle3:DIR (an EAGLE-3 head: speculators, "
+                        "SpecForge or EAGLE format; a plain DIR is told by its config), a checkpoint path, ngram[:N] "
                         "(prompt lookup of up to N-token suffixes), or default (the shipped pool); repeat to merge "
                         f"several speculators' trees (auto default: {' + '.join(AUTO_SPECULATORS)})")
     p.add_argument("--expansion", help=f"expansion config k1,...,km (tree default {DEFAULT_TREE}; auto: each "

@@ -372,7 +372,8 @@ class Runner:
         stored executable's key (``jaxspec.engine.executables``)."""
         return {
             "llm": [repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))],
-            "ssms": [[repr(s.cfg), str(jnp.dtype(s.dtype)), s.draft_vocab, s.features, list(s.feature_layers)]
+            "ssms": [[repr(s.cfg), str(jnp.dtype(s.dtype)), s.draft_vocab, s.features, list(s.feature_layers),
+                      *([s.block] if s.block != "own" else [])]
                      for s in self.ssms],
             "features": [self.features, list(self.feature_layers)],
             "lowering": self.lowering.label,
@@ -696,7 +697,7 @@ def ssm_groups(ssms: Sequence[LoadedModel], topologies: Sequence) -> tuple[SSMGr
 
     buckets: dict = {}
     for j, (s, t) in enumerate(zip(ssms, topologies)):
-        buckets.setdefault((s.cfg, jnp.dtype(s.dtype), s.draft_vocab, s.features, t), []).append(j)
+        buckets.setdefault((s.cfg, jnp.dtype(s.dtype), s.draft_vocab, s.features, s.block, t), []).append(j)
     groups = []
     for members in sorted(buckets.values()):
         flats = [flatten(ssms[j].params) for j in members]

@@ -1,1 +1,2 @@
-"""Speculators on disk: SSM pools, the feature drafter's files, draft vocabularies, resolving --ssm specs."""
+"""Speculators on disk: SSM pools, the feature drafter's files, EAGLE-3 heads, draft vocabularies, resolving --ssm
+specs."""

@@ -7,7 +7,9 @@ the LLM's, taken at load time) and ``token_counts.safetensors`` (the LLM's greed
 in training, which pick the draft vocabulary). ``training.drafter`` writes it.
 
 Format 2 is the fused form (EAGLE-3): ``feature_layers`` names the LLM blocks it reads and its
-own tensors add ``fuse`` and ``norm``. Format 1 directories (the final-norm form) still load.
+own tensors add ``fuse`` and ``norm``. Format 3 adds ``block`` (``models.drafter.BLOCKS``): "eagle3"
+is EAGLE-3's own layer (tensors ``fuse``, ``layer_0``, ``norm``), which ``jaxspec export-drafter``
+writes in the speculators format. Format 1 directories (the final-norm form) still load.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from jaxspec.speculators.draft_vocab import frequent_ids, read_counts, write_cou
 from models.loaded import LoadedModel
 from jaxspec.speculators.pool import DTYPES, PoolError, check_llm, config_from_dict, config_to_dict, read_json
 from models.config import ModelConfig
-from models.drafter import check_feature_layers, own_names, param_tree
+from models.drafter import BLOCKS, check_feature_layers, own_names, param_tree
 from models.loading import flatten, unflatten
 from models.transformer import with_draft_head
 
 MANIFEST = "drafter.json"
 WEIGHTS = "drafter.safetensors"
 FORMAT = 2
-FORMATS = (1, 2)  # readable: 1 the final-norm form, 2 adds feature_layers (the fused form)
+FORMATS = (1, 2, 3)  # readable: 1 the final-norm form, 2 adds feature_layers (the fused form), 3 adds block
 
 
 def is_drafter(path: str | Path) -> bool:
@@ -40,7 +42,8 @@ def is_drafter(path: str | Path) -> bool:
 
 
 def save_drafter(directory: str | Path, cfg: ModelConfig, own: dict, llm_identity: dict, counts: np.ndarray,
-                 draft_vocab: int, run: dict, dtype: str = "bfloat16", feature_layers: tuple[int, ...] = ()) -> Path:
+                 draft_vocab: int, run: dict, dtype: str = "bfloat16", feature_layers: tuple[int, ...] = (),
+                 block: str = "own") -> Path:
     """Writes a drafter directory from its own parameters (``models.drafter.own_names``)."""
     from safetensors.flax import save_file  # noqa: PLC0415
 
@@ -51,9 +54,12 @@ def save_drafter(directory: str | Path, cfg: ModelConfig, own: dict, llm_identit
     flat = {k: jnp.asarray(v, DTYPES[dtype]) for k, v in flatten(own).items()}
     save_file(flat, str(d / WEIGHTS))
     write_counts(d, counts)
-    manifest = {"format": FORMAT if feature_layers else 1, "kind": "feature", "dtype": dtype,
-                "config": config_to_dict(cfg), "llm": llm_identity, "draft_vocab": int(draft_vocab), "file": WEIGHTS,
-                **({"feature_layers": [int(i) for i in feature_layers]} if feature_layers else {}), "run": run}
+    if block != "own" and not feature_layers:
+        raise ValueError(f"a drafter of block {block!r} reads the LLM's blocks: give feature_layers")
+    manifest = {"format": 3 if block != "own" else FORMAT if feature_layers else 1, "kind": "feature",
+                "dtype": dtype, "config": config_to_dict(cfg), "llm": llm_identity, "draft_vocab": int(draft_vocab),
+                "file": WEIGHTS, **({"feature_layers": [int(i) for i in feature_layers]} if feature_layers else {}),
+                **({"block": block} if block != "own" else {}), "run": run}
     (d / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
     return d
 
@@ -94,8 +100,11 @@ def load_drafter(path: str | Path, llm: LoadedModel, dtype: str = "float32",
     # cast on the host and placed as is: an eager cast on the device would compile one program per tensor shape
     flat = {k: jax.device_put(v.astype(DTYPES[dtype])) for k, v in load_file(str(p / manifest["file"])).items()}
     own = unflatten(flat)
-    names = own_names(layers)
-    expected = {k: v for k, v in flatten(jax.eval_shape(lambda: param_tree(cfg, 0, layers))).items()
+    block = manifest.get("block", "own")
+    if block not in BLOCKS or (block != "own" and not layers):
+        raise PoolError(f"drafter {p}: block {block!r} (known: {', '.join(BLOCKS)}; not own ones need feature_layers)")
+    names = own_names(layers, block)
+    expected = {k: v for k, v in flatten(jax.eval_shape(lambda: param_tree(cfg, 0, layers, block))).items()
                 if k.split("/")[0] in names}
     if set(flat) != set(expected) or any(tuple(flat[k].shape) != tuple(expected[k].shape) for k in expected):
         raise PoolError(f"drafter {p}: its tensors do not match its config")
@@ -109,7 +118,8 @@ def load_drafter(path: str | Path, llm: LoadedModel, dtype: str = "float32",
     else:
         size = 0
     return dataclasses.replace(LoadedModel(f"{p.name}", cfg, params, DTYPES[dtype], llm.tokenizer, size),
-                               features=True, feature_layers=layers, acceptance=recorded_acceptance(manifest))
+                               features=True, feature_layers=layers, block=block,
+                               acceptance=recorded_acceptance(manifest))
 
 
 def recorded_acceptance(manifest: dict) -> tuple[float, ...]:

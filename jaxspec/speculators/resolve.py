@@ -2,8 +2,9 @@
 
 SSM specs: ``ngram[:N]`` (prompt lookup), ``layers:N`` (early exit from the LLM's first N layers), ``pool:PATH`` (every
 SSM of a boost-tuned pool), ``drafter:PATH`` (a feature drafter, ``jaxspec.speculators.drafter_io``; ``drafter`` alone: the
-shipped one), ``default`` (the shipped pool, else ``layers:4``), or a path to a drafter directory or a checkpoint
-(HF directory or GGUF) sharing the LLM's tokenizer.
+shipped one), ``eagle3:DIR`` (an EAGLE-3 head in any of its dialects, ``jaxspec.speculators.eagle3``), ``default``
+(the shipped pool, else ``layers:4``), or a path to a drafter directory, an EAGLE-3 directory (told by its config) or
+a checkpoint (HF directory or GGUF) sharing the LLM's tokenizer.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from jaxspec.cache import weight_cache_dir
 from jaxspec.errors import RequestError
 from jaxspec.speculators.draft_vocab import DraftVocabError, read_counts, restrict
 from jaxspec.speculators.drafter_io import is_drafter, load_drafter
+from jaxspec.speculators.eagle3 import dialect, load_eagle3
 from jaxspec.speculators.early_exit import early_exit
 from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.speculators.pool import load_pool, read_manifest
@@ -69,7 +71,7 @@ def spec_path(spec: str) -> Path | None:
         return DEFAULT_DRAFTER
     if spec == "ngram" or spec.startswith(("ngram:", "layers:")):
         return None
-    return Path(spec.split(":", 1)[1] if spec.startswith(("drafter:", "pool:")) else spec).expanduser()
+    return Path(spec.split(":", 1)[1] if spec.startswith(("drafter:", "pool:", "eagle3:")) else spec).expanduser()
 
 
 def ngram_speculator(spec: str) -> NGramSpeculator:
@@ -87,7 +89,8 @@ def load_speculators(specs: Sequence[str], llm: LoadedModel, dtype: str = "float
     """Resolves every ``--ssm`` spec against the LLM; the order of SSMs follows the specs.
 
     ``draft_vocab``: learned SSMs draft over that many of the most frequent tokens (0: the
-    full vocabulary; None: a pool's own default from its manifest, others the full one).
+    full vocabulary; None: a pool's own default from its manifest, others the full one); an EAGLE-3
+    head keeps the draft vocabulary it was trained with.
     """
     vocab = llm.cfg.vocab_size
     if draft_vocab is not None and not 0 <= draft_vocab <= vocab:  # (a size above it would silently mean full)
@@ -106,6 +109,8 @@ def load_speculators(specs: Sequence[str], llm: LoadedModel, dtype: str = "float
         elif spec.startswith("drafter:") or is_drafter(spec):
             out.append(load_drafter(spec.split(":", 1)[1] if spec.startswith("drafter:") else spec, llm, dtype,
                                     draft_vocab))
+        elif spec.startswith("eagle3:") or dialect(spec):
+            out.append(load_eagle3(spec.split(":", 1)[1] if spec.startswith("eagle3:") else spec, llm, dtype))
         elif spec.startswith("layers:"):
             try:
                 n = int(spec.split(":", 1)[1])
