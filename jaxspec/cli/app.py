@@ -179,6 +179,7 @@ def record(row: dict, out: "CompletionOutput", args: argparse.Namespace) -> dict
         "mode": args.mode,
         "tree": gen.tree_counts,
         "speculation": out.speculation.as_dict(),
+        "iteration_seconds": out.iteration_seconds,
         "error": out.error,
     }
 

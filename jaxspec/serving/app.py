@@ -113,8 +113,11 @@ class Completion:
 
 
 def extra(choice: Choice) -> dict:
-    """jaxspec's extension fields of a finished choice (OpenAI's clients keep unknown fields): its speculation."""
-    return {"speculation": choice.speculation} if choice.finish_reason is not None and choice.speculation else {}
+    """jaxspec's extension fields of a finished choice (OpenAI's clients keep unknown fields): its speculation and
+    where its decoding time went (``Generation.iteration_seconds``)."""
+    if choice.finish_reason is None or not choice.speculation:
+        return {}
+    return {"speculation": choice.speculation, "iteration_seconds": choice.iteration_seconds or {}}
 
 
 def ended(choice: Choice) -> APIError:
