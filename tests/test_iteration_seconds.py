@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import random_prompts, tiny_model
+from jaxspec.decoding import sampling
 from jaxspec.engine import Engine
 from jaxspec.engine.auto import SETTLE_TRIALS, Member, TreeChooser
 from jaxspec.engine.batch import PARTS, BatchEngine, Request
@@ -125,3 +126,19 @@ def test_jsonl_and_api_carry_the_seconds_per_member(tiny_checkpoint, tmp_path):
     (completion,) = result.outputs
     assert completion.iteration_seconds == completion.generation.iteration_seconds
     assert sum(v["n"] for v in completion.iteration_seconds.values()) == completion.speculation.verify_steps > 0
+
+
+def test_a_settled_request_s_plain_iterations_compute_no_expected_tokens(tiny_llm):
+    """Once a request has settled on plain steps, its picks re-read the expected tokens they computed (nothing they
+    follow from changed) instead of blending and scoring every member again: the host work a plain iteration under
+    auto adds to one under incremental. Counted: the scorings of a 40-token request whose drafts all fail."""
+    engine = Engine(tiny_llm, speculators=[tiny_model(seed=7)], expansion=[(1, 1, 1)], auto=True,
+                    costs={"none": 1.0, "ssm": 1.5})
+    chooser = engine.chooser(sampling.WarpSpec.of(sampling.SamplingParams()))
+    scored = []
+    row_rates = chooser._row_rates
+    chooser._row_rates = lambda *args: scored.append(1) or row_rates(*args)
+    (gen,) = BatchEngine(engine, max_batch=1, max_model_len=96).generate([Request(random_prompts(1, 64, 11)[0], 40,
+                                                                                  stop_ids=[])])
+    assert sum(gen.accepted.values()) == 0 and gen.tree_counts["none"] >= gen.llm_steps - SETTLE_TRIALS - 1
+    assert len(scored) <= 2 * (SETTLE_TRIALS + 1) < gen.llm_steps - 30, (len(scored), gen.trees)
