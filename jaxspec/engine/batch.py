@@ -201,6 +201,7 @@ class BatchEngine:
         self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
         self._last_done = 0.0  # perf_counter of the newest read (0: none since the loop last ran empty)
         self._spent = dict.fromkeys(PARTS[1:3], 0.0)  # the loop's host seconds since that read, drafting and not
+        self._fed_in_span = False  # a prompt was fed since that read: the span in progress is not a member's cost
         self.overlapped = 0  # iterations dispatched before the previous one's tokens were read
         # per iteration read, newest last: host seconds choosing, launching and reading it (not waiting on the
         # device), and wall seconds from its launch (or the previous read) to its tokens on the host
@@ -576,6 +577,7 @@ class BatchEngine:
         if paced and fed_now:
             self.executor.wait_staging()
             sched.pacer.fed(time.perf_counter() - began)
+        self._fed_in_span |= bool(beside or fed_now)
         # paced: the chunk is done before the next launch (a short prompt admitted beside is never waited for)
         self._chunk_queued = bool(beside) or (bool(fed_now) and not paced)
         if not self.slots:
@@ -973,12 +975,18 @@ class BatchEngine:
         self._spent = dict.fromkeys(self._spent, 0.0)
         return span
 
+    def _priced_span(self, it: "_InFlight", now: float, blocked: float) -> float | None:
+        """``_span``, or None where it holds more than the iteration's own work: a prompt fed since the previous read
+        (a chunk before its launch, or one the host waited for while it ran)."""
+        span, fed, self._fed_in_span = self._span(it, now, blocked), self._fed_in_span, False
+        return None if fed or it.prefilled else span
+
     def _account(self, it: "_InFlight", emitted: np.ndarray, num: np.ndarray, depths: np.ndarray, now: float,
                  blocked: float = 0.0) -> None:
         """Counts an iteration's read tokens [B, P] / [B] / [B, sources] into rows, the chooser and the stream
         (``blocked``: seconds its read waited on the device)."""
         cfg = it.cfg
-        span = self._span(it, now, blocked)
+        span = self._priced_span(it, now, blocked)
         seconds, self._last_done = now - max(it.start, self._last_done), now
         self.iteration_times.append(seconds)
         self.scheduler.pacer.decoded(seconds)
@@ -999,10 +1007,10 @@ class BatchEngine:
             stats.emitted.append(n)
             stats.drafted.append(sum(drafted.values()))
             stats.accepted_depth.append(n - 1)
-        if it.chooser is not None and live and not stalled:  # a grammar step also waits on host masks: timed apart
-            if cfg.grammar:
-                it.chooser.observe_constrained_time(it.name, cfg.forced_depth, seconds, it.costs)
-            elif not it.prefilled:  # a chunk before it: not its cost
+        if it.chooser is not None and live and not stalled and span is not None:  # a prompt fed meanwhile: not its cost
+            if cfg.grammar:  # a grammar step also waits on host masks: timed apart
+                it.chooser.observe_constrained_time(it.name, cfg.forced_depth, span, it.costs)
+            else:
                 it.chooser.observe_time(it.name, span, it.costs)
         for i, slot in live:
             if slot.row < 0:
