@@ -884,16 +884,15 @@ class BatchEngine:
         ``stale``: an iteration is still in flight, so the host's counts (committed tokens,
         n-gram index, acceptance statistics) lag it by one iteration. Its host seconds go to the span being timed.
         """
-        began = time.perf_counter()
-        drafting = [0.0]
+        began, drafted = time.perf_counter(), self._spent["drafting"]
         try:
-            return self._launch(stale, began, drafting)
-        finally:
-            self._spent["drafting"] += drafting[0]
-            self._spent["host"] += time.perf_counter() - began - drafting[0]
+            return self._launch(stale, began)
+        finally:  # what it did not spend proposing (``_launch`` counts that) was the loop's other host work
+            self._spent["host"] += time.perf_counter() - began - (self._spent["drafting"] - drafted)
 
-    def _launch(self, stale: bool, began: float, drafting: list[float]) -> "_InFlight | None":
-        """``_dispatch``'s work; ``drafting[0]`` receives the seconds spent proposing on the host."""
+    def _launch(self, stale: bool, began: float) -> "_InFlight | None":
+        """``_dispatch``'s work (``began``: when it started); the seconds it proposes on the host go to the span's
+        drafting."""
         e, ex = self.engine, self.executor
         self._fit()
         live = list(enumerate(self.slots))
@@ -906,7 +905,7 @@ class BatchEngine:
             for i, s in live:
                 proposals[i] = s.index.propose(e.ngram_depth)
                 matched[i] = s.index.matched
-            drafting[0] += time.perf_counter() - proposing
+            self._spent["drafting"] += time.perf_counter() - proposing
         constrained = any(s.matcher is not None for _, s in live)
         if stale and constrained:  # masks walk the rows' matchers: they hold every token
             return None
@@ -916,7 +915,7 @@ class BatchEngine:
             masks = e.row_masks()
             masks.begin([s.matcher for _, s in live] + [None] * (self.rows - len(live)))
             chains = [masks.forced(i, e.forced_depth) for i in range(self.rows)]
-            drafting[0] += time.perf_counter() - proposing
+            self._spent["drafting"] += time.perf_counter() - proposing
         longest = e.forced_bucket(max(map(len, chains), default=0))
         costs = self.planner.costs(warp, self.rows, self.capacity)
         chooser = e.chooser(warp) if e.auto else None
