@@ -91,6 +91,8 @@ class CompletionOutput:
     prefill_seconds: float  # from admission to its first token
     error: str | None = None  # finish_reason "error": why
     generation: Generation | None = dataclasses.field(default=None, repr=False, compare=False)  # the engine's counters
+    # family member ("none": plain) -> {"n": LLM steps, "s": seconds}, adding up to ``llm_steps`` and ``seconds``
+    iteration_seconds: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +183,7 @@ def run(batch: BatchEngine, tokenizer, jobs: Sequence[Job]) -> Iterator[StreamOu
         whole = StopText.text_of(tokenizer, gen.token_ids, job.request.stop_strings)[0]
         out = CompletionOutput(job.index, whole, list(gen.token_ids), gen.finish_reason, job.seed,
                                gen.cached_tokens, gen.speculation, gen.seconds, gen.prefill_seconds,
-                               gen.error, gen)
+                               gen.error, gen, gen.iteration_seconds)
         yield StreamOutput(job.prompt_index, job.index, piece + rest, list(event.token_ids), out, event.tree)
 
 

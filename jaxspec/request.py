@@ -107,13 +107,20 @@ class Generation:
     drafted: dict[str, int] = dataclasses.field(default_factory=dict)  # speculator -> draft tokens verified
     accepted: dict[str, int] = dataclasses.field(default_factory=dict)  # speculator -> draft tokens accepted
     draft_steps: int = 0  # LLM steps that verified at least one draft token
+    # family member -> [LLM steps of it, seconds they took]: each step's seconds run from the request's previous
+    # read (its first token, for the first) to this one's, so they add up to its decoding seconds
+    step_seconds: dict[str, list] = dataclasses.field(default_factory=dict)
 
-    def count_step(self, emitted: int, tree: str, drafted: dict[str, int], accepted: dict[str, int]) -> None:
+    def count_step(self, emitted: int, tree: str, drafted: dict[str, int], accepted: dict[str, int],
+                   seconds: float = 0.0) -> None:
         """One LLM step of this request: ``emitted`` tokens (accepted drafts + 1) from family member ``tree``,
-        ``drafted`` / ``accepted`` draft tokens per speculator."""
+        ``drafted`` / ``accepted`` draft tokens per speculator, ``seconds`` since its previous step was read."""
         self.llm_steps += 1
         self.step_tokens.append(emitted)
         self.trees.append(tree)
+        spent = self.step_seconds.setdefault(tree, [0, 0.0])
+        spent[0] += 1
+        spent[1] += seconds
         self.draft_steps += any(drafted.values())
         for name, count in drafted.items():
             self.drafted[name] = self.drafted.get(name, 0) + count
@@ -124,6 +131,12 @@ class Generation:
         """This request's verify steps, drafts and acceptance by speculator."""
         return SpecStats(self.llm_steps, self.draft_steps, dict(self.drafted), dict(self.accepted),
                          sum(self.step_tokens) - len(self.step_tokens))
+
+    @property
+    def iteration_seconds(self) -> dict[str, dict]:
+        """Where its decoding time went: family member ("none": plain steps) -> {"n": its LLM steps, "s": their
+        seconds}; the counts add up to ``llm_steps``, the seconds to its decoding time (first token to last)."""
+        return {tree: {"n": n, "s": round(s, 6)} for tree, (n, s) in self.step_seconds.items()}
 
     @property
     def tree_counts(self) -> dict[str, int]:

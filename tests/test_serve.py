@@ -701,6 +701,9 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
     def answer(prompt: str, **kw) -> str:
         choice = chat(spec, prompt, 16, temperature=0, **kw).choices[0]
         seen.append(choice.model_extra["speculation"])
+        spent = choice.model_extra["iteration_seconds"]  # where its decoding time went: its steps, per member
+        assert sum(v["n"] for v in spent.values()) == seen[-1]["verify_steps"] and all(v["s"] >= 0
+                                                                                      for v in spent.values())
         return choice.message.content
 
     try:
@@ -715,6 +718,7 @@ def test_speculative_server_keeps_greedy_output_and_counts_drafts(server, tmp_pa
             for c in chunk.choices:
                 pieces.append(c.delta.content or "")
                 assert ("speculation" in c.model_extra) == (c.finish_reason is not None)
+                assert ("iteration_seconds" in c.model_extra) == (c.finish_reason is not None)
                 last = c if c.finish_reason else last
         assert "".join(pieces) == want[4] and last.finish_reason in ("stop", "length")
         seen.append(last.model_extra["speculation"])

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import dev_prompts, random_prompts, tiny_model
 from jaxspec.decoding import sampling
-from jaxspec.engine.auto import Member, TreeChooser
+from jaxspec.engine.auto import FIRST_TIMINGS, Member, TreeChooser
 from jaxspec.engine.batch import BatchEngine, Request, cut_tokens
 from jaxspec.engine import Engine, early_exit
 from jaxspec.decoding.ngram import proposal_arrays
@@ -260,9 +260,9 @@ def test_chooser_costs_follow_observed_timings():
         for _ in range(20):
             chooser.observe("ssm", np.asarray([1]))  # depth 1 always agrees, depth 2 never
         assert chooser.pick() == "ssm"  # ~1.95 tokens for 1.2x
-        for _ in range(3):
+        for _ in range(FIRST_TIMINGS - 1):
             chooser.observe_time("ssm", 3.0)
-        assert chooser.pick() == "ssm" and chooser.cost("ssm") == 1.2  # fewer than MIN_TIMINGS: calibration
+        assert chooser.pick() == "ssm" and chooser.cost("ssm") == 1.2  # fewer than FIRST_TIMINGS: calibration
         chooser.observe_time("ssm", 3.0)
         assert chooser.cost("ssm") == (3.0 if adapt else 1.2)
         assert chooser.pick() == ("none" if adapt else "ssm")

@@ -158,6 +158,7 @@ def record(row: dict, out: "CompletionOutput", args: argparse.Namespace) -> dict
         "mode": args.mode,
         "tree": gen.tree_counts,
         "speculation": out.speculation.as_dict(),
+        "iteration_seconds": out.iteration_seconds,
         "error": out.error,
     }
 
@@ -246,7 +247,8 @@ def report_learned(engine) -> None:
 def report_host(batch: "BatchEngine", args) -> None:
     """``-v``: host milliseconds per iteration (choosing, launching, reading) beside the whole iteration's, as
     medians (an iteration that compiled or resized is an outlier, not the loop's cost) and 90th percentiles;
-    then per family member, so auto's plain iterations compare with incremental's."""
+    then per family member, so auto's plain iterations compare with incremental's, and where each member's spans
+    went (device, drafting, host, waiting: ``BatchEngine.parts_report``)."""
     if args.verbose:
         for line in batch.host_report():
             print(f"[jaxspec] {line}", file=sys.stderr)

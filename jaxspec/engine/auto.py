@@ -13,9 +13,9 @@ tokens, since longer matches are far more reliable) and per tree depth i: of the
 agreed with the emitted tokens down to depth i - 1 and reached depth i, how often it
 agreed at depth i too. Each request (row) keeps its own counts, named by a key the
 engine passes (its ticket); a row's rates blend its request's counts with those of
-earlier requests (at most ``GLOBAL_WEIGHT`` pseudo-iterations) and an optimistic prior,
-so a kind gets tried before it is judged and a request with unusual text adapts within a
-few iterations without moving its neighbours' estimates. A merged tree accepts at depth i
+earlier requests (at most ``GLOBAL_WEIGHT`` pseudo-iterations, fading out as the request's own tries at that depth
+reach ``SETTLE_TRIALS``) and an optimistic prior, so a kind gets tried before it is judged and a request with unusual
+text adapts within a few iterations without moving its neighbours' estimates. A merged tree accepts at depth i
 when any of its kinds does; kinds are treated as independent.
 
 Earlier requests are forgotten: when a request finishes, the global counts are multiplied
@@ -30,11 +30,13 @@ The choice explores by Thompson sampling: each pick draws the per-depth rates it
 candidates need (only the kinds the members it may run use, per row's request) from their
 Beta posteriors (seeded, so a run is reproducible) instead of taking the means, so a
 speculator that failed its first few tries is tried again now and then rather than
-waiting for the forgetting alone. A pick with one candidate (a bucket where only the plain
-step is ready) returns it without drawing. Costs start from the calibration and follow what
-iterations really take: once a member has run ``MIN_TIMINGS`` times, its calibrated cost
-is scaled by the median ratio of observed to calibrated seconds, so a calibration
-measured on a busy machine (or stale) corrects itself.
+waiting for the forgetting alone; a request that has tried a kind ``SETTLE_TRIALS`` times reads its mean instead,
+so one whose drafts fail settles on plain steps within a few iterations and stays there. A pick with one candidate
+(a bucket where only the plain step is ready) returns it without drawing. Costs are what iterations really take in
+this process: the loop times each iteration's whole span (from the previous iteration's tokens on the host to its
+own: choosing, drafting, launching, the device, reading), and once a member has run ``FIRST_TIMINGS`` times its
+calibrated cost is scaled by the median ratio of those spans to it (a member not run yet by the plain step's), so
+the calibration only carries the prices across buckets.
 
 Under a grammar (``pick_constrained``) the choice also covers the forced chain: tokens the
 grammar forces are certain, so a row whose grammar forces L tokens accepts the first L
@@ -63,7 +65,14 @@ GLOBAL_CONFIDENCE = 64.0  # ... and as at most this many in how sure the estimat
 # taken to describe the next one. Evidence from a finished request weighs half as much HALF_LIFE requests later.
 HALF_LIFE = 8.0
 DISCOUNT = 0.5 ** (1.0 / HALF_LIFE)  # global counts are multiplied by this at each finished request (~0.917)
-MIN_TIMINGS = 4  # observed iterations of a member before they rescale its calibrated cost
+MIN_TIMINGS = 4  # host timings the loop keeps before it prices lost overlap by them (``BatchEngine``)
+# A member's own iterations price it from its third: the median of three drops one slow first run.
+FIRST_TIMINGS = 3
+# A request's own tries of a kind at a depth after which that depth's rate reads its own counts and the prior only
+# (earlier requests' weight fades out linearly until then), and, once reached at depth 1, its picks read the mean, no
+# draw: a request whose drafts fail settles on plain steps within a few iterations and stays there until its counts
+# change (exploring goes on for requests that have not judged the kind yet).
+SETTLE_TRIALS = 3
 TIMING_WINDOW = 32  # the newest observed/calibrated ratios kept per member
 FORCED_NODE_PRIOR = 0.12  # a forced-chain node's share of a plain step before a grammar step is timed
 GRAMMAR_PRIOR = 1.1  # a grammar step (host masks, no host/device overlap) over its plain member, before timing
@@ -131,6 +140,11 @@ class TreeChooser:
         self.open: dict[Hashable, dict[str, DepthStats]] = {}  # request key -> its counts, until it finishes
         self.request = {k: DepthStats(self.max_depth) for k in KINDS}  # the sum of every open request's counts
         self._empty = DepthStats(self.max_depth)  # the counts of a request not observed yet (never written)
+        self._version = 0  # bumped whenever acceptance counts change (``observe`` of a drafting member, ``finish``)
+        self._drew = False  # the newest ``_draw`` drew from a posterior (its rates are not the means)
+        # ``pick_batch``'s newest expected tokens per member and the inputs they follow from, kept while no draw was
+        # needed: a request settled on plain steps is priced by the same means every iteration, so it re-reads them
+        self._memo: tuple = (None, None)
 
     def finish(self, key: Hashable = None) -> None:
         """Folds a finished request's counts into the discounted global ones; a request never observed changes
@@ -138,6 +152,7 @@ class TreeChooser:
         counts = self.open.pop(key, None)
         if counts is None:
             return
+        self._version += 1
         for k in KINDS:
             g = self.global_stats[k]
             g.trials *= self.discount
@@ -166,7 +181,8 @@ class TreeChooser:
         own_trials = np.array([c.trials for c in counts])
         g_hits = np.array([g.hits for g in glob])
         g_trials = np.array([g.trials for g in glob])
-        scale = np.minimum(1.0, GLOBAL_WEIGHT / np.maximum(g_trials, 1.0))
+        fade = np.maximum(0.0, 1.0 - own_trials / SETTLE_TRIALS)  # a request's own tries displace earlier ones
+        scale = np.minimum(1.0, GLOBAL_WEIGHT / np.maximum(g_trials, 1.0)) * fade
         hits = own_hits + scale * g_hits + PRIOR_RATE * PRIOR_WEIGHT
         trials = own_trials + scale * g_trials + PRIOR_WEIGHT
         return hits / trials, own_trials, g_trials
@@ -192,10 +208,16 @@ class TreeChooser:
         draws when exploring, else the means. The pairs are drawn kind by kind in ``KINDS`` order, in one call
         (the generator draws an array's elements in order: the numbers a call per kind would draw)."""
         pairs = sorted(wanted, key=lambda pair: _KIND_ORDER[pair[0]])  # stable: a kind's requests in the order asked
+        self._drew = False
         if not pairs:
             return {}
-        draws = self.rng.beta(*self.posteriors(pairs)) if self.explore else self._blend(pairs)[0]  # [P, D + 1]
-        return dict(zip(pairs, draws))
+        mean, own_trials, _ = self._blend(pairs)  # [P, D + 1] each
+        if self.explore:
+            open_ = np.flatnonzero(own_trials[:, 1] < SETTLE_TRIALS)  # not settled by the request's own tries
+            if len(open_):
+                mean[open_] = self.rng.beta(*self.posteriors([pairs[i] for i in open_]))
+                self._drew = True
+        return dict(zip(pairs, mean))
 
     def _row_rates(self, names: Sequence[str], rows: Sequence[tuple[int, int]],
                    keys: Sequence[Hashable]) -> dict[str, np.ndarray]:
@@ -287,15 +309,20 @@ class TreeChooser:
         return base if drift is None else base * drift
 
     def _drift(self, key: str) -> float | None:
-        """The median observed/calibrated ratio of ``key``'s timings (None before ``MIN_TIMINGS``), kept until the
+        """The median observed/calibrated ratio of ``key``'s timings (None before ``FIRST_TIMINGS``), kept until the
         next timing of ``key`` arrives: every pick reads it, few iterations change it."""
         if key not in self._drifts:
             seen = self.timings.get(key, ())
-            self._drifts[key] = statistics.median(seen) if len(seen) >= MIN_TIMINGS else None  # (a few floats)
+            self._drifts[key] = statistics.median(seen) if len(seen) >= FIRST_TIMINGS else None  # (a few floats)
         return self._drifts[key]
 
+    def timed(self, name: str) -> bool:
+        """Whether ``name`` is priced by its own iterations in this process (``FIRST_TIMINGS`` of them ran)."""
+        return self.adapt_costs and self._drift(name) is not None
+
     def observe_time(self, name: str, seconds: float, costs: dict[str, float] | None = None) -> None:
-        """Records what one iteration of ``name`` took (dispatch to tokens on the host) against ``costs``."""
+        """Records what one iteration of ``name`` took against ``costs``: its whole span, from the previous
+        iteration's tokens on the host to its own."""
         base = (costs or self.costs)[name]
         if base > 0 and seconds > 0:
             self.timings[name].append(seconds / base)
@@ -361,20 +388,37 @@ class TreeChooser:
         per (kind, request) serves every member of the pick; ``scores``, when given, receives each
         candidate's expected tokens per second under that draw (what a compile decision weighs).
         ``serial``: seconds added to each member that drafts with the n-gram where an iteration is in flight (its
-        proposal needs that iteration's tokens, so the host's work of this one cannot overlap the device's).
+        proposal needs that iteration's tokens, so the host's work of this one cannot overlap the device's), until
+        its own timed spans, which hold that lost overlap already, price it.
         """
         names = [n for n in self.members if n in (costs or self.costs)]
+        price = {n: self.cost(n, costs) + (serial if "ngram" in self.members[n].depth and not self.timed(n) else 0.0)
+                 for n in names}
+        if scores is None and "none" in price:  # members that lose even if every draft agreed need no draw
+            plain = len(rows) / price["none"]
+            names = [n for n in names if n == "none" or self._most_tokens(n, rows) / price[n] > plain]
         if len(names) == 1:
-            return names[0]  # e.g. only the plain step is ready: nothing to draw
-        rates = self._row_rates(names, rows, keys or [None] * len(rows))
-        lengths = np.array([length for length, _ in rows])  # [B]
-        reach = self._reach(rates)
-        tokens = self._member_tokens(names, lengths, reach).sum(axis=1)  # [len(names)]
-        rate = {n: float(t) / (self.cost(n, costs) + (serial if "ngram" in self.members[n].depth else 0.0))
-                for n, t in zip(names, tokens)}
+            return names[0]  # e.g. only the plain step is ready or can win: nothing to draw
+        keys = keys or [None] * len(rows)
+        inputs = (tuple(names), tuple(rows), tuple(keys), self._version)
+        if self._memo[0] == inputs:
+            tokens = self._memo[1]  # the same counts and rows, read at their means: the same tokens
+        else:
+            rates = self._row_rates(names, rows, keys)
+            reach = self._reach(rates)
+            tokens = self._member_tokens(names, np.array([length for length, _ in rows]), reach).sum(axis=1)  # [M]
+            self._memo = (None, None) if self._drew else (inputs, tokens)
+        rate = {n: float(t) / price[n] for n, t in zip(names, tokens)}
         if scores is not None:
             scores.update(rate)
         return max(rate, key=lambda n: (rate[n], n == "none"))
+
+    def _most_tokens(self, name: str, rows: Sequence[tuple[int, int]]) -> int:
+        """Tokens one iteration of ``name`` emits over ``rows`` ((n-gram length, match) each) if every draft agrees:
+        per row its deepest proposal plus the LLM's own token."""
+        depth = self.members[name].depth
+        return sum(1 + max([min(d, length) if kind == "ngram" else d for kind, d in depth.items()], default=0)
+                   for length, _ in rows)
 
     def observe(self, name: str, source_depth: np.ndarray, ngram_len: int = 0, ngram_match: int = 1,
                 key: Hashable = None) -> None:
@@ -387,6 +431,7 @@ class TreeChooser:
         if counts is None:
             counts = self.open[key] = {k: DepthStats(self.max_depth) for k in KINDS}
         m = self.members[name]
+        self._version += bool(m.depth)
         for kind, depth in m.depth.items():
             d = min(depth, ngram_len) if kind == "ngram" else depth
             agreed = max((int(source_depth[p]) for p in m.positions[kind]), default=0)

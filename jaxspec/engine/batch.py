@@ -74,6 +74,11 @@ from jaxspec.structured import GrammarError
 
 log = logging.getLogger(__name__)
 
+# What the span between two reads of the loop's iterations went on (``-v``): blocked on the device for the tokens;
+# proposing on the host (the n-gram's lookup, a grammar's forced chains; an SSM drafts inside the device step);
+# the loop's other host work (choosing, launching, reading, emitting); and the rest (admission, prefill chunks,
+# other threads).
+PARTS = ("device", "drafting", "host", "waiting")
 DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
 # Request ids (comma-separated, each an ``fnmatch`` pattern: a server's ids are made per request) whose admission
 # fails, as a device error or a bug would: how the tests prove that a failed request costs that request only, through
@@ -201,13 +206,17 @@ class BatchEngine:
         self.planner = Planner(engine, lambda: self.sync)
         self.prepared = False  # ``prepare`` ran: the chunk search probes only sizes it compiled
         self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
-        self._last_done = 0.0
+        self._last_done = 0.0  # perf_counter of the newest read (0: none since the loop last ran empty)
+        self._spent = dict.fromkeys(PARTS[1:3], 0.0)  # the loop's host seconds since that read, drafting and not
+        self._fed_in_span = False  # a prompt was fed since that read: the span in progress is not a member's cost
         self.overlapped = 0  # iterations dispatched before the previous one's tokens were read
         # per iteration read, newest last: host seconds choosing, launching and reading it (not waiting on the
         # device), and wall seconds from its launch (or the previous read) to its tokens on the host
         self.host_times: collections.deque[float] = collections.deque(maxlen=4096)
         self.iteration_times: collections.deque[float] = collections.deque(maxlen=4096)
         self.iteration_trees: collections.deque[str] = collections.deque(maxlen=4096)  # the member each one ran
+        # per iteration read: its span since the previous read split into ``PARTS`` seconds, [4] each
+        self.iteration_parts: collections.deque[tuple[float, ...]] = collections.deque(maxlen=4096)
 
     # -- what the scheduler and the executor hold, as the loop's callers read it ----------
     @property
@@ -269,13 +278,29 @@ class BatchEngine:
             parts = [f"{name} {np.median(wall[trees == name]):.2f} ms (host {np.median(host[trees == name]):.2f}, "
                      f"{int((trees == name).sum())})" for name in dict.fromkeys(trees)]
             lines.append(f"per member, median: {'; '.join(parts)}")
-        return lines
+        return lines + self.parts_report()
+
+    def parts_report(self) -> list[str]:
+        """Per family member, the mean milliseconds of its iterations' spans (read to read) by ``PARTS``, so a
+        member's price shows where it comes from; empty before any iteration."""
+        kept = min(len(self.iteration_parts), len(self.iteration_trees))
+        if not kept:
+            return []
+        parts = np.asarray(list(self.iteration_parts)[-kept:]) * 1e3  # [N, 4]
+        trees = np.asarray(list(self.iteration_trees)[-kept:])
+        out = []
+        for name in dict.fromkeys(trees):
+            mine = parts[trees == name]
+            split = " + ".join(f"{what} {ms:.2f}" for what, ms in zip(PARTS, mine.mean(axis=0)))
+            out.append(f"{name}: {mine.sum(axis=1).mean():.2f} ms per iteration = {split} ({len(mine)} iterations)")
+        return out
 
     def reset_timings(self) -> None:
         """Forgets the iterations timed so far (a server's warm-up is not its serving)."""
         self.host_times.clear()
         self.iteration_times.clear()
         self.iteration_trees.clear()
+        self.iteration_parts.clear()
 
     def _failed(self, what: str, exc: BaseException) -> None:
         """A failure inside the loop: ``sync.failed`` first (a multi-process run ends there), then, in a run that
@@ -568,10 +593,13 @@ class BatchEngine:
         if paced and fed_now:
             self.executor.wait_staging()
             sched.pacer.fed(time.perf_counter() - began)
+        self._fed_in_span |= bool(beside or fed_now)
         # paced: the chunk is done before the next launch (a short prompt admitted beside is never waited for)
         self._chunk_queued = bool(beside) or (bool(fed_now) and not paced)
         if not self.slots:
             self._pending = None  # an iteration of retired rows only: nothing left to read
+            self._last_done = 0.0  # the next iteration's span starts at its own dispatch
+            self._spent = dict.fromkeys(self._spent, 0.0)
             self._fit()
             return
         try:
@@ -870,10 +898,18 @@ class BatchEngine:
         """Picks this iteration's tree and launches it; None if ``stale`` and the pick drafts with the n-gram.
 
         ``stale``: an iteration is still in flight, so the host's counts (committed tokens,
-        n-gram index, acceptance statistics) lag it by one iteration.
+        n-gram index, acceptance statistics) lag it by one iteration. Its host seconds go to the span being timed.
         """
+        began, drafted = time.perf_counter(), self._spent["drafting"]
+        try:
+            return self._launch(stale, began)
+        finally:  # what it did not spend proposing (``_launch`` counts that) was the loop's other host work
+            self._spent["host"] += time.perf_counter() - began - (self._spent["drafting"] - drafted)
+
+    def _launch(self, stale: bool, began: float) -> "_InFlight | None":
+        """``_dispatch``'s work (``began``: when it started); the seconds it proposes on the host go to the span's
+        drafting."""
         e, ex = self.engine, self.executor
-        began = time.perf_counter()
         self._fit()
         live = list(enumerate(self.slots))
         warp = sampling.batch_warp([s.ticket.request.params for _, s in live])
@@ -882,6 +918,7 @@ class BatchEngine:
         matched = [0] * self.rows
         failed: dict[int, str] = {}  # row -> why its host work failed: it runs undrafted, then ends with that error
         if e.ngram is not None and e.ngram_depth:
+            proposing = time.perf_counter()
             for i, s in live:
                 try:
                     proposals[i] = s.index.propose(e.ngram_depth)
@@ -889,14 +926,17 @@ class BatchEngine:
                 except Exception as exc:  # noqa: BLE001 — one row's proposal must not fail the batch
                     self._failed("an n-gram proposal", exc)
                     proposals[i], matched[i], failed[i] = [], 0, reason_of(exc)
+            self._spent["drafting"] += time.perf_counter() - proposing
         constrained = any(s.matcher is not None for _, s in live)
         if stale and constrained:  # masks walk the rows' matchers: they hold every token
             return None
         chains: list[list[int]] = [[] for _ in range(self.rows)]
         if constrained:
+            proposing = time.perf_counter()
             masks = e.row_masks()
             masks.begin([s.matcher for _, s in live] + [None] * (self.rows - len(live)))
             chains = [masks.forced(i, e.forced_depth) for i in range(self.rows)]
+            self._spent["drafting"] += time.perf_counter() - proposing
         longest = e.forced_bucket(max(map(len, chains), default=0))
         costs = self.planner.costs(warp, self.rows, self.capacity)
         chooser = e.chooser(warp) if e.auto else None
@@ -938,10 +978,11 @@ class BatchEngine:
         self.iterations += 1
         forced = [len(c) for c in chains]
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
-                         self._chunk_queued, self.planner.readies, failed, constrained)
+                         self._chunk_queued, self.planner.readies, failed, constrained, began)
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
+        reading = time.perf_counter()
         emitted, num, depths = self.executor.read(it.out)
         if it.constrained:  # the rows whose grammar failed, before dispatch or in the step's mask callback
             for row, exc in self.engine.row_masks().take_failed().items():
@@ -949,13 +990,34 @@ class BatchEngine:
                 it.failed.setdefault(row, reason_of(exc))
         now = time.perf_counter()
         try:
-            self._account(it, emitted, num, depths, now)
+            self._account(it, emitted, num, depths, now, now - reading)
         finally:
-            self.host_times.append(it.host + time.perf_counter() - now)
+            after = time.perf_counter() - now
+            self.host_times.append(it.host + after)
+            self._spent["host"] += after  # the next span's: it runs after this read
 
-    def _account(self, it: "_InFlight", emitted: np.ndarray, num: np.ndarray, depths: np.ndarray, now: float) -> None:
-        """Counts an iteration's read tokens [B, P] / [B] / [B, sources] into rows, the chooser and the stream."""
+    def _span(self, it: "_InFlight", now: float, blocked: float) -> float:
+        """The seconds from the previous read (or, after the loop ran empty, this iteration's dispatch) to this
+        one's read at ``now``: everything between two iterations, what the chooser prices; records its ``PARTS``
+        (``blocked``: seconds the read waited on the device) and starts the next span."""
+        span = now - (self._last_done or it.began)
+        drafting, host = self._spent["drafting"], self._spent["host"]
+        self.iteration_parts.append((blocked, drafting, host, max(0.0, span - blocked - drafting - host)))
+        self._spent = dict.fromkeys(self._spent, 0.0)
+        return span
+
+    def _priced_span(self, it: "_InFlight", now: float, blocked: float) -> float | None:
+        """``_span``, or None where it holds more than the iteration's own work: a prompt fed since the previous read
+        (a chunk before its launch, or one the host waited for while it ran)."""
+        span, fed, self._fed_in_span = self._span(it, now, blocked), self._fed_in_span, False
+        return None if fed or it.prefilled else span
+
+    def _account(self, it: "_InFlight", emitted: np.ndarray, num: np.ndarray, depths: np.ndarray, now: float,
+                 blocked: float = 0.0) -> None:
+        """Counts an iteration's read tokens [B, P] / [B] / [B, sources] into rows, the chooser and the stream
+        (``blocked``: seconds its read waited on the device)."""
         cfg = it.cfg
+        span = self._priced_span(it, now, blocked)
         seconds, self._last_done = now - max(it.start, self._last_done), now
         self.iteration_times.append(seconds)
         self.scheduler.pacer.decoded(seconds)
@@ -972,16 +1034,17 @@ class BatchEngine:
                 it.chooser.observe(it.name, depths[i], len(it.proposals[i]), it.matched[i], key=slot.ticket)
             slot.committed += n
             drafted, accepted = self.engine.row_drafts(cfg, len(it.proposals[i]), it.forced[i], depths[i], n)
-            slot.gen.count_step(n, it.name, drafted, accepted)
+            slot.gen.count_step(n, it.name, drafted, accepted, now - slot.read)
+            slot.read = now
             slot.gen.ssm_steps += cfg.draft_levels
             stats.emitted.append(n)
             stats.drafted.append(sum(drafted.values()))
             stats.accepted_depth.append(n - 1)
-        if it.chooser is not None and live and not stalled:  # a grammar step also waits on host masks: timed apart
-            if it.constrained:
-                it.chooser.observe_constrained_time(it.name, cfg.forced_depth, seconds, it.costs)
-            elif not it.prefilled:  # a chunk before it: not its cost
-                it.chooser.observe_time(it.name, seconds, it.costs)
+        if it.chooser is not None and live and not stalled and span is not None:  # a prompt fed meanwhile: not its cost
+            if it.constrained:  # a grammar step also waits on host masks: timed apart
+                it.chooser.observe_constrained_time(it.name, cfg.forced_depth, span, it.costs)
+            else:
+                it.chooser.observe_time(it.name, span, it.costs)
         for i, slot in failed:
             if slot.row >= 0:
                 self._retire(slot, "error", error=it.failed[i])
@@ -1017,3 +1080,4 @@ class _InFlight:
     readies: int = 0  # ``Planner.readies`` at its launch (a later one: the loop readied a bucket while it ran)
     failed: dict[int, str] = dataclasses.field(default_factory=dict)  # row -> why its host work failed (it ends)
     constrained: bool = False  # some row has a grammar: its masks' failures are read with the tokens; timed apart
+    began: float = 0.0  # perf_counter when its dispatch began (its span's start after the loop ran empty)

@@ -137,6 +137,10 @@ class Slot:
     stop_ids: set[int]
     row: int  # the state row it owns; -1 once retired
     matcher: object = None  # llguidance matcher at the committed text (requests with a grammar)
+    read: float = 0.0  # perf_counter of its newest iteration's read (``start`` until the first): its next one's span
+
+    def __post_init__(self) -> None:
+        self.read = self.read or self.start
 
 
 @dataclasses.dataclass

@@ -119,9 +119,12 @@ class Completion:
 
 
 def extra(choice: Choice) -> dict:
-    """jaxspec's extension fields of a finished choice (OpenAI's clients keep unknown fields): its speculation, and
-    for a choice that failed beside others, its ``error`` (as an error response's, no exception text)."""
-    out = {"speculation": choice.speculation} if choice.finish_reason is not None and choice.speculation else {}
+    """jaxspec's extension fields of a finished choice (OpenAI's clients keep unknown fields): its speculation and
+    where its decoding time went (``Generation.iteration_seconds``), and for a choice that failed beside others, its
+    ``error`` (as an error response's, no exception text)."""
+    out = {}
+    if choice.finish_reason is not None and choice.speculation:
+        out = {"speculation": choice.speculation, "iteration_seconds": choice.iteration_seconds or {}}
     if choice.finish_reason == "error":
         out["error"] = ended(choice).body()["error"]
     return out

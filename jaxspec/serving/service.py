@@ -77,6 +77,7 @@ class Choice:
     error: str | None = None
     sampling: dict = dataclasses.field(default_factory=dict)  # its parameters and seed, for --request-log
     speculation: dict | None = None  # its verify steps and drafts (``SpecStats.as_dict``), once finished
+    iteration_seconds: dict | None = None  # its steps and seconds per family member, once finished
 
 
 class Job:
@@ -124,6 +125,7 @@ class Job:
                 choice.error = event.error
                 if event.generation is not None:
                     choice.speculation = event.generation.speculation.as_dict()
+                    choice.iteration_seconds = event.generation.iteration_seconds
                 if event.error:
                     log.error("request %s failed: %s", event.request_id, event.error)
                 choice.finish_reason = "stop" if cut else FINISH.get(event.finish_reason, event.finish_reason)
@@ -415,7 +417,8 @@ class Service:
         line = {"id": f"{job.id}-{choice.index}", "time": round(time.time(), 3), "model": self.model_name,
                 "prompt_tokens": choice.prompt_tokens, "completion_tokens": event.completion_tokens,
                 "finish_reason": outcome, "error": event.error, **choice.sampling,
-                "speculation": event.generation.speculation.as_dict() if event.generation is not None else None}
+                "speculation": event.generation.speculation.as_dict() if event.generation is not None else None,
+                "iteration_seconds": event.generation.iteration_seconds if event.generation is not None else None}
         self.request_log.write(json.dumps(line) + "\n")
         self.request_log.flush()
 
