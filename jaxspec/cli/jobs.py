@@ -119,7 +119,7 @@ def error_line(row: dict, args: argparse.Namespace, error: str) -> dict:
     return {"id": row["id"], "sample": 0, "prompt": row["prompt"], "text": "", "token_ids": [], "llm_steps": 0,
             "ssm_steps": 0, "tokens_per_step": 0.0, "seconds": 0.0, "prefill_seconds": 0.0, "cached_tokens": 0,
             "finish_reason": "error", "seed": seed if isinstance(seed, int) else None, "mode": args.mode, "tree": {},
-            "speculation": SpecStats(0, 0, {}, {}, 0).as_dict(), "error": error}
+            "speculation": SpecStats(0, 0, {}, {}, 0).as_dict(), "iteration_seconds": {}, "error": error}
 
 
 def key_of(line: dict) -> Key:
