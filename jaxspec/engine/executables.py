@@ -100,8 +100,9 @@ class Stored:
         return tree, tuple(map(_leaf, leaves))
 
     def has(self, *args: Any, **kwargs: Any) -> bool:
-        """Whether these arguments' signature already has its executable (loaded, compiled or traced by a call)."""
-        return self._signature(args, kwargs) in self.loaded
+        """Whether these arguments' signature already has its own executable (loaded or compiled ahead); one only a
+        call ran through ``jitted`` has not (it compiles again for an argument placed or weakly typed otherwise)."""
+        return self.loaded.get(self._signature(args, kwargs), self.jitted) is not self.jitted
 
     def executable(self, *args: Any, **kwargs: Any) -> Callable:
         """The executable these arguments call: loaded, or compiled now where executables are stored; ``jitted``
