@@ -2,7 +2,7 @@
 
 In the shape vLLM users know::
 
-    llm = jaxspec.LLM()                                     # the embedded SmolLM2-135M-Instruct, --mode auto
+    llm = jaxspec.LLM()                                     # the embedded SmolLM2-135M-Instruct, --mode auto, prepared
     out = llm.generate(["The capital of France is"], jaxspec.SamplingParams(max_tokens=32))
     print(out[0].outputs[0].text, out[0].outputs[0].speculation.accept_length)
     llm.chat([{"role": "user", "content": "Explain gravity."}])

@@ -51,16 +51,16 @@ class Engine(Runner):
                 params: Sequence[sampling.SamplingParams] = (sampling.SamplingParams(),), grammar: bool = False,
                 progress: bool = True) -> float:
         """Readies what ``generate`` reaches for requests of these (prompt tokens, max new tokens) under ``params``:
-        each length bucket's loop, for the one warp they need (``grammar``: its grammar steps too), so no request
+        each length bucket's loop, for the warps they need (``grammar``: its grammar steps too), so no request
         waits on a compile (benchmarks time requests, not compiles); returns the seconds."""
         began = time.perf_counter()
-        warp = sampling.batch_warp(list(params))
+        warps = tuple(dict.fromkeys(sampling.batch_warp([p]) for p in params))  # a request runs alone: its own warp
         longest: dict[int, int] = {}  # length bucket -> its longest prompt
         for prompt, new in requests:
             length = self._length(prompt, new)
             longest[length] = max(longest.get(length, 0), prompt)
         for length, prompt in sorted(longest.items()):
-            self._solo(length).prepare(warps=(warp,), grammar=grammar, progress=progress, longest=prompt)
+            self._solo(length).prepare(warps=warps, grammar=grammar, progress=progress, longest=prompt)
         return time.perf_counter() - began
 
     def _length(self, prompt: int, new: int) -> int:
