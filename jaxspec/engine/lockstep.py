@@ -76,6 +76,20 @@ def _encode(ticket: Ticket) -> list[int]:
     return head + list(req.prompt_ids) + stops + stop_ids
 
 
+def _decode(msg: list[int], at: int, make_stop: Callable[[list[str]], Any]) -> tuple[Request, int, int]:
+    """The admission ``_encode`` wrote at word ``at`` of ``msg``: (its request, its seq, the word after it)."""
+    seq, n, max_new, high, low, top_k, temp, top_p, n_stop, has_ids, n_ids = msg[at: at + RECORD]
+    at += RECORD
+    prompt = msg[at: at + n]
+    stops = json.loads("".join(map(chr, msg[at + n: at + n + n_stop]))) if n_stop else []
+    stop_ids = msg[at + n + n_stop: at + n + n_stop + n_ids] if has_ids else None
+    high, low = np.asarray([high, low], np.int32).view(np.uint32).tolist()  # ``seed_words``
+    params = SamplingParams(_float(temp), top_k, _float(top_p), high << 32 | low)
+    req = Request(prompt, max_new, params, stop_ids=stop_ids, stop=make_stop(stops) if stops else None,
+                  id=f"peer-{seq}", stop_strings=tuple(stops))
+    return req, seq, at + n + n_stop + n_ids
+
+
 class _ServerSync(LockstepSync):
     """A multi-process server's side of the loop: announced admissions on top of agreed picks."""
 
@@ -144,17 +158,7 @@ class FollowerSync(_ServerSync):
         at += n_cancel
         admitted = []
         for _ in range(n_admit):
-            seq, n, max_new, high, low, top_k, temp, top_p, n_stop, has_ids, n_ids = msg[at: at + RECORD]
-            at += RECORD
-            prompt = msg[at: at + n]
-            stops = json.loads("".join(map(chr, msg[at + n: at + n + n_stop]))) if n_stop else []
-            stop_ids = msg[at + n + n_stop: at + n + n_stop + n_ids] if has_ids else None
-            at += n + n_stop + n_ids
-            high, low = np.asarray([high, low], np.int32).view(np.uint32).tolist()  # ``seed_words``
-            seed = high << 32 | low
-            params = SamplingParams(_float(temp), top_k, _float(top_p), seed)
-            req = Request(prompt, max_new, params, stop_ids=stop_ids, stop=self.make_stop(stops) if stops else None,
-                          id=f"peer-{seq}", stop_strings=tuple(stops))
+            req, seq, at = _decode(msg, at, self.make_stop)
             ticket = Ticket(req)
             ticket.seq = seq
             self.tickets[seq] = ticket
