@@ -127,6 +127,17 @@ def test_a_seeded_sample_equals_jaxspec_generates(llm, tiny_checkpoint, tmp_path
     assert again[0].outputs[0].token_ids == unseeded.token_ids  # the reported seed repeats it
 
 
+def test_seeds_past_32_bits_sample_their_own_text(llm):
+    """Seeds s and s + 2**32 sample different text; each stays reproducible."""
+    def text(seed: int) -> str:
+        params = jaxspec.SamplingParams(max_tokens=16, temperature=1.0, seed=seed)
+        return llm.generate(PROMPT, params)[0].outputs[0].text
+
+    low, high = text(11), text(11 + 2**32)
+    assert low != high
+    assert (text(11), text(11 + 2**32)) == (low, high)
+
+
 def test_speculation_per_request_adds_up_to_the_loops_counts(llm):
     """Per output: verify steps and accepted drafts match its steps' tokens; the fixed tree drafts 3 SSM nodes a
     step; summed over the outputs, the counts the server's /metrics are fed (``IterationStats``)."""
