@@ -24,7 +24,7 @@ OFF = ("off", "0", "false", "no", "none")
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
 MISS_EVENT = "/jax/compilation_cache/cache_misses"  # jax records it when it writes a freshly compiled entry
 MAX_BYTES = 4 << 30
-MAX_RECORDS = 4096  # files kept per directory of small records (``costs/``, ``executables/index/``), oldest out first
+MAX_RECORDS = 4096  # files per record directory (``costs/``, ``executables/index/``), least recently used out first
 SOURCES = ("jaxspec", "models")  # the packages whose code shapes what an executable computes and how fast it runs
 
 

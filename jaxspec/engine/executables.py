@@ -15,8 +15,9 @@ Weights are arguments, never baked in (an executable with captured constants ref
 simply stays in memory). A damaged entry is removed and
 rebuilt; anything that cannot be serialized (grammar steps call back into the host) is compiled as
 before. Once per process the store is trimmed, least recently used first, to ``MAX_BYTES`` of executables and
-``MAX_RECORDS`` index records (an executable whose index went is found again by its program's digest). Off with the compilation cache (``--no-compile-cache``), with ``JAXSPEC_EXECUTABLE_CACHE=off`` (the
-test suite's default: its compile counts must not depend on which test ran first) and in multi-process runs.
+``MAX_RECORDS`` index records (an executable whose index went is found again by its program's digest). Off with
+the compilation cache (``--no-compile-cache``), with ``JAXSPEC_EXECUTABLE_CACHE=off`` (the test suite's default:
+its compile counts must not depend on which test ran first) and in multi-process runs.
 """
 
 from __future__ import annotations

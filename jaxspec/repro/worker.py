@@ -3,8 +3,8 @@
 Figures 7, 8 and 10 compare systems the way a user runs them: each system (incremental,
 sequence-based, tree-based at a width, offloaded or not) loads and compiles in its own
 process. Per batch size B the prompts go through ``BatchEngine`` (laid out for the job's longest request and
-prepared before its first) in groups of B, every group once as a warm-up (reported, excluded), then once timed. Every request
-generates exactly ``max_new_tokens`` (EOS ignored), as transformers' baseline does.
+prepared before its first) in groups of B, every group once as a warm-up (reported, excluded), then once
+timed. Every request generates exactly ``max_new_tokens`` (EOS ignored), as transformers' baseline does.
 """
 
 from __future__ import annotations
