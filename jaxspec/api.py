@@ -2,7 +2,7 @@
 
 In the shape vLLM users know::
 
-    llm = jaxspec.LLM()                                     # the embedded SmolLM2-135M-Instruct, --mode auto
+    llm = jaxspec.LLM()                                     # the embedded SmolLM2-135M-Instruct, --mode auto, prepared
     out = llm.generate(["The capital of France is"], jaxspec.SamplingParams(max_tokens=32))
     print(out[0].outputs[0].text, out[0].outputs[0].speculation.accept_length)
     llm.chat([{"role": "user", "content": "Explain gravity."}])
@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
+import threading
 from typing import TYPE_CHECKING, Any, Iterator, Sequence, TextIO
 
 from jaxspec.config import EngineConfig, SchedulerConfig
@@ -195,11 +196,20 @@ class LLM:
     mode's default); ``mode``: auto, incremental, sequence or tree; ``engine_options``: the other
     ``EngineConfig`` fields (``expansion``, ``verify``, ``dtype``, ``tree_budget``, ...). ``max_batch``,
     ``max_model_len`` and ``prefix_cache_gb`` bound the loop (``SchedulerConfig``); ``log`` hears the engine's
-    notes (default stderr); ``compile_cache`` False leaves JAX's persistent compilation cache off."""
+    notes (default stderr); ``compile_cache`` False leaves JAX's persistent compilation cache off.
+
+    ``prepare`` (default) readies every executable greedy and sampled calls can reach before the constructor returns
+    (a progress bar on stderr; a machine that ran it before loads them), so no call waits on a compile; False defers
+    that: each call's first use of a bucket compiles it then (``prepare()`` readies them any time). Grammar steps
+    are readied by ``prepare(structured=True)``.
+
+    Safe from several threads: a lock around the loop serializes calls (a ``stream`` holds it until it is
+    exhausted or closed), so each gets the tokens it would get alone."""
 
     def __init__(self, model: str | None = None, speculators: Sequence[str] | None = None, mode: str = "auto", *,
                  max_batch: int = 8, max_model_len: int | None = None, prefix_cache_gb: float | None = None,
-                 log: TextIO | None = None, compile_cache: bool = True, **engine_options: Any) -> None:
+                 log: TextIO | None = None, compile_cache: bool = True, prepare: bool = True,
+                 **engine_options: Any) -> None:
         from jaxspec.engine.build import build_engine, build_scheduler  # noqa: PLC0415
 
         if compile_cache:
@@ -218,6 +228,9 @@ class LLM:
         cache = None if prefix_cache_gb is None else int(prefix_cache_gb * 2**30)
         self.scheduler = SchedulerConfig(max_batch=max_batch, max_model_len=max_model_len, prefix_cache_bytes=cache)
         self.batch = build_scheduler(self.engine, self.scheduler)
+        self.lock = threading.RLock()  # one caller drives the loop at a time
+        if prepare:
+            self.prepare()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -249,21 +262,23 @@ class LLM:
             ids = [self._render(c) for c in self._conversations(prompts)]
         else:
             ids = self._prompts(prompts)[1]
-        return run(self.batch, self.tokenizer, self._jobs(ids, sampling_params,
-                                                          grammar_of(json_schema, regex, grammar)))
+        return self._locked(run(self.batch, self.tokenizer, self._jobs(ids, sampling_params,
+                                                                       grammar_of(json_schema, regex, grammar))))
 
     def prepare(self, sampled: bool = True, structured: bool = False) -> float:
         """Readies every executable the loop can reach (``BatchEngine.prepare``: greedy, and the sampled warp too;
-        ``structured``: the grammar steps), so no later call waits on a compile; returns the seconds. Without it a
-        call's first use of a bucket readies that bucket's members then."""
+        ``structured``: the grammar steps), so no later call waits on a compile; returns the seconds. The constructor
+        runs it (greedy and sampled) unless told not to; without it a call's first use of a bucket readies that
+        bucket's members then."""
         from jaxspec.decoding import sampling  # noqa: PLC0415
 
         warps = sampling.BATCH_WARPS if sampled else (sampling.WarpSpec(),)
-        return self.batch.prepare(warps=warps, grammar=structured)
+        with self.lock:
+            return self.batch.prepare(warps=warps, grammar=structured)
 
     def close(self) -> None:
-        """Nothing runs between calls (no thread, no build in flight): kept so an ``LLM`` works as a context
-        manager; the engine stays usable."""
+        """Nothing runs between calls (no thread of its own, no build in flight): kept so an ``LLM`` works as a
+        context manager; the engine stays usable."""
 
     def __enter__(self) -> "LLM":
         return self
@@ -272,6 +287,12 @@ class LLM:
         self.close()
 
     # -- helpers ---------------------------------------------------------------------------
+    def _locked(self, pieces: Iterator[StreamOutput]) -> Iterator[StreamOutput]:
+        """``pieces`` (a ``run``, which starts at its first piece) with the loop held from its first piece until it
+        ends or is closed."""
+        with self.lock:
+            yield from pieces
+
     def _prompts(self, prompts) -> tuple[list[str | None], list[list[int]]]:
         """(texts, token ids) of a prompt, a list of prompts, one id list or a list of id lists."""
         if isinstance(prompts, str):
@@ -311,7 +332,7 @@ class LLM:
         """Runs every prompt's completions together; the outputs in prompt order, completions by index."""
         jobs = self._jobs(ids, sampling_params, grammar)
         done: dict[tuple[int, int], CompletionOutput] = {}
-        for piece in run(self.batch, self.tokenizer, jobs):
+        for piece in self._locked(run(self.batch, self.tokenizer, jobs)):
             if piece.output is not None:
                 done[piece.prompt_index, piece.index] = piece.output
         return [RequestOutput(prompt, prompt_ids,

@@ -24,6 +24,7 @@ OFF = ("off", "0", "false", "no", "none")
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
 MISS_EVENT = "/jax/compilation_cache/cache_misses"  # jax records it when it writes a freshly compiled entry
 MAX_BYTES = 4 << 30
+MAX_RECORDS = 4096  # files per record directory (``costs/``, ``executables/index/``), least recently used out first
 SOURCES = ("jaxspec", "models")  # the packages whose code shapes what an executable computes and how fast it runs
 
 
@@ -228,9 +229,11 @@ def compile_cache_on() -> bool:
     return bool(jax.config.jax_compilation_cache_dir)
 
 
-def trim_lru(files: Iterable[Path], max_bytes: int, companions: Callable[[Path], Sequence[Path]] = lambda p: ()) -> int:
+def trim_lru(files: Iterable[Path], max_bytes: int, companions: Callable[[Path], Sequence[Path]] = lambda p: (),
+             max_files: int | None = None) -> int:
     """Removes the least recently used of ``files`` (each with its ``companions``) until they hold at most
-    ``max_bytes``; returns how many it removed. Recency is a file's last access or write, whichever is later."""
+    ``max_bytes`` in at most ``max_files`` files (None: any number); returns how many it removed. Recency is a
+    file's last access or write, whichever is later."""
     entries = []
     for path in files:
         try:
@@ -240,7 +243,7 @@ def trim_lru(files: Iterable[Path], max_bytes: int, companions: Callable[[Path],
         entries.append((max(st.st_atime_ns, st.st_mtime_ns), st.st_size, path))
     total, removed = sum(size for _, size, _ in entries), 0
     for _, size, path in sorted(entries, key=lambda e: e[0]):
-        if total <= max_bytes:
+        if total <= max_bytes and (max_files is None or len(entries) - removed <= max_files):
             break
         for stale in (path, *companions(path)):
             stale.unlink(missing_ok=True)

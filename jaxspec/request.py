@@ -23,6 +23,7 @@ MIN_TEMPERATURE = 1e-5  # below it a request is greedy (as vLLM): 1/T would over
 MAX_TEMPERATURE = 1e4
 MIN_TOP_P = 1e-6  # any smaller nucleus holds the top token alone, as this one does (p_top >= 1/vocab)
 MAX_TOP_K = 2**31 - 1  # int32 on the device; a larger k keeps every token too
+SEED_RANGE = (-2**63, 2**64)  # a seed is read as 64 bits: signed (the server's range) or unsigned (seed + i past it)
 _REAL = (int, float, np.integer, np.floating)
 
 
@@ -50,6 +51,8 @@ class SamplingParams:
             raise SamplingError(f"top-p must lie in (0, 1], got {p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
             raise SamplingError(f"seed must be an integer, got {self.seed!r}")
+        if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise SamplingError(f"seed must fit in 64 bits (-2**63 <= seed < 2**64), got {self.seed!r}")
         t = 0.0 if t < MIN_TEMPERATURE else float(np.float32(t))
         object.__setattr__(self, "temperature", t)
         object.__setattr__(self, "top_k", int(min(k, MAX_TOP_K)))
@@ -58,6 +61,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def seed_words(self) -> np.ndarray:
+        """The seed's PRNG key: ``seed_words(self.seed)``."""
+        return seed_words(self.seed)
+
+
+def seed_words(seed: int) -> np.ndarray:
+    """[2] uint32: the high and low words of ``seed`` mod 2**64, the threefry key ``jax.random.PRNGKey`` makes of a
+    64-bit seed, so every 64-bit seed draws its own stream (a seed below 2**32 keeps the key ``[0, seed]``)."""
+    bits = int(seed) % 2**64
+    return np.asarray([bits >> 32, bits & 0xFFFFFFFF], np.uint32)
 
 
 @dataclasses.dataclass(frozen=True)

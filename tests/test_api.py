@@ -127,6 +127,17 @@ def test_a_seeded_sample_equals_jaxspec_generates(llm, tiny_checkpoint, tmp_path
     assert again[0].outputs[0].token_ids == unseeded.token_ids  # the reported seed repeats it
 
 
+def test_seeds_past_32_bits_sample_their_own_text(llm):
+    """Seeds s and s + 2**32 sample different text; each stays reproducible."""
+    def text(seed: int) -> str:
+        params = jaxspec.SamplingParams(max_tokens=16, temperature=1.0, seed=seed)
+        return llm.generate(PROMPT, params)[0].outputs[0].text
+
+    low, high = text(11), text(11 + 2**32)
+    assert low != high
+    assert (text(11), text(11 + 2**32)) == (low, high)
+
+
 def test_speculation_per_request_adds_up_to_the_loops_counts(llm):
     """Per output: verify steps and accepted drafts match its steps' tokens; the fixed tree drafts 3 SSM nodes a
     step; summed over the outputs, the counts the server's /metrics are fed (``IterationStats``)."""
@@ -160,3 +171,55 @@ def test_bad_requests_fail_before_anything_runs(llm):
             jaxspec.SamplingParams(**kw)
     with pytest.raises(RequestError, match="exceeds"):
         llm.generate(PROMPT, jaxspec.SamplingParams(max_tokens=5000))
+
+
+def test_after_llm_returns_its_calls_compile_nothing(llm, tiny_checkpoint):
+    """``LLM(...)`` prepares what greedy and sampled calls reach: generate, chat and stream then compile nothing,
+    over batches, a long prompt, ``n`` > 1 and every row bucket (grammar requests left out: their steps are
+    prepared by ``prepare(structured=True)``). An ``LLM`` told not to prepare compiles at its first call."""
+    from jaxspec.cache import BACKEND
+
+    before = BACKEND.listen()
+    long = " ".join(["the sea and the sky"] * 70)  # past the smallest cache bucket and prefill chunk
+    llm.generate(PROMPTS, jaxspec.SamplingParams(max_tokens=12))
+    llm.generate(PROMPTS * 3, jaxspec.SamplingParams(max_tokens=6, temperature=0.8, top_k=20, top_p=0.9, seed=3))
+    llm.generate(long, jaxspec.SamplingParams(max_tokens=8, temperature=0.7, seed=1, n=2))
+    llm.chat([{"role": "user", "content": PROMPT}], jaxspec.SamplingParams(max_tokens=10))
+    assert sum(p.finished for p in llm.stream(PROMPTS, jaxspec.SamplingParams(max_tokens=8, temperature=1.0))) == 3
+    assert BACKEND.listen() - before == 0
+    lazy = jaxspec.LLM(str(tiny_checkpoint), mode="incremental", max_batch=2, max_model_len=256, prepare=False)
+    before = BACKEND.listen()
+    lazy.generate(PROMPT, jaxspec.SamplingParams(max_tokens=4))
+    assert BACKEND.listen() > before  # the deferred compile the constructor spares the others
+    lazy.prepare()
+    before = BACKEND.listen()
+    lazy.generate(PROMPTS, jaxspec.SamplingParams(max_tokens=4, temperature=0.9, seed=2))
+    assert BACKEND.listen() == before
+
+
+def test_calls_from_two_threads_serialize_and_get_their_sequential_tokens(llm):
+    """Two threads generating (and streaming) at once each get what the same call gets alone."""
+    import threading
+
+    greedy = jaxspec.SamplingParams(max_tokens=16)
+    sampled = jaxspec.SamplingParams(max_tokens=16, temperature=0.9, seed=2**40 + 5)
+    want = {"batch": [r.outputs[0].token_ids for r in llm.generate(PROMPTS, greedy)],
+            "stream": llm.generate(PROMPTS[2], sampled)[0].outputs[0].token_ids,
+            "chat": llm.chat([{"role": "user", "content": PROMPT}], sampled)[0].outputs[0].token_ids}
+    got: dict[str, object] = {}
+    start = threading.Barrier(3)
+
+    def call(name: str, fn) -> None:
+        start.wait()
+        got[name] = fn()
+
+    calls = {"batch": lambda: [r.outputs[0].token_ids for r in llm.generate(PROMPTS, greedy)],
+             "stream": lambda: [p for p in llm.stream(PROMPTS[2], sampled) if p.finished][0].output.token_ids}
+    threads = [threading.Thread(target=call, args=item) for item in calls.items()]
+    for t in threads:
+        t.start()
+    call("chat", lambda: llm.chat([{"role": "user", "content": PROMPT}], sampled)[0].outputs[0].token_ids)
+    for t in threads:
+        t.join(timeout=300)
+    assert got == want
+    assert llm.batch.idle()

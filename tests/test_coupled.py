@@ -121,3 +121,21 @@ def test_the_coupled_draw_is_exact_for_the_first_and_second_tokens(llm, engines)
         if exp[-1] == 0:
             obs, exp = obs[:-1], exp[:-1]
         assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3, name
+
+
+def test_every_64_bit_seed_draws_its_own_stream(engines, llm):
+    """Seeds s and s + 2**32 (and the signed extremes) sample different tokens; a seed past 32 bits is reproducible
+    alone, in a tree and in a batch, and a seed below 2**32 keeps the key it always had."""
+    for s in (7, 2**32 - 1, 2**62 + 9):
+        assert np.array_equal(sampling.seed_words(s), np.asarray(jax.random.PRNGKey(s % 2**32))) == (s < 2**32)
+    prompt, seeds = PROMPTS[1], [7, 7 + 2**32, 2**63 - 1, -1, -(2**63)]
+    runs = {s: engines["incremental"].generate(prompt, 16, sampling.SamplingParams(0.9, seed=s)).token_ids
+            for s in seeds}
+    assert len({tuple(t) for t in runs.values()}) == len(seeds)
+    high = sampling.SamplingParams(0.9, seed=7 + 2**32)
+    assert engines["tree"].generate(prompt, 16, high).token_ids == runs[7 + 2**32]
+    batch = BatchEngine(engines["tree"], max_batch=8, max_model_len=64, prefill_chunk=16)
+    together = batch.generate([Request(prompt, 16, sampling.SamplingParams(0.9, seed=s)) for s in seeds])
+    assert [g.token_ids for g in together] == [runs[s] for s in seeds]
+    with pytest.raises(sampling.SamplingError, match="64 bits"):
+        sampling.SamplingParams(0.9, seed=2**64)

@@ -295,3 +295,29 @@ def test_child_process_benches_refuse_a_multi_process_run(monkeypatch, capsys) -
     assert cli.main(["bench", "incremental", "--prompt-file", "x.jsonl"]) == 2
     assert "jaxspec bench incremental runs in one process" in capsys.readouterr().err
     assert distributed.active() is None
+
+
+def test_an_announced_admission_reaches_the_other_processes_whole() -> None:
+    """Process 0's admission record (``lockstep._encode``) decodes on the others to the same request: every seed's
+    64 bits (s and s + 2**32 stay apart), float32 sampling values, stop strings and stop ids."""
+    from jaxspec.decoding.sampling import SamplingParams
+    from jaxspec.engine import lockstep
+    from jaxspec.engine.batch import Request
+    from jaxspec.engine.scheduler import Ticket
+
+    seen = []
+    for k, seed in enumerate([0, 7, 7 + 2**32, 2**63 - 1, -1, -(2**63), 2**64 - 1]):
+        params = SamplingParams(0.7, 12, 0.9, seed)
+        ticket = Ticket(Request([5, 6, 7], 9, params, stop_ids=[2] if k % 2 else None, id="r",
+                                stop_strings=("é\n", "end") if k % 3 else ()))
+        ticket.seq = 40 + k
+        msg = [99, *lockstep._encode(ticket), 98]  # between other words of the message
+        req, seq, at = lockstep._decode(msg, 1, lambda stops: tuple(stops))
+        assert (seq, at, msg[at]) == (40 + k, len(msg) - 1, 98)
+        assert (req.prompt_ids, req.max_new_tokens, req.stop_strings, req.stop_ids) == (
+            [5, 6, 7], 9, ticket.request.stop_strings, ticket.request.stop_ids)
+        p = req.params
+        assert (p.temperature, p.top_k, p.top_p) == (params.temperature, params.top_k, params.top_p)
+        assert p.seed_words.tolist() == params.seed_words.tolist()
+        seen.append(tuple(p.seed_words.tolist()))
+    assert len(set(seen)) == len(seen) - 1  # -1 and 2**64 - 1 are one 64-bit seed; every other seed its own

@@ -199,3 +199,23 @@ def test_opt_trees_reaching_past_the_position_table_stay_exact():
     for prompt in random_prompts(3, llm.cfg.vocab_size, seed=1, lo=8, hi=12):
         n = llm.cfg.max_position_embeddings - len(prompt)  # the request fills the table exactly
         assert tree.generate(prompt, n).token_ids == incremental.generate(prompt, n).token_ids
+
+
+def test_a_prepared_engine_generates_its_requests_without_compiling(tiny_llm):
+    """``Engine.prepare`` readies each length bucket's loop its requests reach (what ``bench`` and ``repro`` call
+    before their first request); ``generate`` then compiles nothing, greedy or sampled, and emits what an engine that
+    readied each bucket at its first use emits."""
+    from jaxspec.cache import BACKEND
+
+    prompts = random_prompts(3, tiny_llm.cfg.vocab_size, seed=5, lo=4, hi=12) + [[7] * 300]  # 256 and 512 buckets
+    params = [SamplingParams(), SamplingParams(0.9, seed=2**33 + 1)]
+    engine = Engine(tiny_llm)
+    assert engine.prepare([(len(p), 16) for p in prompts], params, progress=False) > 0
+    before = BACKEND.listen()
+    out = [engine.generate(p, 16, q).token_ids for p in prompts for q in params]
+    assert BACKEND.listen() == before
+    assert sorted(engine.solos) == [256, 512]
+    lazy = Engine(tiny_llm)
+    before = BACKEND.listen()
+    assert [lazy.generate(p, 16, q).token_ids for p in prompts for q in params] == out
+    assert BACKEND.listen() > before  # the compiles ``prepare`` took out of the requests

@@ -126,3 +126,52 @@ def test_executables_compile_with_the_platforms_options_unless_xla_flags_sets_th
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2")  # the user's level wins
     assert cache.compiler_options() == {} and Stored(lambda x: x, {"what": "test-options"}).options is None
     assert speed_key()["compiler_options"] == {} != ours["compiler_options"]
+
+
+def test_cost_records_are_bounded_least_recently_used_first(tmp_path, monkeypatch):
+    """``costs/`` keeps at most ``MAX_RECORDS`` records, trimmed once per process like the executable store: the least
+    recently read or written go first, and a read counts as a use."""
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs, "MAX_RECORDS", 5)
+    monkeypatch.setattr(costs, "_BOUNDED", set())
+    keys = [{**KEY, "what": f"test-bound-{i}"} for i in range(12)]
+    for age, key in enumerate(keys):  # keys[0] written first and made the least recently used
+        before = set((tmp_path / "costs").glob("*.json"))
+        costs.load_or_measure(key, lambda age=age: {"seconds": float(age)})
+        (path,) = set((tmp_path / "costs").glob("*.json")) - before
+        os.utime(path, ns=(10**18 + age * 10**9,) * 2)
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 12  # this process trimmed before it wrote
+    assert costs.load(keys[0]) == {"seconds": 0.0}  # now the most recently used
+    monkeypatch.setattr(costs, "_BOUNDED", set())  # a fresh process
+    assert len(list(costs.costs_dir().glob("*.json"))) == 5
+    assert [costs.load(k) is not None for k in keys] == [True] + [False] * 7 + [True] * 4
+
+
+def test_the_executable_index_is_bounded_and_a_trimmed_index_costs_a_trace_not_a_compile(tmp_path, monkeypatch):
+    """``executables/index/`` keeps at most ``MAX_RECORDS`` records, least recently used first (a load is a use); an
+    executable whose index record went is found again by its program's digest and loaded, never compiled."""
+    from jaxspec.engine import executables
+
+    store = tmp_path / "executables"
+    monkeypatch.setenv("JAXSPEC_EXECUTABLE_CACHE", str(store))
+    monkeypatch.setattr(executables, "MAX_RECORDS", 3)
+    x = jnp.arange(8.0)
+    fns = [Stored(lambda v, k=k: jnp.cos(v) * k, {"what": f"test-index-{k}"}) for k in range(6)]
+    records = []
+    for age, fn in enumerate(fns):
+        before = set((store / "index").glob("*"))
+        fn(x)
+        (path,) = set((store / "index").glob("*")) - before
+        os.utime(path, ns=(10**18 + age * 10**9,) * 2)
+        records.append(path)
+    loaded = STATS.executables_loaded
+    Stored(fns[0].fn, fns[0].ident)(x)  # a new process's object: loaded through its index record
+    assert STATS.executables_loaded == loaded + 1 and records[0].stat().st_mtime_ns > 10**18 + 5 * 10**9
+    monkeypatch.setattr(executables, "_BOUNDED", set())  # a fresh process
+    assert executables.store_dir() == store
+    assert sorted((store / "index").glob("*")) == sorted([records[0], records[4], records[5]])
+    assert len(list(store.glob("*.bin"))) == 6  # the executables stay within their own bound
+    loaded, stored = STATS.executables_loaded, STATS.executables_stored
+    assert Stored(fns[1].fn, fns[1].ident)(x).tolist() == (jnp.cos(x) * 1).tolist()
+    assert (STATS.executables_loaded, STATS.executables_stored) == (loaded + 1, stored)
+    assert records[1].is_file()  # its record written again

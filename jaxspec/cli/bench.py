@@ -67,7 +67,7 @@ def _encode_all(llm, rows, no_chat: bool) -> list[list[int]]:
 
 
 def _timed_generate(engine, ids, n, params):
-    engine.generate(ids, n, params)  # warm-up: compiles for this bucket
+    engine.generate(ids, n, params)  # warm-up: the bucket's first run (``Engine.prepare`` compiled it)
     t0 = time.perf_counter()
     gen = engine.generate(ids, n, params)
     return gen, time.perf_counter() - t0
@@ -173,10 +173,11 @@ def run_jaxspec_job(job: dict) -> dict:
                           offload=job.get("offload", False))
     engine = engine_from(config, load_llm(config.model, config.dtype))
     load_seconds = time.perf_counter() - start
+    engine.prepare([(len(p["ids"]), job["max_new_tokens"]) for p in job["prompts"]], [params])
     rows = []
     for prompt in job["prompts"]:
         times = []
-        for _ in range(2):  # a warm-up generation (compiles for this bucket), then the timed one
+        for _ in range(2):  # a warm-up generation (its first run, prepared before), then the timed one
             start = time.perf_counter()
             gen = engine.generate(prompt["ids"], job["max_new_tokens"], params)
             times.append(time.perf_counter() - start)
@@ -246,6 +247,7 @@ def cmd_speculative(args) -> int:
                               verify="mss" if verify == "greedy" else verify,  # greedy: argmax, any verifier
                               mesh=args.mesh, offload=args.offload, forced_tokens=0)
         engine = engine_from(config, llm, ssms[:m])
+        engine.prepare([(len(ids), args.max_new_tokens) for ids in prompts], [params])
         for row, ids in zip(rows, prompts):
             gen, secs = _timed_generate(engine, ids, args.max_new_tokens, params)
             results.append({
@@ -358,9 +360,10 @@ def cmd_coverage(args) -> int:
     engine = engine_from(EngineConfig(model=args.model, dtype=args.dtype, mode="incremental", mesh=args.mesh,
                                       offload=args.offload), llm)
     temperature = args.temperature or 1.0
+    prompts = _encode_all(llm, rows, args.no_chat)
+    engine.prepare([(len(ids), args.max_new_tokens) for ids in prompts])
     results = []
-    for row, ids in tqdm(list(zip(rows, _encode_all(llm, rows, args.no_chat))), desc="bench coverage",
-                         unit="prompt", file=sys.stderr):
+    for row, ids in tqdm(list(zip(rows, prompts)), desc="bench coverage", unit="prompt", file=sys.stderr):
         gen = engine.generate(ids, args.max_new_tokens)
         seq = ids + gen.token_ids
         # one LLM pass per kind of state the speculators read (any of them gives the reference logits)

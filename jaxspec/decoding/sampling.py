@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.request import (MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, MIN_TOP_P,  # noqa: F401 (importable from
-                             SamplingError, SamplingParams)  # here as before)
+                             SamplingError, SamplingParams, seed_words)  # here as before)
 
 
 @dataclasses.dataclass(frozen=True)

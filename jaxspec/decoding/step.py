@@ -493,8 +493,8 @@ def prefill_row(
 
     The batched engine's admission runs it on a one-row staging state (a long prompt is
     fed chunk by chunk between decoding iterations of the others), then ``insert_row``s
-    the row. On the ``last`` chunk the row gets its seed's PRNG key and sampling
-    ``values`` (each [1]), samples its first token (the pending root; from the tokens
+    the row. On the ``last`` chunk the row gets its PRNG key ``seed`` [2] (``jaxspec.request.seed_words``) and
+    sampling ``values`` (each [1]), samples its first token (the pending root; from the tokens
     ``first_mask`` [1, W] allows, for a request with a grammar) and becomes active.
     The caller guarantees start + C <= capacity.
     """
@@ -536,7 +536,7 @@ def prefill_row(
 
     if first_mask is not None:
         logits = constrain.apply(logits, first_mask)
-    keys = jax.random.split(jax.random.PRNGKey(seed), 2)  # [2, 2]: the row's key, the first draw's
+    keys = jax.random.split(seed, 2)  # [2, 2]: the row's key, the first draw's
     first = first_token(cfg, logits, keys[1:], keys[:1], jnp.reshape(start + count, (1,)), values)  # [1]
     active = state.active if state.active is not None else jnp.ones(state.root.shape, bool)
     new_values = {k: jnp.where(last, _put_row(v, values[k], slot, 0), v) for k, v in state.values.items()}

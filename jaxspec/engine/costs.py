@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxspec.cache import cache_root, speed_key
+from jaxspec.cache import MAX_BYTES, MAX_RECORDS, cache_root, speed_key, trim_lru
 from jaxspec.errors import warn_once
 from jaxspec.decoding.kv_cache import causal_mask
 from jaxspec.decoding.speculate import call
@@ -209,9 +209,17 @@ def _decode(obj):
     return obj
 
 
-def costs_dir():
-    """``$JAXSPEC_CACHE/costs`` or ``~/.cache/jaxspec/costs``."""
-    return cache_root() / "costs"
+def costs_dir() -> Path:
+    """``$JAXSPEC_CACHE/costs`` or ``~/.cache/jaxspec/costs``; trimmed to ``MAX_RECORDS`` records (least recently read
+    or written first) once per process, as the executable store is."""
+    directory = cache_root() / "costs"
+    if directory not in _BOUNDED:
+        _BOUNDED.add(directory)
+        trim_lru(directory.glob("*.json"), MAX_BYTES, max_files=MAX_RECORDS)
+    return directory
+
+
+_BOUNDED: set[Path] = set()  # record directories this process trimmed
 
 
 def _path(key: dict) -> tuple[dict, str, Path]:
@@ -227,11 +235,17 @@ def load(key: dict) -> Any | None:
     if path.is_file():
         try:
             stored = json.loads(path.read_text())
-            if json.dumps(stored["key"], sort_keys=True) == text:
-                return _decode(stored["value"])
+            value = _decode(stored["value"]) if json.dumps(stored["key"], sort_keys=True) == text else None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             warn_once(f"read {path.parent}", f"cannot read the cost record {path} ({type(exc).__name__}: {exc}); "
                                               "measuring it again")
+            return None
+        if value is not None:
+            try:
+                os.utime(path)  # a read is a use: the bound removes the least recently used (atime may be off)
+            except OSError:
+                pass
+        return value
     return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 from jaxspec.decoding import sampling
@@ -16,7 +17,8 @@ class Engine(Runner):
     """Speculative decoding with one LLM and zero or more speculators (incremental / sequence / tree / auto).
 
     ``Runner`` documents the configuration; ``generate`` runs one request through the same
-    scheduling loop as a batch or a server (one slot, a loop per request length bucket: 256, 512, ... tokens).
+    scheduling loop as a batch or a server (one slot, a loop per request length bucket: 256, 512, ... tokens);
+    ``prepare`` readies those loops for a known set of requests before the first runs.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -29,7 +31,8 @@ class Engine(Runner):
                  stop_ids: Sequence[int] | None = None,
                  stop: Callable[[list[int]], int | None] | None = None,
                  grammar: Grammar | None = None) -> Generation:
-        """One request through the scheduling loop (one slot, laid out for its length bucket; readied at first use).
+        """One request through the scheduling loop (one slot, laid out for its length bucket; readied at first use
+        unless ``prepare`` readied it).
 
         ``stop_ids`` defaults to the LLM's EOS ids; ``stop`` maps the generated ids to how many to
         keep once a stop string completed (None otherwise; ``jaxspec.engine.stops.StopText(tokenizer,
@@ -37,11 +40,35 @@ class Engine(Runner):
         (``jaxspec.structured.Grammar``: a JSON schema, a regex or a Lark grammar). A request that fails raises
         RequestError with its one-line reason.
         """
-        length = job_model_len(len(prompt_ids) + max_new_tokens, self.llm.cfg.max_position_embeddings)
-        if length not in self.solos:  # a cache laid out for the request's length bucket, not the whole context
-            self.solos[length] = BatchEngine(self, max_batch=1, max_model_len=length)
-        (gen,) = self.solos[length].generate([Request(list(prompt_ids), max_new_tokens, params, stop_ids, stop,
-                                                      grammar=grammar, id="generate")])
+        loop = self._solo(self._length(len(prompt_ids), max_new_tokens))
+        (gen,) = loop.generate([Request(list(prompt_ids), max_new_tokens, params, stop_ids, stop, grammar=grammar,
+                                        id="generate")])
         if gen.finish_reason == "error":
             raise RequestError(gen.error)
         return gen
+
+    def prepare(self, requests: Sequence[tuple[int, int]],
+                params: Sequence[sampling.SamplingParams] = (sampling.SamplingParams(),), grammar: bool = False,
+                progress: bool = True) -> float:
+        """Readies what ``generate`` reaches for requests of these (prompt tokens, max new tokens) under ``params``:
+        each length bucket's loop, for the warps they need (``grammar``: its grammar steps too), so no request
+        waits on a compile (benchmarks time requests, not compiles); returns the seconds."""
+        began = time.perf_counter()
+        warps = tuple(dict.fromkeys(sampling.batch_warp([p]) for p in params))  # a request runs alone: its own warp
+        longest: dict[int, int] = {}  # length bucket -> its longest prompt
+        for prompt, new in requests:
+            length = self._length(prompt, new)
+            longest[length] = max(longest.get(length, 0), prompt)
+        for length, prompt in sorted(longest.items()):
+            self._solo(length).prepare(warps=warps, grammar=grammar, progress=progress, longest=prompt)
+        return time.perf_counter() - began
+
+    def _length(self, prompt: int, new: int) -> int:
+        """The length bucket of a request of ``prompt`` tokens and ``new`` more (``job_model_len``)."""
+        return job_model_len(prompt + new, self.llm.cfg.max_position_embeddings)
+
+    def _solo(self, length: int) -> BatchEngine:
+        """The one-slot loop of the length bucket ``length`` (a cache laid out for it, not the whole context)."""
+        if length not in self.solos:
+            self.solos[length] = BatchEngine(self, max_batch=1, max_model_len=length)
+        return self.solos[length]

@@ -14,8 +14,10 @@ source digest, the device); a traced program is also found by its own digest in 
 Weights are arguments, never baked in (an executable with captured constants refuses to serialize and
 simply stays in memory). A damaged entry is removed and
 rebuilt; anything that cannot be serialized (grammar steps call back into the host) is compiled as
-before. Off with the compilation cache (``--no-compile-cache``), with ``JAXSPEC_EXECUTABLE_CACHE=off`` (the
-test suite's default: its compile counts must not depend on which test ran first) and in multi-process runs.
+before. Once per process the store is trimmed, least recently used first, to ``MAX_BYTES`` of executables and
+``MAX_RECORDS`` index records (an executable whose index went is found again by its program's digest). Off with
+the compilation cache (``--no-compile-cache``), with ``JAXSPEC_EXECUTABLE_CACHE=off`` (the test suite's default:
+its compile counts must not depend on which test ran first) and in multi-process runs.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from typing import Any, Callable
 
 import jax
 
-from jaxspec.cache import EXECUTABLE_CACHE_ENV, MAX_BYTES, OFF, STATS, compiler_options, speed_key, trim_lru
+from jaxspec.cache import (EXECUTABLE_CACHE_ENV, MAX_BYTES, MAX_RECORDS, OFF, STATS, compiler_options, speed_key,
+                           trim_lru)
 from jaxspec.errors import warn_once
 
 
@@ -46,10 +49,12 @@ def store_dir() -> Path | None:
     if store not in _BOUNDED:  # once per process, as the XLA cache's bound (``jaxspec.cache.enable_compile_cache``)
         _BOUNDED.add(store)
         trim_lru(store.glob("*.bin"), MAX_BYTES)
+        trim_lru((store / "index").glob(INDEX_NAME), MAX_BYTES, max_files=MAX_RECORDS)
     return store
 
 
 _BOUNDED: set[Path] = set()  # stores this process trimmed to ``MAX_BYTES`` (least recently loaded or written first)
+INDEX_NAME = "?" * 32  # an index record's name: its key's digest (``_digest``), never a writer's partial file
 
 
 def _leaf(x: Any) -> tuple:
@@ -96,8 +101,9 @@ class Stored:
         return tree, tuple(map(_leaf, leaves))
 
     def has(self, *args: Any, **kwargs: Any) -> bool:
-        """Whether these arguments' signature already has its executable (loaded, compiled or traced by a call)."""
-        return self._signature(args, kwargs) in self.loaded
+        """Whether these arguments' signature already has its own executable (loaded or compiled ahead); one only a
+        call ran through ``jitted`` has not (it compiles again for an argument placed or weakly typed otherwise)."""
+        return self.loaded.get(self._signature(args, kwargs), self.jitted) is not self.jitted
 
     def executable(self, *args: Any, **kwargs: Any) -> Callable:
         """The executable these arguments call: loaded, or compiled now where executables are stored; ``jitted``
@@ -130,6 +136,7 @@ class Stored:
         if program is not None:  # this key was stored before: no trace at all
             compiled = _load(directory / f"{program}.bin", program)
             if compiled is not None:
+                _touch(index)
                 STATS.loaded()
                 return compiled
         # Traced once, under a name of its own: XLA's persistent cache then cannot answer the compile below with
@@ -217,11 +224,16 @@ def _load(path: Path, key: str) -> Callable | None:
         warn_once(f"load {path.parent}", f"a stored executable failed to load ({type(exc).__name__}: {exc}); "
                                           f"removed {path.name}, compiling it again")
         return None
+    _touch(path)
+    return compiled
+
+
+def _touch(path: Path) -> None:
+    """Marks ``path`` used now: the store's bounds remove the least recently used (atime may be off)."""
     try:
-        os.utime(path)  # a load is a use: the store's bound removes the least recently used (atime may be off)
+        os.utime(path)
     except OSError:
         pass
-    return compiled
 
 
 def _write(path: Path, key: str, compiled: Any) -> bool:

@@ -25,7 +25,7 @@ from jaxspec.engine.prefix import committed, cut_block, paste_block
 from jaxspec.engine.prepare import Job, check_room, compile_all
 from jaxspec.engine.runner import Runner
 from jaxspec.parallel.sharding import fetch, pinned
-from jaxspec.request import SamplingParams
+from jaxspec.request import SamplingParams, seed_words
 
 
 def _put(v: int) -> jax.Array:
@@ -218,7 +218,7 @@ class Executor:
             values = sampling.row_values([SamplingParams()], self.vocab)
         if first_mask is None:
             first_mask = np.full((1, constrain.words(self.vocab)), -1, np.int32)
-        args = jax.device_put((tokens, np.int32(fed), np.int32(count), np.bool_(last), np.uint32(seed % 2**32),
+        args = jax.device_put((tokens, np.int32(fed), np.int32(count), np.bool_(last), seed_words(seed),
                                values, first_mask))
         return (self.runner.llm_params, self.runner.group_params,
                 self.staging_state if staged is None else staged, *args)

@@ -47,7 +47,7 @@ def loop_sync() -> LoopSync | None:
 
 # -- a multi-process server: process 0's queue, every process's batch -----------------------------
 HEADER = 4  # [stop, cancellations, admissions, words used]
-RECORD = 10  # per admission: seq, prompt length, max new tokens, seed, top-k, temperature, top-p, stop chars, ...
+RECORD = 11  # per admission: seq, prompt length, max new tokens, seed (2 words), top-k, temperature, top-p, ...
 # Stop strings travel as JSON code points (ensure_ascii off): each character, escaped, at most 2 words.
 STOP_WORDS = MAX_STOPS * (2 * MAX_STOP_CHARS + 4) + 2
 
@@ -71,9 +71,23 @@ def _encode(ticket: Ticket) -> list[int]:
     stops = [ord(c) for c in json.dumps(list(req.stop_strings), ensure_ascii=False)] if req.stop_strings else []
     stop_ids = list(req.stop_ids) if req.stop_ids is not None else []
     p = req.params
-    head = [ticket.seq, len(req.prompt_ids), req.max_new_tokens, int(np.uint32(p.seed % 2**32).view(np.int32)),
+    head = [ticket.seq, len(req.prompt_ids), req.max_new_tokens, *p.seed_words.view(np.int32).tolist(),
             p.top_k, _bits(p.temperature), _bits(p.top_p), len(stops), int(req.stop_ids is not None), len(stop_ids)]
     return head + list(req.prompt_ids) + stops + stop_ids
+
+
+def _decode(msg: list[int], at: int, make_stop: Callable[[list[str]], Any]) -> tuple[Request, int, int]:
+    """The admission ``_encode`` wrote at word ``at`` of ``msg``: (its request, its seq, the word after it)."""
+    seq, n, max_new, high, low, top_k, temp, top_p, n_stop, has_ids, n_ids = msg[at: at + RECORD]
+    at += RECORD
+    prompt = msg[at: at + n]
+    stops = json.loads("".join(map(chr, msg[at + n: at + n + n_stop]))) if n_stop else []
+    stop_ids = msg[at + n + n_stop: at + n + n_stop + n_ids] if has_ids else None
+    high, low = np.asarray([high, low], np.int32).view(np.uint32).tolist()  # ``seed_words``
+    params = SamplingParams(_float(temp), top_k, _float(top_p), high << 32 | low)
+    req = Request(prompt, max_new, params, stop_ids=stop_ids, stop=make_stop(stops) if stops else None,
+                  id=f"peer-{seq}", stop_strings=tuple(stops))
+    return req, seq, at + n + n_stop + n_ids
 
 
 class _ServerSync(LockstepSync):
@@ -144,15 +158,7 @@ class FollowerSync(_ServerSync):
         at += n_cancel
         admitted = []
         for _ in range(n_admit):
-            seq, n, max_new, seed, top_k, temp, top_p, n_stop, has_ids, n_ids = msg[at: at + RECORD]
-            at += RECORD
-            prompt = msg[at: at + n]
-            stops = json.loads("".join(map(chr, msg[at + n: at + n + n_stop]))) if n_stop else []
-            stop_ids = msg[at + n + n_stop: at + n + n_stop + n_ids] if has_ids else None
-            at += n + n_stop + n_ids
-            params = SamplingParams(_float(temp), top_k, _float(top_p), int(np.int32(seed).view(np.uint32)))
-            req = Request(prompt, max_new, params, stop_ids=stop_ids, stop=self.make_stop(stops) if stops else None,
-                          id=f"peer-{seq}", stop_strings=tuple(stops))
+            req, seq, at = _decode(msg, at, self.make_stop)
             ticket = Ticket(req)
             ticket.seq = seq
             self.tickets[seq] = ticket

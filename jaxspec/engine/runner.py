@@ -624,7 +624,7 @@ class Runner:
                     ssm_caches=tuple(self._group_cache(g, batch, capacity) for g in self.groups),
                     history=jnp.zeros((batch, capacity), jnp.int32),
                     root=jnp.zeros((batch,), jnp.int32),
-                    key=jax.vmap(jax.random.PRNGKey)(seeds),
+                    key=seeds,  # [B, 2]: each row's PRNG key (``jaxspec.request.seed_words``)
                     values=values,
                     active=active,
                     features=(jnp.zeros((batch, capacity, self.feature_width), dt) if self.features else None),
@@ -637,7 +637,7 @@ class Runner:
             params = sampling.SamplingParams(1.0)
         else:
             values = sampling.row_values([params] * batch, 0)
-        seeds = np.full((batch,), params.seed % 2**32, np.uint32)
+        seeds = np.tile(params.seed_words, (batch, 1))  # [B, 2]
         seeds, values, rows = jax.device_put((seeds, values, np.full((batch,), active, bool)))
         return self._compiled[key](seeds, values, rows)
 

@@ -199,8 +199,8 @@ class Lab:
         """Per prompt: tokens, LLM steps, tokens per step and ms/token of one decoder.
 
         ``width`` None is incremental decoding; else the SSM's <1,1,w,1,1,1,1,1> tree (w = 1:
-        sequence-based). EOS ends a request. The shortest and longest prompt run first as a
-        warm-up (compiles), excluded.
+        sequence-based). EOS ends a request. The engine is prepared for every prompt first; the shortest and
+        longest prompt then run once as a warm-up, excluded.
         """
         key = self.setup.key("decode", width=width, verify=verify, run_temperature=temperature,
                              tokens=self.setup.scale.tokens)
@@ -222,6 +222,7 @@ class Lab:
         engine = engine_from(config, self.llm, [self.ssm] if width else [])
         ids = self.prompt_ids
         n = self.setup.scale.tokens
+        engine.prepare([(len(p), n) for p in ids], [SamplingParams(temperature)])
         for k in {min(range(len(ids)), key=lambda i: len(ids[i])), max(range(len(ids)), key=lambda i: len(ids[i]))}:
             engine.generate(ids[k], n, SamplingParams(temperature, seed=self.setup.seed))
         rows = []
