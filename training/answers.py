@@ -136,7 +136,7 @@ def _later_turn(tokenizer, msgs: list[dict], last: int, max_tokens: int) -> tupl
     """(first message, ids) of the longest history ending at user message ``last`` that fits, holding at least one
     earlier exchange and starting at a user message; None where none fits."""
     for first in range(0, last - 1):
-        if msgs[first]["role"] == "user":
+        if msgs[first]["role"] == "user" and any(m["role"] == "assistant" for m in msgs[first:last]):
             ids = _fits(tokenizer, msgs[first: last + 1], max_tokens)
             if ids is not None:
                 return first, ids
