@@ -197,3 +197,17 @@ def test_answers_only_without_answers_is_one_line(tmp_path):
     proc = run_cli("train-drafter", "--config", str(config), "--answers-only")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--answers-only needs a config that asks for answers" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_the_large_config_asks_for_answers_at_scale():
+    """``configs/drafter/smollm2_answers_large.yaml`` asks the engine for >= 6,000 answers and room for >= 1 M answer
+    tokens, in rows the ShareGPT feature cache's length holds."""
+    from training.drafter import DrafterConfig
+    from training.fused import answer_spec
+
+    cfg = DrafterConfig.load(str(Path(__file__).resolve().parents[1] / "configs/drafter/smollm2_answers_large.yaml"))
+    spec = answer_spec(cfg)
+    answers = spec.num_prompts * len(spec.temperatures)
+    assert cfg.answer_generator == "engine" and 0.0 in spec.temperatures and len(spec.temperatures) >= 2
+    assert answers >= 6000 and answers * spec.max_new_tokens >= 1_000_000
+    assert spec.max_prompt_tokens + spec.max_new_tokens == cfg.seq_len and spec.later_turns > 0
