@@ -1,6 +1,6 @@
-"""The LLM's own answers at scale (``jaxspec train-drafter --answers-only``, ``training.answers``): the greedy answers are
-``jaxspec generate --mode incremental``'s ids, a stopped run resumes at its whole shards, later-turn prompts hold their
-history, and ``train-drafter`` reads the shards as its answer rows. On the tiny random LLM over the real tokenizer."""
+"""The LLM's own answers at scale (``jaxspec train-drafter --answers-only``, ``training.answers``): greedy answers
+are ``jaxspec generate --mode incremental``'s ids, a stopped run resumes at its whole shards, later-turn prompts hold
+their history, and ``train-drafter`` reads the shards as its answer rows. On the tiny random LLM, real tokenizer."""
 
 from __future__ import annotations
 

@@ -285,9 +285,9 @@ def answer_rows(directory: str | os.PathLike, temperature: float, seq_len: int) 
 
 
 # --------------------------------------------------------------------------- generation
-def _loop(llm, spec: AnswerSpec, max_batch: int, mode: str, longest: int):
-    """The engine and scheduling loop that answer: ``mode``'s speculators over the loaded LLM, every warp the
-    temperatures need prepared before the first request."""
+def _scheduling_loop(llm, spec: AnswerSpec, max_batch: int, mode: str, longest: int, progress: bool):
+    """The engine and scheduling loop that answer: ``mode``'s speculators over the loaded LLM, every executable the
+    temperatures' warps reach prepared before the first request (none compiles while answering)."""
     from jaxspec.config import EngineConfig, SchedulerConfig  # noqa: PLC0415
     from jaxspec.decoding import sampling  # noqa: PLC0415
     from jaxspec.engine.batch import job_model_len  # noqa: PLC0415
@@ -302,7 +302,7 @@ def _loop(llm, spec: AnswerSpec, max_batch: int, mode: str, longest: int):
                                                          llm.cfg.max_position_embeddings))
     batch = build_scheduler(engine, limits)
     warps = tuple(dict.fromkeys(sampling.batch_warp([sampling.SamplingParams(t)]) for t in spec.temperatures))
-    batch.prepare(warps=warps, longest=longest, progress=False)
+    batch.prepare(warps=warps, longest=longest, progress=progress)
     return batch
 
 
@@ -327,9 +327,11 @@ def generate_answers(directory: str | os.PathLike, spec: AnswerSpec, llm, identi
         return report
     members = {key: range(key[1] * spec.shard_size, min((key[1] + 1) * spec.shard_size, spec.num_prompts))
                for key in todo}
-    batch = _loop(llm, spec, max_batch, mode, max(len(prompts[i]) for r in members.values() for i in r))
+    total = sum(len(r) for r in members.values())
+    batch = _scheduling_loop(llm, spec, min(max_batch, total), mode,
+                             max(len(prompts[i]) for r in members.values() for i in r), progress)
     dtype = token_dtype(llm.cfg.vocab_size)
-    bar = tqdm(total=sum(len(r) for r in members.values()), desc="LLM answers", unit="answer", file=sys.stderr,
+    bar = tqdm(total=total, desc="LLM answers", unit="answer", file=sys.stderr,
                disable=not progress, smoothing=0.05)
     try:
         for ti, t in enumerate(spec.temperatures):

@@ -60,7 +60,6 @@ def run_drafter(args: argparse.Namespace) -> int:
 def run_answers(cfg, max_batch: int | None) -> int:
     """``jaxspec train-drafter --answers-only``: the LLM's answers the config asks for, generated where missing;
     prints what this run did as one JSON line."""
-    from jaxspec.cli.extras import require
     from jaxspec.speculators.pool import llm_identity
     from training.fused import make_answers
     from training.llm import load_llm
@@ -72,7 +71,6 @@ def run_answers(cfg, max_batch: int | None) -> int:
     if max_batch is not None and max_batch < 1:
         print(f"jaxspec train-drafter: --max-batch must be >= 1, got {max_batch}", file=sys.stderr)
         return 2
-    require(["train-drafter --answers-only"])
     llm, source = load_llm(cfg.llm)
     if llm.tokenizer is None:
         print("jaxspec train-drafter: answers are chat text: the LLM needs a tokenizer", file=sys.stderr)
