@@ -211,3 +211,27 @@ def test_the_large_config_asks_for_answers_at_scale():
     assert cfg.answer_generator == "engine" and 0.0 in spec.temperatures and len(spec.temperatures) >= 2
     assert answers >= 6000 and answers * spec.max_new_tokens >= 1_000_000
     assert spec.max_prompt_tokens + spec.max_new_tokens == cfg.seq_len and spec.later_turns > 0
+
+
+@pytest.mark.slow  # 14 min on the 2-core CPU at load 10 (ShareGPT and answer caches, two steps); the reading is above
+def test_train_drafter_trains_on_the_engine_answers(tiny_checkpoint, tiny_checkpoint_llm, identity, tmp_path):
+    """A fused drafter run whose config asks for engine answers makes them, caches their features from exactly those
+    rows, trains on them beside ShareGPT and reports each temperature's held-out top-1."""
+    from training.drafter import DrafterConfig, train_drafter
+    from training.features import FeatureCache
+    from training.fused import answer_rows
+
+    cfg = DrafterConfig.load(None, [f"llm={tiny_checkpoint}", f"out={tmp_path / 'run'}", "num_conversations=160",
+                                    "eval_sequences=64", "seq_len=96", "min_tokens=16", "batch_size=8", "steps=2",
+                                    "warmup_steps=1", "eval_every=2", "draft_vocab=0", "counts_from=null",
+                                    "feature_layers=[]",
+                                    f"cache_dir={tmp_path / 'sharegpt'}", f"eval_cache_dir={tmp_path / 'held'}",
+                                    "answers=128", "answer_tokens=8", "answer_temperatures=[0.0, 0.8]",
+                                    f"answer_dir={tmp_path / 'answers'}", "answer_batch=8", "answer_shard=64"])
+    assert (train_drafter(cfg) / "drafter.json").exists()
+    for t in (0.0, 0.8):
+        rows = answer_rows(cfg, tiny_checkpoint_llm, identity, t)
+        cache = FeatureCache(tmp_path / "answers" / f"t{t:g}" / "features")
+        assert len(cache) == 64 and cache.rows(np.arange(64))["tokens"].tolist() == rows[:64].tolist()
+    evaluations = [json.loads(line) for line in (tmp_path / "run" / "acceptance.jsonl").read_text().splitlines()]
+    assert evaluations[-1]["step"] == 2 and {"answers0_top1_1", "answers0.8_top1_1"} <= evaluations[-1].keys()
