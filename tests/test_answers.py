@@ -163,8 +163,8 @@ def test_train_drafter_reads_the_shards_as_its_answer_rows(tiny_checkpoint_llm, 
 
     cfg = DrafterConfig.load(None, ["answers=64", "eval_sequences=0", "seq_len=96", "answer_tokens=5",
                                     "answer_temperatures=[0.0]", f"answer_dir={tmp_path}", "answer_shard=32",
-                                    "answer_later_turns=0.1", "feature_layers=[]"])
-    report = make_answers(cfg, tiny_checkpoint_llm, identity, max_batch=8, progress=False)
+                                    "answer_later_turns=0.1", "feature_layers=[]", "answer_batch=8"])
+    report = make_answers(cfg, tiny_checkpoint_llm, identity, progress=False)
     assert report.complete and report.answers_written == 64
     rows = answer_rows(cfg, tiny_checkpoint_llm, identity, 0.0)
     prompts, _ = read_prompts(tmp_path)
@@ -191,12 +191,15 @@ def test_bad_answer_settings_are_named(override, words):
         DrafterConfig.load(None, [override])
 
 
-def test_answers_only_without_answers_is_one_line(tmp_path):
+def test_answers_only_without_answers_or_with_no_rows_is_one_line(tmp_path):
     config = tmp_path / "none.yaml"
     config.write_text(yaml.safe_dump({"answers": 0}))
     proc = run_cli("train-drafter", "--config", str(config), "--answers-only")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--answers-only needs a config that asks for answers" in proc.stderr.strip().splitlines()[-1]
+    proc = run_cli("train-drafter", "--config", str(config), "--answers-only", "--max-batch", "0")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "answer_batch (--max-batch) must be >= 1, got 0" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_the_large_config_asks_for_answers_at_scale():

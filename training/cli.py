@@ -35,8 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="generate (or finish) the LLM's own answers the config asks for in its answer_dir, then stop "
                         "(resumable: a rerun continues from the last finished shard)")
     d.add_argument("--max-batch", type=int, default=None,
-                   help="answers decoded together by continuous batching (overrides the config's answer_batch; "
-                        "64 on a GPU host)")
+                   help="answers decoded together by continuous batching (the config's answer_batch; 64 on a GPU "
+                        "host)")
     d.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=100")
     d.set_defaults(func=run_drafter)
     return p
@@ -47,17 +47,18 @@ def run_drafter(args: argparse.Namespace) -> int:
     from training.drafter import DrafterConfig, train_drafter
 
     try:
-        cfg = DrafterConfig.load(args.config, list(args.overrides) + ([f"out={args.out}"] if args.out else []))
+        cfg = DrafterConfig.load(args.config, list(args.overrides) + ([f"out={args.out}"] if args.out else [])
+                                 + ([f"answer_batch={args.max_batch}"] if args.max_batch is not None else []))
     except (ValueError, TypeError, OSError) as e:
         print(f"jaxspec train-drafter: {e}", file=sys.stderr)
         return 2
     if args.answers_only:
-        return run_answers(cfg, args.max_batch)
+        return run_answers(cfg)
     print(f"drafter written to {train_drafter(cfg, export_only=args.export)}")
     return 0
 
 
-def run_answers(cfg, max_batch: int | None) -> int:
+def run_answers(cfg) -> int:
     """``jaxspec train-drafter --answers-only``: the LLM's answers the config asks for, generated where missing;
     prints what this run did as one JSON line."""
     from jaxspec.speculators.pool import llm_identity
@@ -68,14 +69,11 @@ def run_answers(cfg, max_batch: int | None) -> int:
         print("jaxspec train-drafter: --answers-only needs a config that asks for answers (answers > 0)",
               file=sys.stderr)
         return 2
-    if max_batch is not None and max_batch < 1:
-        print(f"jaxspec train-drafter: --max-batch must be >= 1, got {max_batch}", file=sys.stderr)
-        return 2
     llm, source = load_llm(cfg.llm)
     if llm.tokenizer is None:
         print("jaxspec train-drafter: answers are chat text: the LLM needs a tokenizer", file=sys.stderr)
         return 2
-    report = make_answers(cfg, llm, llm_identity(llm, source), max_batch)
+    report = make_answers(cfg, llm, llm_identity(llm, source))
     if report is not None:
         print(json.dumps({"answer_dir": cfg.answer_dir, "complete": report.complete,
                           **dataclasses.asdict(report)}))

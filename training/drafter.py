@@ -118,8 +118,10 @@ class DrafterConfig:
             raise ValueError(f"answer_generator must be engine or scan, got {cfg.answer_generator!r}")
         if cfg.answer_mode not in MODES:
             raise ValueError(f"answer_mode must be one of {', '.join(MODES)}, got {cfg.answer_mode!r}")
-        if cfg.answer_batch < 1 or cfg.answer_shard < 1 or not 0.0 <= cfg.answer_later_turns <= 1.0:
-            raise ValueError("need answer_batch >= 1, answer_shard >= 1 and answer_later_turns in [0, 1]")
+        if cfg.answer_batch < 1:
+            raise ValueError(f"answer_batch (--max-batch) must be >= 1, got {cfg.answer_batch}")
+        if cfg.answer_shard < 1 or not 0.0 <= cfg.answer_later_turns <= 1.0:
+            raise ValueError("need answer_shard >= 1 and answer_later_turns in [0, 1]")
         return cfg
 
 

@@ -208,18 +208,18 @@ def answer_spec(cfg):
                       cfg.answer_later_turns, cfg.seed, cfg.answer_shard)
 
 
-def make_answers(cfg, llm, identity: dict, max_batch: int | None = None, progress: bool = True):
-    """Generates (or finishes) the LLM's answers a config asks for in ``cfg.answer_dir``; returns the
-    ``training.answers.AnswerReport`` (engine), or None for the scan generator (each temperature's distillation
-    directory made complete). ``max_batch``: rows answered together (default ``answer_batch``)."""
+def make_answers(cfg, llm, identity: dict, progress: bool = True):
+    """Generates (or finishes) the LLM's answers a config asks for in ``cfg.answer_dir``, ``answer_batch`` at once;
+    returns the ``training.answers.AnswerReport`` (engine), or None for the scan generator (each temperature's
+    distillation directory made complete)."""
     if cfg.answer_generator == "scan":
         for t in cfg.answer_temperatures:
             _scan_answers(cfg, llm, identity, t)
         return None
     from training.answers import generate_answers  # noqa: PLC0415
 
-    return generate_answers(cfg.answer_dir, answer_spec(cfg), llm, identity, max_batch or cfg.answer_batch,
-                            cfg.answer_mode, cfg.answer_minutes, progress)
+    return generate_answers(cfg.answer_dir, answer_spec(cfg), llm, identity, cfg.answer_batch, cfg.answer_mode,
+                            cfg.answer_minutes, progress)
 
 
 def _scan_answers(cfg, llm, identity: dict, temperature: float):
