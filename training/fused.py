@@ -17,6 +17,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,10 @@ from models.drafter import (check_feature_layers, default_feature_layers, drafte
 from models.transformer import KVCache
 from training.features import CacheSpec, FeatureCache, build_cache
 from training.progress import after_step
+
+if TYPE_CHECKING:
+    from training.answers import AnswerReport, AnswerSpec
+    from training.data import Samples
 
 CHECKPOINT = "checkpoint.msgpack"
 LOG = "log.csv"
@@ -199,7 +204,7 @@ def write_curve(path: Path) -> None:
     plt.close(fig)
 
 
-def answer_spec(cfg):
+def answer_spec(cfg) -> AnswerSpec:
     """The ``training.answers.AnswerSpec`` a drafter config asks for: ``answers`` prompts of at most
     seq_len - answer_tokens tokens, each answered at every temperature (the last ``eval_sequences`` held out)."""
     from training.answers import AnswerSpec  # noqa: PLC0415
@@ -208,7 +213,7 @@ def answer_spec(cfg):
                       cfg.answer_later_turns, cfg.seed, cfg.answer_shard)
 
 
-def make_answers(cfg, llm, identity: dict, progress: bool = True):
+def make_answers(cfg, llm, identity: dict, progress: bool = True) -> AnswerReport | None:
     """Generates (or finishes) the LLM's answers a config asks for in ``cfg.answer_dir``, ``answer_batch`` at once;
     returns the ``training.answers.AnswerReport`` (engine), or None for the scan generator (each temperature's
     distillation directory made complete)."""
@@ -222,7 +227,7 @@ def make_answers(cfg, llm, identity: dict, progress: bool = True):
                             cfg.answer_minutes, progress)
 
 
-def _scan_answers(cfg, llm, identity: dict, temperature: float):
+def _scan_answers(cfg, llm, identity: dict, temperature: float) -> Samples:
     """The scan generator's samples at ``temperature`` (``training.data.distill`` into answer_dir/t<T>)."""
     from training.config import DataConfig  # noqa: PLC0415
     from training.data import distill, load_samples  # noqa: PLC0415
