@@ -216,7 +216,7 @@ def test_the_large_config_asks_for_answers_at_scale():
     assert spec.max_prompt_tokens + spec.max_new_tokens == cfg.seq_len and spec.later_turns > 0
 
 
-@pytest.mark.slow  # 14 min on the 2-core CPU at load 10 (ShareGPT and answer caches, two steps); the reading is above
+@pytest.mark.slow  # 5-14 min on the shared 2-core CPU (ShareGPT and answer caches, two steps); the reading is above
 def test_train_drafter_trains_on_the_engine_answers(tiny_checkpoint, tiny_checkpoint_llm, identity, tmp_path):
     """A fused drafter run whose config asks for engine answers makes them, caches their features from exactly those
     rows, trains on them beside ShareGPT and reports each temperature's held-out top-1."""
