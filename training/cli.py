@@ -6,6 +6,7 @@ Runs (or resumes) a boost-tuning run: LLM distillation data, m boosted SSMs, the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -30,6 +31,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--config", default=str(DRAFTER_CONFIG), help="YAML run config (configs/drafter/*.yaml)")
     d.add_argument("--out", default=None, help="run directory (overrides the config's `out`)")
     d.add_argument("--export", action="store_true", help="write the drafter of the latest checkpoint, no training")
+    d.add_argument("--answers-only", action="store_true",
+                   help="generate (or finish) the LLM's own answers the config asks for in its answer_dir, then stop "
+                        "(resumable: a rerun continues from the last finished shard)")
+    d.add_argument("--max-batch", type=int, default=None,
+                   help="answers decoded together by continuous batching (the config's answer_batch; 64 on a GPU "
+                        "host)")
     d.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=100")
     d.set_defaults(func=run_drafter)
     return p
@@ -40,11 +47,41 @@ def run_drafter(args: argparse.Namespace) -> int:
     from training.drafter import DrafterConfig, train_drafter
 
     try:
-        cfg = DrafterConfig.load(args.config, list(args.overrides) + ([f"out={args.out}"] if args.out else []))
+        cfg = DrafterConfig.load(args.config, list(args.overrides) + ([f"out={args.out}"] if args.out else [])
+                                 + ([f"answer_batch={args.max_batch}"] if args.max_batch is not None else []))
     except (ValueError, TypeError, OSError) as e:
         print(f"jaxspec train-drafter: {e}", file=sys.stderr)
         return 2
+    if args.answers_only:
+        return run_answers(cfg)
     print(f"drafter written to {train_drafter(cfg, export_only=args.export)}")
+    return 0
+
+
+def run_answers(cfg) -> int:
+    """``jaxspec train-drafter --answers-only``: the LLM's answers the config asks for, generated where missing;
+    prints what this run did as one JSON line."""
+    from jaxspec.speculators.pool import llm_identity
+    from training.fused import make_answers
+    from training.llm import load_llm
+
+    if not cfg.answers:
+        print("jaxspec train-drafter: --answers-only needs a config that asks for answers (answers > 0)",
+              file=sys.stderr)
+        return 2
+    llm, source = load_llm(cfg.llm)
+    if llm.tokenizer is None:
+        print("jaxspec train-drafter: answers are chat text: the LLM needs a tokenizer", file=sys.stderr)
+        return 2
+    report = make_answers(cfg, llm, llm_identity(llm, source))
+    if report is not None:
+        print(json.dumps({"answer_dir": cfg.answer_dir, "complete": report.complete,
+                          **dataclasses.asdict(report)}))
+        if not report.complete:
+            print("jaxspec train-drafter: answer_minutes reached: rerun the same command to continue",
+                  file=sys.stderr)
+    else:
+        print(json.dumps({"answer_dir": cfg.answer_dir, "complete": True}))
     return 0
 
 

@@ -31,6 +31,7 @@ import yaml
 from flax import serialization
 from tqdm import tqdm
 
+from jaxspec.config import MODES
 from jaxspec.speculators.drafter_io import save_drafter
 from jaxspec.speculators.draft_vocab import frequent_ids
 from jaxspec.decoding.kv_cache import causal_mask
@@ -90,7 +91,13 @@ class DrafterConfig:
     answer_temperatures: tuple[float, ...] = (0.0, 0.8)  # 0: greedy answers; > 0: sampled ones
     answer_mix: float = 0.5  # the fraction of each batch drawn from the answers (split evenly over temperatures)
     answer_dir: str = "runs/answers/smollm2"  # answers and their feature caches, a directory per temperature
-    answer_batch: int = 32  # prompts the LLM answers at once
+    answer_batch: int = 32  # prompts the LLM answers at once (the engine's rows: `--max-batch`)
+    answer_generator: str = "engine"  # "engine": the scheduling loop, shards of training.answers; "scan": the
+    #                                   fixed-length lax.scan of training.data.distill (the configs made before)
+    answer_later_turns: float = 0.25  # engine: the fraction of prompts that are a later turn with its history
+    answer_mode: str = "incremental"  # engine: its decoding mode (speed only: the answers are the same in any)
+    answer_shard: int = 256  # engine: answers per shard (a rerun resumes at whole shards)
+    answer_minutes: float = 0.0  # engine: > 0 stops generating after the shard that passes it; rerun to go on
 
     @classmethod
     def load(cls, path: str | None, overrides: Sequence[str] = ()) -> "DrafterConfig":
@@ -112,6 +119,14 @@ class DrafterConfig:
             raise ValueError(f"block={cfg.block!r}: own, or eagle3 with feature_layers set (the fused form)")
         if not 0.0 <= cfg.answer_mix <= 1.0 or not 0 < cfg.answer_tokens < cfg.seq_len:
             raise ValueError("need answer_mix in [0, 1] and 0 < answer_tokens < seq_len")
+        if cfg.answer_generator not in ("engine", "scan"):
+            raise ValueError(f"answer_generator must be engine or scan, got {cfg.answer_generator!r}")
+        if cfg.answer_mode not in MODES:
+            raise ValueError(f"answer_mode must be one of {', '.join(MODES)}, got {cfg.answer_mode!r}")
+        if cfg.answer_batch < 1:
+            raise ValueError(f"answer_batch (--max-batch) must be >= 1, got {cfg.answer_batch}")
+        if cfg.answer_shard < 1 or not 0.0 <= cfg.answer_later_turns <= 1.0:
+            raise ValueError("need answer_shard >= 1 and answer_later_turns in [0, 1]")
         return cfg
 
 

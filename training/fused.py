@@ -17,6 +17,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,10 @@ from models.drafter import (check_feature_layers, default_feature_layers, drafte
 from models.transformer import KVCache
 from training.features import CacheSpec, FeatureCache, build_cache
 from training.progress import after_step
+
+if TYPE_CHECKING:
+    from training.answers import AnswerReport, AnswerSpec
+    from training.data import Samples
 
 CHECKPOINT = "checkpoint.msgpack"
 LOG = "log.csv"
@@ -199,9 +204,31 @@ def write_curve(path: Path) -> None:
     plt.close(fig)
 
 
-def answer_rows(cfg, llm, identity: dict, temperature: float) -> np.ndarray:
-    """[N, seq_len] rows (pad -1): ``cfg.answers`` ShareGPT prompts, chat-templated, each followed by the LLM's
-    own answer (greedy at temperature 0, else sampled), generated once into ``cfg.answer_dir`` (resumable)."""
+def answer_spec(cfg) -> AnswerSpec:
+    """The ``training.answers.AnswerSpec`` a drafter config asks for: ``answers`` prompts of at most
+    seq_len - answer_tokens tokens, each answered at every temperature (the last ``eval_sequences`` held out)."""
+    from training.answers import AnswerSpec  # noqa: PLC0415
+
+    return AnswerSpec(cfg.answers, cfg.seq_len - cfg.answer_tokens, cfg.answer_tokens, tuple(cfg.answer_temperatures),
+                      cfg.answer_later_turns, cfg.seed, cfg.answer_shard)
+
+
+def make_answers(cfg, llm, identity: dict, progress: bool = True) -> AnswerReport | None:
+    """Generates (or finishes) the LLM's answers a config asks for in ``cfg.answer_dir``, ``answer_batch`` at once;
+    returns the ``training.answers.AnswerReport`` (engine), or None for the scan generator (each temperature's
+    distillation directory made complete)."""
+    if cfg.answer_generator == "scan":
+        for t in cfg.answer_temperatures:
+            _scan_answers(cfg, llm, identity, t)
+        return None
+    from training.answers import generate_answers  # noqa: PLC0415
+
+    return generate_answers(cfg.answer_dir, answer_spec(cfg), llm, identity, cfg.answer_batch, cfg.answer_mode,
+                            cfg.answer_minutes, progress)
+
+
+def _scan_answers(cfg, llm, identity: dict, temperature: float) -> Samples:
+    """The scan generator's samples at ``temperature`` (``training.data.distill`` into answer_dir/t<T>)."""
     from training.config import DataConfig  # noqa: PLC0415
     from training.data import distill, load_samples  # noqa: PLC0415
 
@@ -210,7 +237,18 @@ def answer_rows(cfg, llm, identity: dict, temperature: float) -> np.ndarray:
     data = DataConfig(source="sharegpt", num_prompts=cfg.answers, eval_prompts=cfg.eval_sequences,
                       max_prompt_tokens=max_prompt, prompt_buckets=buckets, continuation_tokens=cfg.answer_tokens,
                       top_k=0, batch_size=cfg.answer_batch, shard_size=128, temperature=temperature)
-    samples = load_samples(distill(Path(cfg.answer_dir) / f"t{temperature:g}", data, llm, cfg.seed, identity))
+    return load_samples(distill(Path(cfg.answer_dir) / f"t{temperature:g}", data, llm, cfg.seed, identity))
+
+
+def answer_rows(cfg, llm, identity: dict, temperature: float) -> np.ndarray:
+    """[N, seq_len] rows (pad -1): ``cfg.answers`` ShareGPT prompts, chat-templated, each followed by the LLM's
+    own answer (greedy at temperature 0, else sampled), read from ``cfg.answer_dir`` (generated where missing)."""
+    if cfg.answer_generator == "engine":
+        from training.answers import answer_rows as read_rows, read_manifest  # noqa: PLC0415
+
+        read_manifest(cfg.answer_dir, answer_spec(cfg), identity)
+        return read_rows(cfg.answer_dir, temperature, cfg.seq_len)
+    samples = _scan_answers(cfg, llm, identity, temperature)
     rows = np.full((len(samples), cfg.seq_len), -1, np.int32)
     for i, n in enumerate(samples.prompt_len + samples.cont_len):
         rows[i, :n] = samples.tokens[i, :n]
@@ -219,6 +257,7 @@ def answer_rows(cfg, llm, identity: dict, temperature: float) -> np.ndarray:
 
 def _answer_caches(cfg, llm, identity: dict, spec: CacheSpec) -> list[tuple[str, str, str]]:
     """(name, training cache, held-out cache) of the LLM's answers at each temperature, built where missing."""
+    make_answers(cfg, llm, identity)
     out = []
     for t in cfg.answer_temperatures:
         rows = answer_rows(cfg, llm, identity, t)

