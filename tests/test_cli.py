@@ -186,8 +186,10 @@ def test_the_default_auto_path_prepares_then_speculates_and_compiles_nothing_whi
                                auto.stderr).group(1))
     members = dict(re.findall(r"([\w+/]+) [\d.]+ ms \(host [\d.]+, (\d+)\)",
                               re.search(r"per member, median: (.*)", auto.stderr).group(1)))
-    # (an iteration dispatched last, for rows that all finished meanwhile, is counted but never read)
-    assert "none" in members and len(members) >= 2 and 0 < sum(map(int, members.values())) <= iterations, members
+    # (an iteration dispatched last, for rows that all finished meanwhile, is counted but never read); on prompts that
+    # copy, this run's prices may leave plain steps out altogether: the members are the trees that ran
+    assert set(members) <= set(trees) and set(members) - {"none"}, (members, trees)
+    assert 0 < sum(map(int, members.values())) <= iterations, members
     plain = run_cli(*args, "--mode", "incremental", "--output", str(tmp_path / "inc.jsonl"), timeout=900)
     assert plain.returncode == 0, plain.stderr[-3000:]
     want = [r["token_ids"] for r in sorted((json.loads(line) for line in (tmp_path / "inc.jsonl").read_text()
