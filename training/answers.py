@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from training.data import DataError, read_sharegpt
+from training.data import DataError, pack_ids, read_sharegpt, save_npz, unpack_ids, write_json
 
 MANIFEST = "answers.json"
 PROMPTS = "prompts.npz"
@@ -178,34 +178,10 @@ def answer_prompts(tokenizer, count: int, max_tokens: int, later_turns: float, s
 
 
 # --------------------------------------------------------------------------- storage
-def _save_npz(path: Path, **arrays: np.ndarray) -> None:
-    tmp = path.with_name(path.stem + ".partial.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-
-
-def _pack(seqs: Sequence[Sequence[int]], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(flat ids [sum n_i] of ``dtype``, offsets [n + 1] int64)."""
-    offsets = np.zeros(len(seqs) + 1, np.int64)
-    offsets[1:] = np.cumsum([len(s) for s in seqs])
-    flat = np.concatenate([np.asarray(s, np.int64) for s in seqs]) if seqs else np.zeros(0, np.int64)
-    return flat.astype(dtype), offsets
-
-
-def _unpack(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
-    return [flat[offsets[i]: offsets[i + 1]].astype(np.int32) for i in range(len(offsets) - 1)]
-
-
 def read_prompts(directory: str | os.PathLike) -> tuple[list[np.ndarray], np.ndarray]:
     """(every prompt's ids [n_i] int32, its (conversation, first message, last message) [N, 3] int32)."""
     with np.load(Path(directory) / PROMPTS) as z:
-        return _unpack(z["flat"], z["offsets"]), np.asarray(z["source"], np.int32)
+        return unpack_ids(z["flat"], z["offsets"]), np.asarray(z["source"], np.int32)
 
 
 def _prepare_dir(directory: Path, spec: AnswerSpec, llm, identity: dict) -> dict:
@@ -222,14 +198,14 @@ def _prepare_dir(directory: Path, spec: AnswerSpec, llm, identity: dict) -> dict
     if not (directory / PROMPTS).exists():
         prompts = answer_prompts(llm.tokenizer, spec.num_prompts, spec.max_prompt_tokens, spec.later_turns,
                                  spec.seed)
-        flat, offsets = _pack([p.ids for p in prompts], dtype)
+        flat, offsets = pack_ids([p.ids for p in prompts], dtype)
         source = np.asarray([(p.conversation, p.first, p.last) for p in prompts], np.int32).reshape(-1, 3)
-        _save_npz(directory / PROMPTS, flat=flat, offsets=offsets, source=source)
+        save_npz(directory / PROMPTS, flat=flat, offsets=offsets, source=source)
     manifest = {"format": FORMAT, "fingerprint": fp, "llm": identity, "spec": dataclasses.asdict(spec),
                 "token_dtype": dtype.name,
                 "shards": {temperature_dir(t): [shard_name(s) for s in range(spec.num_shards)]
                            for t in spec.temperatures}}
-    _write_json(path, manifest)
+    write_json(path, manifest)
     return manifest
 
 
@@ -265,7 +241,7 @@ def read_answers(directory: str | os.PathLike, temperature: float) -> tuple[np.n
     for name in names:
         with np.load(sub / name) as z:
             index.append(z["index"])
-            answers += _unpack(z["flat"], z["offsets"])
+            answers += unpack_ids(z["flat"], z["offsets"])
             finish.append(z["finish"])
     return np.concatenate(index), answers, np.concatenate(finish)
 
@@ -375,9 +351,9 @@ def _answer_shards(directory: Path, spec: AnswerSpec, ti: int, keys: list[tuple[
                 continue
             done = open_shards.pop(s)
             order = sorted(done)
-            flat, offsets = _pack([done[i].token_ids for i in order], dtype)
+            flat, offsets = pack_ids([done[i].token_ids for i in order], dtype)
             finish = np.asarray([FINISH.index(done[i].finish_reason) for i in order], np.uint8)
-            _save_npz(directory / shard_name(s), index=np.asarray(order, np.int32), flat=flat, offsets=offsets,
+            save_npz(directory / shard_name(s), index=np.asarray(order, np.int32), flat=flat, offsets=offsets,
                       finish=finish)
             report.shards_written += 1
             report.answers_written += len(order)

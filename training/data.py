@@ -228,27 +228,32 @@ def fingerprint(cfg: DataConfig, llm_identity: dict, seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _save_npz(path: Path, **arrays) -> None:
+def save_npz(path: Path, **arrays: np.ndarray) -> None:
+    """Writes ``arrays`` to ``path`` atomically (a partial file renamed over it): a killed run never leaves half a
+    shard under the final name."""
     tmp = path.with_name(path.stem + ".partial.npz")
     np.savez(tmp, **arrays)
     os.replace(tmp, path)
 
 
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
+    """Writes ``data`` as JSON to ``path`` atomically."""
     tmp = path.with_name(path.name + ".partial")
     tmp.write_text(json.dumps(data, indent=2))
     os.replace(tmp, path)
 
 
-def _pack(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    offsets = np.zeros(len(prompts) + 1, np.int64)
-    offsets[1:] = np.cumsum([len(p) for p in prompts])
-    flat = np.concatenate([np.asarray(p, np.int32) for p in prompts]) if prompts else np.zeros(0, np.int32)
-    return flat, offsets
+def pack_ids(seqs: Sequence[Sequence[int]], dtype=np.int32) -> tuple[np.ndarray, np.ndarray]:
+    """Token id sequences as (flat ids [sum n_i] of ``dtype``, offsets [n + 1] int64)."""
+    offsets = np.zeros(len(seqs) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(p) for p in seqs])
+    flat = np.concatenate([np.asarray(p, np.int64) for p in seqs]) if seqs else np.zeros(0, np.int64)
+    return flat.astype(dtype), offsets
 
 
-def _unpack(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
-    return [flat[offsets[i]: offsets[i + 1]] for i in range(len(offsets) - 1)]
+def unpack_ids(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+    """``pack_ids``' inverse: each sequence's ids [n_i] as int32, whatever width they were stored in."""
+    return [flat[offsets[i]: offsets[i + 1]].astype(np.int32, copy=False) for i in range(len(offsets) - 1)]
 
 
 def distill(
@@ -279,11 +284,11 @@ def distill(
             )
     if (out / PROMPTS).exists():
         with np.load(out / PROMPTS) as z:
-            prompts = _unpack(z["flat"], z["offsets"])
+            prompts = unpack_ids(z["flat"], z["offsets"])
     else:
         if prompts is None:
             prompts = build_prompts(cfg, llm.tokenizer, llm.cfg.vocab_size, seed)
-        _save_npz(out / PROMPTS, **dict(zip(("flat", "offsets"), _pack(prompts))))
+        save_npz(out / PROMPTS, **dict(zip(("flat", "offsets"), pack_ids(prompts))))
     num_shards = -(-len(prompts) // cfg.shard_size)
     manifest = {
         "format": FORMAT_VERSION,
@@ -294,7 +299,7 @@ def distill(
         "num_samples": len(prompts),
         "shards": [f"shard-{i:05d}.npz" for i in range(num_shards)],
     }
-    _write_json(manifest_path, manifest)
+    write_json(manifest_path, manifest)
     todo = [i for i in range(num_shards) if not (out / manifest["shards"][i]).exists()]
     if not todo:
         return out
@@ -306,7 +311,7 @@ def distill(
         ids = np.sort(order[i * cfg.shard_size: (i + 1) * cfg.shard_size])
         shard = _generate_shard(cfg, llm, [prompts[j] for j in ids], gens, bar,
                                 jax.random.fold_in(jax.random.key(seed), i))
-        _save_npz(out / manifest["shards"][i], index=ids, **shard)
+        save_npz(out / manifest["shards"][i], index=ids, **shard)
     bar.close()
     return out
 
@@ -332,7 +337,7 @@ def _generate_shard(cfg: DataConfig, llm, prompts: Sequence[Sequence[int]], gens
             if k:
                 top_ids[chunk], top_lp[chunk] = c.topk_ids, c.topk_logprobs
             bar.update(len(chunk))
-    flat, offsets = _pack(prompts)
+    flat, offsets = pack_ids(prompts)
     return {"prompt": flat, "prompt_offsets": offsets, "continuation": cont, "topk_ids": top_ids,
             "topk_logprobs": top_lp}
 
@@ -388,7 +393,7 @@ def load_samples(data_dir: str | os.PathLike) -> Samples:
     for name in manifest["shards"]:
         with np.load(d / name) as z:
             index = z["index"]
-            for row, p, c in zip(index, _unpack(z["prompt"], z["prompt_offsets"]), z["continuation"]):
+            for row, p, c in zip(index, unpack_ids(z["prompt"], z["prompt_offsets"]), z["continuation"]):
                 real = c[: int(np.sum(c != PAD_ID))]
                 tokens[row, : len(p)] = p
                 tokens[row, len(p): len(p) + len(real)] = real
