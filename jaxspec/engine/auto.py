@@ -14,9 +14,10 @@ agreed with the emitted tokens down to depth i - 1 and reached depth i, how ofte
 agreed at depth i too. Each request (row) keeps its own counts, named by a key the
 engine passes (its ticket); a row's rates blend its request's counts with those of
 earlier requests (at most ``GLOBAL_WEIGHT`` pseudo-iterations, fading out as the request's own tries at that depth
-reach ``SETTLE_TRIALS``) and an optimistic prior, so a kind gets tried before it is judged and a request with unusual
-text adapts within a few iterations without moving its neighbours' estimates. A merged tree accepts at depth i
-when any of its kinds does; kinds are treated as independent.
+reach ``SETTLE_TRIALS``; for the n-gram, its tries at every matched length count) and an optimistic prior, so a
+kind gets tried before it is judged and a request with unusual text adapts within a few iterations without moving
+its neighbours' estimates. A merged tree accepts at depth i when any of its kinds does; kinds are treated as
+independent.
 
 Earlier requests are forgotten: when a request finishes, the global counts are multiplied
 by ``DISCOUNT`` before its own are added, so a request's evidence weighs half as much
@@ -35,8 +36,8 @@ so one whose drafts fail settles on plain steps within a few iterations and stay
 (a bucket where only the plain step is ready) returns it without drawing. Costs are what iterations really take in
 this process: the loop times each iteration's whole span (from the previous iteration's tokens on the host to its
 own: choosing, drafting, launching, the device, reading), and once a member has run ``FIRST_TIMINGS`` times its
-calibrated cost is scaled by the median ratio of those spans to it (a member not run yet by the plain step's), so
-the calibration only carries the prices across buckets.
+calibrated cost is scaled by the mean ratio of those spans to it (a member not run yet by the plain step's; each
+executable's first run left out), so the calibration only carries the prices across buckets.
 
 Under a grammar (``pick_constrained``) the choice also covers the forced chain: tokens the
 grammar forces are certain, so a row whose grammar forces L tokens accepts the first L
@@ -66,7 +67,7 @@ GLOBAL_CONFIDENCE = 64.0  # ... and as at most this many in how sure the estimat
 HALF_LIFE = 8.0
 DISCOUNT = 0.5 ** (1.0 / HALF_LIFE)  # global counts are multiplied by this at each finished request (~0.917)
 MIN_TIMINGS = 4  # host timings the loop keeps before it prices lost overlap by them (``BatchEngine``)
-# A member's own iterations price it from its third: the median of three drops one slow first run.
+# A member's own iterations price it from its third (the loop leaves each executable's first run out: a one-time cost).
 FIRST_TIMINGS = 3
 # A request's own tries of a kind at a depth after which that depth's rate reads its own counts and the prior only
 # (earlier requests' weight fades out linearly until then), and, once reached at depth 1, its picks read the mean, no
@@ -167,25 +168,36 @@ class TreeChooser:
         counts = self.open.get(key)
         return self._empty if counts is None else counts[kind]
 
+    def _judged(self, kind: str, key: Hashable) -> np.ndarray:
+        """How many tries of ``kind`` request ``key`` has judged it on, [max_depth + 1]: an n-gram bucket counts
+        the request's n-gram tries at every matched length (whether a text copies its context is the request's
+        property), so failed lookups at one length stop earlier requests' counts and the draws from steering the
+        others, while each length's rate still reads its own tries."""
+        if not kind.startswith("ngram:"):
+            return self._counts(kind, key).trials
+        return sum(self._counts(k, key).trials for k in KINDS if k.startswith("ngram:"))
+
     def rates(self, kind: str, key: Hashable = None) -> np.ndarray:
         """Estimated acceptance at depth i given depth i - 1 was accepted, [max_depth + 1] (index 0 unused),
         for a row of request ``key``."""
         return self._blend([(kind, key)])[0][0]
 
-    def _blend(self, pairs: Sequence[tuple[str, Hashable]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(mean rates, the requests' own trials, the global trials), [len(pairs), max_depth + 1] each, for
-        (stats kind, request key) pairs: one stacked computation for every row and kind a pick reads."""
+    def _blend(self, pairs: Sequence[tuple[str, Hashable]]) -> tuple[np.ndarray, ...]:
+        """(mean rates, the requests' own trials, the global trials, the tries that settle them: ``_judged``),
+        [len(pairs), max_depth + 1] each, for (stats kind, request key) pairs: one stacked computation for every row
+        and kind a pick reads."""
         counts = [self._counts(kind, key) for kind, key in pairs]
         glob = [self.global_stats[kind] for kind, _ in pairs]
         own_hits = np.array([c.hits for c in counts])  # [P, max_depth + 1]
         own_trials = np.array([c.trials for c in counts])
+        judged = np.array([self._judged(kind, key) for kind, key in pairs])  # the tries that settle the pair
         g_hits = np.array([g.hits for g in glob])
         g_trials = np.array([g.trials for g in glob])
-        fade = np.maximum(0.0, 1.0 - own_trials / SETTLE_TRIALS)  # a request's own tries displace earlier ones
+        fade = np.maximum(0.0, 1.0 - judged / SETTLE_TRIALS)  # a request's own tries displace earlier ones
         scale = np.minimum(1.0, GLOBAL_WEIGHT / np.maximum(g_trials, 1.0)) * fade
         hits = own_hits + scale * g_hits + PRIOR_RATE * PRIOR_WEIGHT
         trials = own_trials + scale * g_trials + PRIOR_WEIGHT
-        return hits / trials, own_trials, g_trials
+        return hits / trials, own_trials, g_trials, judged
 
     def posterior(self, kind: str, key: Hashable = None) -> tuple[np.ndarray, np.ndarray]:
         """Beta parameters (a, b) per depth, [max_depth + 1] each, that Thompson sampling draws from.
@@ -199,7 +211,7 @@ class TreeChooser:
 
     def posteriors(self, pairs: Sequence[tuple[str, Hashable]]) -> tuple[np.ndarray, np.ndarray]:
         """``posterior`` of each (stats kind, request key) pair, stacked: [len(pairs), max_depth + 1] each."""
-        mean, own_trials, g_trials = self._blend(pairs)
+        mean, own_trials, g_trials, _ = self._blend(pairs)
         weight = own_trials + np.minimum(g_trials, GLOBAL_CONFIDENCE) + PRIOR_WEIGHT
         return mean * weight, (1.0 - mean) * weight
 
@@ -211,9 +223,9 @@ class TreeChooser:
         self._drew = False
         if not pairs:
             return {}
-        mean, own_trials, _ = self._blend(pairs)  # [P, D + 1] each
+        mean, _, _, judged = self._blend(pairs)  # [P, D + 1] each
         if self.explore:
-            open_ = np.flatnonzero(own_trials[:, 1] < SETTLE_TRIALS)  # not settled by the request's own tries
+            open_ = np.flatnonzero(judged[:, 1] < SETTLE_TRIALS)  # not settled by the request's own tries
             if len(open_):
                 mean[open_] = self.rng.beta(*self.posteriors([pairs[i] for i in open_]))
                 self._drew = True
@@ -309,11 +321,13 @@ class TreeChooser:
         return base if drift is None else base * drift
 
     def _drift(self, key: str) -> float | None:
-        """The median observed/calibrated ratio of ``key``'s timings (None before ``FIRST_TIMINGS``), kept until the
-        next timing of ``key`` arrives: every pick reads it, few iterations change it."""
+        """The mean observed/calibrated ratio of ``key``'s timings (None before ``FIRST_TIMINGS``), kept until the
+        next timing of ``key`` arrives: every pick reads it, few iterations change it. The mean, not the median:
+        tokens per second follow the mean span, slow spans (host spikes, lost overlap) included; one-time costs (an
+        executable's first run) are left out by the loop before they get here."""
         if key not in self._drifts:
             seen = self.timings.get(key, ())
-            self._drifts[key] = statistics.median(seen) if len(seen) >= FIRST_TIMINGS else None  # (a few floats)
+            self._drifts[key] = statistics.fmean(seen) if len(seen) >= FIRST_TIMINGS else None  # (a few floats)
         return self._drifts[key]
 
     def timed(self, name: str) -> bool:

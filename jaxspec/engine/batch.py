@@ -203,6 +203,7 @@ class BatchEngine:
         self.prefix = PrefixCache(self.sync.agree_int(bound) if reuse_prefix else 0)
         self.executor = Executor(engine, self.row_buckets[0], self.capacity_buckets[0], bool(self.prefix.max_bytes))
         self.iterations = 0
+        self._ran: set[tuple] = set()  # (member, forced depth, rows, capacity) the loop has launched: first runs
         self.planner = Planner(engine, lambda: self.sync)
         self.prepared = False  # ``prepare`` ran: the chunk search probes only sizes it compiled
         self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
@@ -972,13 +973,16 @@ class BatchEngine:
             extra["chain_masks"] = ex.put(masks.chain_masks(chains, proposals, cfg.forced_depth, cfg.ngram_depth))
         elif cfg.host_masks:  # one executable serves rows with and without a grammar: none has one now
             extra["chain_masks"] = e.no_masks(self.rows, 1 + cfg.forced_depth + cfg.ngram_depth)
+        ran = (name, cfg.forced_depth, self.rows, self.capacity)  # the executable this launch runs
+        first = ran not in self._ran
+        self._ran.add(ran)
         start = time.perf_counter()
         out = ex.step(cfg, arrays, extra)
         host = time.perf_counter() - began  # the launch returns before the device is done
         self.iterations += 1
         forced = [len(c) for c in chains]
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
-                         self._chunk_queued, self.planner.readies, failed, constrained, began)
+                         self._chunk_queued, self.planner.readies, failed, constrained, began, first)
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
@@ -1040,7 +1044,8 @@ class BatchEngine:
             stats.emitted.append(n)
             stats.drafted.append(sum(drafted.values()))
             stats.accepted_depth.append(n - 1)
-        if it.chooser is not None and live and not stalled and span is not None:  # a prompt fed meanwhile: not its cost
+        if it.chooser is not None and live and not stalled and not it.first and span is not None:  # not its cost:
+            # a prompt fed meanwhile, a bucket readied, or the executable's first run
             if it.constrained:  # a grammar step also waits on host masks: timed apart
                 it.chooser.observe_constrained_time(it.name, cfg.forced_depth, span, it.costs)
             else:
@@ -1081,3 +1086,4 @@ class _InFlight:
     failed: dict[int, str] = dataclasses.field(default_factory=dict)  # row -> why its host work failed (it ends)
     constrained: bool = False  # some row has a grammar: its masks' failures are read with the tokens; timed apart
     began: float = 0.0  # perf_counter when its dispatch began (its span's start after the loop ran empty)
+    first: bool = False  # its executable's first run in this loop (one-time costs: not what the member costs)
