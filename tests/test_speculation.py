@@ -195,7 +195,7 @@ def test_auto_picks_a_tree_when_it_wins(tiny_llm):
     chooser = engine._choosers[sampling.WarpSpec.of(sampling.SamplingParams())]
     # every iteration was timed but each member's first run (a one-time cost; the very first, queued behind the
     # prompt's chunk, is one of them): its seconds are not what the member costs
-    assert sum(len(t) for t in chooser.timings.values()) == gen.llm_steps - len(gen.tree_counts)
+    assert sum(len(chooser.timings[n]) for n in chooser.members) == gen.llm_steps - len(gen.tree_counts)
     assert chooser.cost("ssm") == 1.5  # an injected cost table is kept as given
 
 
@@ -277,6 +277,26 @@ def test_chooser_prices_by_the_mean_span():
     for seconds in (1.2, 1.2, 1.2, 3.0, 3.0):
         chooser.observe_time("ssm", seconds)
     assert chooser.cost("ssm") == pytest.approx(1.92)  # the median would say 1.2
+
+
+def test_members_compared_at_a_bucket_read_the_ratios_seen_there():
+    """Spans at a few rows carry more fixed host work than at many: a plain step timed only at 2 rows must not make
+    it look dearer at 8 rows than a tree timed there; a member not timed at a bucket reads every member's ratio
+    there."""
+    members = [Member("none", {}, {}), Member("ssm", {"ssm": 1}, {"ssm": (0,)})]
+    chooser = TreeChooser(members, {"none": 1.0, "ssm": 1.45}, explore=False)
+    for _ in range(20):
+        chooser.observe("ssm", np.asarray([0, 0]))  # accepts about 0.4 of the time
+        chooser.observe("ssm", np.asarray([1, 0]))
+        chooser.observe("ssm", np.asarray([0, 0]))
+    at8 = {"none": 1.0, "ssm": 1.45}
+    for _ in range(8):
+        chooser.observe_time("none", 1.3, {"none": 1.0}, rows=2)  # the plain step at 2 rows: 1.3x calibrated
+        chooser.observe_time("ssm", 1.5, at8, rows=8)  # the tree at 8 rows: 1.03x calibrated
+    assert chooser.cost("none", at8, 8) == pytest.approx(chooser.cost("ssm", at8, 8) / 1.45)  # same ratio at 8
+    assert chooser.pick_batch([(0, 0)] * 8, at8, bucket=8) == "none"  # ~1.37 tokens for 1.45x
+    assert chooser.pick_batch([(0, 0)] * 8, at8) == "ssm"  # priced across buckets, 1.3 against 1.03 flips it
+    assert chooser.cost("none", {"none": 1.0}, 2) == pytest.approx(1.3)
 
 
 def test_a_requests_failed_lookups_at_one_length_stop_earlier_requests_steering_the_others():

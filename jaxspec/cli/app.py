@@ -233,7 +233,7 @@ def report_learned(engine) -> None:
     for warp, chooser in engine.choosers.items():
         for name in chooser.members:
             seen = chooser.timings[name]
-            scale = f"{np.median(seen):.2f}x calibrated" if seen else "calibrated"
+            scale = f"{np.mean(seen):.2f}x calibrated" if seen else "calibrated"
             print(f"[jaxspec] learned: tree {name:<10} {warp.label}: observed {scale} ({len(seen)} timed)",
                   file=sys.stderr)
         for kind in chooser.global_stats:  # rates() blends the open requests' counts in; so do the tries

@@ -131,7 +131,8 @@ class TreeChooser:
         self.discount = discount
         self.rng = np.random.default_rng(seed)
         self.timings = {m.name: collections.deque(maxlen=TIMING_WINDOW) for m in members}
-        self._drifts: dict[str, float | None] = {}  # timings key -> their median (None: too few), until one is added
+        # (member, rows) and ("*", rows) keys too: the same ratios by the bucket's rows (``cost``)
+        self._drifts: dict[Hashable, float | None] = {}  # timings key -> their mean (None: too few), until one is added
         self.max_depth = max([d for m in members for d in m.depth.values()] + [1])
         self._index = {name: i for i, name in enumerate(self.members)}  # member -> its row in the tables below
         kinds = sorted({kind for m in members for kind in m.depth})  # proposer kinds: ssm, ngram
@@ -305,26 +306,36 @@ class TreeChooser:
         table = {kind: np.stack([self.rates(self._stats_kind(kind, match)) for _, match in rows]) for kind in kinds}
         return float(self.batch_tokens(name, np.array([length for length, _ in rows]), table).sum())
 
-    def cost(self, name: str, costs: dict[str, float] | None = None) -> float:
+    def cost(self, name: str, costs: dict[str, float] | None = None, rows: int | None = None) -> float:
         """Seconds one iteration of ``name`` is expected to take: calibrated (``costs``, the bucket's; default
         ``self.costs``), rescaled by observed timings.
 
-        The timings are kept as ratios to the calibrated cost of the bucket each iteration ran
-        in, so what is learned at one batch or cache bucket carries over to the others.
+        The timings are kept as ratios to the calibrated cost of the bucket each iteration ran in, by the bucket's
+        ``rows`` where the caller names it: members compared at one bucket read their ratios there, and a member not
+        timed there yet reads the ratio every member shows there (spans at a few rows carry more of the loop's fixed
+        host work than spans at many, so a ratio learned at 2 rows would misprice 8). Without timings at the bucket,
+        what is learned at the others carries over: the member's own, else the plain step's.
         """
         base = (costs or self.costs)[name]
         if not self.adapt_costs:
             return base
-        drift = self._drift(name)
+        drift = None
+        if rows is not None:
+            drift = self._drift((name, rows))
+            if drift is None:  # not run enough at these rows: every member's ratio there
+                drift = self._drift(("*", rows))
+        if drift is None:
+            drift = self._drift(name)
         if drift is None:  # not run enough yet: the machine's drift as the plain step saw it
             drift = self._drift("none")
         return base if drift is None else base * drift
 
-    def _drift(self, key: str) -> float | None:
+    def _drift(self, key: Hashable) -> float | None:
         """The mean observed/calibrated ratio of ``key``'s timings (None before ``FIRST_TIMINGS``), kept until the
         next timing of ``key`` arrives: every pick reads it, few iterations change it. The mean, not the median:
         tokens per second follow the mean span, slow spans (host spikes, lost overlap) included; one-time costs (an
-        executable's first run) are left out by the loop before they get here."""
+        executable's first run) are left out by the loop before they get here. ``key``: a member (every bucket),
+        (member, rows) or ("*", rows) (every member at those rows)."""
         if key not in self._drifts:
             seen = self.timings.get(key, ())
             self._drifts[key] = statistics.fmean(seen) if len(seen) >= FIRST_TIMINGS else None  # (a few floats)
@@ -334,13 +345,16 @@ class TreeChooser:
         """Whether ``name`` is priced by its own iterations in this process (``FIRST_TIMINGS`` of them ran)."""
         return self.adapt_costs and self._drift(name) is not None
 
-    def observe_time(self, name: str, seconds: float, costs: dict[str, float] | None = None) -> None:
-        """Records what one iteration of ``name`` took against ``costs``: its whole span, from the previous
-        iteration's tokens on the host to its own."""
+    def observe_time(self, name: str, seconds: float, costs: dict[str, float] | None = None,
+                     rows: int | None = None) -> None:
+        """Records what one iteration of ``name`` took against ``costs`` (those of its bucket of ``rows`` rows):
+        its whole span, from the previous iteration's tokens on the host to its own."""
         base = (costs or self.costs)[name]
         if base > 0 and seconds > 0:
-            self.timings[name].append(seconds / base)
-            self._drifts.pop(name, None)
+            keys = [name] if rows is None else [name, (name, rows), ("*", rows)]
+            for key in keys:
+                self.timings.setdefault(key, collections.deque(maxlen=TIMING_WINDOW)).append(seconds / base)
+                self._drifts.pop(key, None)
 
     def constrained_cost(self, name: str, forced: int, costs: dict[str, float] | None = None) -> float:
         """Seconds of ``name``'s grammar step with a chain of ``forced`` nodes: the member's calibrated cost times
@@ -391,7 +405,7 @@ class TreeChooser:
 
     def pick_batch(self, rows: list[tuple[int, int]], costs: dict[str, float] | None = None,
                    keys: Sequence[Hashable] | None = None, scores: dict[str, float] | None = None,
-                   serial: float = 0.0) -> str:
+                   serial: float = 0.0, bucket: int | None = None) -> str:
         """The member with the most expected tokens per second summed over a batch's rows.
 
         ``rows`` holds each active row's (n-gram proposal length, matched suffix length);
@@ -403,10 +417,11 @@ class TreeChooser:
         candidate's expected tokens per second under that draw (what a compile decision weighs).
         ``serial``: seconds added to each member that drafts with the n-gram where an iteration is in flight (its
         proposal needs that iteration's tokens, so the host's work of this one cannot overlap the device's), until
-        its own timed spans, which hold that lost overlap already, price it.
+        its own timed spans, which hold that lost overlap already, price it. ``bucket``: the rows of the bucket
+        ``costs`` belong to, whose observed ratios price the members (``cost``).
         """
         names = [n for n in self.members if n in (costs or self.costs)]
-        price = {n: self.cost(n, costs) + (serial if "ngram" in self.members[n].depth and not self.timed(n) else 0.0)
+        price = {n: self.cost(n, costs, bucket) + (serial if "ngram" in self.members[n].depth and not self.timed(n) else 0.0)
                  for n in names}
         if scores is None and "none" in price:  # members that lose even if every draft agreed need no draw
             plain = len(rows) / price["none"]

@@ -951,7 +951,8 @@ class BatchEngine:
         elif chooser is not None:
             rows = [(len(proposals[i]), matched[i]) for i, _ in live]
             serial = self._host_seconds() if stale else 0.0  # what an n-gram pick costs in lost overlap
-            name = self.sync.agree_pick(chooser.pick_batch(rows, costs, keys=keys, serial=serial), list(family))
+            name = self.sync.agree_pick(chooser.pick_batch(rows, costs, keys=keys, serial=serial, bucket=self.rows),
+                                        list(family))
         else:
             name = next(iter(family))
         cfg = family[name]
@@ -982,7 +983,7 @@ class BatchEngine:
         self.iterations += 1
         forced = [len(c) for c in chains]
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
-                         self._chunk_queued, self.planner.readies, failed, constrained, began, first)
+                         self._chunk_queued, self.planner.readies, failed, constrained, began, first, self.rows)
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
@@ -1049,7 +1050,7 @@ class BatchEngine:
             if it.constrained:  # a grammar step also waits on host masks: timed apart
                 it.chooser.observe_constrained_time(it.name, cfg.forced_depth, span, it.costs)
             else:
-                it.chooser.observe_time(it.name, span, it.costs)
+                it.chooser.observe_time(it.name, span, it.costs, it.rows)
         for i, slot in failed:
             if slot.row >= 0:
                 self._retire(slot, "error", error=it.failed[i])
@@ -1087,3 +1088,4 @@ class _InFlight:
     constrained: bool = False  # some row has a grammar: its masks' failures are read with the tokens; timed apart
     began: float = 0.0  # perf_counter when its dispatch began (its span's start after the loop ran empty)
     first: bool = False  # its executable's first run in this loop (one-time costs: not what the member costs)
+    rows: int = 0  # the row bucket it ran in (its ``costs``' bucket)
