@@ -325,6 +325,7 @@ def generate_requests(engine, llm, good: list[Row], bad: list[tuple[dict, str]],
     finally:
         global exit_at_once
         exit_at_once = distributed.active() is None
+        batch.stop_readying(wait=not exit_at_once)
 
 
 def checked_jobs(batch: BatchEngine, good: list[Row], jobs: list, args, out: JsonLines | None) -> tuple[list, list]:
@@ -359,11 +360,13 @@ def report_failed(failed: list[str], total: int) -> int:
 def prepare_job(batch: BatchEngine, requests: list) -> None:
     """Readies what a job's requests can reach before the first starts: every row and cache bucket of its loop
     (sized by its requests: ``SchedulerConfig``), the one warp its sampling needs, grammar steps only where a
-    request has a grammar."""
+    request has a grammar. On a machine that recorded auto's costs already, the speculative members' steps are
+    readied beside the first requests (``BatchEngine.prepare``'s ``beside``): auto starts as soon as plain decoding
+    would."""
     warp = sampling.batch_warp([r.params for r in requests])
     batch.prepare(warps=(warp,), grammar=any(r.grammar is not None for r in requests),
                   say=lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr),
-                  longest=max(len(r.prompt_ids) for r in requests))
+                  longest=max(len(r.prompt_ids) for r in requests), beside=True)
 
 
 def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list, streaming: bool,

@@ -75,6 +75,11 @@ FIRST_TIMINGS = 3
 # change (exploring goes on for requests that have not judged the kind yet).
 SETTLE_TRIALS = 3
 TIMING_WINDOW = 32  # the newest observed/calibrated ratios kept per member
+# The plain step's price at a bucket goes stale while trees run there (the machine's load moves, and its old spans
+# were taken beside other work: a start's loads, admissions): after RETIME_AFTER launches at a bucket without it, the
+# loop runs it RETIME_BURST times and prices it by those alone (``BatchEngine``; ``observe_time``'s ``fresh``).
+RETIME_AFTER = 48
+RETIME_BURST = 3
 FORCED_NODE_PRIOR = 0.12  # a forced-chain node's share of a plain step before a grammar step is timed
 GRAMMAR_PRIOR = 1.1  # a grammar step (host masks, no host/device overlap) over its plain member, before timing
 
@@ -346,12 +351,15 @@ class TreeChooser:
         return self.adapt_costs and self._drift(name) is not None
 
     def observe_time(self, name: str, seconds: float, costs: dict[str, float] | None = None,
-                     rows: int | None = None) -> None:
+                     rows: int | None = None, fresh: bool = False) -> None:
         """Records what one iteration of ``name`` took against ``costs`` (those of its bucket of ``rows`` rows):
-        its whole span, from the previous iteration's tokens on the host to its own."""
+        its whole span, from the previous iteration's tokens on the host to its own. ``fresh``: the first of a
+        re-timing (``RETIME_BURST``): its older timings at these rows are dropped, being of another moment."""
         base = (costs or self.costs)[name]
         if base > 0 and seconds > 0:
             keys = [name] if rows is None else [name, (name, rows), ("*", rows)]
+            if fresh and rows is not None:
+                self.timings.pop((name, rows), None)
             for key in keys:
                 self.timings.setdefault(key, collections.deque(maxlen=TIMING_WINDOW)).append(seconds / base)
                 self._drifts.pop(key, None)

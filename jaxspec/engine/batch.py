@@ -60,7 +60,7 @@ from jaxspec.engine.auto import TreeChooser
 from jaxspec.engine.executor import Executor
 from jaxspec.engine.planner import Planner
 from jaxspec.engine.prefill import ChunkSizer
-from jaxspec.engine.prepare import describe_timings
+from jaxspec.engine.prepare import Beside, check_room, describe_timings
 from jaxspec.engine.prefix import BLOCK, PrefixCache, default_bytes
 from jaxspec.engine.runner import RequestError, Runner, check_fits
 from jaxspec.engine.scheduler import (PREFILL_STALL, IterationStats, QueueFull, Scheduler,  # noqa: F401 (importable
@@ -79,6 +79,8 @@ log = logging.getLogger(__name__)
 # the loop's other host work (choosing, launching, reading, emitting); and the rest (admission, prefill chunks,
 # other threads).
 PARTS = ("device", "drafting", "host", "waiting")
+WANT_EVERY = 4  # iterations between two looks at which members beside the loop would pay
+LOAD_SECONDS = 1.0  # a member step's loading, where this start loaded no plain step to time it by
 DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
 # Request ids (comma-separated, each an ``fnmatch`` pattern: a server's ids are made per request) whose admission
 # fails, as a device error or a bug would: how the tests prove that a failed request costs that request only, through
@@ -203,6 +205,12 @@ class BatchEngine:
         self.prefix = PrefixCache(self.sync.agree_int(bound) if reuse_prefix else 0)
         self.executor = Executor(engine, self.row_buckets[0], self.capacity_buckets[0], bool(self.prefix.max_bytes))
         self.iterations = 0
+        self.beside: Beside | None = None  # auto's speculative members readied while the loop runs
+        self._wanted: set[tuple] = set()  # (warp, rows, capacity, member) queued beside the loop
+        self._plain_age: dict[int, int] = {}  # row bucket -> launches there since its plain step last ran
+        self._retime: dict[int, int] = {}  # row bucket -> plain launches its re-timing has left
+        self._stale_plain: set[int] = set()  # row buckets whose next plain timing starts its price afresh
+        self._load_seconds = LOAD_SECONDS  # what readying one member's step is expected to take here
         self._ran: set[tuple] = set()  # (member, forced depth, rows, capacity) the loop has launched: first runs
         self.planner = Planner(engine, lambda: self.sync)
         self.prepared = False  # ``prepare`` ran: the chunk search probes only sizes it compiled
@@ -380,7 +388,8 @@ class BatchEngine:
     # -- prepare ----------------------------------------------------------------------
     def prepare(self, warps: Sequence[sampling.WarpSpec] | None = None, rows: Sequence[int] | None = None,
                 capacities: Sequence[int] | None = None, grammar: bool = False, progress: bool = True,
-                say: Callable[[str], None] | None = None, longest: int | None = None, callbacks: bool = True) -> float:
+                say: Callable[[str], None] | None = None, longest: int | None = None, callbacks: bool = True,
+                beside: bool = False) -> float:
         """Readies every executable the loop can reach before its first request; returns the seconds it took.
 
         Every (warp x row bucket x capacity bucket)'s members (``Planner.members``; ``grammar``: their grammar steps
@@ -392,7 +401,9 @@ class BatchEngine:
         ``longest``: the longest prompt of a job known ahead (``jaxspec generate``): its prefills stop at the chunk
         size that holds it (``ChunkSizer.reachable``); None (a server): every size the loop may feed. ``callbacks``
         False leaves out the grammar steps of SSM drafts (their masks come from a host callback: no store keeps them,
-        so every start would compile them again).
+        so every start would compile them again). ``beside``: under auto, where every member's cost at these buckets
+        is recorded on this machine already (nothing to measure), only the plain step is readied here and the other
+        members on host threads while the first requests run (``Beside``; the chooser takes each up once loaded).
         """
         began, fresh = time.perf_counter(), STATS.fresh_compiles
         if grammar:
@@ -402,12 +413,24 @@ class BatchEngine:
         buckets = [(w, r, c) for w in warps for r in rows for c in caps]
         sizes = self.chunks.reachable(longest)  # the chunk search's next size too; a job's: up to its longest prompt
         timings: list[tuple[str, float]] = []
-        listed = self.executor.prepare(self.planner.step_jobs(buckets, grammar, callbacks), sizes, rows, caps,
-                                       self.row_buckets, progress, timings)
+        defer = (beside and not grammar and self.beside is None and jax.process_count() == 1
+                 and not self.sync.fresh_costs and self.planner.known(buckets))
+        listed = self.executor.prepare(self.planner.step_jobs(buckets, grammar, callbacks, plain=defer), sizes, rows,
+                                       caps, self.row_buckets, progress, timings)
         if self.verbose is not None and timings:
             self.verbose(f"prepared {listed} executables in {time.perf_counter() - began:.1f} s: "
                          f"{describe_timings(timings)}")
         self.planner.measure(buckets, progress)  # their steps compiled above; under auto each measured
+        if defer:  # every cost read above from this machine's records: members load beside the loop where they pay
+            later = self.planner.step_jobs(buckets, grammar, callbacks)
+            check_room(later)
+            plain = [seconds for label, seconds in timings if label.startswith("step none")]
+            self._load_seconds = statistics.fmean(plain) if plain else LOAD_SECONDS
+            self.planner.beside = bool(later)
+            self.beside = Beside(self._ready_beside)
+            if self.verbose is not None and later:
+                self.verbose(f"auto's {len(later)} speculative steps load beside the loop where the tokens left can "
+                             f"repay them (about {self._load_seconds:.2f} s each)")
         self.prepared = True
         seconds = time.perf_counter() - began
         made = STATS.fresh_compiles - fresh
@@ -415,6 +438,38 @@ class BatchEngine:
             say(f"prepared this machine for {len(buckets)} step bucket(s) in {seconds:.1f} s ({listed} "
                 f"executables, {made} compiled fresh); later starts load what the executable store kept")
         return seconds
+
+    def _ready_beside(self, label: str, seconds: float) -> None:
+        """A member's step readied beside the loop: the chooser may pick it from the next iteration."""
+        if self.verbose is not None:
+            self.verbose(f"auto readied {label} beside the loop in {seconds:.2f} s")
+
+    def _want_members(self, warp: sampling.WarpSpec, chooser: TreeChooser, rows: list[tuple[int, int]]) -> None:
+        """Queues beside the loop each member of this bucket not readied yet whose expected saving over the tokens
+        its requests have left (the chooser's acceptance means and prices, against the plain step's) repays its
+        loading: auto loads what this job can use and nothing else."""
+        full = self.planner.bucket_costs.get((warp, self.rows, self.capacity))
+        if not full or "none" not in full or not rows:
+            return
+        left = sum(max(0, s.ticket.request.max_new_tokens - len(s.gen.token_ids)) for s in self.slots)
+        left += sum(t.request.max_new_tokens for t, _ in self.scheduler.waiting)
+        plain = chooser.cost("none", full, self.rows)
+        seconds = left * plain / len(rows)  # what the plain step would take for them at these rows
+        for name in full:
+            key = (warp, self.rows, self.capacity, name)
+            if name == "none" or key in self._wanted:
+                continue
+            speed = chooser.mean_tokens(name, rows) / len(rows) * plain / chooser.cost(name, full, self.rows)
+            if speed > 1.0 and seconds * (1.0 - 1.0 / speed) > self._load_seconds:
+                self._wanted.add(key)
+                for job in self.engine.step_jobs(warp, self.capacity, self.rows, [name]):
+                    self.beside.add(job)
+
+    def stop_readying(self, wait: bool = True) -> None:
+        """Drops what is still to be readied beside the loop (a job that ended needs none of it); ``wait``: until the
+        executables in hand are loaded (a process about to exit at once need not)."""
+        if self.beside is not None:
+            self.beside.stop(wait)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -942,6 +997,8 @@ class BatchEngine:
         costs = self.planner.costs(warp, self.rows, self.capacity)
         chooser = e.chooser(warp) if e.auto else None
         keys = [s.ticket for _, s in live]  # each row's pick reads its own request's counts
+        if self.planner.beside and chooser is not None and not constrained and self.iterations % WANT_EVERY == 0:
+            self._want_members(warp, chooser, [(len(proposals[i]), matched[i]) for i, _ in live])
         if chooser is not None and constrained:
             depths = e.forced_depths(warp, list(costs or chooser.costs))  # the members and chains prepared
             allowed = {n: c for n, c in (costs or chooser.costs).items() if n in depths}
@@ -953,6 +1010,7 @@ class BatchEngine:
             serial = self._host_seconds() if stale else 0.0  # what an n-gram pick costs in lost overlap
             name = self.sync.agree_pick(chooser.pick_batch(rows, costs, keys=keys, serial=serial, bucket=self.rows),
                                         list(family))
+            name = self._retimed(name) if "none" in (costs or ()) else name
         else:
             name = next(iter(family))
         cfg = family[name]
@@ -984,6 +1042,19 @@ class BatchEngine:
         forced = [len(c) for c in chains]
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
                          self._chunk_queued, self.planner.readies, failed, constrained, began, first, self.rows)
+
+    def _retimed(self, name: str) -> str:
+        """The chooser's pick, or the plain step where its price at this bucket went stale: not run in the last
+        ``auto.RETIME_AFTER`` launches here, it runs ``auto.RETIME_BURST`` times and is priced by those (a tree that
+        only looked cheaper than an old, slow plain span is found out)."""
+        age, burst = self._plain_age.get(self.rows, 0), self._retime.get(self.rows, 0)
+        if burst:
+            name, self._retime[self.rows] = "none", burst - 1
+        elif name != "none" and age >= auto.RETIME_AFTER:
+            name, self._retime[self.rows] = "none", auto.RETIME_BURST - 1
+            self._stale_plain.add(self.rows)  # its next timing here replaces the old ones
+        self._plain_age[self.rows] = 0 if name == "none" else age + 1
+        return name
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
@@ -1050,7 +1121,10 @@ class BatchEngine:
             if it.constrained:  # a grammar step also waits on host masks: timed apart
                 it.chooser.observe_constrained_time(it.name, cfg.forced_depth, span, it.costs)
             else:
-                it.chooser.observe_time(it.name, span, it.costs, it.rows)
+                fresh = it.name == "none" and it.rows in self._stale_plain
+                if fresh:
+                    self._stale_plain.discard(it.rows)
+                it.chooser.observe_time(it.name, span, it.costs, it.rows, fresh)
         for i, slot in failed:
             if slot.row >= 0:
                 self._retire(slot, "error", error=it.failed[i])

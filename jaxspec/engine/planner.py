@@ -406,6 +406,8 @@ class Planner:
         self._sync = sync
         self.bucket_costs: dict[Bucket, dict[str, float] | None] = {}  # measured seconds per member (None: not auto)
         self.readies = 0  # buckets readied by the loop at their first use
+        self.beside = False  # members still being readied beside the loop (``BatchEngine.prepare``'s ``beside``)
+        self._ready: dict[Bucket, tuple[int, dict[str, float]]] = {}  # while ``beside``: warm count, members ready
         self._members: dict[tuple, list[str]] = {}  # (warp, rows) -> ``members``, for the curve in ``_curve``
         self._curve: Any = None
 
@@ -435,19 +437,35 @@ class Planner:
         return family
 
     def costs(self, warp: sampling.WarpSpec, rows: int, capacity: int) -> dict[str, float] | None:
-        """The measured costs of the members ready at a bucket (None: not auto), readying it where it is not."""
+        """The measured costs of the members ready at a bucket (None: not auto), readying it where it is not; while
+        members are readied beside the loop (``beside``), only those whose step is loaded already: the chooser never
+        picks one the loop would wait for."""
         key = (warp, rows, capacity)
         if key not in self.bucket_costs:
             self.readies += 1
             self.ready([key])
-        return self.bucket_costs[key]
+        known = self.bucket_costs[key]
+        if known is None or not self.beside:
+            return known
+        warm = self.engine.warm_count
+        if self._ready.get(key, (-1,))[0] != warm:
+            self._ready[key] = (warm, {n: c for n, c in known.items()
+                                       if n == "none" or self.engine.is_warm(warp, capacity, rows, n)})
+        return self._ready[key][1]
 
-    def step_jobs(self, buckets: Sequence[Bucket], grammar: bool = False, callbacks: bool = True) -> list[Job]:
+    def known(self, buckets: Sequence[Bucket]) -> bool:
+        """Whether every member of ``buckets`` has its cost without a run (auto only): what readying the
+        speculative members beside the loop needs, since measuring one there would time it beside the requests."""
+        return self.engine.auto and all(self.engine.costs_known(warp, capacity, rows, self.members(warp, rows))
+                                        for warp, rows, capacity in buckets)
+
+    def step_jobs(self, buckets: Sequence[Bucket], grammar: bool = False, callbacks: bool = True,
+                  plain: bool = False) -> list[Job]:
         """The compiles that ready ``buckets``' members (``grammar``: their grammar steps too; ``callbacks`` False:
-        but not those that call back into this process, ``Runner.step_jobs``)."""
+        but not those that call back into this process, ``Runner.step_jobs``; ``plain``: the plain step's only)."""
         jobs = []
         for warp, rows, capacity in buckets:
-            names = self.members(warp, rows)
+            names = ["none"] if plain else self.members(warp, rows)
             jobs += self.engine.step_jobs(warp, capacity, rows, names)
             if grammar:
                 jobs += self.engine.step_jobs(warp, capacity, rows, names, grammar=True, callbacks=callbacks)

@@ -13,8 +13,10 @@ clear error where the mappings it watches while compiling reach it anyway.
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import re
 import sys
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -107,6 +109,56 @@ def compile_all(jobs: Sequence[Job], what: str, progress: bool = True,
     if failed is not None:
         raise RuntimeError(f"preparing {failed[0]} failed: {type(failed[1]).__name__}: {failed[1]}") from failed[1]
     return time.perf_counter() - began
+
+
+class Beside:
+    """Executables readied on host threads while the loop runs, as the loop asks for them (``add``): what a loop can
+    start without (auto's speculative members, each worth loading only where the tokens left can repay it) need not
+    hold back its first token. On a device host the cores are idle while the device steps; one core is left to the
+    loop's own host work. ``stop`` drops the jobs not started (those in hand finish)."""
+
+    def __init__(self, on_ready: Callable[[str, float], None] | None = None) -> None:
+        self.ready: list[tuple[str, float]] = []  # (what, seconds) readied, in order
+        self.failed: list[tuple[str, BaseException]] = []  # jobs that raised: their member stays out of reach
+        self._todo: "queue.SimpleQueue[Job]" = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._on_ready = on_ready
+        self._threads: list[threading.Thread] = []
+        self._size = max(1, host_cores() - 1)
+
+    def add(self, job: Job) -> None:
+        """Queues one job (its thread started at the first)."""
+        self._todo.put(job)
+        if len(self._threads) < self._size:
+            thread = threading.Thread(target=self._work, name=f"jaxspec-beside-{len(self._threads)}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                label, run = self._todo.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if self._stop.is_set():
+                return
+            began = time.perf_counter()
+            try:
+                run()
+            except BaseException as exc:  # noqa: BLE001 — one member's load must not end the loop that runs without it
+                self.failed.append((label, exc))
+                continue
+            seconds = time.perf_counter() - began
+            self.ready.append((label, seconds))
+            if self._on_ready is not None:
+                self._on_ready(label, seconds)
+
+    def stop(self, wait: bool = True) -> None:
+        """Drops the jobs not started; ``wait``: waits for those in hand."""
+        self._stop.set()
+        for thread in self._threads if wait else ():
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join()
 
 
 def _timed(label: str, run: Callable[[], Any], timings: list[tuple[str, float]]) -> Callable[[], Any]:

@@ -414,6 +414,18 @@ class Runner:
             ident, lambda: self._measure(params, capacity, batch=batch, names=[name], shared=shared)[name], refresh)
         return self._costs[key]
 
+    def costs_known(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int,
+                    names: Sequence[str]) -> bool:
+        """Whether every member of ``names`` has its cost at this bucket without measuring it (injected, held, or
+        recorded on this machine): then its step need not run before the loop's first request."""
+        if self._injected_costs is not None:
+            return all(n in self._injected_costs for n in names)
+        from jaxspec.engine import costs  # noqa: PLC0415
+
+        warp = _warp(params)
+        return all((warp, capacity, batch, n) in self._costs
+                   or costs.load(self._member_ident(params, n, capacity, batch)) is not None for n in names)
+
     def _member_ident(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
                       batch: int) -> dict:
         """What a member's measurements at a bucket are kept under (the calibration cache's key, beside the machine's
@@ -574,6 +586,11 @@ class Runner:
     def forced_buckets(self) -> tuple[int, ...]:
         """Every forced-chain depth a grammar step may compile for (``forced_bucket``'s values)."""
         return tuple(sorted({0, self.forced_depth}))
+
+    @property
+    def warm_count(self) -> int:
+        """How many (warp, bucket, member) steps are compiled or loaded: grows as members are readied."""
+        return len(self._warmed)
 
     def is_warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int,
                 name: str) -> bool:
