@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -167,3 +169,63 @@ def test_the_loop_prices_lost_overlap_by_its_newest_host_seconds(tiny_llm):
     assert batch._host_seconds() == pytest.approx(0.001)
     batch.host_times.extend([0.004] * 32)
     assert len(batch.host_times) == batch.host_times.maxlen and batch._host_seconds() == pytest.approx(0.004)
+
+
+def test_a_job_with_recorded_costs_starts_on_the_plain_step_and_loads_a_member_beside_the_loop_once_it_pays(tiny_llm):
+    """``prepare(beside=True)`` where every member's cost is known (here injected, as a machine's records would be):
+    only the plain step is readied before the first request; the chooser never sees a member not loaded; a member
+    whose saving over the tokens left cannot repay its load is never loaded; one that can is loaded on a host thread
+    and then runs; every token is plain decoding's."""
+    engine = Engine(tiny_llm, speculators=[early_exit(tiny_llm, 1)], expansion=[(1, 1, 1)], auto=True,
+                    costs={"none": 1.0, "ssm": 1.0})
+    batch = BatchEngine(engine, max_batch=1, max_model_len=64)
+    warp = sampling.WarpSpec()
+    batch.prepare(warps=(warp,), progress=False, beside=True)
+    cap = batch.capacity_buckets[0]
+    assert batch.beside is not None and engine.is_warm(warp, cap, 1, "none")
+    assert not any(engine.is_warm(warp, c, 1, "ssm") for c in batch.capacity_buckets)
+    prompts = random_prompts(3, 64, seed=11)
+    plain = BatchEngine(Engine(tiny_llm), max_batch=1, max_model_len=64)
+    want = [g.token_ids for g in plain.generate([Request(p, 12) for p in prompts])]
+
+    batch._load_seconds = float("inf")  # no saving repays this: nothing loads, every step is plain
+    first = batch.generate([Request(prompts[0], 12)])[0]
+    assert set(first.trees) == {"none"} and not batch._wanted
+    assert set(batch.planner.costs(warp, 1, batch.capacity)) == {"none"}
+
+    batch._load_seconds = 0.0  # any saving repays it: the tree is queued beside the loop at its next look
+    second = batch.generate([Request(prompts[1], 12)])[0]
+    assert batch._wanted, "the tree was never judged worth loading"
+    for _ in range(600):  # its load runs on a host thread; wait for it
+        if engine.is_warm(warp, batch.capacity, 1, "ssm") or batch.beside.failed:
+            break
+        time.sleep(0.2)
+    assert not batch.beside.failed and engine.is_warm(warp, batch.capacity, 1, "ssm")
+    assert "ssm" in batch.planner.costs(warp, 1, batch.capacity)
+    third = batch.generate([Request(prompts[2], 12)])[0]
+    assert "ssm" in third.trees, third.trees
+    assert [first.token_ids, second.token_ids, third.token_ids] == want
+    batch.stop_readying()
+
+
+def test_a_stale_plain_price_is_re_timed_at_its_bucket(tiny_llm):
+    """A plain step not run at a bucket for ``RETIME_AFTER`` launches runs ``RETIME_BURST`` times, and its first new
+    timing there replaces the old ones (taken at another moment), so a tree priced by fresh spans is compared with a
+    fresh plain span."""
+    from jaxspec.engine import auto  # noqa: PLC0415
+
+    chooser = TreeChooser(SSM, {"none": 1.0, "ssm": 1.2}, explore=False)
+    for _ in range(5):
+        chooser.observe_time("none", 2.0, rows=8)  # slow spans beside a start's other work
+    assert chooser.cost("none", rows=8) == pytest.approx(2.0)
+    chooser.observe_time("none", 1.0, rows=8, fresh=True)
+    for _ in range(2):
+        chooser.observe_time("none", 1.0, rows=8)
+    assert chooser.cost("none", rows=8) == pytest.approx(1.0)
+
+    loop, picks = BatchEngine(Engine(tiny_llm), max_batch=1, max_model_len=64), []
+    for _ in range(auto.RETIME_AFTER + auto.RETIME_BURST + 5):
+        picks.append(loop._retimed("ssm"))  # the chooser's pick each time; the loop's bookkeeping decides
+    assert picks[:auto.RETIME_AFTER] == ["ssm"] * auto.RETIME_AFTER
+    assert picks[auto.RETIME_AFTER:auto.RETIME_AFTER + auto.RETIME_BURST] == ["none"] * auto.RETIME_BURST
+    assert picks[auto.RETIME_AFTER + auto.RETIME_BURST:] == ["ssm"] * 5 and loop._stale_plain == {loop.rows}
