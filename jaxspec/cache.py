@@ -76,7 +76,6 @@ class CompileCacheStats:
             self.local.hits = self.thread_hits + 1
         elif event == MISS_EVENT:
             self.misses += 1
-            self.local.compiles = self.thread_compiles + 1
 
     @property
     def fresh_compiles(self) -> int:
@@ -89,25 +88,13 @@ class CompileCacheStats:
         """Cache hits of the compiles this thread ran (``prepare`` compiles on several threads at once)."""
         return getattr(self.local, "hits", 0)
 
-    @property
-    def thread_loads(self) -> int:
-        """Executables this thread took from disk: XLA cache hits and stored executables loaded."""
-        return self.thread_hits + getattr(self.local, "loads", 0)
-
-    @property
-    def thread_compiles(self) -> int:
-        """Executables this thread compiled fresh (XLA cache misses, and fresh compiles for the executable store)."""
-        return getattr(self.local, "compiles", 0)
-
     def loaded(self) -> None:
-        """Counts a stored executable loaded by this thread."""
+        """Counts a stored executable loaded."""
         self.executables_loaded += 1
-        self.local.loads = getattr(self.local, "loads", 0) + 1
 
     def compiled(self) -> None:
-        """Counts a fresh compile for the executable store by this thread (XLA's own cache never saw it)."""
+        """Counts a fresh compile for the executable store (XLA's own cache never saw it)."""
         self.stored_compiles += 1
-        self.local.compiles = self.thread_compiles + 1
 
 
 class BackendCompiles:
@@ -220,13 +207,6 @@ def device_words(m: dict | None = None) -> str:
     """``cpu`` or ``gpu (NVIDIA H200)``: a ``machine()``'s device (default: this process's) for a table."""
     m = m or machine()
     return m["platform"] if m["device"] == m["platform"] else f"{m['platform']} ({m['device']})"
-
-
-def compile_cache_on() -> bool:
-    """Whether this process keeps compiled executables on disk (a second build of one is a load)."""
-    import jax  # noqa: PLC0415
-
-    return bool(jax.config.jax_compilation_cache_dir)
 
 
 def trim_lru(files: Iterable[Path], max_bytes: int, companions: Callable[[Path], Sequence[Path]] = lambda p: (),

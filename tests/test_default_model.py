@@ -56,7 +56,7 @@ def _identity(default_llm, prompts, n, configs):
     return steps
 
 
-@pytest.mark.slow  # ~2 min; test_cli's tree (shipped pool) and lazy auto runs keep speculative identity on this model
+@pytest.mark.slow  # ~2 min; test_cli's tree (shipped pool) and default auto runs keep speculative identity on this model
 def test_greedy_identity_default_model(default_llm):
     ssm = [early_exit(default_llm, 4)]
     _identity(default_llm, dev_prompts(4), 24, [("sequence", ssm, (1,) * 4), ("tree", ssm, TREE)])

@@ -5,8 +5,8 @@ speculation ⟨1,1,3,…⟩ are configurations of this one function. The whole i
 a single jitted executable: SSM levels run inside ``fori_loop``, nothing returns to the
 host but the few emitted tokens.
 
-Over 600 lines: the iteration's stages (draft groups, merge, the verifiers, commit) are traced into
-that one function and share its configuration (``DecodeConfig``) and the tree's layout; each stage's
+The iteration's stages (draft groups, merge, the verifiers, commit) are traced into that one
+function and share its configuration (``DecodeConfig``) and the tree's layout; each stage's
 algorithm already lives in its own module (``speculate``, ``tree``, ``verify``, ``kv_cache``).
 """
 

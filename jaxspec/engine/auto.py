@@ -395,7 +395,7 @@ class TreeChooser:
         whose grammar forces L tokens gets max(the tree's tokens with L certain levels,
         min(L, chain) + 1). ``keys`` name each row's request (default: none, every open request pooled).
         """
-        names = [m for m in self.members if m in (costs or self.costs)]  # lazy auto: the bucket's compiled ones
+        names = [m for m in self.members if m in (costs or self.costs)]  # the bucket's loaded ones
         rates = self._row_rates(names, [(length, match) for length, match, _ in rows], keys or [None] * len(rows))
         lengths = np.array([length for length, _, _ in rows])
         forced = np.array([f for _, _, f in rows])  # [B]

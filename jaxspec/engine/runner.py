@@ -7,8 +7,8 @@ drives it for ``generate``, ``bench`` and ``serve`` alike. ``Runner.compilations
 traces of model-running executables, so tests can prove that nothing recompiles (an executable
 loaded from disk, ``jaxspec.engine.executables``, is not traced and not counted).
 
-Over 600 lines: the family, its compiled steps, their costs and the chooser share the models'
-layout and the engine's identity; which members each bucket runs lives in ``planner``.
+The family, its compiled steps, their costs and the chooser live together because they share the
+models' layout and the engine's identity; which members each bucket runs lives in ``planner``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.engine.executables import Stored
 from jaxspec.engine.prepare import Job, abstract
-from jaxspec.errors import RequestError, VocabularyMismatch  # noqa: F401 (importable from here as before)
-from jaxspec.request import Generation, SpecStats  # noqa: F401 (importable from here as before)
+from jaxspec.errors import RequestError, VocabularyMismatch
 from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
 from jaxspec.parallel.sharding import TENSOR, describe as describe_mesh, pinned
@@ -610,11 +609,6 @@ class Runner:
     def choosers(self) -> dict[sampling.WarpSpec, TreeChooser]:
         """Auto's choosers made so far, by warp (what ``generate -v`` reports as learned)."""
         return dict(self._choosers)
-
-    @property
-    def measures_costs(self) -> bool:
-        """Whether auto's costs are measured on this device (not a table given at construction)."""
-        return self._injected_costs is None
 
     # -- state ------------------------------------------------------------------------
     def step_bounds(self) -> tuple[int, int]:
