@@ -229,3 +229,29 @@ def test_a_stale_plain_price_is_re_timed_at_its_bucket(tiny_llm):
     assert picks[:auto.RETIME_AFTER] == ["ssm"] * auto.RETIME_AFTER
     assert picks[auto.RETIME_AFTER:auto.RETIME_AFTER + auto.RETIME_BURST] == ["none"] * auto.RETIME_BURST
     assert picks[auto.RETIME_AFTER + auto.RETIME_BURST:] == ["ssm"] * 5 and loop._stale_plain == {loop.rows}
+
+
+def test_a_load_beside_the_loop_that_fails_leaves_only_its_member_out(capsys):
+    """``Beside`` runs queued jobs on a host thread; one that raises is recorded and said once on stderr, the next job
+    still runs, and ``stop`` drops what was not started."""
+    from jaxspec.engine.prepare import Beside  # noqa: PLC0415
+
+    heard, done = [], []
+
+    def broken() -> None:
+        raise RuntimeError("no such executable")
+
+    beside = Beside(lambda label, seconds: heard.append(label))
+    beside.add(("step ssm, 1 row(s)", broken))
+    beside.add(("step ngram, 1 row(s)", lambda: done.append(1)))
+    for _ in range(300):
+        if beside.failed and heard:
+            break
+        time.sleep(0.05)
+    beside.stop()
+    assert [label for label, _ in beside.failed] == ["step ssm, 1 row(s)"] and done == [1]
+    assert heard == ["step ngram, 1 row(s)"] and [label for label, _ in beside.ready] == heard
+    assert "readying step ssm, 1 row(s) beside the loop failed" in capsys.readouterr().err
+    beside.add(("step ssm/1, 1 row(s)", lambda: done.append(2)))  # after stop: never run
+    time.sleep(0.3)
+    assert done == [1]

@@ -452,7 +452,7 @@ class BatchEngine:
         if not full or "none" not in full or not rows:
             return
         left = sum(max(0, s.ticket.request.max_new_tokens - len(s.gen.token_ids)) for s in self.slots)
-        left += sum(t.request.max_new_tokens for t, _ in self.scheduler.waiting)
+        left += sum(t.request.max_new_tokens for t, _ in tuple(self.scheduler.waiting))  # a copy: submits may go on
         plain = chooser.cost("none", full, self.rows)
         seconds = left * plain / len(rows)  # what the plain step would take for them at these rows
         for name in full:
@@ -998,7 +998,10 @@ class BatchEngine:
         chooser = e.chooser(warp) if e.auto else None
         keys = [s.ticket for _, s in live]  # each row's pick reads its own request's counts
         if self.planner.beside and chooser is not None and not constrained and self.iterations % WANT_EVERY == 0:
-            self._want_members(warp, chooser, [(len(proposals[i]), matched[i]) for i, _ in live])
+            try:
+                self._want_members(warp, chooser, [(len(proposals[i]), matched[i]) for i, _ in live])
+            except Exception as exc:  # noqa: BLE001 — the loop runs on with the members it has
+                self._failed("weighing which members to load", exc)
         if chooser is not None and constrained:
             depths = e.forced_depths(warp, list(costs or chooser.costs))  # the members and chains prepared
             allowed = {n: c for n, c in (costs or chooser.costs).items() if n in depths}

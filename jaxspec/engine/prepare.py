@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from jaxspec.cache import host_cores
-from jaxspec.errors import RequestError
+from jaxspec.errors import RequestError, warn_once
 
 Job = tuple[str, Callable[[], Any]]  # (what it readies, in words; the call that readies it)
 
@@ -147,6 +147,8 @@ class Beside:
                 run()
             except BaseException as exc:  # noqa: BLE001 — one member's load must not end the loop that runs without it
                 self.failed.append((label, exc))
+                warn_once(f"beside {label}", f"readying {label} beside the loop failed ({type(exc).__name__}: {exc}); "
+                                             "the loop runs on without it")
                 continue
             seconds = time.perf_counter() - began
             self.ready.append((label, seconds))
