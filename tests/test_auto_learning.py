@@ -190,12 +190,13 @@ def test_a_job_with_recorded_costs_starts_on_the_plain_step_and_loads_a_member_b
 
     batch._load_seconds = float("inf")  # no saving repays this: nothing loads, every step is plain
     first = batch.generate([Request(prompts[0], 12)])[0]
-    assert set(first.trees) == {"none"} and not batch._wanted
+    pending = dict(batch._later)
+    assert pending and set(first.trees) == {"none"} and batch._later == pending  # nothing queued to load
     assert set(batch.planner.costs(warp, 1, batch.capacity)) == {"none"}
 
     batch._load_seconds = 0.0  # any saving repays it: the tree is queued beside the loop at its next look
     second = batch.generate([Request(prompts[1], 12)])[0]
-    assert batch._wanted, "the tree was never judged worth loading"
+    assert len(batch._later) < len(pending), "the tree was never judged worth loading"
     for _ in range(600):  # its load runs on a host thread; wait for it
         if engine.is_warm(warp, batch.capacity, 1, "ssm") or batch.beside.failed:
             break
@@ -208,7 +209,7 @@ def test_a_job_with_recorded_costs_starts_on_the_plain_step_and_loads_a_member_b
     batch.stop_readying()
 
 
-def test_a_stale_plain_price_is_re_timed_at_its_bucket(tiny_llm):
+def test_a_stale_plain_price_is_re_timed_at_its_bucket():
     """A plain step not run at a bucket for ``RETIME_AFTER`` launches runs ``RETIME_BURST`` times, and its first new
     timing there replaces the old ones (taken at another moment), so a tree priced by fresh spans is compared with a
     fresh plain span."""
@@ -218,17 +219,14 @@ def test_a_stale_plain_price_is_re_timed_at_its_bucket(tiny_llm):
     for _ in range(5):
         chooser.observe_time("none", 2.0, rows=8)  # slow spans beside a start's other work
     assert chooser.cost("none", rows=8) == pytest.approx(2.0)
-    chooser.observe_time("none", 1.0, rows=8, fresh=True)
-    for _ in range(2):
-        chooser.observe_time("none", 1.0, rows=8)
-    assert chooser.cost("none", rows=8) == pytest.approx(1.0)
-
-    loop, picks = BatchEngine(Engine(tiny_llm), max_batch=1, max_model_len=64), []
-    for _ in range(auto.RETIME_AFTER + auto.RETIME_BURST + 5):
-        picks.append(loop._retimed("ssm"))  # the chooser's pick each time; the loop's bookkeeping decides
+    picks = [chooser.retimed("ssm", 8) for _ in range(auto.RETIME_AFTER + auto.RETIME_BURST + 5)]
     assert picks[:auto.RETIME_AFTER] == ["ssm"] * auto.RETIME_AFTER
     assert picks[auto.RETIME_AFTER:auto.RETIME_AFTER + auto.RETIME_BURST] == ["none"] * auto.RETIME_BURST
-    assert picks[auto.RETIME_AFTER + auto.RETIME_BURST:] == ["ssm"] * 5 and loop._stale_plain == {loop.rows}
+    assert picks[auto.RETIME_AFTER + auto.RETIME_BURST:] == ["ssm"] * 5
+    assert chooser.retimed("ssm", 4) == "ssm"  # another bucket keeps its own count
+    for _ in range(3):
+        chooser.observe_time("none", 1.0, rows=8)  # the re-timing's spans
+    assert chooser.cost("none", rows=8) == pytest.approx(1.0)
 
 
 def test_a_load_beside_the_loop_that_fails_leaves_only_its_member_out(capsys):

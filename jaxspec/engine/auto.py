@@ -77,7 +77,7 @@ SETTLE_TRIALS = 3
 TIMING_WINDOW = 32  # the newest observed/calibrated ratios kept per member
 # The plain step's price at a bucket goes stale while trees run there (the machine's load moves, and its old spans
 # were taken beside other work: a start's loads, admissions): after RETIME_AFTER launches at a bucket without it, the
-# loop runs it RETIME_BURST times and prices it by those alone (``BatchEngine``; ``observe_time``'s ``fresh``).
+# loop runs it RETIME_BURST times and prices it by those alone (``TreeChooser.retimed``).
 RETIME_AFTER = 48
 RETIME_BURST = 3
 FORCED_NODE_PRIOR = 0.12  # a forced-chain node's share of a plain step before a grammar step is timed
@@ -136,6 +136,9 @@ class TreeChooser:
         self.discount = discount
         self.rng = np.random.default_rng(seed)
         self.timings = {m.name: collections.deque(maxlen=TIMING_WINDOW) for m in members}
+        self._plain_age: dict[int, int] = {}  # row bucket -> launches there since its plain step last ran
+        self._retime: dict[int, int] = {}  # row bucket -> plain launches its re-timing has left
+        self._stale_plain: set[int] = set()  # row buckets whose next plain timing starts its price afresh
         # (member, rows) and ("*", rows) keys too: the same ratios by the bucket's rows (``cost``)
         self._drifts: dict[Hashable, float | None] = {}  # timings key -> their mean (None: too few), until one is added
         self.max_depth = max([d for m in members for d in m.depth.values()] + [1])
@@ -350,15 +353,30 @@ class TreeChooser:
         """Whether ``name`` is priced by its own iterations in this process (``FIRST_TIMINGS`` of them ran)."""
         return self.adapt_costs and self._drift(name) is not None
 
+    def retimed(self, name: str, rows: int) -> str:
+        """The pick ``name`` at a bucket of ``rows`` rows, or the plain step where its price there went stale: not
+        run in the last ``RETIME_AFTER`` launches there, it runs ``RETIME_BURST`` times and its first new timing
+        there replaces the old ones (``observe_time``): a tree that only looked cheaper than an old, slow plain span
+        is found out. Reads the picks alone, so every process of a run forces the same."""
+        age, burst = self._plain_age.get(rows, 0), self._retime.get(rows, 0)
+        if burst:
+            name, self._retime[rows] = "none", burst - 1
+        elif name != "none" and age >= RETIME_AFTER:
+            name, self._retime[rows] = "none", RETIME_BURST - 1
+            self._stale_plain.add(rows)
+        self._plain_age[rows] = 0 if name == "none" else age + 1
+        return name
+
     def observe_time(self, name: str, seconds: float, costs: dict[str, float] | None = None,
-                     rows: int | None = None, fresh: bool = False) -> None:
+                     rows: int | None = None) -> None:
         """Records what one iteration of ``name`` took against ``costs`` (those of its bucket of ``rows`` rows):
-        its whole span, from the previous iteration's tokens on the host to its own. ``fresh``: the first of a
-        re-timing (``RETIME_BURST``): its older timings at these rows are dropped, being of another moment."""
+        its whole span, from the previous iteration's tokens on the host to its own (the first plain timing of a
+        re-timing, ``retimed``, replaces the plain step's older ones at these rows, being of another moment)."""
         base = (costs or self.costs)[name]
         if base > 0 and seconds > 0:
             keys = [name] if rows is None else [name, (name, rows), ("*", rows)]
-            if fresh and rows is not None:
+            if name == "none" and rows in self._stale_plain:
+                self._stale_plain.discard(rows)
                 self.timings.pop((name, rows), None)
             for key in keys:
                 self.timings.setdefault(key, collections.deque(maxlen=TIMING_WINDOW)).append(seconds / base)

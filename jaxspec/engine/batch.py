@@ -206,10 +206,7 @@ class BatchEngine:
         self.executor = Executor(engine, self.row_buckets[0], self.capacity_buckets[0], bool(self.prefix.max_bytes))
         self.iterations = 0
         self.beside: Beside | None = None  # auto's speculative members readied while the loop runs
-        self._wanted: set[tuple] = set()  # (warp, rows, capacity, member) queued beside the loop
-        self._plain_age: dict[int, int] = {}  # row bucket -> launches there since its plain step last ran
-        self._retime: dict[int, int] = {}  # row bucket -> plain launches its re-timing has left
-        self._stale_plain: set[int] = set()  # row buckets whose next plain timing starts its price afresh
+        self._later: dict[tuple, list] = {}  # (warp, rows, capacity, member) -> its step's jobs, not queued yet
         self._load_seconds = LOAD_SECONDS  # what readying one member's step is expected to take here
         self._ran: set[tuple] = set()  # (member, forced depth, rows, capacity) the loop has launched: first runs
         self.planner = Planner(engine, lambda: self.sync)
@@ -422,7 +419,9 @@ class BatchEngine:
                          f"{describe_timings(timings)}")
         self.planner.measure(buckets, progress)  # their steps compiled above; under auto each measured
         if defer:  # every cost read above from this machine's records: members load beside the loop where they pay
-            later = self.planner.step_jobs(buckets, grammar, callbacks)
+            self._later = {(w, r, c, n): jobs for w, r, c in buckets for n in self.planner.members(w, r)
+                           if (jobs := self.engine.step_jobs(w, c, r, [n]))}
+            later = [job for jobs in self._later.values() for job in jobs]
             check_room(later)
             plain = [seconds for label, seconds in timings if label.startswith("step none")]
             self._load_seconds = statistics.fmean(plain) if plain else LOAD_SECONDS
@@ -457,12 +456,11 @@ class BatchEngine:
         seconds = left * plain / len(rows)  # what the plain step would take for them at these rows
         for name in full:
             key = (warp, self.rows, self.capacity, name)
-            if name == "none" or key in self._wanted:
+            if key not in self._later:  # the plain step, or queued already
                 continue
             speed = chooser.mean_tokens(name, rows) / len(rows) * plain / chooser.cost(name, full, self.rows)
             if speed > 1.0 and seconds * (1.0 - 1.0 / speed) > self._load_seconds:
-                self._wanted.add(key)
-                for job in self.engine.step_jobs(warp, self.capacity, self.rows, [name]):
+                for job in self._later.pop(key):
                     self.beside.add(job)
 
     def stop_readying(self, wait: bool = True) -> None:
@@ -1013,7 +1011,7 @@ class BatchEngine:
             serial = self._host_seconds() if stale else 0.0  # what an n-gram pick costs in lost overlap
             name = self.sync.agree_pick(chooser.pick_batch(rows, costs, keys=keys, serial=serial, bucket=self.rows),
                                         list(family))
-            name = self._retimed(name) if "none" in (costs or ()) else name
+            name = chooser.retimed(name, self.rows) if "none" in (costs or ()) else name
         else:
             name = next(iter(family))
         cfg = family[name]
@@ -1045,19 +1043,6 @@ class BatchEngine:
         forced = [len(c) for c in chains]
         return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
                          self._chunk_queued, self.planner.readies, failed, constrained, began, first, self.rows)
-
-    def _retimed(self, name: str) -> str:
-        """The chooser's pick, or the plain step where its price at this bucket went stale: not run in the last
-        ``auto.RETIME_AFTER`` launches here, it runs ``auto.RETIME_BURST`` times and is priced by those (a tree that
-        only looked cheaper than an old, slow plain span is found out)."""
-        age, burst = self._plain_age.get(self.rows, 0), self._retime.get(self.rows, 0)
-        if burst:
-            name, self._retime[self.rows] = "none", burst - 1
-        elif name != "none" and age >= auto.RETIME_AFTER:
-            name, self._retime[self.rows] = "none", auto.RETIME_BURST - 1
-            self._stale_plain.add(self.rows)  # its next timing here replaces the old ones
-        self._plain_age[self.rows] = 0 if name == "none" else age + 1
-        return name
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
@@ -1124,10 +1109,7 @@ class BatchEngine:
             if it.constrained:  # a grammar step also waits on host masks: timed apart
                 it.chooser.observe_constrained_time(it.name, cfg.forced_depth, span, it.costs)
             else:
-                fresh = it.name == "none" and it.rows in self._stale_plain
-                if fresh:
-                    self._stale_plain.discard(it.rows)
-                it.chooser.observe_time(it.name, span, it.costs, it.rows, fresh)
+                it.chooser.observe_time(it.name, span, it.costs, it.rows)
         for i, slot in failed:
             if slot.row >= 0:
                 self._retire(slot, "error", error=it.failed[i])
