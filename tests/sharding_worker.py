@@ -268,8 +268,29 @@ def default_model() -> dict:
     return out
 
 
+def abstract_states() -> dict:
+    """``Runner.abstract_state`` (from ``jax.eval_shape``, nothing allocated) against the real state of the same
+    bucket, leaf by leaf as the executable store describes them (shape, dtype, weak type, placement): a mismatch
+    would make every prepared executable miss its call and compile again."""
+    from jaxspec.decoding import sampling
+    from jaxspec.engine.executables import _described
+    from jaxspec.engine.prepare import abstract
+
+    m = model("llama")
+    out: dict = {}
+    for spec in ("data=2,tensor=2", "pipe=2", "data=4"):
+        engine = Engine(m, [early_exit(m, 1)], TREE, mesh=mesh_of(spec))
+        got = [_described(x) for x in jax.tree_util.tree_leaves(engine.abstract_state(2, 64))]
+        real = [_described(x) for x in
+                jax.tree_util.tree_leaves(abstract(engine.init_state(2, 64, sampling.MIXED, active=False)))]
+        out[spec] = {"same": got == real, "leaves": len(real), "first_difference": next(
+            (f"{a} != {b}" for a, b in zip(got, real) if a != b), None)}
+    return out
+
+
 GROUPS = {
     "default": {
+        "abstract_states": abstract_states,
         "tp_llama_2": lambda: tensor_parallel("llama", "tensor=2", ("tree",)),
         "tp_qwen2_4": lambda: tensor_parallel("qwen2", "tensor=4", ()),
         "tp_opt_8": lambda: tensor_parallel("opt", "tensor=8", ()),

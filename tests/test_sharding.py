@@ -215,6 +215,14 @@ def test_checkpoint_loads_straight_into_its_shards(default_checks):
     assert shards == [shape] * 2
 
 
+def test_abstract_states_place_every_leaf_where_a_real_state_lies(default_checks):
+    """The shapes a bucket's executables are prepared for come from ``jax.eval_shape`` (no state allocated) and
+    still describe a real state leaf for leaf, placements included, on data, tensor and pipeline meshes."""
+    r = check(default_checks, "abstract_states")
+    for spec in ("data=2,tensor=2", "pipe=2", "data=4"):
+        assert r[spec]["same"] and r[spec]["leaves"] > 5, (spec, r[spec]["first_difference"])
+
+
 @pytest.mark.slow  # ~2 min cold (half the default worker); grammars run in the default run on one device
 def test_structured_output_on_a_mesh_matches_one_device(slow_checks):
     """A regex-constrained batch on data=2,tensor=2 gives one device's tokens, incremental (masks as a step input)

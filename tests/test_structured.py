@@ -603,7 +603,7 @@ def test_a_default_server_fits_the_default_map_limit_and_a_set_over_it_is_refuse
     ex = batch.executor
     jobs = [*batch.planner.step_jobs(buckets, grammar=True, callbacks=False),
             *ex.prefill_jobs(batch.chunks.reachable(None), batch.capacity_buckets),
-            *ex.row_jobs(batch.row_buckets, batch.capacity_buckets, batch.row_buckets)]
+            *ex.row_jobs(batch.row_buckets, batch.capacity_buckets)]
     need = estimated_maps([label for label, _ in jobs])
     assert len(jobs) < 95 and need < ROOM * DEFAULT_MAX_MAP_COUNT, (len(jobs), need)
     check_room(jobs, limit=int((mapped() + need + 1000) / ROOM), platform="cpu")

@@ -45,6 +45,7 @@ import itertools
 import logging
 import os
 import statistics
+import sys
 import threading
 import time
 from typing import Callable, Iterator, Sequence
@@ -60,7 +61,7 @@ from jaxspec.engine.auto import TreeChooser
 from jaxspec.engine.executor import Executor
 from jaxspec.engine.planner import Planner
 from jaxspec.engine.prefill import ChunkSizer
-from jaxspec.engine.prepare import Beside, check_room, describe_timings
+from jaxspec.engine.prepare import Beside, Job, check_room, describe_timings
 from jaxspec.engine.prefix import BLOCK, PrefixCache, default_bytes
 from jaxspec.engine.runner import RequestError, Runner, check_fits
 from jaxspec.engine.scheduler import (PREFILL_STALL, IterationStats, QueueFull, Scheduler,  # noqa: F401 (importable
@@ -191,7 +192,7 @@ class BatchEngine:
         # step that writes num_nodes more; a prefill chunk ends within the capacity (``ChunkSizer.size``).
         self.max_capacity = max_model_len + max(self._max_nodes + self._max_emit, self.chunks.sizes[0])
         self.row_buckets = batch_buckets(max_batch)
-        self.capacity_buckets = capacity_buckets(self.max_capacity, filled_only(engine))
+        self.capacity_buckets = capacity_buckets(self.max_capacity, filled_only(engine), self.max_capacity - max_model_len)
         self.vocab = engine.llm.cfg.vocab_size
         self.scheduler = Scheduler(max_batch, max_queue, self.row_buckets, self.capacity_buckets, self.max_capacity,
                                    self._max_emit + self._max_nodes, prefill_stall)
@@ -203,7 +204,7 @@ class BatchEngine:
         bound = default_bytes() if prefix_cache_bytes is None else prefix_cache_bytes
         # processes evict alike only under one bound (each pastes what process 0 pastes, in the same programs)
         self.prefix = PrefixCache(self.sync.agree_int(bound) if reuse_prefix else 0)
-        self.executor = Executor(engine, self.row_buckets[0], self.capacity_buckets[0], bool(self.prefix.max_bytes))
+        self.executor = Executor(engine, self.row_buckets, self.capacity_buckets, bool(self.prefix.max_bytes))
         self.iterations = 0
         self.beside: Beside | None = None  # auto's speculative members readied while the loop runs
         self._later: dict[tuple, list] = {}  # (warp, rows, capacity, member) -> its step's jobs, not queued yet
@@ -383,6 +384,16 @@ class BatchEngine:
             raise RequestError("structured output runs in one process for now: drop the multi-process flags")
 
     # -- prepare ----------------------------------------------------------------------
+    def prepared_set(self, warps: Sequence[sampling.WarpSpec] | None = None, grammar: bool = False,
+                     callbacks: bool = True, longest: int | None = None) -> list[Job]:
+        """Everything ``prepare`` with these arguments readies (every bucket's members, prefills, row operations and
+        re-layouts) that is not ready yet, listed from shapes alone (``jax.eval_shape``): nothing compiles or is
+        allocated, so its size can be read at any configuration."""
+        warps = tuple(warps or sampling.BATCH_WARPS)
+        buckets = [(w, r, c) for w in warps for r in self.row_buckets for c in self.capacity_buckets]
+        return self.executor.listed(self.planner.step_jobs(buckets, grammar, callbacks),
+                                    self.chunks.reachable(longest), self.row_buckets, self.capacity_buckets)
+
     def prepare(self, warps: Sequence[sampling.WarpSpec] | None = None, rows: Sequence[int] | None = None,
                 capacities: Sequence[int] | None = None, grammar: bool = False, progress: bool = True,
                 say: Callable[[str], None] | None = None, longest: int | None = None, callbacks: bool = True,
@@ -412,8 +423,9 @@ class BatchEngine:
         timings: list[tuple[str, float]] = []
         defer = (beside and not grammar and self.beside is None and jax.process_count() == 1
                  and not self.sync.fresh_costs and self.planner.known(buckets))
+        told = (lambda text: print(f"[jaxspec] {text}", file=sys.stderr, flush=True)) if progress else self.verbose
         listed = self.executor.prepare(self.planner.step_jobs(buckets, grammar, callbacks, plain=defer), sizes, rows,
-                                       caps, self.row_buckets, progress, timings)
+                                       caps, progress, timings, told)
         if self.verbose is not None and timings:
             self.verbose(f"prepared {listed} executables in {time.perf_counter() - began:.1f} s: "
                          f"{describe_timings(timings)}")

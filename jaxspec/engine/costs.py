@@ -223,8 +223,10 @@ _BOUNDED: set[Path] = set()  # record directories this process trimmed
 
 
 def _path(key: dict) -> tuple[dict, str, Path]:
-    """The stored key (``key`` with ``speed_key`` of the lowering it names, else this process's), its text, its file."""
-    full = {"record": key, "machine": speed_key(key.get("lowering"))}
+    """The stored key (``key`` with ``speed_key`` of the lowering it names, else this process's, and of the program it
+    names: then the code's digest is left out, so an edit that leaves that program alone keeps the record), its text,
+    its file."""
+    full = {"record": key, "machine": speed_key(key.get("lowering"), key.get("program"))}
     text = json.dumps(_encode(full), sort_keys=True)
     return full, text, costs_dir() / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 

@@ -92,6 +92,7 @@ class Stored:
         self.ident = ident
         self.fixed = fixed
         self.loaded: dict = {}  # call signature -> compiled executable (``jitted`` where none is stored)
+        self.programs: dict = {}  # call signature -> its program's digest in the store (``program``)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.executable(*args, **kwargs)(*args, **kwargs)
@@ -122,15 +123,37 @@ class Stored:
             compiled = self.loaded[self._signature(args, kwargs)] = self.jitted.lower(*args, **kwargs).compile()
         return compiled
 
+    def stored(self, *args: Any, **kwargs: Any) -> bool:
+        """Whether readying these arguments' executable is a load (in memory, or recorded in the store under this
+        code's key: no trace), not a compile."""
+        if self.has(*args, **kwargs):
+            return True
+        directory = store_dir() if self.persist else None
+        return directory is not None and (directory / "index" / self._key(args, kwargs)[1]).is_file()
+
+    def program(self, *args: Any, **kwargs: Any) -> str | None:
+        """The digest of the program these arguments run, where the store knows it without a trace (readied in this
+        process, or recorded under this code's key); None otherwise. Unlike the code's digest it survives any edit
+        that leaves the program alone: what per-program records (a step's measured cost) are kept under."""
+        sig = self._signature(args, kwargs)
+        if sig in self.programs:
+            return self.programs[sig]
+        directory = store_dir() if self.persist else None
+        return None if directory is None else _read_text(directory / "index" / self._key(args, kwargs)[1])
+
+    def _key(self, args: tuple, kwargs: dict) -> tuple[str, str]:
+        """(every argument described, the store's index key for them under this code)."""
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        described = repr((tree, tuple(map(_described, leaves))))
+        return described, _digest({"ident": self.ident, "args": described, **speed_key()})
+
     def _prepare(self, args: tuple, kwargs: dict) -> Callable:
         """The executable for this signature: loaded (by its key, else by its program once traced), else
         compiled fresh and written where it serializes."""
         directory = store_dir() if self.persist else None
         if directory is None:
             return self.jitted
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        described = repr((tree, tuple(map(_described, leaves))))
-        key = _digest({"ident": self.ident, "args": described, **speed_key()})
+        described, key = self._key(args, kwargs)
         index = directory / "index" / key
         program = _read_text(index)
         if program is not None:  # this key was stored before: no trace at all
@@ -138,6 +161,7 @@ class Stored:
             if compiled is not None:
                 _touch(index)
                 STATS.loaded()
+                self.programs[self._signature(args, kwargs)] = program
                 return compiled
         # Traced once, under a name of its own: XLA's persistent cache then cannot answer the compile below with
         # an executable it deserialized, which on a CPU does not serialize again (its code is missing from the blob:
@@ -159,6 +183,7 @@ class Stored:
         else:
             STATS.loaded()
         _write_text(index, program)
+        self.programs[self._signature(args, kwargs)] = program
         return compiled
 
 

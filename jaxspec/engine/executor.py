@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ from jaxspec.decoding.step import (DecodeConfig, DecodeState, StepOutput, insert
                                    set_inactive)
 from jaxspec.engine.executables import Stored
 from jaxspec.engine.prefix import committed, cut_block, paste_block
-from jaxspec.engine.prepare import Job, check_room, compile_all
+from jaxspec.engine.prepare import Job, Ready, check_room, compile_all, describe_set, loads, timed_means
 from jaxspec.engine.runner import Runner
 from jaxspec.parallel.sharding import fetch, pinned
 from jaxspec.request import SamplingParams, seed_words
@@ -33,14 +33,28 @@ def _put(v: int) -> jax.Array:
     return jax.device_put(np.int32(v))
 
 
+def _neighbours(buckets: Sequence[int], b: int) -> list[int]:
+    """The buckets beside ``b`` in ``buckets`` (ascending): one smaller and one larger, where they exist."""
+    if b not in buckets:
+        return []
+    i = buckets.index(b)
+    return [buckets[j] for j in (i - 1, i + 1) if 0 <= j < len(buckets)]
+
+
 class Executor:
     """The batched state (``rows`` x ``capacity``) and the staging row (``staging_capacity``), and what runs on them.
 
-    ``prefix``: the prefix cache is on (its cut and paste are prepared with the rest).
+    ``row_buckets`` and ``capacity_buckets`` are the layouts the state takes (the first of each at the start); a
+    re-layout moves one bucket in one dimension at a time, so the prepared set holds a few re-layouts per bucket
+    (not one for every pair) and a larger move chains them. ``prefix``: the prefix cache is on (its cut and paste
+    are prepared with the rest).
     """
 
-    def __init__(self, runner: Runner, rows: int, capacity: int, prefix: bool) -> None:
+    def __init__(self, runner: Runner, row_buckets: Sequence[int], capacity_buckets: Sequence[int],
+                 prefix: bool) -> None:
         self.runner = runner
+        self.row_buckets, self.capacity_buckets = tuple(row_buckets), tuple(capacity_buckets)
+        rows, capacity = self.row_buckets[0], self.capacity_buckets[0]
         self.prefix = prefix
         self.vocab = runner.llm.cfg.vocab_size
         self.rows, self.capacity = rows, capacity
@@ -100,18 +114,34 @@ class Executor:
 
     # -- prepare ------------------------------------------------------------------------
     def prepare(self, steps: Sequence[Job], sizes: Sequence[int], rows: Sequence[int], capacities: Sequence[int],
-                row_buckets: Sequence[int], progress: bool = True,
-                timings: list[tuple[str, float]] | None = None) -> int:
+                progress: bool = True, timings: list[tuple[str, float]] | None = None,
+                say: Callable[[str], None] | None = None) -> int:
         """Readies ``steps`` (the planner's members at each bucket), the prefill of every chunk of ``sizes`` into a
         staging row of each of ``capacities``, every bucket's row operations and re-layouts, and the prefix cache's
         copies: compiled on the host's cores or loaded from the executable store. Returns how many executables were
-        listed (those not ready yet); ``timings`` receives each one's seconds (``compile_all``). A set that would not
-        fit in this process's memory mappings is refused before anything compiles (``check_room``)."""
-        jobs = [*steps, *self.prefill_jobs(sizes, capacities), *self.row_jobs(rows, capacities, row_buckets)]
+        listed (those not ready yet); ``timings`` receives each one's seconds (``compile_all``); ``say`` hears the
+        set's size and expected time before anything compiles (``describe_set``). A set that would not fit in this
+        process's memory mappings is refused before anything compiles (``check_room``)."""
+        from jaxspec.engine import costs  # noqa: PLC0415
+
+        jobs = self.listed(steps, sizes, rows, capacities)
         check_room(jobs)
-        compile_all(jobs, "preparing executables", progress, timings)
+        if jobs:
+            loaded, record = loads(jobs), {"what": "prepare-seconds", **self.runner.identity()}
+            before = costs.load(record)
+            if say is not None:
+                say(f"preparing {describe_set(jobs, loaded, before)}")
+            timings = [] if timings is None else timings
+            start = len(timings)
+            compile_all(jobs, "preparing executables", progress, timings)
+            costs.load_or_measure(record, lambda: timed_means(jobs, loaded, timings[start:], before), refresh=True)
         self.prepare_prefix(capacities)
         return len(jobs)
+
+    def listed(self, steps: Sequence[Job], sizes: Sequence[int], rows: Sequence[int],
+               capacities: Sequence[int]) -> list[Job]:
+        """What ``prepare`` readies, not ready yet: ``steps``, the prefills, the row operations (nothing compiles)."""
+        return [*steps, *self.prefill_jobs(sizes, capacities), *self.row_jobs(rows, capacities)]
 
     def prefill_jobs(self, sizes: Sequence[int], capacities: Sequence[int]) -> list[Job]:
         """The prefill of every chunk of ``sizes`` that fits into a staging row of each of ``capacities`` slots."""
@@ -122,38 +152,57 @@ class Executor:
                 if (size, cap) in self.prefill_ready:
                     continue
                 call = self.chunk_args(np.zeros((1, size), np.int32), 0, size, True, 0, staged=staged)
-
-                def job(call=call, key=(size, cap)) -> None:
-                    fn.compiled(*call)
-                    self.prefill_ready.add(key)
-
-                jobs.append((f"prefill of {size} tokens, {cap} slots", job))
+                jobs.append((f"prefill of {size} tokens, {cap} slots",
+                             Ready(fn, call, then=lambda key=(size, cap): self.prefill_ready.add(key))))
         return jobs
 
-    def row_jobs(self, rows: Sequence[int], capacities: Sequence[int], row_buckets: Sequence[int]) -> list[Job]:
+    def row_jobs(self, rows: Sequence[int], capacities: Sequence[int]) -> list[Job]:
         """Each bucket's row bookkeeping: a prompt's insertion, a retirement (the last row moved into the freed one,
-        or the last row ended), the prefix cache's reads of a finishing row, the re-layouts to every bucket the loop
-        may move to next (rows one bucket up or any down, any capacity), and the staging row's."""
-        calls: list[tuple[str, Stored, tuple]] = []
-        for cap in capacities:
+        or the last row ended), the prefix cache's reads of a finishing row, and its re-layouts to the neighbouring
+        buckets (``relayouts``), the staging row's included."""
+        calls: dict[tuple, tuple[str, Stored, tuple]] = {}  # one per executable (the staging row's re-layouts are
+        for cap in capacities:                               # a 1-row state's)
             staged = self.runner.abstract_state(1, cap)
-            calls += [(f"staging re-layout to {to} slots", self._resizer(1, to), (staged,))
-                      for to in capacities if to != cap]
+            for r2, to in self.relayouts(1, cap, rows_too=False):
+                calls[("resize", 1, cap, r2, to)] = (f"staging re-layout to {to} slots", self._resizer(r2, to), (staged,))
             for r in rows:
                 state = self.runner.abstract_state(r, cap)
-                calls += [(f"{name}, {r} row(s) x {cap} slots", self.fn(name), args) for name, args in
-                          [("insert", (state, staged, _put(0))), ("move", (state, _put(0), _put(0))),
-                           ("retire", (state, _put(0)))]]
+                for name, args in [("insert", (state, staged, _put(0))), ("move", (state, _put(0), _put(0))),
+                                   ("retire", (state, _put(0)))]:
+                    calls[(name, r, cap)] = (f"{name}, {r} row(s) x {cap} slots", self.fn(name), args)
                 if self.prefix:
-                    calls.append((f"cut, {r} row(s) x {cap} slots", self.fn("cut"), (state, _put(0), _put(0))))
+                    calls[("cut", r, cap)] = (f"cut, {r} row(s) x {cap} slots", self.fn("cut"), (state, _put(0), _put(0)))
                     if state.ssm_caches:
-                        calls.append((f"committed, {r} row(s)", self.fn("committed"), (state, _put(0))))
-                up = [b for b in row_buckets if b > r][:1]
-                calls += [(f"re-layout {r} -> {r2} row(s) x {c2} slots", self._resizer(r2, c2), (state,))
-                          for r2 in [b for b in row_buckets if b <= r] + up for c2 in capacities
-                          if (r2, c2) != (r, cap)]
-        return [(what, (lambda fn=fn, args=args: fn.compiled(*args))) for what, fn, args in calls
-                if not fn.has(*args)]
+                        calls[("committed", r, cap)] = (f"committed, {r} row(s) x {cap} slots",
+                                                        self.fn("committed"), (state, _put(0)))
+                for r2, c2 in self.relayouts(r, cap):
+                    calls[("resize", r, cap, r2, c2)] = (f"re-layout {r} -> {r2} row(s) x {cap} -> {c2} slots",
+                                                         self._resizer(r2, c2), (state,))
+        return [(what, Ready(fn, args)) for what, fn, args in calls.values() if not fn.has(*args)]
+
+    def relayouts(self, rows: int, capacity: int, rows_too: bool = True) -> list[tuple[int, int]]:
+        """The layouts a state of ``rows`` x ``capacity`` may move to in one re-layout: the neighbouring capacity
+        buckets and (``rows_too``) row buckets, one dimension at a time."""
+        out = [(rows, c) for c in _neighbours(self.capacity_buckets, capacity)]
+        return out + [(r, capacity) for r in _neighbours(self.row_buckets, rows)] if rows_too else out
+
+    def _path(self, rows: int, capacity: int, to_rows: int, to_capacity: int) -> list[tuple[int, int]]:
+        """The layouts a re-layout from ``rows`` x ``capacity`` to ``to_rows`` x ``to_capacity`` passes through, one
+        neighbouring bucket at a time, shrinks first (the copies never hold more than either end); the target alone
+        where either end lies off the buckets."""
+        rb, cb = self.row_buckets, self.capacity_buckets
+        if rows not in rb or to_rows not in rb or capacity not in cb or to_capacity not in cb:
+            return [(to_rows, to_capacity)]
+        r, c, r_to, c_to = rb.index(rows), cb.index(capacity), rb.index(to_rows), cb.index(to_capacity)
+        path = []
+        for grow in (False, True):
+            while (r < r_to) == grow and r != r_to:
+                r += 1 if grow else -1
+                path.append((rb[r], cb[c]))
+            while (c < c_to) == grow and c != c_to:
+                c += 1 if grow else -1
+                path.append((rb[r], cb[c]))
+        return path
 
     def prepare_prefix(self, capacities: Sequence[int]) -> None:
         """The prefix cache's cut and paste of a staging row of each capacity (the paste compiled for the block a cut
@@ -176,16 +225,17 @@ class Executor:
     # -- the state's layout -------------------------------------------------------------
     def resize(self, rows: int, capacity: int) -> None:
         """Lays the batched state out for ``rows`` x ``capacity`` (its rows' contents kept)."""
-        if (rows, capacity) == (self.rows, self.capacity):
-            return
-        self.state = self._resizer(rows, capacity)(self.state)
-        self.rows, self.capacity = rows, capacity
-        self.resizes += 1
+        for r, c in self._path(self.rows, self.capacity, rows, capacity) if (rows, capacity) != (self.rows,
+                                                                                                 self.capacity) else ():
+            self.state = self._resizer(r, c)(self.state)
+            self.rows, self.capacity = r, c
+            self.resizes += 1
 
     def resize_staging(self, capacity: int) -> None:
         """Lays the staging row out for ``capacity`` slots (a shrink cuts slots [capacity, ...))."""
-        self.staging_state = self._resizer(1, capacity)(self.staging_state)
-        self.staging_capacity = capacity
+        for _, c in self._path(1, self.staging_capacity, 1, capacity):
+            self.staging_state = self._resizer(1, c)(self.staging_state)
+            self.staging_capacity = c
 
     def swap_staging(self, other: tuple[DecodeState, int] | None = None) -> tuple[DecodeState, int]:
         """Puts ``other`` (a staging row and its capacity; None: the spare row, made at the rows' capacity) in the

@@ -25,6 +25,71 @@ from jaxspec.errors import RequestError, warn_once
 
 Job = tuple[str, Callable[[], Any]]  # (what it readies, in words; the call that readies it)
 
+
+class Ready:
+    """The call of a ``Job`` that readies one stored executable: ``fn.compiled(*args, **kwargs)``, then ``then()``.
+    ``stored()`` says, without tracing, whether that is a load rather than a compile (``describe_set``)."""
+
+    def __init__(self, fn: Any, args: tuple, kwargs: dict | None = None,
+                 then: Callable[[], None] | None = None) -> None:
+        self.fn, self.args, self.kwargs, self.then = fn, args, kwargs or {}, then
+
+    def __call__(self) -> None:
+        self.fn.compiled(*self.args, **self.kwargs)
+        if self.then is not None:
+            self.then()
+
+    def stored(self) -> bool:
+        return self.fn.stored(*self.args, **self.kwargs)
+
+
+def kind_of(label: str) -> str:
+    """A job's kind for counting and timing: "step", "prefill" or "row operation"."""
+    return "step" if label.startswith("step") else "prefill" if label.startswith("prefill") else "row operation"
+
+
+def loads(jobs: Sequence[Job]) -> list[bool]:
+    """Per job, whether readying it is a load from the store rather than a compile (``Ready.stored``; asked before
+    anything runs: afterwards every job is a load)."""
+    return [bool(getattr(run, "stored", lambda: False)()) for _, run in jobs]
+
+
+def describe_set(jobs: Sequence[Job], loaded: Sequence[bool], seconds: dict | None = None) -> str:
+    """A prepared set before anything compiles, in one line: its size by kind, how many load from the store and how
+    many compile (``loaded``: ``loads``), and the time that should take from ``seconds`` ({"compile"|"load": {kind:
+    mean seconds}}: ``timed_means`` of this machine's last preparation) where it holds every kind needed."""
+    counts: dict[tuple[str, str], int] = {}
+    for (label, _), load in zip(jobs, loaded):
+        key = ("load" if load else "compile", kind_of(label))
+        counts[key] = counts.get(key, 0) + 1
+    kinds: dict[str, int] = {}
+    for (_, kind), n in counts.items():
+        kinds[kind] = kinds.get(kind, 0) + n
+    compiles = sum(n for (how, _), n in counts.items() if how == "compile")
+    text = (f"{len(jobs)} executables ({', '.join(f'{n} {k}s' for k, n in sorted(kinds.items()))}): "
+            f"{compiles} to compile, {len(jobs) - compiles} to load")
+    known = seconds or {}
+    if all(kind in known.get(how, {}) for how, kind in counts):
+        cores = max(1, min(host_cores(), len(jobs)))
+        total = sum(n * known[how][kind] for (how, kind), n in counts.items()) / cores
+        return text + f", about {total:.0f} s by this machine's last preparation"
+    return text + " (no earlier preparation on this machine to time it by)"
+
+
+def timed_means(jobs: Sequence[Job], loaded: Sequence[bool], timings: Sequence[tuple[str, float]],
+                before: dict | None = None) -> dict:
+    """``before`` ({"compile"|"load": {kind: mean seconds}}) with the kinds ``timings`` (each job's seconds on its
+    thread) hold replaced by their means now: what ``describe_set`` times the next preparation here by."""
+    how_of = {label: "load" if load else "compile" for (label, _), load in zip(jobs, loaded)}
+    out = {how: dict(v) for how, v in (before or {}).items()}
+    sums: dict[tuple[str, str], list[float]] = {}
+    for label, sec in timings:
+        sums.setdefault((how_of.get(label, "compile"), kind_of(label)), []).append(sec)
+    for (how, kind), secs in sums.items():
+        out.setdefault(how, {})[kind] = sum(secs) / len(secs)
+    return out
+
+
 # Memory mappings one loaded executable holds on XLA:CPU (2026-12-04, the default model: 28 k at 42 executables,
 # 65 k at 95; docs/architecture.md): a model-running one (a step, a prefill), and a row operation's (a tiny model's
 # steps held ~250 and its row operations ~45 on the same day: a row operation's code does not grow with the model).

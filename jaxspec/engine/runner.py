@@ -27,11 +27,11 @@ from jax.sharding import Mesh
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.engine.auto import Member, TreeChooser
 from jaxspec.engine.executables import Stored
-from jaxspec.engine.prepare import Job, abstract
+from jaxspec.engine.prepare import Job, Ready
 from jaxspec.errors import RequestError, VocabularyMismatch
 from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
-from jaxspec.parallel.sharding import TENSOR, describe as describe_mesh, pinned
+from jaxspec.parallel.sharding import TENSOR, describe as describe_mesh, pinned, state_shardings
 from jaxspec.decoding.step import DecodeConfig, DecodeState, SSMGroup, decode_step, set_lengths
 from jaxspec.decoding.tree import DynamicTree, Topology, expansion_topology
 from models.pipeline import make_pipeline_forward, pipe_size, stacked_layout, stacked_names
@@ -48,6 +48,21 @@ STEP_REVISION = 2
 # Timed rounds per family member at a bucket (the fastest counts, each paired with a plain step): four rather than
 # seven spend 4/7 of the start-up a server times its buckets in (a default serve: 10 buckets in 86 s on 2 CPU cores).
 MEMBER_REPEATS = 4
+
+
+@functools.cache
+def default_placement() -> jax.sharding.Sharding:
+    """Where an array put on the device without a mesh lands (an abstract state's placement must be the real one's:
+    it enters the stored executable's key)."""
+    return jax.device_put(np.zeros((), np.int32)).sharding
+
+
+def _as_placed(where: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
+    """``where`` as an array placed by it reports it: its spec without trailing unsplit axes."""
+    spec = list(where.spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=where.memory_kind)
 
 
 def prompt_bucket(n: int) -> int:
@@ -443,7 +458,18 @@ class Runner:
             "lowering": self.lowering.label,
             **({"mesh": describe_mesh(self.mesh)} if self.mesh is not None else {}),
             **({"offload": True} if self.offload else {}),
+            **({"program": program} if (program := self._step_program(params, name, capacity, batch)) else {}),
         }
+
+    def _step_program(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
+                      batch: int) -> str | None:
+        """The digest of a member's step program at a bucket where the executable store knows it without a trace
+        (``Stored.program``): its measured cost is kept under it, so a code edit that leaves the step's program
+        alone (a docstring, another module) keeps every bucket's costs; None where the store is off."""
+        cfg = self.family(params)[name]
+        arrays, extra = self._step_args(cfg, batch)
+        return self._step_fn(cfg).program(self._llm_params, self._group_params, self.abstract_state(batch, capacity),
+                                          *arrays, **extra)
 
     def prefill_chunks(self, found: dict | None = None) -> dict | None:
         """What the prompt chunk search found on this device (``jaxspec.engine.prefill.ChunkSizer.state``), kept
@@ -538,11 +564,8 @@ class Runner:
                     continue
                 cfg = family[name] if forced is None else self.constrained(family[name], forced)
                 fn, (arrays, extra) = self._step_fn(cfg), self._step_args(cfg, batch)  # made on this thread
-
-                def job(fn=fn, arrays=arrays, extra=extra, key=key) -> None:
-                    fn.compiled(self._llm_params, self._group_params, state, *arrays, **extra)
-                    self._warmed.add(key)
-
+                job = Ready(fn, (self._llm_params, self._group_params, state, *arrays), extra,
+                            then=lambda key=key: self._warmed.add(key))
                 shown = name if forced is None else f"{name} under a grammar forcing {forced}"
                 jobs.append((f"step {shown}, {batch} row(s) x {capacity} slots, {warp.label}", job))
         return jobs
@@ -567,10 +590,15 @@ class Runner:
 
     def abstract_state(self, batch: int, capacity: int) -> DecodeState:
         """The shapes, dtypes and placements of a state of ``batch`` rows x ``capacity`` slots: what compiling for
-        that bucket reads (no device memory is kept)."""
+        that bucket reads, traced with ``jax.eval_shape`` (nothing allocated or compiled, at any bucket's size)."""
         key = ("abstract", batch, capacity)
         if key not in self._compiled:
-            self._compiled[key] = abstract(self.init_state(batch, capacity, sampling.MIXED, active=False))
+            shapes = jax.eval_shape(self._init_fn(batch, capacity).jitted, *self._init_args(batch, sampling.MIXED))
+            placed = (jax.tree_util.tree_map(lambda _: default_placement(), shapes) if self.mesh is None
+                      else jax.tree_util.tree_map(_as_placed, state_shardings(shapes, self.mesh)))
+            self._compiled[key] = jax.tree_util.tree_map(
+                lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where, weak_type=x.weak_type),
+                shapes, placed)
         return self._compiled[key]
 
     def _measured_state(self, params: sampling.SamplingParams | sampling.WarpSpec, batch: int,
@@ -625,6 +653,20 @@ class Runner:
         Given a warp instead of parameters (a batch's slots get theirs on admission), rows
         sample at temperature 1 with every compiled stage off.
         """
+        return self._init_fn(batch, capacity)(*jax.device_put(self._init_args(batch, params, active)))
+
+    def _init_args(self, batch: int, params: sampling.SamplingParams | sampling.WarpSpec,
+                   active: bool = False) -> tuple[np.ndarray, dict, np.ndarray]:
+        """The host arrays a state's init reads: each row's PRNG key words [B, 2], its sampling values, active [B]."""
+        if isinstance(params, sampling.WarpSpec):
+            values = sampling.row_values([sampling.SamplingParams(1.0)] * batch, self.llm.cfg.vocab_size)
+            params = sampling.SamplingParams(1.0)
+        else:
+            values = sampling.row_values([params] * batch, 0)
+        return np.tile(params.seed_words, (batch, 1)), values, np.full((batch,), active, bool)
+
+    def _init_fn(self, batch: int, capacity: int) -> Stored:
+        """The program that builds a state of ``batch`` rows x ``capacity`` slots from ``_init_args``."""
         key = ("init", batch, capacity)
         if key not in self._compiled:
             @functools.partial(pinned, mesh=self.mesh)
@@ -643,14 +685,7 @@ class Runner:
 
             self._compiled[key] = Stored(init, {"what": "init", "batch": batch, "capacity": capacity,
                                                 "groups": repr(self.groups), **self.identity()})
-        if isinstance(params, sampling.WarpSpec):
-            values = sampling.row_values([sampling.SamplingParams(1.0)] * batch, self.llm.cfg.vocab_size)
-            params = sampling.SamplingParams(1.0)
-        else:
-            values = sampling.row_values([params] * batch, 0)
-        seeds = np.tile(params.seed_words, (batch, 1))  # [B, 2]
-        seeds, values, rows = jax.device_put((seeds, values, np.full((batch,), active, bool)))
-        return self._compiled[key](seeds, values, rows)
+        return self._compiled[key]
 
     def _place_on_mesh(self) -> None:
         """Puts the LLM's and every SSM group's parameters on ``self.mesh`` by the sharding rules."""

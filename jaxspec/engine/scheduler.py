@@ -46,15 +46,16 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(out) + (max_batch,)
 
 
-def capacity_buckets(top: int, filled_only: bool = False) -> tuple[int, ...]:
-    """Cache capacities the state is laid out for: 256, 512, ... below ``top``, then ``top``; ``top`` alone where
-    attention reads only a cache's filled slots (``filled_only``: a step then costs what its rows hold, at any
-    capacity)."""
+def capacity_buckets(top: int, filled_only: bool = False, slack: int = 0) -> tuple[int, ...]:
+    """Cache capacities the state is laid out for: 256, 512, ... below ``top - slack``, then ``top``: the top
+    bucket is the longest request (``top - slack``) plus a step's ``slack`` of writes past it, with no near-twin
+    power of two just under it. ``top`` alone where attention reads only a cache's filled slots (``filled_only``:
+    a step then costs what its rows hold, at any capacity)."""
     if filled_only:
         return (top,)
     out = []
     c = MIN_CAPACITY
-    while c < top:
+    while c < top - slack:
         out.append(c)
         c *= 2
     return tuple(out) + (top,)
