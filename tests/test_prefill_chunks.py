@@ -139,7 +139,7 @@ def test_a_long_prompt_enters_beside_a_decoding_row_without_changing_its_bucket(
     assert {cap for _, cap, _ in entering} == {batch.capacity_buckets[0]}  # the row decoding beside it: untouched
     # the prompt's own bucket from its first chunk: the top one (1,024 tokens and a step's slack)
     assert {staged for _, _, staged in entering} == {batch.capacity_buckets[-1]} and batch.capacity_buckets[-2] < 700
-    grown = [k for k, (_, cap, _) in enumerate(seen) if cap == 1024]
+    grown = [k for k, (_, cap, _) in enumerate(seen) if cap == batch.capacity_buckets[-1]]
     assert grown and not any(seen[k][0] for k in grown)  # once it is inserted, the rows grow to its bucket
 
 
