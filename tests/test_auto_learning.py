@@ -164,11 +164,11 @@ def test_the_loop_prices_lost_overlap_by_its_newest_host_seconds(tiny_llm):
     """What an n-gram pick beside an iteration in flight is charged follows the newest host seconds, also once the
     loop's record of them is full (its length then stops changing)."""
     batch = BatchEngine(Engine(tiny_llm), max_batch=1, max_model_len=64)
-    assert batch._host_seconds() == 0.0  # nothing timed yet
-    batch.host_times.extend([0.001] * batch.host_times.maxlen)
-    assert batch._host_seconds() == pytest.approx(0.001)
-    batch.host_times.extend([0.004] * 32)
-    assert len(batch.host_times) == batch.host_times.maxlen and batch._host_seconds() == pytest.approx(0.004)
+    assert batch.clock.host_seconds() == 0.0  # nothing timed yet
+    batch.clock.host.extend([0.001] * batch.clock.host.maxlen)
+    assert batch.clock.host_seconds() == pytest.approx(0.001)
+    batch.clock.host.extend([0.004] * 32)
+    assert len(batch.clock.host) == batch.clock.host.maxlen and batch.clock.host_seconds() == pytest.approx(0.004)
 
 
 def test_a_job_with_recorded_costs_starts_on_the_plain_step_and_loads_a_member_beside_the_loop_once_it_pays(tiny_llm):
@@ -182,31 +182,31 @@ def test_a_job_with_recorded_costs_starts_on_the_plain_step_and_loads_a_member_b
     warp = sampling.WarpSpec()
     batch.prepare(warps=(warp,), progress=False, beside=True)
     cap = batch.capacity_buckets[0]
-    assert batch.beside is not None and engine.is_warm(warp, cap, 1, "none")
+    assert batch.planner.loader is not None and engine.is_warm(warp, cap, 1, "none")
     assert not any(engine.is_warm(warp, c, 1, "ssm") for c in batch.capacity_buckets)
     prompts = random_prompts(3, 64, seed=11)
     plain = BatchEngine(Engine(tiny_llm), max_batch=1, max_model_len=64)
     want = [g.token_ids for g in plain.generate([Request(p, 12) for p in prompts])]
 
-    batch._load_seconds = float("inf")  # no saving repays this: nothing loads, every step is plain
+    batch.planner.load_seconds = float("inf")  # no saving repays this: nothing loads, every step is plain
     first = batch.generate([Request(prompts[0], 12)])[0]
-    pending = dict(batch._later)
-    assert pending and set(first.trees) == {"none"} and batch._later == pending  # nothing queued to load
+    pending = dict(batch.planner.later)
+    assert pending and set(first.trees) == {"none"} and batch.planner.later == pending  # nothing queued to load
     assert set(batch.planner.costs(warp, 1, batch.capacity)) == {"none"}
 
-    batch._load_seconds = 0.0  # any saving repays it: the tree is queued beside the loop at its next look
+    batch.planner.load_seconds = 0.0  # any saving repays it: the tree is queued beside the loop at its next look
     second = batch.generate([Request(prompts[1], 12)])[0]
-    assert len(batch._later) < len(pending), "the tree was never judged worth loading"
+    assert len(batch.planner.later) < len(pending), "the tree was never judged worth loading"
     for _ in range(600):  # its load runs on a host thread; wait for it
-        if engine.is_warm(warp, batch.capacity, 1, "ssm") or batch.beside.failed:
+        if engine.is_warm(warp, batch.capacity, 1, "ssm") or batch.planner.loader.failed:
             break
         time.sleep(0.2)
-    assert not batch.beside.failed and engine.is_warm(warp, batch.capacity, 1, "ssm")
+    assert not batch.planner.loader.failed and engine.is_warm(warp, batch.capacity, 1, "ssm")
     assert "ssm" in batch.planner.costs(warp, 1, batch.capacity)
     third = batch.generate([Request(prompts[2], 12)])[0]
     assert "ssm" in third.trees, third.trees
     assert [first.token_ids, second.token_ids, third.token_ids] == want
-    batch.stop_readying()
+    batch.planner.stop_readying()
 
 
 def test_a_stale_plain_price_is_re_timed_at_its_bucket():

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -17,7 +14,8 @@ import pytest
 from conftest import DEV_PROMPTS, random_prompts, tiny_model
 from jaxspec.decoding import sampling
 from jaxspec.engine.auto import Member, TreeChooser
-from jaxspec.engine.batch import BatchEngine, Event, LoopSync, QueueFull, Request
+from jaxspec.engine.batch import BatchEngine, Event, LoopSync, Request
+from jaxspec.engine.scheduler import QueueFull
 from jaxspec.engine import Engine, RequestError, early_exit
 from jaxspec.speculators.ngram import NGramSpeculator
 
@@ -206,7 +204,7 @@ def test_a_prepared_loop_compiles_nothing_across_100_admissions(llm, lowering, m
     assert BACKEND.count == before  # a second preparation finds everything ready
     gens = batch.generate([make(k) for k in range(100)])
     assert len(gens) == 100 and all(1 <= len(g.token_ids) <= 3 for g in gens)
-    assert batch.prefix_reuses == 0 or batch.prefix.stats.hits > 0
+    assert batch.admission.reuses == 0 or batch.prefix.stats.hits > 0
     assert engine.compilations == compiled and BACKEND.count == before, engine.traced[compiled:]
     assert lowering == "cpu" or batch.resizes > 0  # the dense loop moved between buckets
 
@@ -342,18 +340,18 @@ def test_the_host_report_counts_what_the_loop_ran_since_its_timings_were_reset(t
     assert batch.host_report() == []
     batch.generate([Request([5, 9, 13, 5, 9, 13, 5, 9], 12, stop_ids=[])])
     lines = batch.host_report()
-    ran = len(batch.host_times)
-    assert ran == len(batch.iteration_times) > 0 and f"{ran} iterations timed of {batch.iterations}" in lines[0]
+    ran = len(batch.clock.host)
+    assert ran == len(batch.clock.wall) > 0 and f"{ran} iterations timed of {batch.iterations}" in lines[0]
     host, wall = (float(x) for x in re.match(r"host ([\d.]+) ms per iteration \(p90 [\d.]+\) of ([\d.]+) ms",
                                               lines[0]).groups())
     assert host > 0 and wall > 0  # (with the next launch overlapping a read, a tiny step's wall can be below it)
-    if len(set(batch.iteration_trees)) > 1:  # auto ran more than one member: each gets its own median
-        assert lines[1].startswith("per member, median: ") and all(t in lines[1] for t in set(batch.iteration_trees))
-    batch.host_times.append(1e-3)  # a reset between an iteration's two appends (a server's thread): aligned
+    if len(set(batch.clock.members)) > 1:  # auto ran more than one member: each gets its own median
+        assert lines[1].startswith("per member, median: ") and all(t in lines[1] for t in set(batch.clock.members))
+    batch.clock.host.append(1e-3)  # a reset between an iteration's two appends (a server's thread): aligned
     assert f"{ran} iterations timed" in batch.host_report()[0]
     batch.reset_timings()
     assert batch.host_report() == [] and batch.iterations > 0
     batch.generate([Request([3, 4, 5], 4, stop_ids=[])])
-    assert 0 < len(batch.host_times) < ran + 4
+    assert 0 < len(batch.clock.host) < ran + 4
 
 

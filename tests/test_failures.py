@@ -19,7 +19,8 @@ import pytest
 from conftest import tiny_model
 from jaxspec import cli
 from jaxspec.engine import Engine, RequestError
-from jaxspec.engine.batch import FAIL_REQUESTS_ENV, BatchEngine, Request
+from jaxspec.engine.admission import FAIL_REQUESTS_ENV
+from jaxspec.engine.batch import BatchEngine, Request
 from jaxspec.errors import reset_warnings
 
 PROMPTS = ["Name a colour.", "Count to three.", "What is a cat?", "Say hello.", "Spell dog.", "Two plus two?"]

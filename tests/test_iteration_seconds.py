@@ -12,7 +12,8 @@ from conftest import random_prompts, tiny_model
 from jaxspec.decoding import sampling
 from jaxspec.engine import Engine
 from jaxspec.engine.auto import SETTLE_TRIALS, Member, TreeChooser
-from jaxspec.engine.batch import PARTS, BatchEngine, Request
+from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.engine.clock import PARTS
 from jaxspec.speculators.ngram import NGramSpeculator
 
 REPEATING = [5, 9, 13, 5, 9, 13, 5, 9]  # a prompt the n-gram speculator finds matches in
@@ -21,8 +22,8 @@ REPEATING = [5, 9, 13, 5, 9, 13, 5, 9]  # a prompt the n-gram speculator finds m
 def check_adds_up(batch: BatchEngine, gens) -> None:
     """Each request's steps per member are its LLM steps, and their seconds its decoding seconds: the spans run from
     its first token's read to its last, so they telescope; what is left is its last token's delivery, which follows
-    that read within the same iteration's host seconds (``host_times``), the bound used here."""
-    slack = max(batch.host_times)
+    that read within the same iteration's host seconds (``LoopClock.host``), the bound used here."""
+    slack = max(batch.clock.host)
     for gen in gens:
         spent = gen.iteration_seconds
         assert {tree: v["n"] for tree, v in spent.items()} == gen.tree_counts
@@ -42,15 +43,15 @@ def test_a_requests_seconds_per_member_add_up_to_its_decoding_seconds_and_steps(
     prompts = [REPEATING] + random_prompts(2, 64, seed=5)
     gens = batch.generate([Request(p, n, stop_ids=[]) for p, n in zip(prompts, (20, 7, 13))])
     check_adds_up(batch, gens)
-    ran = set(batch.iteration_trees)
+    ran = set(batch.clock.members)
     assert ran <= {"none", "ngram"} if auto else ran == {"none"}
-    assert len(batch.iteration_parts) == len(batch.iteration_trees)
-    parts = np.asarray(batch.iteration_parts)  # [N, 4]
+    assert len(batch.clock.parts) == len(batch.clock.members)
+    parts = np.asarray(batch.clock.parts)  # [N, 4]
     assert (parts >= 0).all() and (parts.sum(axis=1) > 0).all()
     if not auto:
         assert (parts[:, PARTS.index("drafting")] == 0).all()  # nothing proposes on the host
-    report = batch.parts_report()
-    assert [line.split(":")[0] for line in report] == list(dict.fromkeys(batch.iteration_trees))
+    report = batch.clock.parts_report()
+    assert [line.split(":")[0] for line in report] == list(dict.fromkeys(batch.clock.members))
     assert all(all(f"{part} " in line for part in PARTS) for line in report)
     assert report == batch.host_report()[-len(report):]  # -v prints it after the host lines
 

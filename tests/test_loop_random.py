@@ -105,11 +105,11 @@ def check_schedules(engine: Engine, prompts: list[list[int]], label: str, max_mo
                 assert got == want, (label, max_batch, req.id)
         schedules += 1
         resizes += batch.resizes
-        reuses += batch.prefix_reuses
+        reuses += batch.admission.reuses
     print(f"{label}: {schedules} schedules, {finished} finished + {cancelled} cancelled requests, "
           f"{resizes} resizes, {reuses} prefix reuses")
     assert min(schedules, resizes, reuses, cancelled, finished) > 0
-    assert solo.prefix_reuses == 0
+    assert solo.admission.reuses == 0
 
 
 @pytest.mark.parametrize("mode", ["incremental", pytest.param("tree", marks=pytest.mark.slow),

@@ -11,7 +11,8 @@ from jaxspec.cli.serve import serve_stall
 from jaxspec.config import SchedulerConfig
 from jaxspec.engine import Engine
 from jaxspec.engine import prefill
-from jaxspec.engine.batch import PREFILL_STALL, BatchEngine, Request
+from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.engine.scheduler import PREFILL_STALL
 from jaxspec.engine.build import build_scheduler
 from jaxspec.engine.prefill import GAIN, SAMPLES, ChunkSizer
 

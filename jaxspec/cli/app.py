@@ -248,7 +248,7 @@ def report_host(batch: "BatchEngine", args) -> None:
     """``-v``: host milliseconds per iteration (choosing, launching, reading) beside the whole iteration's, as
     medians (an iteration that compiled or resized is an outlier, not the loop's cost) and 90th percentiles;
     then per family member, so auto's plain iterations compare with incremental's, and where each member's spans
-    went (device, drafting, host, waiting: ``BatchEngine.parts_report``)."""
+    went (device, drafting, host, waiting: ``LoopClock.parts_report``)."""
     if args.verbose:
         for line in batch.host_report():
             print(f"[jaxspec] {line}", file=sys.stderr)
@@ -290,7 +290,7 @@ def generate_requests(engine, llm, good: list[Row], bad: list[tuple[dict, str]],
     from jaxspec import api
     from jaxspec.config import SchedulerConfig
     from jaxspec.engine import lockstep
-    from jaxspec.engine.batch import job_model_len
+    from jaxspec.engine.scheduler import job_model_len
     from jaxspec.engine.build import build_scheduler
 
     total = len(good) + len(bad)
@@ -325,7 +325,7 @@ def generate_requests(engine, llm, good: list[Row], bad: list[tuple[dict, str]],
     finally:
         global exit_at_once
         exit_at_once = distributed.active() is None
-        batch.stop_readying(wait=not exit_at_once)
+        batch.planner.stop_readying(wait=not exit_at_once)
 
 
 def checked_jobs(batch: BatchEngine, good: list[Row], jobs: list, args, out: JsonLines | None) -> tuple[list, list]:

@@ -70,7 +70,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from tqdm import tqdm  # noqa: PLC0415
 
     from jaxspec.config import SchedulerConfig  # noqa: PLC0415
-    from jaxspec.engine.batch import Request, all_finished  # noqa: PLC0415
+    from jaxspec.request import Request, all_finished  # noqa: PLC0415
     from jaxspec.engine.build import build_engine, build_scheduler, device_line  # noqa: PLC0415
     from jaxspec.decoding.sampling import SamplingParams, WarpSpec  # noqa: PLC0415
 

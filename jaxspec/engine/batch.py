@@ -40,11 +40,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import fnmatch
-import itertools
 import logging
-import os
-import statistics
 import sys
 import threading
 import time
@@ -54,22 +50,22 @@ import jax
 import numpy as np
 
 from jaxspec.cache import STATS
-from jaxspec.decoding import constrain, ngram, sampling
+from jaxspec.decoding import sampling
 from jaxspec.decoding.step import DecodeConfig, StepOutput
-from jaxspec.engine import auto
+from jaxspec.engine.admission import Admission
 from jaxspec.engine.auto import TreeChooser
+from jaxspec.engine.clock import LoopClock
 from jaxspec.engine.executor import Executor
 from jaxspec.engine.planner import Planner
 from jaxspec.engine.prefill import ChunkSizer
-from jaxspec.engine.prepare import Beside, Job, check_room, describe_timings
-from jaxspec.engine.prefix import BLOCK, PrefixCache, default_bytes
+from jaxspec.engine.prepare import Job, describe_timings
+from jaxspec.engine.prefix import PrefixCache, default_bytes
 from jaxspec.engine.runner import RequestError, Runner, check_fits
-from jaxspec.engine.scheduler import (PREFILL_STALL, IterationStats, QueueFull, Scheduler,  # noqa: F401 (importable
-                                      Slot, Staging, Ticket, batch_buckets, capacity_buckets, cut_tokens,  # from
-                                      deliver, job_model_len, reason_of)  # here as before)
+from jaxspec.engine.scheduler import (IterationStats, Scheduler, Slot, Staging, Ticket, batch_buckets,
+                                      capacity_buckets, cut_tokens, deliver, reason_of)
 from jaxspec.engine.stops import check_stops
 from jaxspec.errors import FailureLog
-from jaxspec.request import Event, Generation, Request, all_finished, finished  # noqa: F401 (as before)
+from jaxspec.request import Event, Generation, Request, finished
 from jaxspec.speculators.ngram import NGramIndex
 from jaxspec.structured import GrammarError
 
@@ -79,20 +75,8 @@ log = logging.getLogger(__name__)
 # proposing on the host (the n-gram's lookup, a grammar's forced chains; an SSM drafts inside the device step);
 # the loop's other host work (choosing, launching, reading, emitting); and the rest (admission, prefill chunks,
 # other threads).
-PARTS = ("device", "drafting", "host", "waiting")
 WANT_EVERY = 4  # iterations between two looks at which members beside the loop would pay
-LOAD_SECONDS = 1.0  # a member step's loading, where this start loaded no plain step to time it by
 DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
-# Request ids (comma-separated, each an ``fnmatch`` pattern: a server's ids are made per request) whose admission
-# fails, as a device error or a bug would: how the tests prove that a failed request costs that request only, through
-# every entry point (the CLI, the server, the Python API).
-FAIL_REQUESTS_ENV = "JAXSPEC_FAIL_REQUESTS"
-
-
-class InjectedFailure(RuntimeError):
-    """The failure ``$JAXSPEC_FAIL_REQUESTS`` asks for at a request's admission."""
-
-
 def filled_only(engine: Runner) -> bool:
     """Whether the LLM's attention reads only a cache's filled slots (``blocks`` over the unrolled layout, where the
     cache is written in place): a step's cost then follows what its rows hold, not the capacity."""
@@ -180,7 +164,6 @@ class BatchEngine:
         self.on_iteration = on_iteration
         self.sync = sync or LoopSync()
         self.verbose = verbose
-        self.fail_requests = frozenset(filter(None, os.environ.get(FAIL_REQUESTS_ENV, "").split(",")))
         self.failures = FailureLog(log)  # failures the loop survived, by kind: the first of each logged with its stack
         # the processes of a multi-process run must feed alike: no search there (timings differ per process)
         searched = prefill_chunk is None and jax.process_count() == 1
@@ -196,34 +179,20 @@ class BatchEngine:
         self.vocab = engine.llm.cfg.vocab_size
         self.scheduler = Scheduler(max_batch, max_queue, self.row_buckets, self.capacity_buckets, self.max_capacity,
                                    self._max_emit + self._max_nodes, prefill_stall)
-        self._staged: list[int] = []  # the prompt prefix whose K/V the staging row holds
-        self.reuse_prefix = reuse_prefix
         self.prefill_stall = prefill_stall
         self._chunk_queued = False  # this iteration's admission queued a prompt chunk before its step
-        self.prefix_reuses = 0  # requests admitted after a reused prefix
         bound = default_bytes() if prefix_cache_bytes is None else prefix_cache_bytes
         # processes evict alike only under one bound (each pastes what process 0 pastes, in the same programs)
         self.prefix = PrefixCache(self.sync.agree_int(bound) if reuse_prefix else 0)
+        self.admission = Admission(self, self.prefix, reuse_prefix)  # staging, prompt chunks, prefix reuse
         self.executor = Executor(engine, self.row_buckets, self.capacity_buckets, bool(self.prefix.max_bytes))
         self.iterations = 0
-        self.beside: Beside | None = None  # auto's speculative members readied while the loop runs
-        self._later: dict[tuple, list] = {}  # (warp, rows, capacity, member) -> its step's jobs, not queued yet
-        self._load_seconds = LOAD_SECONDS  # what readying one member's step is expected to take here
         self._ran: set[tuple] = set()  # (member, forced depth, rows, capacity) the loop has launched: first runs
         self.planner = Planner(engine, lambda: self.sync)
         self.prepared = False  # ``prepare`` ran: the chunk search probes only sizes it compiled
         self._pending: _InFlight | None = None  # the iteration in flight (host/device overlap)
-        self._last_done = 0.0  # perf_counter of the newest read (0: none since the loop last ran empty)
-        self._spent = dict.fromkeys(PARTS[1:3], 0.0)  # the loop's host seconds since that read, drafting and not
-        self._fed_in_span = False  # a prompt was fed since that read: the span in progress is not a member's cost
+        self.clock = LoopClock()  # each iteration's span, host and wall seconds, member (``jaxspec.engine.clock``)
         self.overlapped = 0  # iterations dispatched before the previous one's tokens were read
-        # per iteration read, newest last: host seconds choosing, launching and reading it (not waiting on the
-        # device), and wall seconds from its launch (or the previous read) to its tokens on the host
-        self.host_times: collections.deque[float] = collections.deque(maxlen=4096)
-        self.iteration_times: collections.deque[float] = collections.deque(maxlen=4096)
-        self.iteration_trees: collections.deque[str] = collections.deque(maxlen=4096)  # the member each one ran
-        # per iteration read: its span since the previous read split into ``PARTS`` seconds, [4] each
-        self.iteration_parts: collections.deque[tuple[float, ...]] = collections.deque(maxlen=4096)
 
     # -- what the scheduler and the executor hold, as the loop's callers read it ----------
     @property
@@ -267,49 +236,14 @@ class BatchEngine:
         return self.scheduler.pacer.waits
 
     def host_report(self) -> list[str]:
-        """Host milliseconds per iteration (choosing, launching, reading) beside the whole iteration's, as medians
-        (an iteration that compiled or resized is an outlier, not the loop's cost) and 90th percentiles over the
-        iterations kept (the newest 4096, since ``reset_timings``); then per family member, so auto's plain
-        iterations compare with incremental's. Empty before any iteration."""
-        # the newest of each, aligned: another thread (a server's) may read or reset them between two appends
-        kept = min(len(self.host_times), len(self.iteration_times), len(self.iteration_trees))
-        if not kept:
-            return []
-        host = np.asarray(list(self.host_times)[-kept:]) * 1e3
-        wall = np.asarray(list(self.iteration_times)[-kept:]) * 1e3
-        trees = np.asarray(list(self.iteration_trees)[-kept:])
-        lines = [f"host {np.median(host):.2f} ms per iteration (p90 {np.percentile(host, 90):.2f}) of "
-                 f"{np.median(wall):.2f} ms (p90 {np.percentile(wall, 90):.2f}); {kept} iterations timed of "
-                 f"{self.iterations}, {self.overlapped} overlapped"]
-        if len(set(trees)) > 1:
-            parts = [f"{name} {np.median(wall[trees == name]):.2f} ms (host {np.median(host[trees == name]):.2f}, "
-                     f"{int((trees == name).sum())})" for name in dict.fromkeys(trees)]
-            lines.append(f"per member, median: {'; '.join(parts)}")
-        return lines + self.parts_report()
-
-    def parts_report(self) -> list[str]:
-        """Per family member, the mean milliseconds of its iterations' spans (read to read) by ``PARTS``, so a
-        member's price shows where it comes from; empty before any iteration."""
-        kept = min(len(self.iteration_parts), len(self.iteration_trees))
-        if not kept:
-            return []
-        parts = np.asarray(list(self.iteration_parts)[-kept:]) * 1e3  # [N, 4]
-        trees = np.asarray(list(self.iteration_trees)[-kept:])
-        out = []
-        for name in dict.fromkeys(trees):
-            mine = parts[trees == name]
-            split = " + ".join(f"{what} {ms:.2f}" for what, ms in zip(PARTS, mine.mean(axis=0)))
-            out.append(f"{name}: {mine.sum(axis=1).mean():.2f} ms per iteration = {split} ({len(mine)} iterations)")
-        return out
+        """Where the loop's time went since ``reset_timings`` (``LoopClock.report``); empty before any iteration."""
+        return self.clock.report(self.iterations, self.overlapped)
 
     def reset_timings(self) -> None:
         """Forgets the iterations timed so far (a server's warm-up is not its serving)."""
-        self.host_times.clear()
-        self.iteration_times.clear()
-        self.iteration_trees.clear()
-        self.iteration_parts.clear()
+        self.clock.reset()
 
-    def _failed(self, what: str, exc: BaseException) -> None:
+    def failed(self, what: str, exc: BaseException) -> None:
         """A failure inside the loop: ``sync.failed`` first (a multi-process run ends there), then, in a run that
         goes on, the first failure of its kind logged with its full stack (``failures``); the caller ends the
         requests concerned with ``reason_of(exc)``."""
@@ -421,7 +355,7 @@ class BatchEngine:
         buckets = [(w, r, c) for w in warps for r in rows for c in caps]
         sizes = self.chunks.reachable(longest)  # the chunk search's next size too; a job's: up to its longest prompt
         timings: list[tuple[str, float]] = []
-        defer = (beside and not grammar and self.beside is None and jax.process_count() == 1
+        defer = (beside and not grammar and self.planner.loader is None and jax.process_count() == 1
                  and not self.sync.fresh_costs and self.planner.known(buckets))
         told = (lambda text: print(f"[jaxspec] {text}", file=sys.stderr, flush=True)) if progress else self.verbose
         listed = self.executor.prepare(self.planner.step_jobs(buckets, grammar, callbacks, plain=defer), sizes, rows,
@@ -431,17 +365,7 @@ class BatchEngine:
                          f"{describe_timings(timings)}")
         self.planner.measure(buckets, progress)  # their steps compiled above; under auto each measured
         if defer:  # every cost read above from this machine's records: members load beside the loop where they pay
-            self._later = {(w, r, c, n): jobs for w, r, c in buckets for n in self.planner.members(w, r)
-                           if (jobs := self.engine.step_jobs(w, c, r, [n]))}
-            later = [job for jobs in self._later.values() for job in jobs]
-            check_room(later)
-            plain = [seconds for label, seconds in timings if label.startswith("step none")]
-            self._load_seconds = statistics.fmean(plain) if plain else LOAD_SECONDS
-            self.planner.beside = bool(later)
-            self.beside = Beside(self._ready_beside)
-            if self.verbose is not None and later:
-                self.verbose(f"auto's {len(later)} speculative steps load beside the loop where the tokens left can "
-                             f"repay them (about {self._load_seconds:.2f} s each)")
+            self.planner.defer(buckets, timings, self.verbose)
         self.prepared = True
         seconds = time.perf_counter() - began
         made = STATS.fresh_compiles - fresh
@@ -449,37 +373,6 @@ class BatchEngine:
             say(f"prepared this machine for {len(buckets)} step bucket(s) in {seconds:.1f} s ({listed} "
                 f"executables, {made} compiled fresh); later starts load what the executable store kept")
         return seconds
-
-    def _ready_beside(self, label: str, seconds: float) -> None:
-        """A member's step readied beside the loop: the chooser may pick it from the next iteration."""
-        if self.verbose is not None:
-            self.verbose(f"auto readied {label} beside the loop in {seconds:.2f} s")
-
-    def _want_members(self, warp: sampling.WarpSpec, chooser: TreeChooser, rows: list[tuple[int, int]]) -> None:
-        """Queues beside the loop each member of this bucket not readied yet whose expected saving over the tokens
-        its requests have left (the chooser's acceptance means and prices, against the plain step's) repays its
-        loading: auto loads what this job can use and nothing else."""
-        full = self.planner.bucket_costs.get((warp, self.rows, self.capacity))
-        if not full or "none" not in full or not rows:
-            return
-        left = sum(max(0, s.ticket.request.max_new_tokens - len(s.gen.token_ids)) for s in self.slots)
-        left += sum(t.request.max_new_tokens for t, _ in tuple(self.scheduler.waiting))  # a copy: submits may go on
-        plain = chooser.cost("none", full, self.rows)
-        seconds = left * plain / len(rows)  # what the plain step would take for them at these rows
-        for name in full:
-            key = (warp, self.rows, self.capacity, name)
-            if key not in self._later:  # the plain step, or queued already
-                continue
-            speed = chooser.mean_tokens(name, rows) / len(rows) * plain / chooser.cost(name, full, self.rows)
-            if speed > 1.0 and seconds * (1.0 - 1.0 / speed) > self._load_seconds:
-                for job in self._later.pop(key):
-                    self.beside.add(job)
-
-    def stop_readying(self, wait: bool = True) -> None:
-        """Drops what is still to be readied beside the loop (a job that ended needs none of it); ``wait``: until the
-        executables in hand are loaded (a process about to exit at once need not)."""
-        if self.beside is not None:
-            self.beside.stop(wait)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -499,7 +392,7 @@ class BatchEngine:
                     continue
                 self.step()
         except Exception as exc:
-            self._failed("the scheduling loop", exc)
+            self.failed("the scheduling loop", exc)
             self.fail_all(f"the scheduling loop failed ({reason_of(exc)})")
             raise
         self.cancel_all("cancelled")
@@ -519,10 +412,7 @@ class BatchEngine:
     def fail_all(self, error: str) -> None:
         """Ends every waiting, staged and running request with ``error`` after the loop itself failed: the device
         state is not trusted (nothing runs on it), so the rows are dropped, not retired."""
-        waiting = self.scheduler.take_queued()
-        if self.staging is not None:
-            waiting.append((self.staging.ticket, self.staging.on_event))
-            self.staging, self._staged = None, []
+        waiting = self.scheduler.take_queued() + [(st.ticket, st.on_event) for st in self.admission.drop()]
         for ticket, on_event in waiting:
             deliver(on_event, Event(ticket.request.id, [], "error", error,
                                     prompt_tokens=len(ticket.request.prompt_ids)))
@@ -612,7 +502,7 @@ class BatchEngine:
             try:
                 self.step()
             except Exception as exc:  # noqa: BLE001 — what finished is kept; the rest end with the loop's error
-                self._failed("the scheduling loop", exc)
+                self.failed("the scheduling loop", exc)
                 error = f"the scheduling loop failed ({reason_of(exc)})"
                 self.fail_all(error)
                 for k, req in pending:
@@ -630,52 +520,24 @@ class BatchEngine:
         sched = self.scheduler
         if self.sync.local:  # nothing to announce: submissions queue at once
             sched.absorb()
-        for ticket, on_event in sched.drop_cancelled(self._cancelled):
+        for ticket, on_event in sched.drop_cancelled(self.cancelled):
             deliver(on_event, Event(ticket.request.id, [], "cancelled", prompt_tokens=len(ticket.request.prompt_ids)))
-        for slot in [s for s in self.slots if self._cancelled(s.ticket)]:
+        for slot in [s for s in self.slots if self.cancelled(s.ticket)]:
             self._retire(slot, "cancelled")
-        beside = self._admit_beside()
-        decoding = bool(self.slots)
-        to_feed = self.staging is not None or bool(sched.waiting)
-        budget = sched.pacer.budget(self.chunks.largest, decoding, self.staging is not None, to_feed)
-        paced = sched.pacer.paced(decoding)
-        if paced and budget and to_feed and self._pending is not None:
-            self.executor.wait(self._pending.out)  # a chunk is timed alone: the iteration in flight ends first
-        began, fed_now = time.perf_counter(), 0
-        while budget > 0:
-            try:
-                fed = self._admit()
-            except Exception as exc:  # noqa: BLE001 — one request's failure must not stop the others
-                self._failed("admitting a request", exc)
-                st, self.staging, self._staged = self.staging, None, []
-                if st is not None:
-                    deliver(st.on_event, Event(st.ticket.request.id, [], "error", reason_of(exc),
-                                               prompt_tokens=len(st.ticket.request.prompt_ids)))
-                break
-            if not fed:
-                break
-            budget -= fed
-            fed_now += fed
-        if paced and fed_now:
-            self.executor.wait_staging()
-            sched.pacer.fed(time.perf_counter() - began)
-        self._fed_in_span |= bool(beside or fed_now)
-        # paced: the chunk is done before the next launch (a short prompt admitted beside is never waited for)
-        self._chunk_queued = bool(beside) or (bool(fed_now) and not paced)
+        self._chunk_queued = self.admission.feed()
         if not self.slots:
             self._pending = None  # an iteration of retired rows only: nothing left to read
-            self._last_done = 0.0  # the next iteration's span starts at its own dispatch
-            self._spent = dict.fromkeys(self._spent, 0.0)
-            self._fit()
+            self.clock.ran_empty()
+            self.fit()
             return
         try:
             self._decode()
         except Exception as exc:  # noqa: BLE001 — fail the batch's requests, keep serving
-            self._failed("a decoding step", exc)
+            self.failed("a decoding step", exc)
             self.executor.reset()
             self._drop_rows(reason_of(exc))
 
-    def _cancelled(self, ticket: Ticket) -> bool:
+    def cancelled(self, ticket: Ticket) -> bool:
         """Whether to end ``ticket`` now; across processes only once process 0 announced it."""
         return ticket.cancelled.is_set() if self.sync.local else ticket.agreed_cancel
 
@@ -684,195 +546,38 @@ class BatchEngine:
         """Cache slots a row of ``committed`` tokens may touch before the host reads its next tokens."""
         return self.scheduler.cache_need(committed)
 
-    def _fit(self, extra_rows: int = 0, need: int = 0) -> None:
+    def fit(self, extra_rows: int = 0, need: int = 0) -> None:
         """Lays the state out for the live rows (+ ``extra_rows``) and the longest cache (at least ``need``): the
         smallest bucket that holds them, grown or shrunk at once (``prepare`` compiled every re-layout the loop can
         make; rows only grow while they live, so a bucket changes a few times per request at most)."""
         self.executor.resize(*self.scheduler.layout(extra_rows, need))
 
-    def _fit_staging(self, need: int, grow_only: bool = False) -> None:
-        """Lays the staging row out for ``need`` slots and at least the live rows' capacity (``Scheduler.
-        staging_layout``). ``grow_only``: mid-prompt, never shrink."""
-        capacity = self.scheduler.staging_layout(need, self.capacity)
-        if capacity == self.staging_capacity or (grow_only and capacity < self.staging_capacity):
-            return
-        self._resize_staging(capacity)
+    def in_flight(self) -> StepOutput | None:
+        """The device output of the iteration in flight (None: none), which a timed prefill waits for."""
+        return self._pending.out if self._pending is not None else None
 
-    def _resize_staging(self, capacity: int) -> None:
-        """Re-lays the staging row for ``capacity`` slots; the reusable prefix keeps only the K/V that survive.
-
-        The one place the staging cache changes shape: a shrink cuts slots [capacity, ...), so
-        the prompt prefix recorded as held there is cut with them (a longer record would let
-        the next request sharing it start after K/V that are now zeros).
-        """
-        self.executor.resize_staging(capacity)
-        del self._staged[capacity:]
-
-    def _admit(self) -> int:
-        """Feeds the staged request's next chunk (staging the next waiting one first); returns tokens fed.
-
-        The staging row keeps the K/V of the prompt it fed last, so a request sharing a
-        prefix with it (``--num-samples``, a common system prompt) starts after that prefix.
-        """
-        ex = self.executor
-        if self.staging is None:
-            head = self.scheduler.next_waiting()
-            if head is None:
-                return 0
-            ticket, on_event = head
-            self.staging = Staging(ticket, on_event)
-            if ticket.request.id and any(fnmatch.fnmatchcase(ticket.request.id, p) for p in self.fail_requests):
-                raise InjectedFailure(f"admission of request {ticket.request.id} failed (${FAIL_REQUESTS_ENV})")
-            self._fit_staging(self.cache_need(len(ticket.request.prompt_ids)))  # a shrink cuts ``_staged``
-            self._reuse_prefix(self.staging)
-            if not self.prepared or (self.chunks.candidate, self.staging_capacity) in ex.prefill_ready:
-                self.staging.probe = self.chunks.probe(self.staging.fed, len(ticket.request.prompt_ids))
-            if ticket.request.grammar is not None:
-                vocab = self.engine.row_masks().vocab
-                self.staging.matcher = vocab.matcher(vocab.compile(ticket.request.grammar))
-        st = self.staging
-        req = st.ticket.request
-        if self._cancelled(st.ticket):
-            self.staging = None
-            deliver(st.on_event, Event(req.id, [], "cancelled", prompt_tokens=len(req.prompt_ids)))
-            return 1
-        prompt = req.prompt_ids
-        left = len(prompt) - st.fed
-        size = self.chunks.size(st.fed, left, self.max_capacity, st.probe, st.cached)
-        count = min(left, size)
-        last = count == left
-        self._fit_staging(max(self.cache_need(len(prompt)), st.fed + size), grow_only=True)
-        tokens = np.zeros((1, size), np.int32)
-        tokens[0, :count] = prompt[st.fed: st.fed + count]
-        check_fits(st.fed + size, self.staging_capacity, "a prefill chunk")
-        values = sampling.row_values([req.params], self.vocab)
-        # a grammar's first mask (all ones without one: one prefill executable serves both), applied with the last
-        # chunk, whose logits give the first token
-        first_mask = np.full((1, constrain.words(self.vocab)), -1, np.int32)
-        if st.matcher is not None:
-            first_mask = self.engine.row_masks().vocab.mask(st.matcher)[None, :]
-        e = self.engine
-        ex.ready_prefix()
-        self._staged = []  # invalid until the chunk is in
-        call = ex.chunk_args(tokens, st.fed, count, last, req.params.seed, values, first_mask)
-        if st.probe is not None:
-            self._probe_chunk(st, call, count)
-        elif self.chunks.wants_timing(size):  # what each size costs here prices how a prompt's rest is fed
-            self.chunks.time_chunk(size, ex.timed_prefill(call, self._in_flight()))
-        else:
-            ex.prefill(call)
-        st.fed += count
-        self._staged = list(prompt[: st.fed])
-        if not last:
-            return size
-        self._fit(extra_rows=1, need=self.staging_capacity)  # the rows grow to the prompt's bucket as it joins them
-        if self.staging_capacity < self.capacity:  # (they grew past it meanwhile)
-            self._resize_staging(self.capacity)
-        row = len(self.slots)
-        first = ex.insert(row)
+    def join(self, st: Staging, row: int) -> Slot:
+        """The slot of a request whose prompt ``Admission`` fed and inserted into ``row`` (the scheduler adds it);
+        where making it fails, the row is taken back on the device before the failure goes on."""
+        e, req = self.engine, st.ticket.request
         try:
-            index = NGramIndex(prompt, e.ngram.max_n, e.ngram.min_n) if e.ngram else None
+            index = NGramIndex(req.prompt_ids, e.ngram.max_n, e.ngram.min_n) if e.ngram else None
             stop_ids = set(e.llm.cfg.eos_token_ids if req.stop_ids is None else req.stop_ids)
             now = time.perf_counter()
             gen = Generation([], 0, 0, 0.0, "length", prefill_seconds=now - st.began, cached_tokens=st.cached)
-            slot = Slot(st.ticket, st.on_event, gen, now, index, len(prompt), stop_ids, row, st.matcher)
+            return Slot(st.ticket, st.on_event, gen, now, index, len(req.prompt_ids), stop_ids, row, st.matcher)
         except BaseException:  # the row went live on the device but no slot tracks it: take it back
-            ex.release(row)
-            raise  # ``step`` ends the still-staged request with an error event
-        self.staging = None
-        self.scheduler.add(slot)
-        self._remember(prompt)  # the staging row still holds the prompt's K/V
+            self.executor.release(row)
+            raise
+
+    def emit_first(self, slot: Slot, first: int) -> None:
+        """Emits a joined request's first token (from its prompt's last chunk); a failure ends that request alone."""
         try:
             self._emit(slot, [first])
         except Exception as exc:  # noqa: BLE001
-            self._failed("emitting a first token", exc)
+            self.failed("emitting a first token", exc)
             if slot.row >= 0:
                 self._retire(slot, "error", error=reason_of(exc))
-        return size
-
-    def _in_flight(self) -> StepOutput | None:
-        return self._pending.out if self._pending is not None else None
-
-    def _admit_beside(self) -> int:
-        """Admits the waiting head in one chunk while a long prompt is still being fed, so a short request does not
-        wait for a long one's whole entry (its first token comes in this iteration): the long prompt's staging row
-        is set aside, a second one takes the short prompt through the usual admission, and the long one is put
-        back. A row stays free for the long prompt. Returns the tokens fed."""
-        if not self.scheduler.may_admit_beside(self.chunks.largest):
-            return 0
-        aside = (self.staging, self._staged)
-        row = self.executor.swap_staging()  # the spare row takes the short prompt
-        self.staging, self._staged = None, []  # the spare row's K/V are no prompt's record
-        fed = 0
-        try:
-            while True:  # staged, fed (one chunk, or a few where the cache's end bounds them) and inserted here
-                some = self._admit()
-                fed += some
-                if not some or self.staging is None:
-                    break
-        except Exception as exc:  # noqa: BLE001 — the short request fails alone
-            self._failed("admitting a request", exc)
-            short, fed = self.staging, 0
-            if short is not None:
-                deliver(short.on_event, Event(short.ticket.request.id, [], "error", reason_of(exc),
-                                              prompt_tokens=len(short.ticket.request.prompt_ids)))
-        self.executor.keep_spare(self.executor.swap_staging(row))
-        self.staging, self._staged = aside
-        return fed
-
-    def _probe_chunk(self, st: Staging, call: tuple, count: int) -> None:
-        """Feeds a probing prompt's chunk timed alone (the iteration in flight and the chunk before it done first,
-        its executable ready); once the probe's tokens are in, the chunk search hears their seconds."""
-        st.probe_seconds += self.executor.timed_prefill(call, self._in_flight())
-        width = self.chunks.candidate
-        if width is not None and st.fed + count >= st.cached + width:
-            self.chunks.record(st.probe, width, st.probe_seconds)
-            if self.verbose is not None:
-                self.verbose(self.chunks.describe())
-        if width is None or st.fed + count >= st.cached + width:
-            st.probe = None
-
-    def _reuse_prefix(self, st: Staging) -> None:
-        """Starts ``st`` after the longest prefix of its prompt whose K/V are at hand: the staging row's own (the
-        prompt fed before it) or the prefix cache's blocks, copied into the staging row."""
-        prompt = st.ticket.request.prompt_ids
-        if not self.reuse_prefix:
-            return
-        staged = self._staged
-        shared = next((k for k, (a, b) in enumerate(zip(staged, prompt)) if a != b), min(len(staged), len(prompt)))
-        chain = self.prefix.lookup(prompt)
-        if len(chain) * BLOCK > shared:
-            self._staged = []  # invalid while blocks are written
-            for i in range(shared // BLOCK, len(chain)):
-                self.executor.paste(chain[i].block, i * BLOCK)
-            shared = len(chain) * BLOCK
-            self._staged = list(prompt[:shared])
-        st.fed = st.cached = min(shared, len(prompt) - 1)
-        self.prefix.stats.hits += st.cached
-        self.prefix_reuses += st.cached > 0
-
-    def _remember(self, tokens: Sequence[int], row: int | None = None, held: int | None = None) -> None:
-        """Caches the full blocks of ``tokens`` that the prefix cache lacks, cut from the staging row (None: the
-        prompt it was just fed) or from live row ``row`` (a finishing request's prompt and answer, whose K/V are
-        committed there), so a conversation's next turn starts after its previous one. An SSM may lag the LLM
-        there: only the tokens every cache of the row holds are cached, ``held`` of them where the caller knows
-        it, else as the row's lengths read (one read: it waits for the iteration in flight)."""
-        ssm_caches = bool(self.state.ssm_caches)
-        if row is not None and ssm_caches and held is not None:
-            tokens = tokens[:held]
-        if not self.prefix.max_bytes or len(tokens) < BLOCK:
-            return
-        chain = self.prefix.match(tokens)
-        if (len(chain) + 1) * BLOCK > len(tokens):
-            return  # nothing new: no read of the row's lengths
-        if row is not None and ssm_caches and held is None:
-            tokens = tokens[: self.executor.committed(row)]
-        parent = chain[-1].id if chain else -1
-        for start in range(len(chain) * BLOCK, len(tokens) - BLOCK + 1, BLOCK):
-            entry = self.prefix.add(parent, tokens[start:start + BLOCK], self.executor.cut(start, row))
-            if entry is None:
-                return
-            parent = entry.id
 
     def _emit(self, slot: Slot, new: list[int], tree: str | None = None) -> None:
         """Cuts ``new`` at the request's limits, delivers it, and retires the row when it finished."""
@@ -900,16 +605,16 @@ class BatchEngine:
                 # drafts write past the prompt only, so an SSM that never drafted for the row holds exactly the
                 # prompt (one whose drafting iteration is still in flight does too): no read of the row's lengths
                 held = None if slot.gen.ssm_steps else len(req.prompt_ids)
-                self._remember(list(req.prompt_ids) + slot.gen.token_ids[:-1], slot.row, held)
+                self.admission.remember(list(req.prompt_ids) + slot.gen.token_ids[:-1], slot.row, held)
             except Exception as exc:  # noqa: BLE001 (the request still ends; only its blocks go uncached)
-                self._failed("caching a finished request's blocks", exc)
+                self.failed("caching a finished request's blocks", exc)
         row, moved = self.scheduler.vacate(slot)
         if moved is None:
             self.executor.release(row)
         else:
             self.executor.move(moved, row)
         self.scheduler.release(slot)  # recorded once the device did it
-        self._fit()
+        self.fit()
         slot.gen.finish_reason = reason
         deliver(slot.on_event, Event(req.id, list(new), reason, error, prompt_tokens=len(req.prompt_ids),
                                      completion_tokens=len(slot.gen.token_ids), generation=slot.gen, tree=tree,
@@ -953,30 +658,23 @@ class BatchEngine:
         """Whether some live row may still run after the iteration in flight (each emits at least one token)."""
         return self.tokens_left() > 1
 
-    def _host_seconds(self) -> float:
-        """The host's seconds per iteration (choosing, launching, reading and emitting), the median of the newest
-        ``auto.TIMING_WINDOW``: what an iteration adds to the cycle when it cannot overlap the one in flight (0
-        before ``auto.MIN_TIMINGS``)."""
-        newest = list(itertools.islice(reversed(self.host_times), auto.TIMING_WINDOW))
-        return statistics.median(newest) if len(newest) >= auto.MIN_TIMINGS else 0.0
-
     def _dispatch(self, stale: bool) -> "_InFlight | None":
         """Picks this iteration's tree and launches it; None if ``stale`` and the pick drafts with the n-gram.
 
         ``stale``: an iteration is still in flight, so the host's counts (committed tokens,
         n-gram index, acceptance statistics) lag it by one iteration. Its host seconds go to the span being timed.
         """
-        began, drafted = time.perf_counter(), self._spent["drafting"]
+        began, drafted = time.perf_counter(), self.clock.spent["drafting"]
         try:
             return self._launch(stale, began)
         finally:  # what it did not spend proposing (``_launch`` counts that) was the loop's other host work
-            self._spent["host"] += time.perf_counter() - began - (self._spent["drafting"] - drafted)
+            self.clock.spent["host"] += time.perf_counter() - began - (self.clock.spent["drafting"] - drafted)
 
     def _launch(self, stale: bool, began: float) -> "_InFlight | None":
         """``_dispatch``'s work (``began``: when it started); the seconds it proposes on the host go to the span's
         drafting."""
         e, ex = self.engine, self.executor
-        self._fit()
+        self.fit()
         live = list(enumerate(self.slots))
         warp = sampling.batch_warp([s.ticket.request.params for _, s in live])
         family = e.family(warp)
@@ -990,9 +688,9 @@ class BatchEngine:
                     proposals[i] = s.index.propose(e.ngram_depth)
                     matched[i] = s.index.matched
                 except Exception as exc:  # noqa: BLE001 — one row's proposal must not fail the batch
-                    self._failed("an n-gram proposal", exc)
+                    self.failed("an n-gram proposal", exc)
                     proposals[i], matched[i], failed[i] = [], 0, reason_of(exc)
-            self._spent["drafting"] += time.perf_counter() - proposing
+            self.clock.spent["drafting"] += time.perf_counter() - proposing
         constrained = any(s.matcher is not None for _, s in live)
         if stale and constrained:  # masks walk the rows' matchers: they hold every token
             return None
@@ -1002,16 +700,17 @@ class BatchEngine:
             masks = e.row_masks()
             masks.begin([s.matcher for _, s in live] + [None] * (self.rows - len(live)))
             chains = [masks.forced(i, e.forced_depth) for i in range(self.rows)]
-            self._spent["drafting"] += time.perf_counter() - proposing
+            self.clock.spent["drafting"] += time.perf_counter() - proposing
         longest = e.forced_bucket(max(map(len, chains), default=0))
         costs = self.planner.costs(warp, self.rows, self.capacity)
         chooser = e.chooser(warp) if e.auto else None
         keys = [s.ticket for _, s in live]  # each row's pick reads its own request's counts
         if self.planner.beside and chooser is not None and not constrained and self.iterations % WANT_EVERY == 0:
             try:
-                self._want_members(warp, chooser, [(len(proposals[i]), matched[i]) for i, _ in live])
+                self.planner.want(warp, self.rows, self.capacity, chooser,
+                                  [(len(proposals[i]), matched[i]) for i, _ in live], self.scheduler.tokens_owed())
             except Exception as exc:  # noqa: BLE001 — the loop runs on with the members it has
-                self._failed("weighing which members to load", exc)
+                self.failed("weighing which members to load", exc)
         if chooser is not None and constrained:
             depths = e.forced_depths(warp, list(costs or chooser.costs))  # the members and chains prepared
             allowed = {n: c for n, c in (costs or chooser.costs).items() if n in depths}
@@ -1020,7 +719,7 @@ class BatchEngine:
             name, longest = chooser.pick_constrained(rows3, allowed, depths, keys=keys)
         elif chooser is not None:
             rows = [(len(proposals[i]), matched[i]) for i, _ in live]
-            serial = self._host_seconds() if stale else 0.0  # what an n-gram pick costs in lost overlap
+            serial = self.clock.host_seconds() if stale else 0.0  # what an n-gram pick costs in lost overlap
             name = self.sync.agree_pick(chooser.pick_batch(rows, costs, keys=keys, serial=serial, bucket=self.rows),
                                         list(family))
             name = chooser.retimed(name, self.rows) if "none" in (costs or ()) else name
@@ -1062,42 +761,23 @@ class BatchEngine:
         emitted, num, depths = self.executor.read(it.out)
         if it.constrained:  # the rows whose grammar failed, before dispatch or in the step's mask callback
             for row, exc in self.engine.row_masks().take_failed().items():
-                self._failed("a grammar mask", exc)
+                self.failed("a grammar mask", exc)
                 it.failed.setdefault(row, reason_of(exc))
         now = time.perf_counter()
         try:
             self._account(it, emitted, num, depths, now, now - reading)
         finally:
             after = time.perf_counter() - now
-            self.host_times.append(it.host + after)
-            self._spent["host"] += after  # the next span's: it runs after this read
-
-    def _span(self, it: "_InFlight", now: float, blocked: float) -> float:
-        """The seconds from the previous read (or, after the loop ran empty, this iteration's dispatch) to this
-        one's read at ``now``: everything between two iterations, what the chooser prices; records its ``PARTS``
-        (``blocked``: seconds the read waited on the device) and starts the next span."""
-        span = now - (self._last_done or it.began)
-        drafting, host = self._spent["drafting"], self._spent["host"]
-        self.iteration_parts.append((blocked, drafting, host, max(0.0, span - blocked - drafting - host)))
-        self._spent = dict.fromkeys(self._spent, 0.0)
-        return span
-
-    def _priced_span(self, it: "_InFlight", now: float, blocked: float) -> float | None:
-        """``_span``, or None where it holds more than the iteration's own work: a prompt fed since the previous read
-        (a chunk before its launch, or one the host waited for while it ran)."""
-        span, fed, self._fed_in_span = self._span(it, now, blocked), self._fed_in_span, False
-        return None if fed or it.prefilled else span
+            self.clock.host.append(it.host + after)
+            self.clock.spent["host"] += after  # the next span's: it runs after this read
 
     def _account(self, it: "_InFlight", emitted: np.ndarray, num: np.ndarray, depths: np.ndarray, now: float,
                  blocked: float = 0.0) -> None:
         """Counts an iteration's read tokens [B, P] / [B] / [B, sources] into rows, the chooser and the stream
         (``blocked``: seconds its read waited on the device)."""
         cfg = it.cfg
-        span = self._priced_span(it, now, blocked)
-        seconds, self._last_done = now - max(it.start, self._last_done), now
-        self.iteration_times.append(seconds)
+        seconds, span = self.clock.read(it.name, it.start, it.began, now, blocked, it.prefilled)
         self.scheduler.pacer.decoded(seconds)
-        self.iteration_trees.append(it.name)
         stalled = self.planner.readies != it.readies  # the loop readied a bucket while it ran: not its cost
         live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
         failed = [(i, s) for i, s in live if i in it.failed]  # their host work failed: they end, their tokens dropped
@@ -1131,7 +811,7 @@ class BatchEngine:
             try:
                 self._emit(slot, [int(t) for t in emitted[i, : int(num[i])]], it.name)
             except Exception as exc:  # noqa: BLE001 — e.g. a stop matcher that raised: fail this request only
-                self._failed("emitting tokens", exc)
+                self.failed("emitting tokens", exc)
                 if slot.row >= 0:
                     self._retire(slot, "error", error=reason_of(exc))
         if self.on_iteration is not None and live:

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import statistics
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from jaxspec.engine.auto import PRIOR_RATE
-from jaxspec.engine.prepare import Job, compile_all
+from jaxspec.engine.prepare import Beside, Job, check_room, compile_all
 from jaxspec.speculators.ngram import acceptance_priors, speculator_kinds
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ DRAFT_WIDTHS = (1, 4, 8, 16)
 CURVE_REPEATS = 10  # passes timed per point, the fastest kept (``time_points``)
 CURVE_CAPACITY = 256  # cache slots the curve is timed at
 WIDTH_DECAY = 0.18  # the miss rate of k draft candidates is (1 - p) * k**-WIDTH_DECAY (a prior, see above)
+LOAD_SECONDS = 1.0  # a member step's loading, where this start loaded no plain step to time it by
 MAX_DEPTH = 8  # deepest tree considered
 # Row counts a batch may run at which auto's trees are cut shorter where that pays more there (``tree_cuts``): the
 # curve prices a bucket's rows x nodes tokens.
@@ -406,7 +408,11 @@ class Planner:
         self._sync = sync
         self.bucket_costs: dict[Bucket, dict[str, float] | None] = {}  # measured seconds per member (None: not auto)
         self.readies = 0  # buckets readied by the loop at their first use
-        self.beside = False  # members still being readied beside the loop (``BatchEngine.prepare``'s ``beside``)
+        self.beside = False  # members still being readied beside the loop (``defer``)
+        self.loader: Beside | None = None  # the host threads that ready them
+        self.later: dict[tuple, list] = {}  # (warp, rows, capacity, member) -> its step's jobs, not queued yet
+        self.load_seconds = LOAD_SECONDS  # what readying one member's step is expected to take here
+        self._verbose: Callable[[str], None] | None = None
         self._ready: dict[Bucket, tuple[int, dict[str, float]]] = {}  # while ``beside``: warm count, members ready
         self._members: dict[tuple, list[str]] = {}  # (warp, rows) -> ``members``, for the curve in ``_curve``
         self._curve: Any = None
@@ -452,6 +458,53 @@ class Planner:
             self._ready[key] = (warm, {n: c for n, c in known.items()
                                        if n == "none" or self.engine.is_warm(warp, capacity, rows, n)})
         return self._ready[key][1]
+
+    def defer(self, buckets: Sequence[Bucket], timings: Sequence[tuple[str, float]],
+              verbose: Callable[[str], None] | None = None) -> None:
+        """Leaves the speculative members of ``buckets`` (every cost recorded on this machine: nothing to measure) to
+        be readied beside the loop, each only once ``want`` finds it pays; ``timings``: the preparation's, whose
+        plain steps time a load here."""
+        self.later = {(w, r, c, n): jobs for w, r, c in buckets for n in self.members(w, r)
+                      if (jobs := self.engine.step_jobs(w, c, r, [n]))}
+        queued = [job for jobs in self.later.values() for job in jobs]
+        check_room(queued)
+        plain = [seconds for label, seconds in timings if label.startswith("step none")]
+        self.load_seconds = statistics.fmean(plain) if plain else LOAD_SECONDS
+        self.beside, self._verbose = bool(queued), verbose
+        self.loader = Beside(self._readied)
+        if verbose is not None and queued:
+            verbose(f"auto's {len(queued)} speculative steps load beside the loop where the tokens left can repay "
+                    f"them (about {self.load_seconds:.2f} s each)")
+
+    def _readied(self, label: str, seconds: float) -> None:
+        """A member's step readied beside the loop: the chooser may pick it from the next iteration."""
+        if self._verbose is not None:
+            self._verbose(f"auto readied {label} beside the loop in {seconds:.2f} s")
+
+    def want(self, warp: sampling.WarpSpec, rows: int, capacity: int, chooser: Any, drafts: list[tuple[int, int]],
+             owed: int) -> None:
+        """Queues beside the loop each member of this bucket not readied yet whose expected saving over the ``owed``
+        tokens its requests may still ask for (the chooser's acceptance means over the rows' ``drafts`` and its
+        prices, against the plain step's) repays its loading: auto loads what this job can use and nothing else."""
+        full = self.bucket_costs.get((warp, rows, capacity))
+        if not full or "none" not in full or not drafts:
+            return
+        plain = chooser.cost("none", full, rows)
+        seconds = owed * plain / len(drafts)  # what the plain step would take for them at these rows
+        for name in full:
+            key = (warp, rows, capacity, name)
+            if key not in self.later:  # the plain step, or queued already
+                continue
+            speed = chooser.mean_tokens(name, drafts) / len(drafts) * plain / chooser.cost(name, full, rows)
+            if speed > 1.0 and seconds * (1.0 - 1.0 / speed) > self.load_seconds:
+                for job in self.later.pop(key):
+                    self.loader.add(job)
+
+    def stop_readying(self, wait: bool = True) -> None:
+        """Drops what is still to be readied beside the loop (a job that ended needs none of it); ``wait``: until the
+        executables in hand are loaded (a process about to exit at once need not)."""
+        if self.loader is not None:
+            self.loader.stop(wait)
 
     def known(self, buckets: Sequence[Bucket]) -> bool:
         """Whether every member of ``buckets`` has its cost without a run (auto only): what readying the

@@ -467,9 +467,11 @@ class Runner:
         (``Stored.program``): its measured cost is kept under it, so a code edit that leaves the step's program
         alone (a docstring, another module) keeps every bucket's costs; None where the store is off."""
         cfg = self.family(params)[name]
+        program = getattr(self._step_fn(cfg), "program", None)  # a step wrapped by a caller has none of its own
+        if program is None:
+            return None
         arrays, extra = self._step_args(cfg, batch)
-        return self._step_fn(cfg).program(self._llm_params, self._group_params, self.abstract_state(batch, capacity),
-                                          *arrays, **extra)
+        return program(self._llm_params, self._group_params, self.abstract_state(batch, capacity), *arrays, **extra)
 
     def prefill_chunks(self, found: dict | None = None) -> dict | None:
         """What the prompt chunk search found on this device (``jaxspec.engine.prefill.ChunkSizer.state``), kept

@@ -341,6 +341,12 @@ class Scheduler:
         """The longest live request's tokens still to come: the iterations its row has left, at most."""
         return max((s.ticket.request.max_new_tokens - len(s.gen.token_ids) for s in self.slots), default=0)
 
+    def tokens_owed(self) -> int:
+        """Tokens every admitted request may still ask for: the live rows' left, and each waiting one's whole."""
+        left = sum(max(0, s.ticket.request.max_new_tokens - len(s.gen.token_ids)) for s in self.slots)
+        with self.lock:  # submitters may append meanwhile
+            return left + sum(t.request.max_new_tokens for t, _ in self.waiting)
+
     def live_tickets(self) -> list[Ticket]:
         """Every admitted request's ticket: waiting, being prefilled, decoding."""
         return ([t for t, _ in self.waiting] + ([self.staging.ticket] if self.staging else [])

@@ -27,7 +27,7 @@ def run(job: dict) -> dict:
     from jaxspec.cache import device_words  # noqa: PLC0415
     from jaxspec.config import EngineConfig, SchedulerConfig  # noqa: PLC0415
     from jaxspec.decoding.sampling import SamplingParams, batch_warp  # noqa: PLC0415
-    from jaxspec.engine.batch import Request, all_finished  # noqa: PLC0415
+    from jaxspec.request import Request, all_finished  # noqa: PLC0415
     from jaxspec.engine.build import build_scheduler, engine_from  # noqa: PLC0415
     from jaxspec.engine.scheduler import job_model_len  # noqa: PLC0415
     from jaxspec.speculators.resolve import load_llm, load_speculators  # noqa: PLC0415
