@@ -264,12 +264,12 @@ def test_a_failed_decoding_step_logs_its_stack_once(tiny_llm, monkeypatch, caplo
     batch = BatchEngine(Engine(tiny_llm), max_batch=2, max_model_len=64)
     requests = [Request([1, 2, 3], 4, stop_ids=[]), Request([4, 5], 4, stop_ids=[])]
     want = batch.generate(requests)
-    real = batch.executor.step
+    real = batch.executor.execute
 
     def lost(*args, **kwargs):
         raise RuntimeError("the device was lost (injected)\nits second line")
 
-    monkeypatch.setattr(batch.executor, "step", lost)
+    monkeypatch.setattr(batch.executor, "execute", lost)
     caplog.set_level(logging.ERROR, logger="jaxspec.engine.batch")
     for _ in range(2):
         gens = batch.generate(requests)
@@ -279,5 +279,5 @@ def test_a_failed_decoding_step_logs_its_stack_once(tiny_llm, monkeypatch, caplo
     stacks = [r for r in caplog.records if r.exc_info]
     assert len(stacks) == 1 and "a decoding step failed (RuntimeError" in stacks[0].getMessage()
     assert "in lost" in caplog.text and "its second line" in caplog.text  # the whole stack and message
-    monkeypatch.setattr(batch.executor, "step", real)
+    monkeypatch.setattr(batch.executor, "execute", real)
     assert [g.token_ids for g in batch.generate(requests)] == [w.token_ids for w in want]

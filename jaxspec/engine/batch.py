@@ -51,7 +51,7 @@ import numpy as np
 
 from jaxspec.cache import STATS
 from jaxspec.decoding import sampling
-from jaxspec.decoding.step import DecodeConfig, StepOutput
+from jaxspec.decoding.step import StepOutput
 from jaxspec.engine.admission import Admission
 from jaxspec.engine.auto import TreeChooser
 from jaxspec.engine.clock import LoopClock
@@ -60,8 +60,8 @@ from jaxspec.engine.planner import Planner
 from jaxspec.engine.prefill import ChunkSizer
 from jaxspec.engine.prepare import Job, describe_timings
 from jaxspec.engine.prefix import PrefixCache, default_bytes
-from jaxspec.engine.runner import RequestError, Runner, check_fits
-from jaxspec.engine.scheduler import (IterationStats, Scheduler, Slot, Staging, Ticket, batch_buckets,
+from jaxspec.engine.runner import RequestError, Runner
+from jaxspec.engine.scheduler import (IterationPlan, IterationStats, Scheduler, Slot, Staging, Ticket, batch_buckets,
                                       capacity_buckets, cut_tokens, deliver, reason_of)
 from jaxspec.engine.stops import check_stops
 from jaxspec.errors import FailureLog
@@ -671,14 +671,30 @@ class BatchEngine:
             self.clock.spent["host"] += time.perf_counter() - began - (self.clock.spent["drafting"] - drafted)
 
     def _launch(self, stale: bool, began: float) -> "_InFlight | None":
-        """``_dispatch``'s work (``began``: when it started); the seconds it proposes on the host go to the span's
-        drafting."""
-        e, ex = self.engine, self.executor
+        """``_dispatch``'s work (``began``: when it started): the iteration planned on the host, then launched by the
+        executor; None where the plan needs the tokens in flight (``stale``)."""
+        plan = self._plan(stale)
+        if plan is None:
+            return None
+        ran = (plan.member, plan.cfg.forced_depth, plan.rows, plan.capacity)  # the executable this launch runs
+        first = ran not in self._ran
+        self._ran.add(ran)
+        start = time.perf_counter()
+        out = self.executor.execute(plan)
+        host = time.perf_counter() - began  # the launch returns before the device is done
+        self.iterations += 1
+        return _InFlight(plan, out, start, host, self._chunk_queued, self.planner.readies, began, first)
+
+    def _plan(self, stale: bool) -> IterationPlan | None:
+        """This iteration decided on the host: the rows' layout, each row's n-gram proposal and grammar-forced chain
+        (their seconds go to the span's drafting), the member the chooser picks for them at this bucket. None where
+        ``stale`` (an iteration in flight) and the pick needs its tokens: a grammar's masks, or an n-gram draft."""
+        e = self.engine
         self.fit()
         live = list(enumerate(self.slots))
         warp = sampling.batch_warp([s.ticket.request.params for _, s in live])
         family = e.family(warp)
-        proposals = [[] for _ in range(self.rows)]
+        proposals: list[list[int]] = [[] for _ in range(self.rows)]
         matched = [0] * self.rows
         failed: dict[int, str] = {}  # row -> why its host work failed: it runs undrafted, then ends with that error
         if e.ngram is not None and e.ngram_depth:
@@ -701,30 +717,15 @@ class BatchEngine:
             masks.begin([s.matcher for _, s in live] + [None] * (self.rows - len(live)))
             chains = [masks.forced(i, e.forced_depth) for i in range(self.rows)]
             self.clock.spent["drafting"] += time.perf_counter() - proposing
-        longest = e.forced_bucket(max(map(len, chains), default=0))
         costs = self.planner.costs(warp, self.rows, self.capacity)
         chooser = e.chooser(warp) if e.auto else None
-        keys = [s.ticket for _, s in live]  # each row's pick reads its own request's counts
         if self.planner.beside and chooser is not None and not constrained and self.iterations % WANT_EVERY == 0:
             try:
                 self.planner.want(warp, self.rows, self.capacity, chooser,
                                   [(len(proposals[i]), matched[i]) for i, _ in live], self.scheduler.tokens_owed())
             except Exception as exc:  # noqa: BLE001 — the loop runs on with the members it has
                 self.failed("weighing which members to load", exc)
-        if chooser is not None and constrained:
-            depths = e.forced_depths(warp, list(costs or chooser.costs))  # the members and chains prepared
-            allowed = {n: c for n, c in (costs or chooser.costs).items() if n in depths}
-            rows3 = [(len(proposals[i]), matched[i], len(chains[i])) for i, _ in live]
-            depths = {n: tuple(d for d in ds if d in (0, longest)) for n, ds in depths.items()}
-            name, longest = chooser.pick_constrained(rows3, allowed, depths, keys=keys)
-        elif chooser is not None:
-            rows = [(len(proposals[i]), matched[i]) for i, _ in live]
-            serial = self.clock.host_seconds() if stale else 0.0  # what an n-gram pick costs in lost overlap
-            name = self.sync.agree_pick(chooser.pick_batch(rows, costs, keys=keys, serial=serial, bucket=self.rows),
-                                        list(family))
-            name = chooser.retimed(name, self.rows) if "none" in (costs or ()) else name
-        else:
-            name = next(iter(family))
+        name, longest = self._pick(warp, family, chooser, costs, live, proposals, matched, chains, stale)
         cfg = family[name]
         if stale and cfg.ngram_depth:  # the n-gram's proposal needs the tokens in flight
             return None
@@ -732,37 +733,42 @@ class BatchEngine:
             longest = longest if longest in e.forced_depths(warp, [name]).get(name, (0,)) else 0
             if cfg.active or longest:  # masks from a callback (SSM drafts), or a forced chain
                 cfg = e.constrained(cfg, longest)
-        ahead = self._max_emit if stale else 0  # tokens the iteration in flight may still commit
-        for _, s in live:
-            check_fits(s.committed + ahead + cfg.num_nodes, self.capacity, "a decoding step")
-        arrays = ex.proposal_arrays(proposals if cfg.ngram_depth else [[]] * self.rows,  # no chain: sent once
-                                    cfg.ngram_depth)
-        if cfg.forced_depth:
-            arrays = (*arrays, *ex.proposal_arrays(chains, cfg.forced_depth))
-        extra = {}
-        if cfg.host_masks and constrained:  # no SSM drafts: every node's path is known now, so are its masks
-            extra["chain_masks"] = ex.put(masks.chain_masks(chains, proposals, cfg.forced_depth, cfg.ngram_depth))
-        elif cfg.host_masks:  # one executable serves rows with and without a grammar: none has one now
-            extra["chain_masks"] = e.no_masks(self.rows, 1 + cfg.forced_depth + cfg.ngram_depth)
-        ran = (name, cfg.forced_depth, self.rows, self.capacity)  # the executable this launch runs
-        first = ran not in self._ran
-        self._ran.add(ran)
-        start = time.perf_counter()
-        out = ex.step(cfg, arrays, extra)
-        host = time.perf_counter() - began  # the launch returns before the device is done
-        self.iterations += 1
-        forced = [len(c) for c in chains]
-        return _InFlight(name, cfg, live, proposals, matched, forced, chooser, costs, out, start, host,
-                         self._chunk_queued, self.planner.readies, failed, constrained, began, first, self.rows)
+        chain_masks = None  # no SSM drafts: every node's path is known now, so are its masks
+        if cfg.host_masks and constrained:
+            chain_masks = masks.chain_masks(chains, proposals, cfg.forced_depth, cfg.ngram_depth)
+        return IterationPlan(name, cfg, self.rows, self.capacity, live, proposals, matched, chains, failed,
+                             constrained, chooser, costs, chain_masks, self._max_emit if stale else 0)
+
+    def _pick(self, warp: sampling.WarpSpec, family: dict, chooser: TreeChooser | None, costs: dict | None,
+              live: list[tuple[int, Slot]], proposals: list[list[int]], matched: list[int], chains: list[list[int]],
+              stale: bool) -> tuple[str, int]:
+        """The member to run and its forced chain's depth: auto's chooser over the rows' drafts at this bucket's
+        measured costs (under a grammar, among the members and chain depths prepared), else the family's one."""
+        e = self.engine
+        keys = [s.ticket for _, s in live]  # each row's pick reads its own request's counts
+        longest = e.forced_bucket(max(map(len, chains), default=0))
+        if chooser is None:
+            return next(iter(family)), longest
+        if any(s.matcher is not None for _, s in live):
+            depths = e.forced_depths(warp, list(costs or chooser.costs))  # the members and chains prepared
+            allowed = {n: c for n, c in (costs or chooser.costs).items() if n in depths}
+            rows3 = [(len(proposals[i]), matched[i], len(chains[i])) for i, _ in live]
+            depths = {n: tuple(d for d in ds if d in (0, longest)) for n, ds in depths.items()}
+            return chooser.pick_constrained(rows3, allowed, depths, keys=keys)
+        rows = [(len(proposals[i]), matched[i]) for i, _ in live]
+        serial = self.clock.host_seconds() if stale else 0.0  # what an n-gram pick costs in lost overlap
+        name = self.sync.agree_pick(chooser.pick_batch(rows, costs, keys=keys, serial=serial, bucket=self.rows),
+                                    list(family))
+        return (chooser.retimed(name, self.rows) if "none" in (costs or ()) else name), longest
 
     def _process(self, it: "_InFlight") -> None:
         """Reads an iteration's tokens, updates the counters and emits to the rows still owned by its requests."""
         reading = time.perf_counter()
         emitted, num, depths = self.executor.read(it.out)
-        if it.constrained:  # the rows whose grammar failed, before dispatch or in the step's mask callback
+        if it.plan.constrained:  # the rows whose grammar failed, before dispatch or in the step's mask callback
             for row, exc in self.engine.row_masks().take_failed().items():
                 self.failed("a grammar mask", exc)
-                it.failed.setdefault(row, reason_of(exc))
+                it.plan.failed.setdefault(row, reason_of(exc))
         now = time.perf_counter()
         try:
             self._account(it, emitted, num, depths, now, now - reading)
@@ -773,43 +779,44 @@ class BatchEngine:
 
     def _account(self, it: "_InFlight", emitted: np.ndarray, num: np.ndarray, depths: np.ndarray, now: float,
                  blocked: float = 0.0) -> None:
-        """Counts an iteration's read tokens [B, P] / [B] / [B, sources] into rows, the chooser and the stream
-        (``blocked``: seconds its read waited on the device)."""
-        cfg = it.cfg
-        seconds, span = self.clock.read(it.name, it.start, it.began, now, blocked, it.prefilled)
+        """The update after an iteration's read: its tokens [B, P] / [B] / [B, sources] counted into rows, the chooser
+        and the stream, then emitted (``blocked``: seconds its read waited on the device)."""
+        plan, cfg = it.plan, it.plan.cfg
+        seconds, span = self.clock.read(plan.member, it.start, it.began, now, blocked, it.prefilled)
         self.scheduler.pacer.decoded(seconds)
         stalled = self.planner.readies != it.readies  # the loop readied a bucket while it ran: not its cost
-        live = [(i, s) for i, s in it.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
-        failed = [(i, s) for i, s in live if i in it.failed]  # their host work failed: they end, their tokens dropped
-        live = [(i, s) for i, s in live if i not in it.failed]
-        stats = IterationStats(it.name, seconds, len(live), self.queue_depth(), [], [], [])
+        live = [(i, s) for i, s in plan.live if s.row >= 0]  # a request retired meanwhile: its tokens are dropped
+        failed = [(i, s) for i, s in live if i in plan.failed]  # their host work failed: they end, tokens dropped
+        live = [(i, s) for i, s in live if i not in plan.failed]
+        stats = IterationStats(plan.member, seconds, len(live), self.queue_depth(), [], [], [])
+        chooser = plan.chooser
         for i, slot in live:
-            n = int(num[i])
-            learn = it.chooser is not None and slot.ticket.request.learn  # warm-up teaches nothing
-            if learn and not it.forced[i]:  # forced levels would pass as the drafters' hits
-                it.chooser.observe(it.name, depths[i], len(it.proposals[i]), it.matched[i], key=slot.ticket)
+            n, forced = int(num[i]), len(plan.chains[i])
+            if chooser is not None and slot.ticket.request.learn and not forced:  # warm-up teaches nothing; forced
+                # levels would pass as the drafters' hits
+                chooser.observe(plan.member, depths[i], len(plan.proposals[i]), plan.matched[i], key=slot.ticket)
             slot.committed += n
-            drafted, accepted = self.engine.row_drafts(cfg, len(it.proposals[i]), it.forced[i], depths[i], n)
-            slot.gen.count_step(n, it.name, drafted, accepted, now - slot.read)
+            drafted, accepted = self.engine.row_drafts(cfg, len(plan.proposals[i]), forced, depths[i], n)
+            slot.gen.count_step(n, plan.member, drafted, accepted, now - slot.read)
             slot.read = now
             slot.gen.ssm_steps += cfg.draft_levels
             stats.emitted.append(n)
             stats.drafted.append(sum(drafted.values()))
             stats.accepted_depth.append(n - 1)
-        if it.chooser is not None and live and not stalled and not it.first and span is not None:  # not its cost:
+        if chooser is not None and live and not stalled and not it.first and span is not None:  # not its cost:
             # a prompt fed meanwhile, a bucket readied, or the executable's first run
-            if it.constrained:  # a grammar step also waits on host masks: timed apart
-                it.chooser.observe_constrained_time(it.name, cfg.forced_depth, span, it.costs)
+            if plan.constrained:  # a grammar step also waits on host masks: timed apart
+                chooser.observe_constrained_time(plan.member, cfg.forced_depth, span, plan.costs)
             else:
-                it.chooser.observe_time(it.name, span, it.costs, it.rows)
+                chooser.observe_time(plan.member, span, plan.costs, plan.rows)
         for i, slot in failed:
             if slot.row >= 0:
-                self._retire(slot, "error", error=it.failed[i])
+                self._retire(slot, "error", error=plan.failed[i])
         for i, slot in live:
             if slot.row < 0:
                 continue  # retired by an earlier row's failure in this loop
             try:
-                self._emit(slot, [int(t) for t in emitted[i, : int(num[i])]], it.name)
+                self._emit(slot, [int(t) for t in emitted[i, : int(num[i])]], plan.member)
             except Exception as exc:  # noqa: BLE001 — e.g. a stop matcher that raised: fail this request only
                 self.failed("emitting tokens", exc)
                 if slot.row >= 0:
@@ -820,23 +827,13 @@ class BatchEngine:
 
 @dataclasses.dataclass
 class _InFlight:
-    """A dispatched iteration whose tokens the host has not read yet."""
+    """A launched iteration whose tokens the host has not read yet: its plan, its device outputs, its timings."""
 
-    name: str  # family member
-    cfg: DecodeConfig
-    live: list[tuple[int, Slot]]  # (row, its request) at dispatch
-    proposals: list[list[int]]  # n-gram proposal per row
-    matched: list[int]  # n-gram matched suffix length per row
-    forced: list[int]  # tokens each row's grammar forced after its root (0 without a grammar)
-    chooser: TreeChooser | None  # auto's chooser for this warp
-    costs: dict[str, float] | None  # auto's calibrated costs at the bucket it ran in
+    plan: IterationPlan
     out: StepOutput  # device arrays, not read yet
-    start: float  # perf_counter at dispatch
-    host: float = 0.0  # host seconds from choosing it to its launch returning
+    start: float  # perf_counter at its launch
+    host: float = 0.0  # host seconds from planning it to its launch returning
     prefilled: bool = False  # a prompt chunk was queued on the device before it: its seconds include the chunk
     readies: int = 0  # ``Planner.readies`` at its launch (a later one: the loop readied a bucket while it ran)
-    failed: dict[int, str] = dataclasses.field(default_factory=dict)  # row -> why its host work failed (it ends)
-    constrained: bool = False  # some row has a grammar: its masks' failures are read with the tokens; timed apart
-    began: float = 0.0  # perf_counter when its dispatch began (its span's start after the loop ran empty)
+    began: float = 0.0  # perf_counter when its planning began (its span's start after the loop ran empty)
     first: bool = False  # its executable's first run in this loop (one-time costs: not what the member costs)
-    rows: int = 0  # the row bucket it ran in (its ``costs``' bucket)

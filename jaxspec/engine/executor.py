@@ -23,7 +23,8 @@ from jaxspec.decoding.step import (DecodeConfig, DecodeState, StepOutput, insert
 from jaxspec.engine.executables import Stored
 from jaxspec.engine.prefix import committed, cut_block, paste_block
 from jaxspec.engine.prepare import Job, Ready, check_room, compile_all, describe_set, loads, timed_means
-from jaxspec.engine.runner import Runner
+from jaxspec.engine.runner import Runner, check_fits
+from jaxspec.engine.scheduler import IterationPlan
 from jaxspec.parallel.sharding import fetch, pinned
 from jaxspec.request import SamplingParams, seed_words
 
@@ -319,14 +320,21 @@ class Executor:
             self._no_proposal[len(proposals), depth] = jax.device_put(ngram.proposal_arrays(proposals, depth))
         return self._no_proposal[len(proposals), depth]
 
-    @staticmethod
-    def put(value: np.ndarray) -> jax.Array:
-        """``value`` on the device (a grammar's masks by tree node), sent before a step is launched and timed."""
-        return jax.device_put(value)
-
-    def step(self, cfg: DecodeConfig, arrays: tuple, extra: dict) -> StepOutput:
-        """Launches one decoding iteration of family member ``cfg`` on every row (``arrays`` and ``extra`` on the
-        device); returns its outputs (device arrays, not read: the launch returns before the device is done)."""
+    def execute(self, plan: IterationPlan) -> StepOutput:
+        """Launches the iteration ``plan`` decided on every row: its rows' proposals and forced chains (and host
+        masks) sent, every write checked to fit the capacity first; returns its outputs (device arrays, not read:
+        the launch returns before the device is done)."""
+        cfg, rows = plan.cfg, plan.rows
+        for _, s in plan.live:
+            check_fits(s.committed + plan.ahead + cfg.num_nodes, self.capacity, "a decoding step")
+        arrays = self.proposal_arrays(plan.proposals if cfg.ngram_depth else [[]] * rows,  # no chain: sent once
+                                      cfg.ngram_depth)
+        if cfg.forced_depth:
+            arrays = (*arrays, *self.proposal_arrays(plan.chains, cfg.forced_depth))
+        extra = {}
+        if cfg.host_masks:  # one executable serves rows with and without a grammar: all ones where none has one
+            extra["chain_masks"] = (jax.device_put(plan.chain_masks) if plan.chain_masks is not None
+                                    else self.runner.no_masks(rows, 1 + cfg.forced_depth + cfg.ngram_depth))
         self.state, out = self.runner.step(cfg, self.state, *arrays, **extra)
         return out
 

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from jaxspec.config import bucket
 from jaxspec.errors import FailureLog
@@ -354,6 +354,28 @@ class Scheduler:
 
     def idle(self) -> bool:
         return not self.waiting and not self.incoming and self.staging is None and not self.slots
+
+
+@dataclasses.dataclass
+class IterationPlan:
+    """One decoding iteration as decided on the host, before the device runs it (``Executor.execute``): the member
+    and its configuration at the bucket (rows x capacity), the live rows, and what the host proposed for each row.
+    Read back when its tokens are (``BatchEngine._account``)."""
+
+    member: str  # the family member that runs
+    cfg: Any  # its ``jaxspec.decoding.step.DecodeConfig`` (a grammar's forced chain included)
+    rows: int  # the row bucket
+    capacity: int  # the capacity bucket
+    live: list[tuple[int, Slot]]  # (row, its request) at planning
+    proposals: list[list[int]]  # the n-gram's proposal per row
+    matched: list[int]  # the n-gram's matched suffix length per row
+    chains: list[list[int]]  # tokens each row's grammar forces after its root (empty without a grammar)
+    failed: dict[int, str]  # row -> why its host work failed: it runs undrafted, then ends with that error
+    constrained: bool  # some row has a grammar: masks' failures are read with the tokens; timed apart
+    chooser: Any  # auto's ``TreeChooser`` for this warp (None: no auto)
+    costs: dict[str, float] | None  # auto's measured costs at this bucket
+    chain_masks: Any = None  # [rows, 1 + forced + n-gram, words] int32 masks from the host (None: the step's own)
+    ahead: int = 0  # tokens the iteration still in flight may commit before this one writes
 
 
 LISTENER_FAILURES = FailureLog(log)  # listeners that raised: the first logged with its stack, the rest counted
