@@ -21,7 +21,7 @@ _EXPORTS = {
     "CompletionOutput": "jaxspec.api",
     "StreamOutput": "jaxspec.api",
     "SpecStats": "jaxspec.request",
-    "BatchEngine": "jaxspec.engine.batch",
+    "EngineCore": "jaxspec.engine.core",
     "Request": "jaxspec.request",
     "DecodeConfig": "jaxspec.decoding.step",
     "decode_step": "jaxspec.decoding.step",
@@ -30,7 +30,7 @@ _EXPORTS = {
     "EngineConfig": "jaxspec.config",
     "SchedulerConfig": "jaxspec.config",
     "build_engine": "jaxspec.engine.build",
-    "build_scheduler": "jaxspec.engine.build",
+    "build_core": "jaxspec.engine.build",
     "Generation": "jaxspec.request",
     "RequestError": "jaxspec.errors",
     "VocabularyMismatch": "jaxspec.errors",
@@ -41,10 +41,15 @@ _EXPORTS = {
     "merge": "jaxspec.decoding.tree",
 }
 
+# Former names, still answered for code written against them: the loop was ``BatchEngine``, built by
+# ``build_scheduler``.
+_FORMER = {"BatchEngine": "EngineCore", "build_scheduler": "build_core"}
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    name = _FORMER.get(name, name)
     if name not in _EXPORTS:
         raise AttributeError(f"module 'jaxspec' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

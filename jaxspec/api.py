@@ -8,7 +8,7 @@ In the shape vLLM users know::
     llm.chat([{"role": "user", "content": "Explain gravity."}])
 
 ``LLM`` builds its engine with ``jaxspec.engine.build`` from an ``EngineConfig`` (the keyword options are its
-fields) and one ``BatchEngine`` (``SchedulerConfig``) that every call shares, so prompts decode together by
+fields) and one ``EngineCore`` (``SchedulerConfig``) that every call shares, so prompts decode together by
 continuous batching and a later prompt starts after a cached prefix. ``run`` is the layer beneath: prepared
 ``Job`` s in, ``StreamOutput`` s out as tokens arrive; ``jaxspec generate`` writes its JSONL from the same outputs.
 """
@@ -25,7 +25,7 @@ from jaxspec.config import EngineConfig, SchedulerConfig
 from jaxspec.errors import RequestError
 
 if TYPE_CHECKING:
-    from jaxspec.engine.batch import BatchEngine, Request
+    from jaxspec.engine.core import EngineCore, Request
     from jaxspec.request import Generation, SpecStats
     from jaxspec.structured import Grammar
 
@@ -55,7 +55,7 @@ class SamplingParams:
     """Completions per prompt."""
 
     def __post_init__(self) -> None:
-        from jaxspec.decoding.sampling import SamplingParams as Sampler  # noqa: PLC0415
+        from jaxspec.decoding.sampling import SamplerParams as Sampler  # noqa: PLC0415
         from jaxspec.engine.stops import check_stops  # noqa: PLC0415
 
         if isinstance(self.stop, str):
@@ -71,8 +71,8 @@ class SamplingParams:
         Sampler(self.temperature, self.top_k, self.top_p, self.seed or 0)  # the sampler's own checks
 
     def sampler(self, seed: int):
-        """The engine's sampling parameters at ``seed`` (``jaxspec.decoding.sampling.SamplingParams``)."""
-        from jaxspec.decoding.sampling import SamplingParams as Sampler  # noqa: PLC0415
+        """The engine's sampling parameters at ``seed`` (``jaxspec.decoding.sampling.SamplerParams``)."""
+        from jaxspec.decoding.sampling import SamplerParams as Sampler  # noqa: PLC0415
 
         return Sampler(self.temperature, self.top_k, self.top_p, seed)
 
@@ -150,7 +150,7 @@ def jobs_for(tokenizer, prompts: Sequence[list[int]], params: Sequence[SamplingP
              grammar: Grammar | Sequence[Grammar | None] | None = None, ids: Sequence[str] | None = None) -> list[Job]:
     """Every prompt's completions as engine requests; ``grammar``: one for all or one per prompt; ``ids``: each
     prompt's request id stem (default its index)."""
-    from jaxspec.engine.batch import Request  # noqa: PLC0415
+    from jaxspec.engine.core import Request  # noqa: PLC0415
     from jaxspec.engine.stops import StopText  # noqa: PLC0415
 
     if len(params) != len(prompts):
@@ -167,7 +167,7 @@ def jobs_for(tokenizer, prompts: Sequence[list[int]], params: Sequence[SamplingP
     return jobs
 
 
-def run(batch: BatchEngine, tokenizer, jobs: Sequence[Job]) -> Iterator[StreamOutput]:
+def run(batch: EngineCore, tokenizer, jobs: Sequence[Job]) -> Iterator[StreamOutput]:
     """Runs ``jobs`` through the loop in this thread, yielding each completion's text as it arrives and its
     ``CompletionOutput`` on its last piece (completion order); closing the iterator cancels what is left."""
     from jaxspec.engine.stops import StopText  # noqa: PLC0415
@@ -210,7 +210,7 @@ class LLM:
                  max_batch: int = 8, max_model_len: int | None = None, prefix_cache_gb: float | None = None,
                  log: TextIO | None = None, compile_cache: bool = True, prepare: bool = True,
                  **engine_options: Any) -> None:
-        from jaxspec.engine.build import build_engine, build_scheduler  # noqa: PLC0415
+        from jaxspec.engine.build import build_engine, build_core  # noqa: PLC0415
 
         if compile_cache:
             from jaxspec.cache import compile_cache_dir, enable_compile_cache  # noqa: PLC0415
@@ -227,7 +227,7 @@ class LLM:
         self.tokenizer = self.model.tokenizer
         cache = None if prefix_cache_gb is None else int(prefix_cache_gb * 2**30)
         self.scheduler = SchedulerConfig(max_batch=max_batch, max_model_len=max_model_len, prefix_cache_bytes=cache)
-        self.batch = build_scheduler(self.engine, self.scheduler)
+        self.batch = build_core(self.engine, self.scheduler)
         self.lock = threading.RLock()  # one caller drives the loop at a time
         if prepare:
             self.prepare()
@@ -266,7 +266,7 @@ class LLM:
                                                                        grammar_of(json_schema, regex, grammar))))
 
     def prepare(self, sampled: bool = True, structured: bool = False) -> float:
-        """Readies every executable the loop can reach (``BatchEngine.prepare``: greedy, and the sampled warp too;
+        """Readies every executable the loop can reach (``EngineCore.prepare``: greedy, and the sampled warp too;
         ``structured``: the grammar steps), so no later call waits on a compile; returns the seconds. The constructor
         runs it (greedy and sampled) unless told not to; without it a call's first use of a bucket readies that
         bucket's members then."""

@@ -99,7 +99,7 @@ class CompileCacheStats:
 
 class BackendCompiles:
     """Counts XLA compiles in this process, however small (a compile answered by the persistent cache included, a
-    stored executable's load not): a loop that compiles after ``BatchEngine.prepare`` shows here."""
+    stored executable's load not): a loop that compiles after ``EngineCore.prepare`` shows here."""
 
     EVENT = "/jax/core/compile/backend_compile_duration"
 

@@ -5,7 +5,7 @@ command line can name the defaults in its help without loading the engine.
 
 The command line turns its flags into these (``jaxspec.cli.common.config_from_args``); the server,
 the benches, ``repro`` and scripts build them directly; ``jaxspec.engine.build`` turns them into an
-``Engine`` and a ``BatchEngine``. Field names follow the flags they come from (``--tree-budget`` ->
+``Engine`` and a ``EngineCore``. Field names follow the flags they come from (``--tree-budget`` ->
 ``tree_budget``), except ``speculators``, the repeatable ``--ssm``.
 """
 

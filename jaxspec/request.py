@@ -1,4 +1,4 @@
-"""A request as plain data: what it asks (``SamplingParams``, ``Request``), what it hears (``Event``) and what it
+"""A request as plain data: what it asks (``SamplerParams``, ``Request``), what it hears (``Event``) and what it
 got (``Generation``, ``SpecStats``).
 
 Below every layer beside ``jaxspec.errors`` and ``jaxspec.config``: it imports no JAX, so the host-only scheduler
@@ -28,7 +28,7 @@ _REAL = (int, float, np.integer, np.floating)
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
+class SamplerParams:
     """What a request asks of the sampler; temperature 0 means greedy.
 
     Canonical on construction: temperature below ``MIN_TEMPERATURE`` becomes 0 (greedy),
@@ -170,7 +170,7 @@ class Request:
 
     prompt_ids: list[int]
     max_new_tokens: int
-    params: SamplingParams = SamplingParams()
+    params: SamplerParams = SamplerParams()
     stop_ids: Sequence[int] | None = None  # None: the LLM's EOS ids
     stop: Callable[[list[int]], int | None] | None = None  # stop check (``stops.StopText``): ids -> tokens kept
     id: str = ""

@@ -68,8 +68,8 @@ def worker(args) -> None:
     import jsonschema
 
     from jaxspec.config import SchedulerConfig
-    from jaxspec.engine.batch import Request
-    from jaxspec.engine.build import build_engine, build_scheduler
+    from jaxspec.engine.core import Request
+    from jaxspec.engine.build import build_engine, build_core
     from jaxspec.structured import Grammar
     from models.tokenizer import encode_prompt
 
@@ -83,7 +83,7 @@ def worker(args) -> None:
     prompts = [encode_prompt(llm.tokenizer, TASK.format(prompt=r["prompt"]), True) for r in rows]
     iterations: list[tuple[int, float]] = []  # (active rows, seconds) of each decoding iteration of a timed pass
     limits = SchedulerConfig(max_batch=args.batch, max_model_len=max(map(len, prompts)) + args.max_new_tokens)
-    batch = build_scheduler(engine, limits, on_iteration=lambda st: iterations.append((st.active, st.seconds)))
+    batch = build_core(engine, limits, on_iteration=lambda st: iterations.append((st.active, st.seconds)))
     masks = engine.row_masks()
 
     def run(name: str) -> tuple[list, float]:

@@ -11,7 +11,7 @@ import os
 import sys
 
 from jaxspec.cli import main
-from jaxspec.engine.batch import BatchEngine
+from jaxspec.engine.core import EngineCore
 
 
 def _inject() -> None:
@@ -19,16 +19,16 @@ def _inject() -> None:
     argv = sys.argv[1:]
     if int(argv[argv.index("--process-id") + 1]) != process:
         return
-    decode = BatchEngine._decode
+    decode = EngineCore._decode
     calls = [0]
 
-    def failing(self: BatchEngine) -> None:
+    def failing(self: EngineCore) -> None:
         calls[0] += 1
         if calls[0] == step:
             raise RuntimeError(f"injected fault in decoding step {step}")
         decode(self)
 
-    BatchEngine._decode = failing
+    EngineCore._decode = failing
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from conftest import random_prompts, tiny_model  # noqa: E402
 from jaxspec.parallel import sharding  # noqa: E402
 from jaxspec.engine import Engine, LoadedModel, early_exit  # noqa: E402
 from jaxspec.decoding.kv_cache import tree_mask  # noqa: E402
-from jaxspec.decoding.sampling import SamplingParams  # noqa: E402
+from jaxspec.decoding.sampling import SamplerParams  # noqa: E402
 from jaxspec.decoding.tree import ancestor_mask  # noqa: E402
 from models.lowering import Lowering  # noqa: E402
 from models.transformer import KVCache, decoding_layout, make_forward  # noqa: E402
@@ -42,7 +42,7 @@ FAMILIES = {  # tiny models whose head counts divide the tensor sizes they are t
 }
 TREE = (1, 2, 1)
 NEW_TOKENS = 12
-MSS = SamplingParams(temperature=1.0, seed=7)
+MSS = SamplerParams(temperature=1.0, seed=7)
 
 
 def mesh_of(spec: str) -> jax.sharding.Mesh:
@@ -56,7 +56,7 @@ def model(family: str, layers: int = 2) -> LoadedModel:
     return tiny_model(seed=1, num_layers=layers, **FAMILIES[family])
 
 
-def generations(engine: Engine, prompts, params: SamplingParams = SamplingParams()) -> list[list[int]]:
+def generations(engine: Engine, prompts, params: SamplerParams = SamplerParams()) -> list[list[int]]:
     return [engine.generate(p, NEW_TOKENS, params).token_ids for p in prompts]
 
 
@@ -105,7 +105,7 @@ def tensor_parallel(family: str, mesh_spec: str, modes: tuple[str, ...]) -> dict
             pair = (Engine(m, *speculators), Engine(m, *speculators, mesh=mesh))
             engines.update({mode: pair} if mode == "incremental" else {"tree": pair, "mss": pair})
         one, many = engines[mode]
-        params = MSS if mode == "mss" else SamplingParams()
+        params = MSS if mode == "mss" else SamplerParams()
         want = generations(one, prompts, params)
         before = many.compilations
         got = generations(many, prompts[:1], params)
@@ -141,7 +141,7 @@ def data_parallel_pool(specs: tuple[str, ...]) -> dict:
         out[spec] = {"one": generations(one, prompts), "mesh": generations(many, prompts),
                      "groups": [list(g.members) for g in many.groups]}
         stacked = many._group_params[0]
-        state = many.init_state(1, 256, SamplingParams())
+        state = many.init_state(1, 256, SamplerParams())
         out[spec]["shards"] = shard_shapes(stacked, ["layers/mlp/up/kernel", "embed/embedding"])
         cache = state.ssm_caches[0].k
         out[spec]["cache_shard"] = [list(cache.shape), list(cache.addressable_shards[0].data.shape)]
@@ -149,9 +149,9 @@ def data_parallel_pool(specs: tuple[str, ...]) -> dict:
 
 
 def batched() -> dict:
-    """BatchEngine (slots over data, heads over tensor) vs one device: same outputs, no recompilation; then requests
+    """EngineCore (slots over data, heads over tensor) vs one device: same outputs, no recompilation; then requests
     sharing a 40-token prefix, the later ones served from the prefix cache (its blocks cut from sharded rows)."""
-    from jaxspec.engine.batch import BatchEngine, Request
+    from jaxspec.engine.core import EngineCore, Request
 
     m = model("llama")
     prompts = random_prompts(3, m.cfg.vocab_size, seed=5, lo=4, hi=12)
@@ -161,7 +161,7 @@ def batched() -> dict:
     out: dict = {}
     for name, mesh in (("one", None), ("mesh", mesh_of("data=2,tensor=2"))):
         engine = Engine(m, [early_exit(m, 1)], TREE, mesh=mesh)
-        batch = BatchEngine(engine, max_batch=2, max_model_len=64)
+        batch = EngineCore(engine, max_batch=2, max_model_len=64)
         reqs = [Request(p, NEW_TOKENS) for p in prompts]
         gens = batch.generate(reqs)
         warm = engine.compilations
@@ -179,7 +179,7 @@ def structured() -> dict:
     tokenizer, a regex, an SSM tree (masks from the host callback) and incremental decoding (masks as input)."""
     import dataclasses
 
-    from jaxspec.engine.batch import BatchEngine, Request
+    from jaxspec.engine.core import EngineCore, Request
     from jaxspec.structured import Grammar
     from models.loading import default_model_path
     from models.tokenizer import load_tokenizer
@@ -193,7 +193,7 @@ def structured() -> dict:
     for mode, speculators in (("incremental", ([], ())), ("tree", ([early_exit(m, 1)], TREE))):
         for name, mesh in (("one", None), ("mesh", mesh_of("data=2,tensor=2"))):
             engine = Engine(m, *speculators, mesh=mesh)
-            gens = BatchEngine(engine, max_batch=2, max_model_len=64).generate(
+            gens = EngineCore(engine, max_batch=2, max_model_len=64).generate(
                 [Request(p, NEW_TOKENS, grammar=grammar) for p in prompts])
             out[f"{mode}_{name}"] = {"tokens": [g.token_ids for g in gens],
                                      "texts": [tok.decode(g.token_ids, skip_special_tokens=True) for g in gens],
@@ -269,7 +269,7 @@ def default_model() -> dict:
 
 
 def abstract_states() -> dict:
-    """``Runner.abstract_state`` (from ``jax.eval_shape``, nothing allocated) against the real state of the same
+    """``ModelRunner.abstract_state`` (from ``jax.eval_shape``, nothing allocated) against the real state of the same
     bucket, leaf by leaf as the executable store describes them (shape, dtype, weak type, placement): a mismatch
     would make every prepared executable miss its call and compile again."""
     from jaxspec.decoding import sampling

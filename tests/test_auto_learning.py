@@ -11,7 +11,7 @@ from conftest import random_prompts
 from jaxspec.decoding import sampling
 from jaxspec.engine import Engine, early_exit
 from jaxspec.engine.auto import DISCOUNT, HALF_LIFE, Member, TreeChooser
-from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.engine.core import EngineCore, Request
 
 SSM = [Member("none", {}, {}), Member("ssm", {"ssm": 3}, {"ssm": (0,)})]
 NGRAM = [Member("none", {}, {}), Member("ngram", {"ngram": 4}, {"ngram": (0,)})]
@@ -132,10 +132,10 @@ def test_a_warm_up_request_leaves_the_statistics_unchanged(tiny_llm):
     """A ``learn=False`` request runs trees (and is timed) but teaches the chooser nothing; a normal one does."""
     engine = Engine(tiny_llm, speculators=[early_exit(tiny_llm, 1)], expansion=[(1, 1, 1)], auto=True,
                     costs={"none": 1.0, "ssm": 1.0})
-    batch = BatchEngine(engine, max_batch=2, max_model_len=64)
+    batch = EngineCore(engine, max_batch=2, max_model_len=64)
     prompts = random_prompts(2, 64, seed=4)
     batch.generate([Request(prompts[0], 8, id="warmup-0", learn=False)])
-    chooser = engine.chooser(sampling.WarpSpec.of(sampling.SamplingParams()))
+    chooser = engine.chooser(sampling.WarpSpec.of(sampling.SamplerParams()))
     assert sum(len(t) for t in chooser.timings.values()) > 0  # its iterations were timed: machine costs
     assert not any(s.trials.any() or s.hits.any() for s in chooser.global_stats.values())
     assert not chooser.open and not chooser.request["ssm"].trials.any()
@@ -163,7 +163,7 @@ def test_batched_expected_tokens_match_the_per_row_sum():
 def test_the_loop_prices_lost_overlap_by_its_newest_host_seconds(tiny_llm):
     """What an n-gram pick beside an iteration in flight is charged follows the newest host seconds, also once the
     loop's record of them is full (its length then stops changing)."""
-    batch = BatchEngine(Engine(tiny_llm), max_batch=1, max_model_len=64)
+    batch = EngineCore(Engine(tiny_llm), max_batch=1, max_model_len=64)
     assert batch.clock.host_seconds() == 0.0  # nothing timed yet
     batch.clock.host.extend([0.001] * batch.clock.host.maxlen)
     assert batch.clock.host_seconds() == pytest.approx(0.001)
@@ -178,14 +178,14 @@ def test_a_job_with_recorded_costs_starts_on_the_plain_step_and_loads_a_member_b
     and then runs; every token is plain decoding's."""
     engine = Engine(tiny_llm, speculators=[early_exit(tiny_llm, 1)], expansion=[(1, 1, 1)], auto=True,
                     costs={"none": 1.0, "ssm": 1.0})
-    batch = BatchEngine(engine, max_batch=1, max_model_len=64)
+    batch = EngineCore(engine, max_batch=1, max_model_len=64)
     warp = sampling.WarpSpec()
     batch.prepare(warps=(warp,), progress=False, beside=True)
     cap = batch.capacity_buckets[0]
     assert batch.planner.loader is not None and engine.is_warm(warp, cap, 1, "none")
     assert not any(engine.is_warm(warp, c, 1, "ssm") for c in batch.capacity_buckets)
     prompts = random_prompts(3, 64, seed=11)
-    plain = BatchEngine(Engine(tiny_llm), max_batch=1, max_model_len=64)
+    plain = EngineCore(Engine(tiny_llm), max_batch=1, max_model_len=64)
     want = [g.token_ids for g in plain.generate([Request(p, 12) for p in prompts])]
 
     batch.planner.load_seconds = float("inf")  # no saving repays this: nothing loads, every step is plain

@@ -13,8 +13,9 @@ import pytest
 
 from conftest import DEV_PROMPTS, random_prompts, tiny_model
 from jaxspec.decoding import sampling
+from jaxspec.request import SamplingError
 from jaxspec.engine.auto import Member, TreeChooser
-from jaxspec.engine.batch import BatchEngine, Event, LoopSync, Request
+from jaxspec.engine.core import EngineCore, Event, LoopSync, Request
 from jaxspec.engine.scheduler import QueueFull
 from jaxspec.engine import Engine, RequestError, early_exit
 from jaxspec.speculators.ngram import NGramSpeculator
@@ -42,7 +43,7 @@ def test_batch_greedy_equals_one_request_at_a_time_without_recompiling(llm, mode
     engine = engines(llm)[mode]
     single = [engine.generate(p, 12).token_ids for p in PROMPTS]
     # 3 slots for 5 requests (admission as slots free up); a 40-token prompt fed in 16-token chunks
-    batch = BatchEngine(engine, max_batch=3, max_model_len=64, prefill_chunk=16)
+    batch = EngineCore(engine, max_batch=3, max_model_len=64, prefill_chunk=16)
     first = batch.generate([Request(p, 12) for p in PROMPTS])
     assert [g.token_ids for g in first] == single
     compiled = engine.compilations
@@ -65,32 +66,32 @@ def test_overlapped_iterations_keep_every_output(llm, mode):
                 for k, p in enumerate(PROMPTS)]
     want = [engine.generate(r.prompt_ids, r.max_new_tokens, stop_ids=r.stop_ids).token_ids for r in requests]
     assert len(want[1]) <= 5 and len(want[4]) <= 3  # ended early, on the stop id
-    batch = BatchEngine(engine, max_batch=2, max_model_len=64, prefill_chunk=16)
+    batch = EngineCore(engine, max_batch=2, max_model_len=64, prefill_chunk=16)
     assert [g.token_ids for g in batch.generate(requests)] == want
     assert batch.overlapped >= batch.iterations // 2  # most iterations ran while the host read the last one
 
 
 def test_a_request_depends_on_its_own_seed_only(llm):
     engine = engines(llm)["tree"]
-    batch = BatchEngine(engine, max_batch=3, max_model_len=64)
-    mine = Request(PROMPTS[0], 10, sampling.SamplingParams(0.9, top_p=0.95, seed=3))
-    a = batch.generate([mine, Request(PROMPTS[1], 10, sampling.SamplingParams(0.7, seed=1))])
-    b = batch.generate([Request(PROMPTS[2], 10, sampling.SamplingParams(0.5, top_k=5, seed=9)),
+    batch = EngineCore(engine, max_batch=3, max_model_len=64)
+    mine = Request(PROMPTS[0], 10, sampling.SamplerParams(0.9, top_p=0.95, seed=3))
+    a = batch.generate([mine, Request(PROMPTS[1], 10, sampling.SamplerParams(0.7, seed=1))])
+    b = batch.generate([Request(PROMPTS[2], 10, sampling.SamplerParams(0.5, top_k=5, seed=9)),
                         Request(PROMPTS[3], 10), mine])
     assert a[0].token_ids == b[2].token_ids
     # a temperature-only row samples the same tokens alone (the top-k/top-p sort skipped at run time) as
     # beside a top-p row (batch a), where the sort runs for every row
-    alone = batch.generate([Request(PROMPTS[1], 10, sampling.SamplingParams(0.7, seed=1))])
+    alone = batch.generate([Request(PROMPTS[1], 10, sampling.SamplerParams(0.7, seed=1))])
     assert alone[0].token_ids == a[1].token_ids
     # the greedy row of a mixed (greedy + sampled) batch is still exactly greedy
     assert b[1].token_ids == engine.generate(PROMPTS[3], 10).token_ids
-    other = batch.generate([Request(PROMPTS[0], 10, sampling.SamplingParams(0.9, top_p=0.95, seed=4))])
+    other = batch.generate([Request(PROMPTS[0], 10, sampling.SamplerParams(0.9, top_p=0.95, seed=4))])
     assert other[0].token_ids != a[0].token_ids  # the seed matters
 
 
 def test_cancel_frees_the_slot_and_idle_slots_stay_empty(llm):
     engine = engines(llm)["incremental"]
-    batch = BatchEngine(engine, max_batch=2, max_model_len=64)
+    batch = EngineCore(engine, max_batch=2, max_model_len=64)
     events: list[Event] = []
     ticket = batch.submit(Request(PROMPTS[0], 40, id="a"), events.append)
     for _ in range(3):
@@ -107,7 +108,7 @@ def test_cancel_frees_the_slot_and_idle_slots_stay_empty(llm):
 
 def test_cancelled_requests_leave_the_queue_at_the_next_iteration(llm):
     """A waiting request that is cancelled ends at once and stops counting against --max-queue."""
-    batch = BatchEngine(engines(llm)["incremental"], max_batch=1, max_model_len=64, max_queue=3)
+    batch = EngineCore(engines(llm)["incremental"], max_batch=1, max_model_len=64, max_queue=3)
     events: dict[str, list[Event]] = {}
     def submit(k: int):
         return batch.submit(Request(PROMPTS[0], 30, id=str(k)), events.setdefault(str(k), []).append)
@@ -127,22 +128,22 @@ def test_cancelled_requests_leave_the_queue_at_the_next_iteration(llm):
 
 
 def test_bad_requests_and_a_full_queue_are_refused(llm):
-    batch = BatchEngine(engines(llm)["incremental"], max_batch=1, max_model_len=32, max_queue=1)
+    batch = EngineCore(engines(llm)["incremental"], max_batch=1, max_model_len=32, max_queue=1)
     with pytest.raises(RequestError, match="exceeds --max-model-len 32"):
         batch.submit(Request(list(range(1, 30)), 8), lambda e: None)
     with pytest.raises(RequestError, match="empty"):
         batch.submit(Request([], 8), lambda e: None)
     with pytest.raises(RequestError, match="outside the vocabulary"):
         batch.submit(Request([1, 10_000], 8), lambda e: None)
-    bad = sampling.SamplingParams(0.7)
+    bad = sampling.SamplerParams(0.7)
     object.__setattr__(bad, "top_p", 1.5)  # built around the constructor's own check
-    with pytest.raises(sampling.SamplingError, match="top-p"):
+    with pytest.raises(SamplingError, match="top-p"):
         batch.submit(Request([1, 2], 8, bad), lambda e: None)
     batch.submit(Request([1, 2], 8), lambda e: None)
     with pytest.raises(QueueFull, match="--max-queue 1"):
         batch.submit(Request([1, 2], 8), lambda e: None)
     with pytest.raises(RequestError, match="max-batch"):
-        BatchEngine(engines(llm)["incremental"], max_batch=0)
+        EngineCore(engines(llm)["incremental"], max_batch=0)
 
 
 def test_batch_choice_sums_rows_and_steps_aside_when_speculation_costs_more():
@@ -192,10 +193,10 @@ def test_a_prepared_loop_compiles_nothing_across_100_admissions(llm, lowering, m
     engine = Engine(llm, **spec, lowering=default_lowering(lowering))
     # two row buckets (1, 2): a loop re-lays rows out between them as between any two; each bucket more is
     # another set of every warp's and capacity's executables to prepare (max_batch=4: a third more compiling)
-    batch = BatchEngine(engine, max_batch=2, max_model_len=model_len, prefill_chunk=64)
+    batch = EngineCore(engine, max_batch=2, max_model_len=model_len, prefill_chunk=64)
     assert batch.row_buckets == (1, 2) and len(batch.capacity_buckets) == (1 if lowering == "cpu" else 2)
     rng = np.random.default_rng(0)
-    warps = [sampling.SamplingParams(), sampling.SamplingParams(0.8, top_p=0.9)]
+    warps = [sampling.SamplerParams(), sampling.SamplerParams(0.8, top_p=0.9)]
     make = lambda k: Request(rng.integers(1, 60, size=int(rng.integers(1, longest))).tolist(),  # noqa: E731
                              int(rng.integers(1, 4)), dataclasses.replace(warps[k % 2], seed=k))
     batch.prepare(warps=[sampling.batch_warp([w]) for w in warps], progress=False)
@@ -214,10 +215,10 @@ def test_a_job_of_short_prompts_prepares_its_chunk_sizes_only_and_compiles_nothi
     job's longest prompt, and the job's prompts then compile nothing."""
     from jaxspec.cache import BACKEND
 
-    batch = BatchEngine(Engine(llm), max_batch=2, max_model_len=300)
+    batch = EngineCore(Engine(llm), max_batch=2, max_model_len=300)
     assert batch.chunks.reachable() == (16, 64, 256, 1024)
     prompts = random_prompts(4, 40, seed=11)
-    batch.prepare(warps=[sampling.batch_warp([sampling.SamplingParams()])], progress=False,
+    batch.prepare(warps=[sampling.batch_warp([sampling.SamplerParams()])], progress=False,
                   longest=max(map(len, prompts)))
     assert {size for size, _ in batch.executor.prefill_ready} == {16, 64}
     before = BACKEND.listen()
@@ -236,14 +237,14 @@ def test_sampled_requests_on_a_dynamic_tree_fit_the_cache():
     assert engine.step_bounds()[0] == 13
     for length in (228, 236, 244):  # committed lengths that end a step just short of the 256-slot bucket
         prompt = [int(t) for t in np.random.default_rng(length).integers(1, llm.cfg.vocab_size, length)]
-        out = engine.generate(prompt, 30, sampling.SamplingParams(0.8, seed=1))
+        out = engine.generate(prompt, 30, sampling.SamplerParams(0.8, seed=1))
         assert len(out.token_ids) == 30
 
 
 def test_a_failure_late_in_admission_ends_that_request_and_frees_its_row(llm, monkeypatch):
     """An exception after the staged row went live on the device (here: building the n-gram index) ends that
     request with an error event, leaves no untracked live row, and the loop serves the next request."""
-    import jaxspec.engine.batch as batch_module
+    import jaxspec.engine.core as batch_module
 
     engine = Engine(llm, [NGramSpeculator(3)], [(1, 1, 1)])
     want = [engine.generate(p, 6).token_ids for p in PROMPTS[:2]]
@@ -255,7 +256,7 @@ def test_a_failure_late_in_admission_ends_that_request_and_frees_its_row(llm, mo
         return real(prompt, *args)
 
     monkeypatch.setattr(batch_module, "NGramIndex", flaky)
-    batch = BatchEngine(engine, max_batch=2, max_model_len=64)
+    batch = EngineCore(engine, max_batch=2, max_model_len=64)
     events: dict[str, list[Event]] = {}
     for k, p in enumerate(PROMPTS[:2]):
         batch.submit(Request(p, 6, id=str(k)), events.setdefault(str(k), []).append)
@@ -278,8 +279,8 @@ def test_replayed_gpu_measurements_make_auto_speculate_from_the_first_request(ll
     from jaxspec.engine.auto import KINDS
 
     engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)
-    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
-    batch = BatchEngine(engine, max_batch=1, max_model_len=64)
+    greedy = sampling.WarpSpec.of(sampling.SamplerParams())
+    batch = EngineCore(engine, max_batch=1, max_model_len=64)
     batch.prepare(warps=[greedy], progress=False)
     batch.planner.bucket_costs[(greedy, 1, batch.capacity_buckets[0])] = {"none": 2.5e-3, "ssm": 2.5e-3 * tree_cost}
     drafter = engine.chooser(greedy).global_stats[KINDS[0]]
@@ -299,25 +300,25 @@ def test_prefill_stall_paces_a_long_prompt_beside_a_decoding_row_and_changes_no_
     long_prompt = [int(x) for x in np.random.default_rng(2).integers(1, llm.cfg.vocab_size, 300)]
     requests = [Request([5, 3, 8], 30), Request(long_prompt, 6)]
     want = [engine.generate(r.prompt_ids, r.max_new_tokens).token_ids for r in requests]
-    paced = BatchEngine(engine, max_batch=2, max_model_len=320, prefill_chunk=64, prefill_stall=0.01)
+    paced = EngineCore(engine, max_batch=2, max_model_len=320, prefill_chunk=64, prefill_stall=0.01)
     assert [g.token_ids for g in paced.generate(requests)] == want
     assert paced.prefill_waits > 0  # iterations in which the staged prompt waited for the decoding row
-    plain = BatchEngine(engine, max_batch=2, max_model_len=320, prefill_chunk=64)
+    plain = EngineCore(engine, max_batch=2, max_model_len=320, prefill_chunk=64)
     assert [g.token_ids for g in plain.generate(requests)] == want and plain.prefill_waits == 0
     with pytest.raises(RequestError, match="prefill-stall"):
-        BatchEngine(engine, prefill_stall=0)
+        EngineCore(engine, prefill_stall=0)
 
 
 def test_a_paced_loop_with_no_prompt_to_feed_keeps_the_device_busy(llm, monkeypatch):
     """Pacing times a prompt chunk alone, so the iteration in flight ends first; an iteration with no prompt to feed
     must not wait for it (the server paces by default: every decoding iteration lost its overlap of host work with
     the device step). Counted: the loop's waits on the device while two admitted rows decode."""
-    import jaxspec.engine.batch as batch_module
+    import jaxspec.engine.core as batch_module
 
     engine = Engine(llm)
     requests = [Request([5, 3, 8], 24), Request([7, 2], 24)]
     want = [engine.generate(r.prompt_ids, r.max_new_tokens).token_ids for r in requests]
-    paced = BatchEngine(engine, max_batch=2, max_model_len=64, prefill_stall=0.5)
+    paced = EngineCore(engine, max_batch=2, max_model_len=64, prefill_stall=0.5)
     paced.generate([Request([4, 4], 2)])  # compiles outside the count
     waits = []
     real = batch_module.jax.block_until_ready
@@ -329,14 +330,14 @@ def test_a_paced_loop_with_no_prompt_to_feed_keeps_the_device_busy(llm, monkeypa
         shared = True
 
     with pytest.raises(RequestError, match="multi-process"):
-        BatchEngine(engine, prefill_stall=0.5, sync=Lockstep())
+        EngineCore(engine, prefill_stall=0.5, sync=Lockstep())
 
 
 def test_the_host_report_counts_what_the_loop_ran_since_its_timings_were_reset(tiny_llm):
     """``-v``'s host line (generate prints it at the end, serve as it stops): host and whole-iteration milliseconds
     over the iterations since ``reset_timings`` (a server's warm-up is not its serving), and per member under auto."""
     engine = Engine(tiny_llm, [NGramSpeculator(2)], (1, 1), auto=True, costs={"none": 1.0, "ngram": 1.02})
-    batch = BatchEngine(engine, max_batch=2, max_model_len=64)
+    batch = EngineCore(engine, max_batch=2, max_model_len=64)
     assert batch.host_report() == []
     batch.generate([Request([5, 9, 13, 5, 9, 13, 5, 9], 12, stop_ids=[])])
     lines = batch.host_report()

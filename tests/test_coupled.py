@@ -11,18 +11,19 @@ from scipy import stats
 
 from conftest import tiny_model
 from jaxspec.decoding import sampling
+from jaxspec.request import SamplingError, seed_words
 from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.decoding.tree import DynamicTree
 from jaxspec.engine import Engine, early_exit
-from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.engine.core import EngineCore, Request
 from jaxspec.decoding.step import prefill_model
 from models.transformer import KVCache
 
 PROMPTS = [[5, 3, 8, 1, 9, 2], [7, 7, 1], list(range(1, 41)), [4, 4, 4, 4, 2, 3], [9], [2, 8, 2, 8, 2]]
 COSTS = {"none": 1.0, "ngram": 1.2, "ssm": 1.5, "ssm+ngram": 1.7}
-PARAMS = [sampling.SamplingParams(0.9, seed=3), sampling.SamplingParams(1.0, top_k=6, seed=11),
-          sampling.SamplingParams(0.7, top_p=0.8, seed=5), sampling.SamplingParams(),
-          sampling.SamplingParams(1.3, top_k=20, top_p=0.95, seed=2**40 + 1), sampling.SamplingParams(0.8, seed=0)]
+PARAMS = [sampling.SamplerParams(0.9, seed=3), sampling.SamplerParams(1.0, top_k=6, seed=11),
+          sampling.SamplerParams(0.7, top_p=0.8, seed=5), sampling.SamplerParams(),
+          sampling.SamplerParams(1.3, top_k=20, top_p=0.95, seed=2**40 + 1), sampling.SamplerParams(0.8, seed=0)]
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +67,14 @@ def test_same_seed_same_tokens_in_every_mode_alone_and_in_a_batch(engines, wante
     alone = [engine.generate(p, 16, params) for p, params in zip(PROMPTS, PARAMS)]
     assert [g.token_ids for g in alone] == wanted, name
     # eight slots, every request beside the others, then again in another order: other neighbours, other slots
-    batch = BatchEngine(engine, max_batch=8, max_model_len=64, prefill_chunk=16)
+    batch = EngineCore(engine, max_batch=8, max_model_len=64, prefill_chunk=16)
     together = batch.generate([Request(p, 16, params) for p, params in zip(PROMPTS, PARAMS)])
     assert [g.token_ids for g in together] == wanted, name
     shuffled = batch.generate([Request(PROMPTS[i], 16, PARAMS[i]) for i in (3, 1, 5, 0, 4, 2)])
     assert [g.token_ids for g in shuffled] == [wanted[i] for i in (3, 1, 5, 0, 4, 2)], name
     assert sum(sum(g.step_tokens) - g.llm_steps for g in alone) > 0, name  # speculation accepted sampled tokens
     # the seed matters, and so do the other parameters
-    other = engine.generate(PROMPTS[0], 16, sampling.SamplingParams(0.9, seed=4)).token_ids
+    other = engine.generate(PROMPTS[0], 16, sampling.SamplerParams(0.9, seed=4)).token_ids
     assert other != wanted[0]
 
 
@@ -82,8 +83,8 @@ def test_the_coupled_draw_is_exact_for_the_first_and_second_tokens(llm, engines)
     distribution, incremental and through a tree, with top-k and top-p."""
     params = dict(temperature=1.0, top_k=5, top_p=0.9)
     prompt = [3, 1, 4]
-    spec = sampling.WarpSpec.of(sampling.SamplingParams(**params))
-    values = sampling.warp_arrays(sampling.SamplingParams(**params), 1)
+    spec = sampling.WarpSpec.of(sampling.SamplerParams(**params))
+    values = sampling.warp_arrays(sampling.SamplerParams(**params), 1)
 
     @jax.jit  # one compile per prompt length (op by op, the reference cost more than the draws)
     def warped_jit(params, ids):
@@ -104,8 +105,8 @@ def test_the_coupled_draw_is_exact_for_the_first_and_second_tokens(llm, engines)
     for name in ("incremental", "tree"):
         engine = engines[name]
         # the loop shape of the mode test above (its steps already traced where it ran first)
-        batch = BatchEngine(engine, max_batch=8, max_model_len=64, prefill_chunk=16)
-        outs = batch.generate([Request(prompt, 2, sampling.SamplingParams(**params, seed=s), stop_ids=[])
+        batch = EngineCore(engine, max_batch=8, max_model_len=64, prefill_chunk=16)
+        outs = batch.generate([Request(prompt, 2, sampling.SamplerParams(**params, seed=s), stop_ids=[])
                                for s in range(seeds)])
         counts = {}
         for g in outs:
@@ -127,15 +128,15 @@ def test_every_64_bit_seed_draws_its_own_stream(engines, llm):
     """Seeds s and s + 2**32 (and the signed extremes) sample different tokens; a seed past 32 bits is reproducible
     alone, in a tree and in a batch, and a seed below 2**32 keeps the key it always had."""
     for s in (7, 2**32 - 1, 2**62 + 9):
-        assert np.array_equal(sampling.seed_words(s), np.asarray(jax.random.PRNGKey(s % 2**32))) == (s < 2**32)
+        assert np.array_equal(seed_words(s), np.asarray(jax.random.PRNGKey(s % 2**32))) == (s < 2**32)
     prompt, seeds = PROMPTS[1], [7, 7 + 2**32, 2**63 - 1, -1, -(2**63)]
-    runs = {s: engines["incremental"].generate(prompt, 16, sampling.SamplingParams(0.9, seed=s)).token_ids
+    runs = {s: engines["incremental"].generate(prompt, 16, sampling.SamplerParams(0.9, seed=s)).token_ids
             for s in seeds}
     assert len({tuple(t) for t in runs.values()}) == len(seeds)
-    high = sampling.SamplingParams(0.9, seed=7 + 2**32)
+    high = sampling.SamplerParams(0.9, seed=7 + 2**32)
     assert engines["tree"].generate(prompt, 16, high).token_ids == runs[7 + 2**32]
-    batch = BatchEngine(engines["tree"], max_batch=8, max_model_len=64, prefill_chunk=16)
-    together = batch.generate([Request(prompt, 16, sampling.SamplingParams(0.9, seed=s)) for s in seeds])
+    batch = EngineCore(engines["tree"], max_batch=8, max_model_len=64, prefill_chunk=16)
+    together = batch.generate([Request(prompt, 16, sampling.SamplerParams(0.9, seed=s)) for s in seeds])
     assert [g.token_ids for g in together] == [runs[s] for s in seeds]
-    with pytest.raises(sampling.SamplingError, match="64 bits"):
-        sampling.SamplingParams(0.9, seed=2**64)
+    with pytest.raises(SamplingError, match="64 bits"):
+        sampling.SamplerParams(0.9, seed=2**64)

@@ -300,14 +300,14 @@ def test_child_process_benches_refuse_a_multi_process_run(monkeypatch, capsys) -
 def test_an_announced_admission_reaches_the_other_processes_whole() -> None:
     """Process 0's admission record (``lockstep._encode``) decodes on the others to the same request: every seed's
     64 bits (s and s + 2**32 stay apart), float32 sampling values, stop strings and stop ids."""
-    from jaxspec.decoding.sampling import SamplingParams
+    from jaxspec.decoding.sampling import SamplerParams
     from jaxspec.engine import lockstep
-    from jaxspec.engine.batch import Request
+    from jaxspec.engine.core import Request
     from jaxspec.engine.scheduler import Ticket
 
     seen = []
     for k, seed in enumerate([0, 7, 7 + 2**32, 2**63 - 1, -1, -(2**63), 2**64 - 1]):
-        params = SamplingParams(0.7, 12, 0.9, seed)
+        params = SamplerParams(0.7, 12, 0.9, seed)
         ticket = Ticket(Request([5, 6, 7], 9, params, stop_ids=[2] if k % 2 else None, id="r",
                                 stop_strings=("é\n", "end") if k % 3 else ()))
         ticket.seq = 40 + k

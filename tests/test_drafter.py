@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import random_prompts, tiny_model
-from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.engine.core import EngineCore, Request
 from jaxspec.speculators.drafter_io import load_drafter, save_drafter
 from jaxspec.engine import Engine, LoadedModel, VocabularyMismatch
 from jaxspec.decoding.kv_cache import causal_mask
@@ -84,7 +84,7 @@ def test_committed_features_are_the_llms_states(llm):
     prompt = random_prompts(1, VOCAB, seed=2, lo=11, hi=12)[0]
     gen = engine.generate(prompt, 20)
     assert max(gen.step_tokens) > 1  # some iteration committed several tokens at once
-    batch = BatchEngine(engine, max_batch=2, max_model_len=64, prefill_chunk=4)
+    batch = EngineCore(engine, max_batch=2, max_model_len=64, prefill_chunk=4)
     seen = {}  # the state and the request's row at its last event before the final one (it is retired then)
 
     def snapshot(k, event):
@@ -106,7 +106,7 @@ def test_batched_requests_with_a_drafter_equal_single_ones(llm):
     engine = Engine(llm, [drafter(llm)], [(1, 2, 1)])
     prompts = [[5, 3, 8, 1, 9, 2], [7, 7, 1], list(range(1, 41)), [4, 4, 4, 4, 2, 3], [9]]
     single = [engine.generate(p, 12).token_ids for p in prompts]
-    batch = BatchEngine(engine, max_batch=3, max_model_len=64, prefill_chunk=16)
+    batch = EngineCore(engine, max_batch=3, max_model_len=64, prefill_chunk=16)
     assert [g.token_ids for g in batch.generate([Request(p, 12) for p in prompts])] == single
 
 

@@ -94,10 +94,10 @@ def test_sampled_requests_draft_the_fixed_fallback(models):
     llm, near, _ = models
     dyn = DynamicTree(8, 3, 3)
     engine = Engine(llm, [near], dyn)
-    warm = sampling.SamplingParams(temperature=0.9, seed=4)
+    warm = sampling.SamplerParams(temperature=0.9, seed=4)
     (cfg,) = engine.family(warm).values()
     assert cfg.topologies == (dyn.fallback,) and dyn.fallback == expansion_topology((3, 1, 1))
-    assert engine.family(sampling.SamplingParams())["tree"].topologies == (dyn,)
+    assert engine.family(sampling.SamplerParams())["tree"].topologies == (dyn,)
     first = engine.generate([3, 1, 4, 1, 5], 16, warm).token_ids
     assert engine.generate([3, 1, 4, 1, 5], 16, warm).token_ids == first  # seeded
     with pytest.raises(ValueError, match="draft greedily"):

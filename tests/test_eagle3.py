@@ -206,7 +206,7 @@ def test_eagle3_head_merges_with_the_ngram_and_runs_under_every_verifier(tmp_pat
     want = incremental.generate(prompt, 16).token_ids
     for engine in greedy:
         assert engine.generate(prompt, 16).token_ids == want
-    params = sampling.SamplingParams(temperature=0.8, seed=3)
+    params = sampling.SamplerParams(temperature=0.8, seed=3)
     for verify in ("mss", "naive", "coupled"):
         engine = Engine(llm, [model], (2, 1), verify=verify)
         gen = engine.generate(prompt, 12, params)

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import random_prompts, tiny_model
 from jaxspec.engine import Engine, RequestError, VocabularyMismatch, early_exit
-from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.sampling import SamplerParams
 from jaxspec.decoding.step import DecodeConfig, DecodeState, decode_step, prefill
 from jaxspec.decoding.tree import expansion_topology
 from models.transformer import KVCache
@@ -83,7 +83,7 @@ def test_same_shape_ssms_draft_in_one_vmapped_forward(tiny_llm):
     assert stacked["layers"]["mlp"]["up"]["kernel"].shape[0] == 2
     assert stacked["embed"]["embedding"] is a.params["embed"]["embedding"]
     assert [g.members for g in separate.groups] == [(0,), (1,), (2,)]
-    for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=3)):
+    for params in (SamplerParams(), SamplerParams(temperature=0.8, seed=3)):
         for prompt in random_prompts(3, tiny_llm.cfg.vocab_size, seed=13):
             want, got = separate.generate(prompt, 24, params), batched.generate(prompt, 24, params)
             assert got.token_ids == want.token_ids and got.step_tokens == want.step_tokens
@@ -106,7 +106,7 @@ def test_no_recompilation_after_warmup(tiny_llm):
     gen = engine.generate([4, 5, 6, 7], 64)
     assert gen.llm_steps > 10
     assert engine.compilations == warm
-    engine.generate([9, 8, 7], 64, SamplingParams(temperature=0.0, seed=3))
+    engine.generate([9, 8, 7], 64, SamplerParams(temperature=0.0, seed=3))
     assert engine.compilations == warm
 
 
@@ -208,7 +208,7 @@ def test_a_prepared_engine_generates_its_requests_without_compiling(tiny_llm):
     from jaxspec.cache import BACKEND
 
     prompts = random_prompts(3, tiny_llm.cfg.vocab_size, seed=5, lo=4, hi=12) + [[7] * 300]  # 256 and 512 buckets
-    params = [SamplingParams(), SamplingParams(0.9, seed=2**33 + 1)]
+    params = [SamplerParams(), SamplerParams(0.9, seed=2**33 + 1)]
     engine = Engine(tiny_llm)
     assert engine.prepare([(len(p), 16) for p in prompts], params, progress=False) > 0
     before = BACKEND.listen()

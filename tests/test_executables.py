@@ -8,7 +8,7 @@ import pytest
 from conftest import tiny_model
 from jaxspec.cache import STATS
 from jaxspec.speculators.ngram import NGramSpeculator
-from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.sampling import SamplerParams
 from jaxspec.engine import Engine
 from jaxspec.speculators.early_exit import early_exit
 
@@ -19,7 +19,7 @@ def _run(llm) -> tuple[Engine, list[list[int]]]:
     """A fresh engine (new jitted functions: nothing in memory) decoding a greedy and a seeded sampled request."""
     engine = Engine(llm, [early_exit(llm, 1), NGramSpeculator(2)], [(1, 2), (1, 1)])
     out = [engine.generate(PROMPTS[0], 8).token_ids,
-           engine.generate(PROMPTS[1], 8, SamplingParams(0.8, seed=3)).token_ids]
+           engine.generate(PROMPTS[1], 8, SamplerParams(0.8, seed=3)).token_ids]
     return engine, out
 
 

@@ -20,7 +20,7 @@ from conftest import tiny_model
 from jaxspec import cli
 from jaxspec.engine import Engine, RequestError
 from jaxspec.engine.admission import FAIL_REQUESTS_ENV
-from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.engine.core import EngineCore, Request
 from jaxspec.errors import reset_warnings
 
 PROMPTS = ["Name a colour.", "Count to three.", "What is a cat?", "Say hello.", "Spell dog.", "Two plus two?"]
@@ -97,7 +97,7 @@ def test_a_single_failed_request_exits_non_zero_and_engine_generate_raises(check
 def test_a_failed_loop_ends_every_request_with_an_error_and_keeps_what_finished(tiny_llm, monkeypatch):
     """The loop itself failing (not one request): ``generate`` returns what finished and an error for the rest;
     ``run`` (a server's thread) gives every waiting and running request an error event before it re-raises."""
-    batch = BatchEngine(Engine(tiny_llm), max_batch=1, max_model_len=64)
+    batch = EngineCore(Engine(tiny_llm), max_batch=1, max_model_len=64)
     real, calls = batch.step, []
 
     def failing() -> None:
@@ -115,7 +115,7 @@ def test_a_failed_loop_ends_every_request_with_an_error_and_keeps_what_finished(
         assert gen.error == "the scheduling loop failed (RuntimeError: the device went away (injected))"
     assert 0 < len(gens[1].token_ids) < 40  # it was running: its tokens so far are kept
 
-    loop = BatchEngine(Engine(tiny_llm), max_batch=1, max_model_len=64)
+    loop = EngineCore(Engine(tiny_llm), max_batch=1, max_model_len=64)
     monkeypatch.setattr(loop, "step", lambda: (_ for _ in ()).throw(RuntimeError("bug (injected)")))
     events: dict[str, list] = {"a": [], "b": []}
     for name in events:
@@ -200,7 +200,7 @@ def test_a_failed_ngram_proposal_ends_its_row_only(tiny_llm, monkeypatch, caplog
     engine = Engine(tiny_llm, [NGramSpeculator(3)], [(1, 1, 1)])
     prompts = [[1, 2, 3, 1, 2], [4, 5, 6, 4, 5], [7, 8, 9, 7, 8]]
     requests = [Request(p, 12, stop_ids=[]) for p in prompts]
-    want = BatchEngine(engine, max_batch=4, max_model_len=64).generate(requests)
+    want = EngineCore(engine, max_batch=4, max_model_len=64).generate(requests)
     bad, real, raised = prompts[1], NGramIndex.propose, []
 
     def propose(index: NGramIndex, depth: int) -> list[int]:
@@ -210,8 +210,8 @@ def test_a_failed_ngram_proposal_ends_its_row_only(tiny_llm, monkeypatch, caplog
         return real(index, depth)
 
     monkeypatch.setattr(NGramIndex, "propose", propose)
-    caplog.set_level(logging.ERROR, logger="jaxspec.engine.batch")
-    batch = BatchEngine(engine, max_batch=4, max_model_len=64)
+    caplog.set_level(logging.ERROR, logger="jaxspec.engine.core")
+    batch = EngineCore(engine, max_batch=4, max_model_len=64)
     gens = batch.generate(requests)
     assert gens[1].finish_reason == "error" and gens[1].error == "RuntimeError: the proposal failed (injected)"
     assert 4 <= len(gens[1].token_ids) < 12 and gens[1].token_ids == want[1].token_ids[: len(gens[1].token_ids)]
@@ -233,7 +233,7 @@ def test_a_failed_grammar_matcher_ends_its_row_only(tiny_checkpoint_llm, monkeyp
     good, bad = Grammar("regex", r"(yes|no), because [a-z ]{1,40}\."), Grammar("regex", r"[a-z ]{1,30}")
     ids = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
     requests = [Request(ids[0], 16, grammar=good), Request(ids[1], 16, grammar=bad), Request(ids[2], 8)]
-    want = BatchEngine(engine, max_batch=4, max_model_len=128).generate([requests[0], requests[2]])
+    want = EngineCore(engine, max_batch=4, max_model_len=128).generate([requests[0], requests[2]])
     made, real_matcher, real_mask = [], Vocabulary.matcher, RowMasks.path_mask
 
     def matcher(vocab: Vocabulary, compiled):
@@ -249,7 +249,7 @@ def test_a_failed_grammar_matcher_ends_its_row_only(tiny_checkpoint_llm, monkeyp
 
     monkeypatch.setattr(Vocabulary, "matcher", matcher)
     monkeypatch.setattr(RowMasks, "path_mask", path_mask)
-    gens = BatchEngine(engine, max_batch=4, max_model_len=128).generate(requests)
+    gens = EngineCore(engine, max_batch=4, max_model_len=128).generate(requests)
     assert made and gens[1].finish_reason == "error" and gens[1].error == "RuntimeError: the matcher failed (injected)"
     assert len(gens[1].token_ids) == 1  # its first token (admission's mask), then its first step failed
     assert [(g.finish_reason, g.token_ids) for g in (gens[0], gens[2])] == [(w.finish_reason, w.token_ids)
@@ -261,7 +261,7 @@ def test_a_failed_grammar_matcher_ends_its_row_only(tiny_checkpoint_llm, monkeyp
 def test_a_failed_decoding_step_logs_its_stack_once(tiny_llm, monkeypatch, caplog):
     """A device error in a step (injected at the executor's launch) ends that step's rows with its one-line reason;
     the log holds its full stack once, however often it recurs; the loop then serves the next request as before."""
-    batch = BatchEngine(Engine(tiny_llm), max_batch=2, max_model_len=64)
+    batch = EngineCore(Engine(tiny_llm), max_batch=2, max_model_len=64)
     requests = [Request([1, 2, 3], 4, stop_ids=[]), Request([4, 5], 4, stop_ids=[])]
     want = batch.generate(requests)
     real = batch.executor.execute
@@ -270,7 +270,7 @@ def test_a_failed_decoding_step_logs_its_stack_once(tiny_llm, monkeypatch, caplo
         raise RuntimeError("the device was lost (injected)\nits second line")
 
     monkeypatch.setattr(batch.executor, "execute", lost)
-    caplog.set_level(logging.ERROR, logger="jaxspec.engine.batch")
+    caplog.set_level(logging.ERROR, logger="jaxspec.engine.core")
     for _ in range(2):
         gens = batch.generate(requests)
         assert [g.finish_reason for g in gens] == ["error", "error"]

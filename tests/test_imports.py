@@ -239,6 +239,10 @@ def test_import_jaxspec_stays_light():
     code = "import sys, jaxspec; jaxspec.LLM, jaxspec.SamplingParams; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False"]  # the API's names load no JAX until a model is built
+    code = ("import jaxspec; print(jaxspec.BatchEngine is jaxspec.EngineCore, jaxspec.build_scheduler is "
+            "jaxspec.build_core, jaxspec.EngineCore.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True", "jaxspec.engine.core"]  # the loop's former names still answer
 
 
 def _private(name: str) -> bool:
@@ -275,13 +279,13 @@ def private_reads(sources: dict[str, str]) -> list[str]:
 
 
 def test_no_private_member_is_read_across_modules():
-    """``engine._step_fn(...)`` from the scheduling loop: the executor's contract is public (``Runner.step``,
+    """``engine._step_fn(...)`` from the scheduling loop: the executor's contract is public (``ModelRunner.step``,
     ``llm_params``, ``forward``, ``choosers``); a module reads only its own objects' private members."""
     assert private_reads({name: path.read_text() for name, path in modules().items()}) == []
 
 
 def test_the_private_member_finder_finds_one():
-    owner = "class Runner:\n    def __init__(self):\n        self._w = 1\n    def _fn(self):\n        return self._w\n"
+    owner = "class ModelRunner:\n    def __init__(self):\n        self._w = 1\n    def _fn(self):\n        return self._w\n"
     sources = {"pkg.runner": owner, "pkg.loop": "def run(e):\n    return e._fn(), e._w, e.w, e._own\n",
                "pkg.own": "class A:\n    _w = 0\ndef f(a):\n    return a._w\n",
                "pkg.sub": "import os\nfrom pkg import runner\nclass B:\n    def g(self):\n"

@@ -12,14 +12,14 @@ from conftest import random_prompts, tiny_model
 from jaxspec.decoding import sampling
 from jaxspec.engine import Engine
 from jaxspec.engine.auto import SETTLE_TRIALS, Member, TreeChooser
-from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.engine.core import EngineCore, Request
 from jaxspec.engine.clock import PARTS
 from jaxspec.speculators.ngram import NGramSpeculator
 
 REPEATING = [5, 9, 13, 5, 9, 13, 5, 9]  # a prompt the n-gram speculator finds matches in
 
 
-def check_adds_up(batch: BatchEngine, gens) -> None:
+def check_adds_up(batch: EngineCore, gens) -> None:
     """Each request's steps per member are its LLM steps, and their seconds its decoding seconds: the spans run from
     its first token's read to its last, so they telescope; what is left is its last token's delivery, which follows
     that read within the same iteration's host seconds (``LoopClock.host``), the bound used here."""
@@ -39,7 +39,7 @@ def test_a_requests_seconds_per_member_add_up_to_its_decoding_seconds_and_steps(
     both run) and incremental (plain steps only)."""
     engine = (Engine(tiny_llm, [NGramSpeculator(2)], (1, 1), auto=True, costs={"none": 1.0, "ngram": 1.02}) if auto
               else Engine(tiny_llm))
-    batch = BatchEngine(engine, max_batch=2, max_model_len=64)
+    batch = EngineCore(engine, max_batch=2, max_model_len=64)
     prompts = [REPEATING] + random_prompts(2, 64, seed=5)
     gens = batch.generate([Request(p, n, stop_ids=[]) for p, n in zip(prompts, (20, 7, 13))])
     check_adds_up(batch, gens)
@@ -66,8 +66,8 @@ def test_auto_settles_on_plain_steps_where_every_draft_is_rejected(tiny_llm):
     engine = Engine(tiny_llm, speculators=[ssm], expansion=[(1, 1, 1)], auto=True, costs={"none": 1.0, "ssm": 1.5})
     prompts = random_prompts(3, 64, seed=11)
     requests = [Request(p, 40, stop_ids=[]) for p in prompts]
-    gens = BatchEngine(engine, max_batch=1, max_model_len=96).generate(requests)
-    plain = BatchEngine(Engine(tiny_llm), max_batch=1, max_model_len=96).generate(requests)
+    gens = EngineCore(engine, max_batch=1, max_model_len=96).generate(requests)
+    plain = EngineCore(Engine(tiny_llm), max_batch=1, max_model_len=96).generate(requests)
     for k, (gen, want) in enumerate(zip(gens, plain)):
         assert gen.token_ids == want.token_ids
         assert sum(gen.drafted.values()) > 0 and sum(gen.accepted.values()) == 0  # tried, and every draft failed
@@ -135,11 +135,11 @@ def test_a_settled_request_s_plain_iterations_compute_no_expected_tokens(tiny_ll
     auto adds to one under incremental. Counted: the scorings of a 40-token request whose drafts all fail."""
     engine = Engine(tiny_llm, speculators=[tiny_model(seed=7)], expansion=[(1, 1, 1)], auto=True,
                     costs={"none": 1.0, "ssm": 1.5})
-    chooser = engine.chooser(sampling.WarpSpec.of(sampling.SamplingParams()))
+    chooser = engine.chooser(sampling.WarpSpec.of(sampling.SamplerParams()))
     scored = []
     row_rates = chooser._row_rates
     chooser._row_rates = lambda *args: scored.append(1) or row_rates(*args)
-    (gen,) = BatchEngine(engine, max_batch=1, max_model_len=96).generate([Request(random_prompts(1, 64, 11)[0], 40,
+    (gen,) = EngineCore(engine, max_batch=1, max_model_len=96).generate([Request(random_prompts(1, 64, 11)[0], 40,
                                                                                   stop_ids=[])])
     assert sum(gen.accepted.values()) == 0 and gen.tree_counts["none"] >= gen.llm_steps - SETTLE_TRIALS - 1
     assert len(scored) <= 2 * (SETTLE_TRIALS + 1) < gen.llm_steps - 30, (len(scored), gen.trees)

@@ -18,7 +18,7 @@ from jaxspec.decoding import sampling
 from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.decoding.tree import DynamicTree
 from jaxspec.engine import Engine, early_exit
-from jaxspec.engine.batch import BatchEngine, Event, Request
+from jaxspec.engine.core import EngineCore, Event, Request
 
 MAX_MODEL_LEN = 400  # capacity buckets 256, 512, ...: the 300-token documents cross the first boundary
 COSTS = {"none": 1.0, "ngram": 1.1, "ssm": 1.2, "ssm+ngram": 1.3}  # auto's picks vary with the batch
@@ -44,7 +44,7 @@ def engines(llm) -> dict[str, Engine]:
     }
 
 
-def run_schedule(batch: BatchEngine, prompts: list[list[int]], seed: int, sampled: bool,
+def run_schedule(batch: EngineCore, prompts: list[list[int]], seed: int, sampled: bool,
                  grammars: tuple = (None,), tokens: tuple[int, int] = (3, 10)) -> list[tuple]:
     """Submits requests at random iterations, cancels some at random; returns (request, tokens, reason) each.
 
@@ -54,8 +54,8 @@ def run_schedule(batch: BatchEngine, prompts: list[list[int]], seed: int, sample
     results: dict[int, tuple[Request, list[int], list[str]]] = {}
     tickets = {}
     for k, p in enumerate(order):
-        params = (sampling.SamplingParams(0.9, top_p=0.95, seed=int(rng.integers(1 << 20))) if sampled and k % 2
-                  else sampling.SamplingParams())
+        params = (sampling.SamplerParams(0.9, top_p=0.95, seed=int(rng.integers(1 << 20))) if sampled and k % 2
+                  else sampling.SamplerParams())
         req = Request(prompts[p], int(rng.integers(*tokens)), params, id=str(k),
                       grammar=grammars[int(rng.integers(len(grammars)))])
         got: list[int] = []
@@ -82,7 +82,7 @@ def run_schedule(batch: BatchEngine, prompts: list[list[int]], seed: int, sample
 
 def check_schedules(engine: Engine, prompts: list[list[int]], label: str, max_model_len: int, **schedule) -> None:
     """Greedy alone at one row, then greedy and seeded sampled rows mixed at four: every output is its solo one."""
-    solo = BatchEngine(engine, max_batch=1, max_model_len=max_model_len, reuse_prefix=False)
+    solo = EngineCore(engine, max_batch=1, max_model_len=max_model_len, reuse_prefix=False)
     alone: dict = {}
 
     def reference(req: Request) -> list[int]:
@@ -94,7 +94,7 @@ def check_schedules(engine: Engine, prompts: list[list[int]], label: str, max_mo
 
     schedules = resizes = reuses = cancelled = finished = 0
     for max_batch, sampled in ((1, False), (4, True)):
-        batch = BatchEngine(engine, max_batch=max_batch, max_model_len=max_model_len, prefill_chunk=64)
+        batch = EngineCore(engine, max_batch=max_batch, max_model_len=max_model_len, prefill_chunk=64)
         for req, got, (reason,) in run_schedule(batch, prompts, 10 * max_batch, sampled, **schedule):
             want = reference(req)
             if reason == "cancelled":

@@ -14,7 +14,7 @@ import pytest
 from conftest import ragged_forward_case, tiny_config, tiny_model
 from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.engine import Engine
-from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.engine.core import EngineCore, Request
 from jaxspec.engine.costs import calibration_key, random_model
 from models.drafter import drafter_config, init_drafter
 from models.loaded import LoadedModel, forward_for
@@ -149,7 +149,7 @@ def test_a_long_prompt_decodes_the_same_tokens_with_blocked_and_dense_attention(
     tokens = []
     for attention in ("dense", "blocks"):
         engine = Engine(llm, [NGramSpeculator(3)], [(1, 1, 1)], lowering=Lowering(attention=attention))
-        batch = BatchEngine(engine, max_batch=2, max_model_len=700)
+        batch = EngineCore(engine, max_batch=2, max_model_len=700)
         tokens.append([g.token_ids for g in batch.generate([Request(prompt, 24), Request(prompt[:40], 24)])])
     assert tokens[0] == tokens[1]
 
@@ -182,7 +182,7 @@ def test_greedy_tokens_are_the_defaults_under_the_gpu_lowering_and_scanned_layer
     alike (each field's every value is covered by the forward test above; here the engine runs them together)."""
     engine = Engine(llm, [drafter(llm), NGramSpeculator(3)], [(1, 2), (1, 1, 1)], lowering=lowering)
     assert engine.lowering == lowering
-    batch = BatchEngine(engine, max_batch=3, max_model_len=64)
+    batch = EngineCore(engine, max_batch=3, max_model_len=64)
     assert [g.token_ids for g in batch.generate([Request(p, 24) for p in PROMPTS])] == reference
 
 

@@ -495,7 +495,7 @@ def test_jax_verifier_matches_reference_on_fixed_tree(mode):
     with np.errstate(divide="ignore"):
         logits = jnp.broadcast_to(jnp.asarray(np.log(p), jnp.float32), (b,) + p.shape)
     draft = jnp.broadcast_to(jnp.asarray(q, jnp.float32), (b,) + q.shape)
-    params = sampling.SamplingParams(temperature=1.0)
+    params = sampling.SamplerParams(temperature=1.0)
     spec, values = sampling.WarpSpec.of(params), sampling.warp_arrays(params, b)
 
     def run(tree, logits, draft, key, values):
@@ -526,7 +526,7 @@ def test_jax_mss_root_only_samples_p():
         logits = jnp.broadcast_to(jnp.asarray(np.log(p), jnp.float32), (b, 1, v))
     tree = TokenTree(jnp.zeros((b, 1), jnp.int32), jnp.full((b, 1), -1, jnp.int32), jnp.zeros((b, 1), jnp.int32),
                      jnp.ones((b, 1), bool), jnp.full((b, 1), -1, jnp.int32), jnp.full((b, 1), -1, jnp.int32))
-    params = sampling.SamplingParams(temperature=1.0)
+    params = sampling.SamplerParams(temperature=1.0)
     spec = sampling.WarpSpec.of(params)
     for mode in ("mss", "naive"):
         fn = jax.jit(lambda tree, logits, key, values: verify_stochastic.verify(mode, tree, logits, None, key, spec,
@@ -551,7 +551,7 @@ def test_propose_draws_are_iid_from_warped_q():
     """k children per fed node are i.i.d. draws from the SSM's warped q (pairs too)."""
     b, v, k = 40_000, 5, 3
     logits = jnp.broadcast_to(jnp.array([[2.0, 1.0, 0.0, -1.0, 0.5]]), (b, 1, v))
-    params = sampling.SamplingParams(temperature=0.7, top_k=4)
+    params = sampling.SamplerParams(temperature=0.7, top_k=4)
     spec, values = sampling.WarpSpec.of(params), sampling.warp_arrays(params, b)
     fn = jax.jit(lambda key, logits, values: propose(key, logits, k, spec, values), compiler_options=FAST)
     draws, q = fn(jax.random.PRNGKey(5), logits, values)
@@ -670,7 +670,7 @@ def _tree_sampler(models, spec: sampling.WarpSpec, verify: str, b: int, ngram: t
 
     fn = jax.jit(run)
 
-    def sample(params: sampling.SamplingParams, seed: int):
+    def sample(params: sampling.SamplerParams, seed: int):
         values = sampling.warp_arrays(params, b)
         draws = [jax.device_get(fn(llm_params, tuple(s.params for s in ssms),
                                    jax.random.fold_in(jax.random.PRNGKey(seed), chunk), values))
@@ -690,9 +690,9 @@ def _two_token_pvalue(firsts, law) -> float:
 
 
 WARPS = {
-    "t1": sampling.SamplingParams(temperature=1.0),
-    "t0.7_p0.9": sampling.SamplingParams(temperature=0.7, top_p=0.9),
-    "k5": sampling.SamplingParams(temperature=1.0, top_k=5),
+    "t1": sampling.SamplerParams(temperature=1.0),
+    "t0.7_p0.9": sampling.SamplerParams(temperature=0.7, top_p=0.9),
+    "k5": sampling.SamplerParams(temperature=1.0, top_k=5),
 }
 E2E_B = 20_000
 E2E_CHUNK = 5_000  # rows of one compiled call (``_tree_sampler``)
@@ -703,7 +703,7 @@ E2E_CHUNK = 5_000  # rows of one compiled call (``_tree_sampler``)
 ALL_STAGES = sampling.WarpSpec(greedy=False, use_top_k=True, use_top_p=True)
 
 
-def _with_stages(params: sampling.SamplingParams) -> sampling.SamplingParams:
+def _with_stages(params: sampling.SamplerParams) -> sampling.SamplerParams:
     return dataclasses.replace(params, top_k=params.top_k or VOCAB)
 
 
@@ -774,7 +774,7 @@ def test_end_to_end_tree_per_warp_spec(models, verify, warp):
     assert pval > ALPHA, pval
 
 
-def _batch_generate(models, params: sampling.SamplingParams, verify: str, prompts: np.ndarray, steps: int):
+def _batch_generate(models, params: sampling.SamplerParams, verify: str, prompts: np.ndarray, steps: int):
     """Runs decode_step ``steps`` times for a batch of prompts; returns emitted tokens per row."""
     llm, near, _ = models
     ssms = (near,)
@@ -810,8 +810,8 @@ def _batch_generate(models, params: sampling.SamplingParams, verify: str, prompt
 
 def test_temperature_to_zero_reproduces_greedy(models):
     prompts = np.random.default_rng(0).integers(0, VOCAB, (8, 5)).astype(np.int32)
-    greedy = _batch_generate(models, sampling.SamplingParams(), "greedy", prompts, 6)
-    cold = _batch_generate(models, sampling.SamplingParams(temperature=1e-4, seed=3), "mss", prompts, 6)
+    greedy = _batch_generate(models, sampling.SamplerParams(), "greedy", prompts, 6)
+    cold = _batch_generate(models, sampling.SamplerParams(temperature=1e-4, seed=3), "mss", prompts, 6)
     n = min(min(map(len, greedy)), min(map(len, cold)))
     assert n >= 7
     assert [g[:n] for g in greedy] == [c[:n] for c in cold]
@@ -841,11 +841,11 @@ def _check_generation(gen, n):
 @pytest.mark.parametrize("mode,verify", [("tree", "mss"), ("incremental", "naive")])
 def test_engine_generate_stochastic(models, mode, verify):
     eng = _engine(models, mode, verify)
-    gen = eng.generate([1, 2, 3], 12, sampling.SamplingParams(temperature=0.8, seed=1))
+    gen = eng.generate([1, 2, 3], 12, sampling.SamplerParams(temperature=0.8, seed=1))
     _check_generation(gen, 12)
-    again = eng.generate([1, 2, 3], 12, sampling.SamplingParams(temperature=0.8, seed=1))
+    again = eng.generate([1, 2, 3], 12, sampling.SamplerParams(temperature=0.8, seed=1))
     assert again.token_ids == gen.token_ids  # same seed, same output (no recompilation either)
-    others = [eng.generate([1, 2, 3], 12, sampling.SamplingParams(temperature=0.8, seed=s)).token_ids
+    others = [eng.generate([1, 2, 3], 12, sampling.SamplerParams(temperature=0.8, seed=s)).token_ids
               for s in (2, 3, 4)]
     assert any(o != gen.token_ids for o in others)
 
@@ -855,9 +855,9 @@ def test_engine_generate_stochastic(models, mode, verify):
 @pytest.mark.parametrize("verify", ["mss", "naive"])
 def test_engine_generate_all_modes(models, mode, verify):
     eng = _engine(models, mode, verify)
-    for params in (sampling.SamplingParams(temperature=0.8, seed=1),
-                   sampling.SamplingParams(temperature=0.7, top_p=0.9, seed=1),
-                   sampling.SamplingParams(temperature=1.0, top_k=5, seed=1)):
+    for params in (sampling.SamplerParams(temperature=0.8, seed=1),
+                   sampling.SamplerParams(temperature=0.7, top_p=0.9, seed=1),
+                   sampling.SamplerParams(temperature=1.0, top_k=5, seed=1)):
         gen = eng.generate([1, 2, 3], 16, params)
         _check_generation(gen, 16)
         assert eng.generate([1, 2, 3], 16, params).token_ids == gen.token_ids

@@ -17,7 +17,7 @@ from conftest import random_prompts, tiny_config, tiny_model
 from jaxspec import cli
 from jaxspec.engine import Engine, RequestError, early_exit
 from jaxspec.parallel.offload import HOST, fetch, make_offload_forward, memory_kinds, offload_params, to_host
-from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.sampling import SamplerParams
 from models.pipeline import stacked_layout
 from models.transformer import KVCache, init_params
 from test_engine import full_recompute_greedy
@@ -82,7 +82,7 @@ def test_offloaded_engine_is_token_identical(tiny_llm):
 def test_offloaded_mss_matches_for_the_same_seed():
     llm = tiny_model(num_layers=2, arch="qwen2", attention_bias=True)
     ssm = early_exit(llm, 1)
-    params = SamplingParams(0.8, seed=11)
+    params = SamplerParams(0.8, seed=11)
     plain = Engine(llm, [ssm], (1, 2, 1), verify="mss")
     offloaded = Engine(llm, [ssm], (1, 2, 1), verify="mss", offload=True)
     for prompt in random_prompts(2, llm.cfg.vocab_size, seed=4):

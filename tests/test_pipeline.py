@@ -195,7 +195,7 @@ def _engine_case(family: str, tensor: int, pipe: int, modes: tuple[str, ...], re
     from conftest import random_prompts
     from jaxspec.engine import Engine, early_exit
     from test_engine import full_recompute_greedy
-    from jaxspec.decoding.sampling import SamplingParams
+    from jaxspec.decoding.sampling import SamplerParams
 
     model = _model(family)
     mesh = _mesh(tensor, pipe)
@@ -203,7 +203,7 @@ def _engine_case(family: str, tensor: int, pipe: int, modes: tuple[str, ...], re
     same, engine = {}, None
     for mode in modes:
         ssms, expansion = ([], ()) if mode == "incremental" else ([early_exit(model, 1)], (1, 2, 1))
-        params = SamplingParams(0.8, seed=5) if mode == "mss" else SamplingParams()
+        params = SamplerParams(0.8, seed=5) if mode == "mss" else SamplerParams()
         engine = Engine(model, ssms, expansion, verify="mss" if mode == "mss" else "greedy", mesh=mesh)
         key = (family, mode == "mss")
         if key not in references and mode == "mss":  # one device, same SSM and seed
@@ -214,7 +214,7 @@ def _engine_case(family: str, tensor: int, pipe: int, modes: tuple[str, ...], re
         same[mode] = [engine.generate(p, NEW_TOKENS, params).token_ids for p in prompts] == references[key]
     leaf = engine._llm_params["layers"]["mlp"]["up" if family != "opt" else "fc1"]["kernel"]
     stage_rows, stage_ok = _rows_by_device(leaf, pipe, model.cfg.num_layers)
-    state = engine.init_state(1, 256, SamplingParams())
+    state = engine.init_state(1, 256, SamplerParams())
     cache_rows, cache_ok = _rows_by_device(state.llm_cache.k, pipe, model.cfg.num_layers)
     return dict(same=same, stage_rows=list(stage_rows.items()), stage_rows_ok=stage_ok,
                 cache_rows=list(cache_rows.items()), cache_rows_ok=cache_ok)

@@ -13,7 +13,7 @@ from jaxspec.decoding import sampling
 from jaxspec.speculators.ngram import NGramSpeculator, acceptance_priors, speculator_kinds
 from jaxspec.engine import costs
 from jaxspec.engine import Engine
-from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.engine.core import EngineCore, Request
 from jaxspec.engine.build import engine_from
 from jaxspec.engine import planner as planner_module
 from jaxspec.engine.planner import (CURVE_TOKENS, CUT_ROWS, NGRAM_CONTINUATION, PRIOR_RATE, CostCurve, best_expansion,
@@ -157,16 +157,16 @@ def test_auto_measures_the_curve_before_the_engine_derives_its_trees_and_keeps_i
     curve = engine.cost_curve
     assert len(measured) == 1 and curve is not None and cached_curve(llm, engine.ssms) == curve
     ssm_tree, ngram_chain = derive_expansions(curve, ["ssm", "ngram"])
-    family = engine.family(sampling.SamplingParams())
+    family = engine.family(sampling.SamplerParams())
     assert family["ssm"].topologies[0].expansion == ssm_tree and family["ngram"].ngram_depth == len(ngram_chain)
     again = engine_from(EngineConfig(mode="auto"), llm, speculators, announce=log)
     assert len(measured) == 1 and again.cost_curve == curve and "T=16" in log.getvalue()  # from the cache
     engine_from(EngineConfig(mode="auto", recalibrate=True), llm, speculators)
     assert len(measured) == 2
     given = engine_from(EngineConfig(mode="auto", expansion="1,1;1,1"), llm, speculators)
-    assert given.cost_curve is None and given.family(sampling.SamplingParams())["ngram"].ngram_depth == 2
-    greedy = sampling.WarpSpec.of(sampling.SamplingParams())
-    batch = BatchEngine(again, max_batch=8, max_model_len=64, prefill_chunk=16)  # no chunk search to prepare
+    assert given.cost_curve is None and given.family(sampling.SamplerParams())["ngram"].ngram_depth == 2
+    greedy = sampling.WarpSpec.of(sampling.SamplerParams())
+    batch = EngineCore(again, max_batch=8, max_model_len=64, prefill_chunk=16)  # no chunk search to prepare
     trees = speculator_trees(curve, again.speculators)
     for rows in batch.row_buckets:
         best = {f"{k}/{d}" for k, d in speculator_cuts(curve, again.speculators, trees, (rows,))}
@@ -178,7 +178,7 @@ def test_auto_measures_the_curve_before_the_engine_derives_its_trees_and_keeps_i
         assert {n for n in members if "/" in n} == best & set(again.family(greedy))
     worked = []  # preparing asks for each bucket's members several times: each is worked out once
     monkeypatch.setattr(planner_module, "speculator_trees", lambda *a: worked.append(1) or trees)
-    fresh = BatchEngine(again, max_batch=8, max_model_len=64, prefill_chunk=16)
+    fresh = EngineCore(again, max_batch=8, max_model_len=64, prefill_chunk=16)
     fresh.prepare(warps=[greedy], progress=False)
     assert len(worked) == len(fresh.row_buckets)  # one warp: once per row bucket (it was 3 times each)
     batch.prepare(warps=[greedy], progress=False)
@@ -195,7 +195,7 @@ def test_a_bucket_is_timed_on_one_state_set_back_before_every_run(tiny_llm, monk
 
     engine = Engine(tiny_llm, speculators=[early_exit(tiny_llm, 1), NGramSpeculator(2)], expansion=[(1, 1), (1, 1)],
                     auto=True)
-    params = sampling.SamplingParams()
+    params = sampling.SamplerParams()
     names = list(engine.family(params))
     assert len(names) >= 3
     engine.warm(params, 64, batch=2)

@@ -11,9 +11,9 @@ from jaxspec.cli.serve import serve_stall
 from jaxspec.config import SchedulerConfig
 from jaxspec.engine import Engine
 from jaxspec.engine import prefill
-from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.engine.core import EngineCore, Request
 from jaxspec.engine.scheduler import PREFILL_STALL
-from jaxspec.engine.build import build_scheduler
+from jaxspec.engine.build import build_core
 from jaxspec.engine.prefill import GAIN, SAMPLES, ChunkSizer
 
 
@@ -98,7 +98,7 @@ def test_the_loop_searches_chunk_sizes_on_real_prompts_and_keeps_what_it_found(l
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(prefill, "START", 16)
     lines = []
-    batch = BatchEngine(engine, max_batch=2, max_model_len=200, verbose=lines.append)
+    batch = EngineCore(engine, max_batch=2, max_model_len=200, verbose=lines.append)
     assert batch.chunks.largest == 16 and batch.chunks.candidate == 64
     got = batch.generate([Request(p, 4) for p in prompts])
     assert [g.token_ids for g in got] == want
@@ -110,9 +110,9 @@ def test_the_loop_searches_chunk_sizes_on_real_prompts_and_keeps_what_it_found(l
     assert sum(line.startswith("prefill chunks up to") for line in lines) == 2 * SAMPLES
     timed = engine.prefill_chunks()["seconds"]  # the chunks after each probe ran timed alone: kept per size
     assert timed and all(0 < len(v) <= prefill.TIMINGS and min(v) > 0 for v in timed.values())
-    later = BatchEngine(engine, max_batch=2, max_model_len=200)
+    later = EngineCore(engine, max_batch=2, max_model_len=200)
     assert later.chunks.state() == batch.chunks.state()
-    assert BatchEngine(engine, max_model_len=200, prefill_chunk=32).buckets == (16, 32)  # fixed: no search
+    assert EngineCore(engine, max_model_len=200, prefill_chunk=32).buckets == (16, 32)  # fixed: no search
 
 
 def test_a_long_prompt_enters_beside_a_decoding_row_without_changing_its_bucket(llm):
@@ -125,7 +125,7 @@ def test_a_long_prompt_enters_beside_a_decoding_row_without_changing_its_bucket(
     long_prompt = [int(x) for x in np.random.default_rng(3).integers(1, llm.cfg.vocab_size, 700)]
     requests = [Request([5, 3, 8], 40), Request(long_prompt, 4)]
     want = [engine.generate(r.prompt_ids, r.max_new_tokens).token_ids for r in requests]
-    batch = BatchEngine(engine, max_batch=2, max_model_len=1024, prefill_chunk=64)
+    batch = EngineCore(engine, max_batch=2, max_model_len=1024, prefill_chunk=64)
     seen = []
     decode = batch._decode
 
@@ -147,10 +147,10 @@ def test_a_long_prompt_enters_beside_a_decoding_row_without_changing_its_bucket(
 def test_the_server_paces_long_prompts_by_default_and_generate_does_not(llm):
     engine = Engine(llm)
     assert serve_stall(None) == PREFILL_STALL and serve_stall(0.2) == 0.2 and serve_stall(0) == 0
-    batch = build_scheduler(engine, SchedulerConfig(max_batch=2, max_model_len=320, prefill_stall=serve_stall(None)))
+    batch = build_core(engine, SchedulerConfig(max_batch=2, max_model_len=320, prefill_stall=serve_stall(None)))
     assert batch.prefill_stall == PREFILL_STALL
-    assert build_scheduler(engine, SchedulerConfig(max_model_len=320, prefill_stall=0)).prefill_stall is None
-    assert build_scheduler(engine, SchedulerConfig(max_model_len=320)).prefill_stall is None  # generate, bench
+    assert build_core(engine, SchedulerConfig(max_model_len=320, prefill_stall=0)).prefill_stall is None
+    assert build_core(engine, SchedulerConfig(max_model_len=320)).prefill_stall is None  # generate, bench
     long_prompt = [int(x) for x in np.random.default_rng(2).integers(1, llm.cfg.vocab_size, 300)]
     requests = [Request([5, 3, 8], 30), Request(long_prompt, 6)]
     want = [engine.generate(r.prompt_ids, r.max_new_tokens).token_ids for r in requests]
@@ -166,11 +166,11 @@ def test_a_short_request_is_admitted_beside_a_long_prompt_still_entering(llm):
     requests = [Request([5, 3, 8], 30, id="a"), Request(long_prompt, 5, id="long"), Request([9, 2, 6, 1], 8, id="b")]
     want = [engine.generate(r.prompt_ids, r.max_new_tokens).token_ids for r in requests]
     firsts = []
-    batch = BatchEngine(engine, max_batch=3, max_model_len=320, prefill_chunk=64)
+    batch = EngineCore(engine, max_batch=3, max_model_len=320, prefill_chunk=64)
     got = batch.generate(requests, on_event=lambda _, ev: ev.request_id in firsts or firsts.append(ev.request_id))
     assert [g.token_ids for g in got] == want
     assert firsts == ["a", "b", "long"]  # b came after long and did not wait for its 300 tokens
-    full = BatchEngine(engine, max_batch=2, max_model_len=320, prefill_chunk=64)  # no free row beside: b waits
+    full = EngineCore(engine, max_batch=2, max_model_len=320, prefill_chunk=64)  # no free row beside: b waits
     firsts.clear()
     got = full.generate(requests, on_event=lambda _, ev: ev.request_id in firsts or firsts.append(ev.request_id))
     assert [g.token_ids for g in got] == want and firsts.index("b") > firsts.index("long")

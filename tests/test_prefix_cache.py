@@ -10,7 +10,7 @@ from conftest import tiny_model
 from jaxspec.decoding import sampling
 from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.engine import Engine, RequestError, early_exit
-from jaxspec.engine.batch import BatchEngine, Request
+from jaxspec.engine.core import EngineCore, Request
 from jaxspec.engine.prefix import BLOCK, PrefixCache
 from test_drafter import drafter
 
@@ -49,13 +49,13 @@ def test_a_hit_changes_no_token_and_counts_exactly(llm, mode):
             "drafter": dict(speculators=[drafter(llm)], expansion=[(1, 2, 1)])}[mode]
     engine = Engine(llm, **spec)
     script = scripted()
-    sampled = sampling.SamplingParams(0.8, seed=5)
-    requests = [Request(p, 8, sampled if k == 8 else sampling.SamplingParams()) for k, (p, _) in enumerate(script)]
-    cold = BatchEngine(engine, max_batch=1, max_model_len=400, reuse_prefix=False)
+    sampled = sampling.SamplerParams(0.8, seed=5)
+    requests = [Request(p, 8, sampled if k == 8 else sampling.SamplerParams()) for k, (p, _) in enumerate(script)]
+    cold = EngineCore(engine, max_batch=1, max_model_len=400, reuse_prefix=False)
     want = [g.token_ids for g in cold.generate(requests)]
     assert cold.prefix.stats.hits == 0 and len(cold.prefix) == 0
 
-    batch = BatchEngine(engine, max_batch=1, max_model_len=400, prefill_chunk=64)
+    batch = EngineCore(engine, max_batch=1, max_model_len=400, prefill_chunk=64)
     got = batch.generate(requests)
     assert [g.token_ids for g in got] == want
     assert [g.cached_tokens for g in got] == [n for _, n in script]
@@ -82,8 +82,8 @@ def test_a_second_turn_starts_after_the_first_turns_answer(llm, mode):
     """A chat's next turn sends the previous prompt and answer back: both are cached when the first turn ends."""
     engine = Engine(llm, **({} if mode == "incremental" else dict(speculators=[drafter(llm)], expansion=[(1, 2, 1)])))
     first = SYSTEM[:40] + [5, 5]
-    cold = BatchEngine(engine, max_batch=2, max_model_len=200, reuse_prefix=False)
-    batch = BatchEngine(engine, max_batch=2, max_model_len=200)
+    cold = EngineCore(engine, max_batch=2, max_model_len=200, reuse_prefix=False)
+    batch = EngineCore(engine, max_batch=2, max_model_len=200)
     (answer,) = batch.generate([Request(first, 30, stop_ids=())])
     assert answer.token_ids == cold.generate([Request(first, 30, stop_ids=())])[0].token_ids
     second = first + answer.token_ids + [7, 8, 9]
@@ -104,7 +104,7 @@ def test_a_row_whose_drafter_never_drafted_is_cached_without_a_read(llm, monkeyp
     the iteration in flight), and a next request sharing that prompt still starts after its blocks."""
     engine = Engine(llm, speculators=[drafter(llm)], expansion=[(1, 2, 1)], auto=True,
                     costs={"none": 1.0, "ssm": 100.0})
-    batch = BatchEngine(engine, max_batch=2, max_model_len=200)
+    batch = EngineCore(engine, max_batch=2, max_model_len=200)
     reads = []
     committed = batch.executor.fn("committed")
     monkeypatch.setitem(batch.executor._compiled, "committed", lambda *a: reads.append(a) or committed(*a))
@@ -122,9 +122,9 @@ def test_cancelled_requests_between_hits_change_nothing(llm):
     """Requests cancelled while staged, mid-prefill or decoding leave the cache consistent for the next hit."""
     engine = Engine(llm, [early_exit(llm, 1)], [(1, 2, 1)])
     prompts = [SYSTEM[:100] + [k] for k in range(6)]
-    cold = BatchEngine(engine, max_batch=2, max_model_len=200, reuse_prefix=False)
+    cold = EngineCore(engine, max_batch=2, max_model_len=200, reuse_prefix=False)
     want = [g.token_ids for g in cold.generate([Request(p, 10) for p in prompts])]
-    batch = BatchEngine(engine, max_batch=2, max_model_len=200, prefill_chunk=32)
+    batch = EngineCore(engine, max_batch=2, max_model_len=200, prefill_chunk=32)
     events: dict[int, list] = {}
     tickets = [batch.submit(Request(p, 10, id=str(k)), events.setdefault(k, []).append)
                for k, p in enumerate(prompts)]
@@ -147,13 +147,13 @@ def test_cancelled_requests_between_hits_change_nothing(llm):
 def test_a_tiny_bound_evicts_while_requests_run_and_changes_nothing(llm):
     engine = Engine(llm, [early_exit(llm, 1)], [(1, 2, 1)])
     prompts = [p for k in range(4) for p in (SYSTEM[:64] + [k], SYSTEM2 + [k])]  # two prefixes of 4 blocks
-    cold = BatchEngine(engine, max_batch=3, max_model_len=200, reuse_prefix=False)
+    cold = EngineCore(engine, max_batch=3, max_model_len=200, reuse_prefix=False)
     want = [g.token_ids for g in cold.generate([Request(p, 10) for p in prompts])]
-    probe = BatchEngine(engine, max_batch=3, max_model_len=200)
+    probe = EngineCore(engine, max_batch=3, max_model_len=200)
     probe.generate([Request(SYSTEM[:BLOCK + 1], 1)])
     block_bytes = probe.prefix.bytes
     bound = 5 * block_bytes  # one prefix and a block: each evicts the other's chain from its end
-    batch = BatchEngine(engine, max_batch=3, max_model_len=200, prefix_cache_bytes=bound)
+    batch = EngineCore(engine, max_batch=3, max_model_len=200, prefix_cache_bytes=bound)
     for _ in range(2):  # the second round hits what the first left, while evicting to make room
         assert [g.token_ids for g in batch.generate([Request(p, 10) for p in prompts])] == want
         assert batch.prefix.bytes <= bound
@@ -177,4 +177,4 @@ def test_the_bound_holds_over_a_thousand_distinct_prefixes():
 
 def test_a_bad_bound_is_refused(llm):
     with pytest.raises(RequestError, match="prefix-cache-gb"):
-        BatchEngine(Engine(llm), prefix_cache_bytes=-1)
+        EngineCore(Engine(llm), prefix_cache_bytes=-1)

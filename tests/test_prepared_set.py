@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxspec.cache import BACKEND, host_cores
-from jaxspec.engine.batch import DEFAULT_MAX_MODEL_LEN, BatchEngine, Request
+from jaxspec.engine.core import DEFAULT_MAX_MODEL_LEN, EngineCore, Request
 from jaxspec.engine.engine import Engine
 from jaxspec.engine.prepare import Ready, describe_set, kind_of, loads, timed_means
 from models.lowering import platform_lowering
@@ -23,12 +23,12 @@ def _live_bytes() -> int:
     return sum(x.nbytes for x in jax.live_arrays())
 
 
-def _gpu_default_batch(llm, speculators, max_batch: int, max_model_len: int | None) -> BatchEngine:
+def _gpu_default_batch(llm, speculators, max_batch: int, max_model_len: int | None) -> EngineCore:
     """A server's loop as ``jaxspec serve`` builds it on a GPU host (its lowering: attention over every slot, so
     every capacity bucket), auto over the default speculators, on this CPU: only listing happens here."""
     engine = Engine(llm, speculators, ((1, 1, 1),) * len(speculators), auto=True, forced_tokens=8,
                     lowering=platform_lowering("gpu"))
-    return BatchEngine(engine, max_batch=max_batch, max_model_len=max_model_len)
+    return EngineCore(engine, max_batch=max_batch, max_model_len=max_model_len)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_a_move_across_several_buckets_chains_neighbouring_re_layouts_and_keeps_
     from models.lowering import default_lowering
 
     engine = Engine(tiny_llm, lowering=default_lowering("attention=dense"))
-    batch = BatchEngine(engine, max_batch=4, max_model_len=900)
+    batch = EngineCore(engine, max_batch=4, max_model_len=900)
     ex = batch.executor
     caps = batch.capacity_buckets
     assert caps[:2] == (256, 512) and len(caps) == 3
@@ -141,24 +141,24 @@ def test_a_code_edit_that_leaves_the_steps_alone_keeps_their_measured_costs(tiny
     from jaxspec import cache
     from jaxspec.decoding import sampling
     from jaxspec.engine import runner as runner_module
-    from jaxspec.engine.batch import BatchEngine
+    from jaxspec.engine.core import EngineCore
     from jaxspec.speculators.ngram import NGramSpeculator
 
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("JAXSPEC_EXECUTABLE_CACHE", str(tmp_path / "store"))
     measured: list[str] = []
-    real = runner_module.Runner._measure
+    real = runner_module.ModelRunner._measure
 
     def counted(self, params, capacity, *args, names=None, **kwargs):
         measured.extend(names or [])
         return real(self, params, capacity, *args, names=names, **kwargs)
 
-    monkeypatch.setattr(runner_module.Runner, "_measure", counted)
-    warp = sampling.batch_warp([sampling.SamplingParams()])
+    monkeypatch.setattr(runner_module.ModelRunner, "_measure", counted)
+    warp = sampling.batch_warp([sampling.SamplerParams()])
 
-    def start() -> BatchEngine:
+    def start() -> EngineCore:
         engine = Engine(tiny_llm, [NGramSpeculator(3)], [(1, 1, 1)], auto=True)
-        batch = BatchEngine(engine, max_batch=1, max_model_len=64)
+        batch = EngineCore(engine, max_batch=1, max_model_len=64)
         batch.prepare(warps=[warp], progress=False)
         return batch
 

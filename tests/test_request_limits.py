@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from jaxspec.cli.common import CliError
 from jaxspec.decoding import sampling
-from jaxspec.decoding.sampling import SamplingError, SamplingParams
+from jaxspec import request
+from jaxspec.request import SamplerParams, SamplingError
 from jaxspec.engine.stops import MAX_STOPS
 from jaxspec.serving import protocol
 from jaxspec.serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -67,7 +68,7 @@ def test_whatever_json_arrives_the_validator_refuses_it_or_every_field_is_in_bou
         len(body.stop) <= protocol.MAX_STOPS and all(isinstance(s, str) for s in body.stop))
     if body.temperature is not None or body.top_p is not None or body.top_k is not None:
         try:  # what launch() builds next: canonical values or a SamplingError, never anything else
-            p = SamplingParams(1.0 if body.temperature is None else body.temperature,
+            p = SamplerParams(1.0 if body.temperature is None else body.temperature,
                                0 if body.top_k in (None, -1) else body.top_k,
                                1.0 if body.top_p is None else body.top_p)
         except SamplingError:
@@ -100,19 +101,19 @@ def test_chat_messages_and_contents_are_bounded_and_typed():
 
 def test_sampling_values_are_canonical_in_the_dtypes_the_device_uses():
     """What process 0 decides from these values is what a float32 / int32 device (and every process) runs."""
-    assert SamplingParams(1e-50).greedy and SamplingParams(1e-50).temperature == 0.0
-    assert not SamplingParams(2e-5).greedy
-    nucleus = SamplingParams(0.8, top_p=1e-50)
-    assert nucleus.top_p == float(np.float32(sampling.MIN_TOP_P)) and np.float32(nucleus.top_p) > 0
-    assert SamplingParams(0.8, top_p=0.999999999).top_p == 1.0  # float32 rounds it to "off": so does the host
-    assert sampling.WarpSpec.of(SamplingParams(0.8, top_p=0.999999999)) == sampling.WarpSpec.of(SamplingParams(0.8))
-    huge = SamplingParams(1.0, top_k=2**40)
-    assert huge.top_k == sampling.MAX_TOP_K and sampling.row_values([huge], 49152)["top_k"][0] == 49152
+    assert SamplerParams(1e-50).greedy and SamplerParams(1e-50).temperature == 0.0
+    assert not SamplerParams(2e-5).greedy
+    nucleus = SamplerParams(0.8, top_p=1e-50)
+    assert nucleus.top_p == float(np.float32(request.MIN_TOP_P)) and np.float32(nucleus.top_p) > 0
+    assert SamplerParams(0.8, top_p=0.999999999).top_p == 1.0  # float32 rounds it to "off": so does the host
+    assert sampling.WarpSpec.of(SamplerParams(0.8, top_p=0.999999999)) == sampling.WarpSpec.of(SamplerParams(0.8))
+    huge = SamplerParams(1.0, top_k=2**40)
+    assert huge.top_k == request.MAX_TOP_K and sampling.row_values([huge], 49152)["top_k"][0] == 49152
     for bad in (dict(temperature=float("nan")), dict(temperature=float("inf")), dict(temperature=1e5),
                 dict(top_p=float("nan")), dict(top_p=0.0), dict(top_k=-1), dict(temperature=True),
                 dict(seed=1.5)):
         with pytest.raises(SamplingError):
-            SamplingParams(**bad)
+            SamplerParams(**bad)
 
 
 def test_authentication_cannot_be_switched_off_by_accident():

@@ -14,7 +14,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-from jaxspec.engine.batch import FAIL_REQUESTS_ENV  # noqa: E402
+from jaxspec.engine.admission import FAIL_REQUESTS_ENV  # noqa: E402
 from test_serve import Server, counter, streamed  # noqa: E402
 
 SECOND_CHOICE = "*[0-9a-f]-1"  # choice 1 of a server request (``<24 hex digits>-1``), never a warm-up's (``warmup-1``)

@@ -10,7 +10,7 @@ import pytest
 from conftest import dev_prompts, random_prompts, tiny_model
 from jaxspec.decoding import sampling
 from jaxspec.engine.auto import FIRST_TIMINGS, Member, TreeChooser
-from jaxspec.engine.batch import BatchEngine, Request, cut_tokens
+from jaxspec.engine.core import EngineCore, Request, cut_tokens
 from jaxspec.engine import Engine, early_exit
 from jaxspec.decoding.ngram import proposal_arrays
 from jaxspec.speculators.ngram import NGramIndex, NGramSpeculator
@@ -76,7 +76,7 @@ def test_stale_ssm_cache_is_caught_up(tiny_llm):
 
     root = jnp.asarray([seq[length]], jnp.int32)
     spec = sampling.WarpSpec()
-    values = sampling.warp_arrays(sampling.SamplingParams(), 1)
+    values = sampling.warp_arrays(sampling.SamplerParams(), 1)
     lagging, _, lag_cache = speculate(ssm.forward, ssm.params, filled(have), topo, history, jnp.asarray([length]),
                                       root, jax.random.PRNGKey(0), spec, values)
     fresh, _, fresh_cache = speculate(ssm.forward, ssm.params, filled(length), topo, history,
@@ -109,13 +109,13 @@ def test_capacity_edge_writes_stay_in_bounds(tiny_llm, monkeypatch):
                     costs=ALL_TRIED, lowering=default_lowering("attention=dense"))
     prompt = repetitive_prompts(1, tiny_llm.cfg.vocab_size, seed=3)[0]
     new = 300 - len(prompt)
-    batch = BatchEngine(engine, max_batch=1, max_model_len=300)
+    batch = EngineCore(engine, max_batch=1, max_model_len=300)
     assert len(batch.capacity_buckets) == 2 and batch.capacity == 256  # 256, then max_model_len + a step's slack
     (gen,) = batch.generate([Request(prompt, new)])
     assert gen.token_ids == Engine(tiny_llm).generate(prompt, new).token_ids
     assert batch.resizes >= 2  # grown past 256 slots, and shrunk back once the request left
     assert batch.capacity == 256
-    fixed = BatchEngine(Engine(tiny_llm, [early_exit(tiny_llm, 1)], (1, 2), lowering=engine.lowering), max_batch=1,
+    fixed = EngineCore(Engine(tiny_llm, [early_exit(tiny_llm, 1)], (1, 2), lowering=engine.lowering), max_batch=1,
                         max_model_len=300)
     monkeypatch.setattr(fixed.scheduler, "cache_need", lambda committed: committed)  # forgets the step's writes
     (broken,) = fixed.generate([Request(list(range(16)), 280)])  # the request fails alone, naming the write
@@ -158,13 +158,13 @@ def test_greedy_ngram_and_auto_are_token_identical(tiny_llm, speculators):
         (solo,) = engine.solos.values()  # one length bucket: every request fits 256 slots
         prefills = len(solo.executor.fn("prefill").loaded)  # the chunk shapes fed (this device's timings choose)
         assert 1 <= prefills <= 2
-        assert engine.compilations == prefills + len(engine.family(sampling.SamplingParams()))
+        assert engine.compilations == prefills + len(engine.family(sampling.SamplerParams()))
 
 
 def test_ngram_with_mss_generates_and_is_seeded(tiny_llm):
     engine = Engine(tiny_llm, [early_exit(tiny_llm, 1), NGramSpeculator()], [(2, 1), (1, 1, 1)], verify="mss")
     prompt = repetitive_prompts(1, 64, seed=4)[0]
-    params = sampling.SamplingParams(temperature=0.8, seed=3)
+    params = sampling.SamplerParams(temperature=0.8, seed=3)
     gen = engine.generate(prompt, 24, params)
     assert len(gen.token_ids) == 24
     assert engine.generate(prompt, 24, params).token_ids == gen.token_ids
@@ -182,7 +182,7 @@ def test_auto_picks_no_speculation_when_costs_say_it_loses(tiny_llm):
         assert gen.tree_counts == {"none": gen.llm_steps}
         assert gen.step_tokens == [1] * gen.llm_steps
         compiled.append(engine.compilations)
-    family = engine.family(sampling.SamplingParams())
+    family = engine.family(sampling.SamplerParams())
     assert compiled == [1 + len(family)] * 2  # the whole family up front, once: no step compiles mid-request
 
 
@@ -192,7 +192,7 @@ def test_auto_picks_a_tree_when_it_wins(tiny_llm):
     gen = engine.generate(random_prompts(1, 64, seed=8)[0], 40)
     assert gen.tree_counts["ssm"] >= gen.llm_steps - 1  # a pessimistic first draw may try "none" once
     assert gen.step_tokens.count(5) >= gen.llm_steps - 2
-    chooser = engine._choosers[sampling.WarpSpec.of(sampling.SamplingParams())]
+    chooser = engine._choosers[sampling.WarpSpec.of(sampling.SamplerParams())]
     # every iteration was timed but each member's first run (a one-time cost; the very first, queued behind the
     # prompt's chunk, is one of them): its seconds are not what the member costs
     assert sum(len(chooser.timings[n]) for n in chooser.members) == gen.llm_steps - len(gen.tree_counts)
@@ -207,7 +207,7 @@ def test_a_cut_of_auto_s_trees_runs_where_it_pays_and_changes_no_token(tiny_llm)
     engine = Engine(tiny_llm, [deep, NGramSpeculator()], [(1, 1, 1), (1, 1, 1, 1)], auto=True,
                     costs={"none": 1.0, "ngram": 5.0, "ssm": 5.0, "ssm+ngram": 6.0, "ssm/1": 1.2, "ngram/2": 5.0},
                     cuts=[("ssm", 1), ("ngram", 2), ("ngram", 4)])  # a cut as deep as the whole chain is none
-    family = engine.family(sampling.SamplingParams())
+    family = engine.family(sampling.SamplerParams())
     assert set(family) == {"none", "ngram", "ssm", "ssm+ngram", "ssm/1", "ngram/2"}
     assert family["ssm/1"].topologies == (expansion_topology((1,)),) and family["ssm/1"].ngram_depth == 0
     assert family["ngram/2"].ngram_depth == 2 and family["ngram/2"].topologies == (None,)

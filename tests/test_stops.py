@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxspec.engine.batch import cut_tokens
+from jaxspec.engine.core import cut_tokens
 from jaxspec.engine.stops import StopText
 from models.loading import default_model_path
 from models.tokenizer import load_tokenizer
@@ -31,7 +31,7 @@ def steps(ids: list[int], size: int) -> list[list[int]]:
 
 
 def run_engine(tok, ids: list[int], stops: list[str], size: int) -> tuple[list[int], str | None]:
-    """What the engine keeps of ``ids`` arriving ``size`` tokens a step (``cut_tokens``, as ``BatchEngine``)."""
+    """What the engine keeps of ``ids`` arriving ``size`` tokens a step (``cut_tokens``, as ``EngineCore``)."""
     check, done = StopText(tok, stops), []
     for new in steps(ids, size):
         kept, reason = cut_tokens(done, new, 10_000, {tok.eos_token_id}, check)

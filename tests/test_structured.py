@@ -268,7 +268,7 @@ def test_sampled_constrained_tree_draws_from_the_masked_distribution():
         return state.replace(root=jnp.full((b,), ROOT, jnp.int32))
 
     step = jax.jit(lambda lp, sp, state: decode_step(cfg, llm.forward, sfw, lp, sp, state, None, chain, masker))
-    values = sampling.warp_arrays(sampling.SamplingParams(temperature=1.0), b)
+    values = sampling.warp_arrays(sampling.SamplerParams(temperature=1.0), b)
     ssm_params = (near.params, far.params)
     state = jax.jit(start)(llm.params, ssm_params, jax.random.PRNGKey(3), values)
     state, o1 = step(llm.params, ssm_params, state)
@@ -322,7 +322,7 @@ def test_greedy_constrained_tree_with_a_vmapped_pool_matches_masked_incremental(
                                                          KVCache.create(ssms[0].cfg, b, 64))
                                   for g in cfg.ssm_groups),
                             jnp.zeros((b, 64), jnp.int32), jnp.zeros((b,), jnp.int32), jax.random.PRNGKey(0),
-                            sampling.warp_arrays(sampling.SamplingParams(), b))
+                            sampling.warp_arrays(sampling.SamplerParams(), b))
         state, _ = prefill(cfg, llm.forward, sfw, llm.params, groups_params, state, prompts, jnp.full((b,), 5))
         state = state.replace(root=jnp.full((b,), 1, jnp.int32))  # the rule starts after this root
         committed[:] = 0
@@ -458,7 +458,7 @@ def test_an_uncompilable_grammar_is_a_request_error(llm):
 @pytest.mark.slow  # the only count of prepare(grammar=True) on a speculating engine with forced chains
 def test_preparing_structured_output_compiles_every_grammar_step_a_request_needs(llm):
     """After ``prepare(grammar=True)`` a constrained request compiles nothing; without it, it compiles grammar steps."""
-    from jaxspec.engine.batch import BatchEngine, Request
+    from jaxspec.engine.core import EngineCore, Request
     from jaxspec.speculators.resolve import load_speculators
     from models.tokenizer import encode_prompt
 
@@ -466,7 +466,7 @@ def test_preparing_structured_output_compiles_every_grammar_step_a_request_needs
     counts = {}
     for warm in (True, False):
         engine = Engine(llm, load_speculators(["ngram:3"], llm, "float32"), (1, 1, 1, 1), forced_tokens=4)
-        batch = BatchEngine(engine, max_batch=1, max_model_len=len(prompt) + 64)
+        batch = EngineCore(engine, max_batch=1, max_model_len=len(prompt) + 64)
         batch.prepare(warps=[sampling.WarpSpec()], grammar=warm, progress=False)
         assert engine.forced_buckets() == (0, 4)
         other = [prompt[0] + 1] + prompt[1:]  # same chunks, no shared prefix to reuse
@@ -482,7 +482,7 @@ def test_preparing_structured_output_compiles_every_grammar_step_a_request_needs
 def test_a_constrained_request_on_a_prefix_cache_hit_is_unchanged(llm):
     """A grammar-constrained request whose prompt the prefix cache holds starts after the cached blocks and emits
     what it emits cold (with n-gram speculation and forced chains)."""
-    from jaxspec.engine.batch import BatchEngine, Request
+    from jaxspec.engine.core import EngineCore, Request
     from jaxspec.speculators.resolve import load_speculators
     from models.tokenizer import encode_prompt
 
@@ -490,9 +490,9 @@ def test_a_constrained_request_on_a_prefix_cache_hit_is_unchanged(llm):
     engine = Engine(llm, load_speculators(["ngram:3"], llm, "float32"), (1, 1, 1, 1), forced_tokens=4)
     requests = [Request(prompt, 48, grammar=GRAMMARS["json_schema"]), Request([prompt[0] + 1, 5, 6], 2),
                 Request(prompt, 48, grammar=GRAMMARS["json_schema"])]  # the middle one takes the staging row
-    cold = BatchEngine(engine, max_batch=1, max_model_len=len(prompt) + 64, reuse_prefix=False)
+    cold = EngineCore(engine, max_batch=1, max_model_len=len(prompt) + 64, reuse_prefix=False)
     want = cold.generate(requests)
-    got = BatchEngine(engine, max_batch=1, max_model_len=len(prompt) + 64).generate(requests)
+    got = EngineCore(engine, max_batch=1, max_model_len=len(prompt) + 64).generate(requests)
     assert [g.token_ids for g in got] == [g.token_ids for g in want]
     assert got[0].cached_tokens == 0 and got[2].cached_tokens == min(len(prompt) // 16 * 16, len(prompt) - 1) > 0
     assert valid("json_schema", llm.tokenizer.decode(got[2].token_ids, skip_special_tokens=True))
@@ -565,11 +565,11 @@ def test_grammar_steps_share_one_executable_per_bucket(llm, tiny_drafter):
     executable per bucket ("none" with a chain at --forced-tokens' depth), whatever the forced depth; a fixed tree
     of SSM drafts (masks from a callback mid-step) adds two (without and with the chain), which a server prepares
     only when asked (``callbacks``: no store keeps them)."""
-    from jaxspec.engine.batch import BatchEngine
+    from jaxspec.engine.core import EngineCore
     from jaxspec.speculators.resolve import load_speculators
 
     for forced in (4, 8):
-        batch = BatchEngine(_auto(llm, tiny_drafter, "ngram:3", forced=forced), max_batch=4, max_model_len=256)
+        batch = EngineCore(_auto(llm, tiny_drafter, "ngram:3", forced=forced), max_batch=4, max_model_len=256)
         buckets = len(sampling.BATCH_WARPS) * len(batch.row_buckets) * len(batch.capacity_buckets)
         plain, both = _listed(batch, False), _listed(batch, True)
         extra = [label for label in both if label not in plain]
@@ -582,7 +582,7 @@ def test_grammar_steps_share_one_executable_per_bucket(llm, tiny_drafter):
 
     ssm = load_speculators(["default"], llm, "float32")
     for forced in (4, 8):
-        fixed = BatchEngine(Engine(llm, ssm, (1, 1, 3, 1), forced_tokens=forced), max_batch=4, max_model_len=256)
+        fixed = EngineCore(Engine(llm, ssm, (1, 1, 3, 1), forced_tokens=forced), max_batch=4, max_model_len=256)
         buckets = len(sampling.BATCH_WARPS) * len(fixed.row_buckets) * len(fixed.capacity_buckets)
         assert len(_listed(fixed, True)) == 3 * buckets, _listed(fixed, True)
         assert _listed(fixed, True, callbacks=False) == _listed(fixed, False)
@@ -595,10 +595,10 @@ def test_a_default_server_fits_the_default_map_limit_and_a_set_over_it_is_refuse
     a quarter to spare (before issue 75 it listed 283 executables, three times the ~95 one process can hold). The
     count happens before anything compiles: a set over the limit's share is refused, naming the limit and the flags
     that reduce it; an accelerator's executables are not counted."""
-    from jaxspec.engine.batch import BatchEngine
+    from jaxspec.engine.core import EngineCore
     from jaxspec.engine.prepare import DEFAULT_MAX_MAP_COUNT, ROOM, check_room, estimated_maps, mapped
 
-    batch = BatchEngine(_auto(llm, tiny_drafter, "ngram:3"), max_batch=16)
+    batch = EngineCore(_auto(llm, tiny_drafter, "ngram:3"), max_batch=16)
     buckets = [(w, r, c) for w in sampling.BATCH_WARPS for r in batch.row_buckets for c in batch.capacity_buckets]
     ex = batch.executor
     jobs = [*batch.planner.step_jobs(buckets, grammar=True, callbacks=False),
@@ -616,16 +616,16 @@ def test_a_default_server_fits_the_default_map_limit_and_a_set_over_it_is_refuse
 def test_a_prepared_structured_server_compiles_nothing_and_fits_the_mappings(llm, tiny_drafter):
     """``prepare(grammar=True)`` as a server calls it (both warps, every bucket): JSON-schema and regex requests,
     greedy and sampled, then trace nothing, and the process holds under half of vm.max_map_count's mappings."""
-    from jaxspec.engine.batch import BatchEngine, Request
+    from jaxspec.engine.core import EngineCore, Request
     from jaxspec.engine.prepare import map_limit, mapped
     from models.tokenizer import encode_prompt
 
-    batch = BatchEngine(_auto(llm, tiny_drafter, "ngram:3"), max_batch=2, max_model_len=256)
+    batch = EngineCore(_auto(llm, tiny_drafter, "ngram:3"), max_batch=2, max_model_len=256)
     batch.prepare(grammar=True, progress=False)
     assert mapped() < map_limit() / 2, (mapped(), map_limit())
     before = batch.engine.compilations
     requests = [Request(encode_prompt(llm.tokenizer, PROMPTS[kind], True), 32, grammar=GRAMMARS[kind],
-                        params=sampling.SamplingParams(temperature, seed=7))
+                        params=sampling.SamplerParams(temperature, seed=7))
                 for kind in ("json_schema", "regex") for temperature in (0.0, 0.8)]
     gens = batch.generate(requests)
     assert batch.engine.compilations == before, batch.engine.traced[before:]

@@ -2,7 +2,7 @@
 
 Prompts are ShareGPT first turns and later turns (a conversation's history up to one of its user turns, the
 earliest exchanges dropped until it fits), rendered by the chat template. Every prompt is answered at each
-temperature (0: greedy) by ``jaxspec.engine.batch.BatchEngine``: continuous batching, so an answer that ends at
+temperature (0: greedy) by ``jaxspec.engine.core.EngineCore``: continuous batching, so an answer that ends at
 EOS frees its row for the next prompt, and the same ids ``jaxspec generate`` gives (a sampled answer's seed is a
 function of the run's seed and the prompt's place, so its text is the same in any mode and batch).
 
@@ -266,8 +266,8 @@ def _scheduling_loop(llm, spec: AnswerSpec, max_batch: int, mode: str, longest: 
     temperatures' warps reach prepared before the first request (none compiles while answering)."""
     from jaxspec.config import EngineConfig, SchedulerConfig  # noqa: PLC0415
     from jaxspec.decoding import sampling  # noqa: PLC0415
-    from jaxspec.engine.batch import job_model_len  # noqa: PLC0415
-    from jaxspec.engine.build import build_scheduler, engine_from, speculator_specs  # noqa: PLC0415
+    from jaxspec.engine.scheduler import job_model_len  # noqa: PLC0415
+    from jaxspec.engine.build import build_core, engine_from, speculator_specs  # noqa: PLC0415
     from jaxspec.speculators.resolve import load_speculators  # noqa: PLC0415
 
     config = EngineConfig(mode=mode)
@@ -276,8 +276,8 @@ def _scheduling_loop(llm, spec: AnswerSpec, max_batch: int, mode: str, longest: 
     limits = SchedulerConfig(max_batch=max_batch,
                              max_model_len=job_model_len(longest + spec.max_new_tokens,
                                                          llm.cfg.max_position_embeddings))
-    batch = build_scheduler(engine, limits)
-    warps = tuple(dict.fromkeys(sampling.batch_warp([sampling.SamplingParams(t)]) for t in spec.temperatures))
+    batch = build_core(engine, limits)
+    warps = tuple(dict.fromkeys(sampling.batch_warp([sampling.SamplerParams(t)]) for t in spec.temperatures))
     batch.prepare(warps=warps, longest=longest, progress=progress)
     return batch
 
@@ -326,11 +326,11 @@ def _answer_shards(directory: Path, spec: AnswerSpec, ti: int, keys: list[tuple[
                    max_minutes: float) -> bool:
     """Streams one temperature's missing shards through ``batch``, writing each as its last answer ends; False
     where ``max_minutes`` stopped it (the rest cancelled)."""
-    from jaxspec.request import Request, SamplingParams  # noqa: PLC0415
+    from jaxspec.request import Request, SamplerParams  # noqa: PLC0415
 
     t = spec.temperatures[ti]
     owners = [(s, i) for _, s in keys for i in members[ti, s]]
-    requests = [Request(prompts[i].tolist(), spec.max_new_tokens, SamplingParams(t, seed=answer_seed(spec, ti, i)),
+    requests = [Request(prompts[i].tolist(), spec.max_new_tokens, SamplerParams(t, seed=answer_seed(spec, ti, i)),
                         id=f"{temperature_dir(t)}/{i}") for _, i in owners]
     open_shards: dict[int, dict[int, object]] = {s: {} for _, s in keys}
     stream = batch.stream(requests)

@@ -40,7 +40,7 @@ from jaxspec.cli.common import (
 
 if TYPE_CHECKING:  # the engine loads JAX: the CLI imports it only when a command runs
     from jaxspec.api import CompletionOutput
-    from jaxspec.engine.batch import BatchEngine
+    from jaxspec.engine.core import EngineCore
 
 # Set by ``generate`` once its output is written: nothing this process still runs needs to finish, so
 # ``jaxspec.cli.entry`` may exit without waiting for the interpreter's teardown.
@@ -244,7 +244,7 @@ def report_learned(engine) -> None:
                       f"({trials[0]:.0f} tries, earlier requests' discounted)", file=sys.stderr)
 
 
-def report_host(batch: "BatchEngine", args) -> None:
+def report_host(batch: "EngineCore", args) -> None:
     """``-v``: host milliseconds per iteration (choosing, launching, reading) beside the whole iteration's, as
     medians (an iteration that compiled or resized is an outlier, not the loop's cost) and 90th percentiles;
     then per family member, so auto's plain iterations compare with incremental's, and where each member's spans
@@ -291,7 +291,7 @@ def generate_requests(engine, llm, good: list[Row], bad: list[tuple[dict, str]],
     from jaxspec.config import SchedulerConfig
     from jaxspec.engine import lockstep
     from jaxspec.engine.scheduler import job_model_len
-    from jaxspec.engine.build import build_scheduler
+    from jaxspec.engine.build import build_core
 
     total = len(good) + len(bad)
     if streaming and bad:  # the command's one request: refused as a whole, as a bad flag is
@@ -312,7 +312,7 @@ def generate_requests(engine, llm, good: list[Row], bad: list[tuple[dict, str]],
                                                              for j in jobs), llm.cfg.max_position_embeddings),
                              prefill_chunk=args.prefill_chunk, prefill_stall=args.prefill_stall,
                              prefix_cache_bytes=prefix_cache_bytes(args))
-    batch = build_scheduler(engine, limits, sync=lockstep.loop_sync(), verbose=say)
+    batch = build_core(engine, limits, sync=lockstep.loop_sync(), verbose=say)
     if streaming:
         batch.check(jobs[0].request)  # the command's one request: refused as a whole (exit 2)
     jobs, refused = checked_jobs(batch, good, jobs, args, out)
@@ -328,10 +328,10 @@ def generate_requests(engine, llm, good: list[Row], bad: list[tuple[dict, str]],
         batch.planner.stop_readying(wait=not exit_at_once)
 
 
-def checked_jobs(batch: BatchEngine, good: list[Row], jobs: list, args, out: JsonLines | None) -> tuple[list, list]:
-    """``jobs`` the loop accepts (``BatchEngine.check``, its own rules over ``check_rows``'); the rest's rows get their
+def checked_jobs(batch: EngineCore, good: list[Row], jobs: list, args, out: JsonLines | None) -> tuple[list, list]:
+    """``jobs`` the loop accepts (``EngineCore.check``, its own rules over ``check_rows``'); the rest's rows get their
     error line. Returns (the jobs to run, the ids of the refused rows)."""
-    from jaxspec.decoding.sampling import SamplingError  # noqa: PLC0415
+    from jaxspec.request import SamplingError  # noqa: PLC0415
 
     refused: dict[int, str] = {}  # prompt index -> why
     for job in jobs:
@@ -357,11 +357,11 @@ def report_failed(failed: list[str], total: int) -> int:
     return 1
 
 
-def prepare_job(batch: BatchEngine, requests: list) -> None:
+def prepare_job(batch: EngineCore, requests: list) -> None:
     """Readies what a job's requests can reach before the first starts: every row and cache bucket of its loop
     (sized by its requests: ``SchedulerConfig``), the one warp its sampling needs, grammar steps only where a
     request has a grammar. On a machine that recorded auto's costs already, the speculative members' steps are
-    readied beside the first requests (``BatchEngine.prepare``'s ``beside``): auto starts as soon as plain decoding
+    readied beside the first requests (``EngineCore.prepare``'s ``beside``): auto starts as soon as plain decoding
     would."""
     warp = sampling.batch_warp([r.params for r in requests])
     batch.prepare(warps=(warp,), grammar=any(r.grammar is not None for r in requests),

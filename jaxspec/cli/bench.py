@@ -160,14 +160,14 @@ def run_jaxspec_job(job: dict) -> dict:
     from jaxspec.config import EngineConfig
     from jaxspec.engine.build import engine_from
     from jaxspec.speculators.resolve import load_llm
-    from jaxspec.decoding.sampling import SamplingParams
+    from jaxspec.decoding.sampling import SamplerParams
 
     if job.get("compile_cache"):
         from jaxspec.cache import enable_compile_cache
 
         enable_compile_cache(Path(job["compile_cache"]))
     s = job["sampling"]
-    params = SamplingParams(s["temperature"], s["top_k"], s["top_p"], s["seed"])
+    params = SamplerParams(s["temperature"], s["top_k"], s["top_p"], s["seed"])
     start = time.perf_counter()
     config = EngineConfig(model=job["model"], dtype=job["dtype"], mode="incremental", mesh=job.get("mesh"),
                           offload=job.get("offload", False))

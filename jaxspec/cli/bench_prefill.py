@@ -71,8 +71,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
 
     from jaxspec.config import SchedulerConfig  # noqa: PLC0415
     from jaxspec.request import Request, all_finished  # noqa: PLC0415
-    from jaxspec.engine.build import build_engine, build_scheduler, device_line  # noqa: PLC0415
-    from jaxspec.decoding.sampling import SamplingParams, WarpSpec  # noqa: PLC0415
+    from jaxspec.engine.build import build_engine, build_core, device_line  # noqa: PLC0415
+    from jaxspec.decoding.sampling import SamplerParams, WarpSpec  # noqa: PLC0415
 
     lengths = parse_lengths(args.lengths)
     chunks = parse_lengths(args.chunks, "--chunks", 1) if args.chunks else [args.prefill_chunk]
@@ -98,7 +98,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     with tqdm(total=len(chunks) * len(lengths) * runs, desc="prefill", unit="request", file=sys.stderr) as bar:
         for chunk in chunks:
             limits = SchedulerConfig(max_batch=1, max_model_len=max(lengths) + 1, prefill_chunk=chunk)
-            batch = build_scheduler(engine, limits, reuse_prefix=False)
+            batch = build_core(engine, limits, reuse_prefix=False)
             batch.prepare(warps=[WarpSpec()], progress=False)  # every chunk size's prefill: a cold TTFT compiles nothing
             for n in lengths:
                 ttfts = []
@@ -106,7 +106,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
                     prompt = ids[7 * r: 7 * r + n]
                     first: list[float] = []
                     t0 = time.perf_counter()
-                    all_finished(batch.generate([Request(prompt, 1, SamplingParams(), stop_ids=(),
+                    all_finished(batch.generate([Request(prompt, 1, SamplerParams(), stop_ids=(),
                                                          id=f"prefill-{n}-{r}")],
                                                 on_event=lambda _, ev: first or first.append(time.perf_counter())))
                     ttfts.append(first[0] - t0)

@@ -27,7 +27,7 @@ from jaxspec.errors import CliError, RequestError, VocabularyMismatch
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input (one ``jaxspec: error:`` line), not a bug."""
-    from jaxspec.decoding.sampling import SamplingError  # noqa: PLC0415
+    from jaxspec.request import SamplingError  # noqa: PLC0415
     from models.config import ModelConfigError  # noqa: PLC0415
     from models.loading import CheckpointError  # noqa: PLC0415
 
@@ -61,10 +61,10 @@ def read_prompts(path: str, limit: int | None = None) -> list[dict]:
 
 
 def sampling_params(args: argparse.Namespace, sample: int = 0):
-    """The validated SamplingParams of the ``--temperature/--top-k/--top-p/--seed`` flags."""
-    from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
+    """The validated SamplerParams of the ``--temperature/--top-k/--top-p/--seed`` flags."""
+    from jaxspec.decoding.sampling import SamplerParams  # noqa: PLC0415
 
-    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + sample)
+    return SamplerParams(args.temperature, args.top_k, args.top_p, args.seed + sample)
 
 
 def add_compile_cache_args(p: argparse.ArgumentParser) -> None:

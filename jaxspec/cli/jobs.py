@@ -52,7 +52,7 @@ def check_rows(llm, rows: list[dict], args: argparse.Namespace) -> tuple[list[Ro
     anything is compiled for it (``build_engine``'s ``check``). A problem of the command line itself (a ``--regex``
     that does not compile) still refuses the whole job."""
     from jaxspec.cli.common import grammar_for  # noqa: PLC0415
-    from jaxspec.decoding.sampling import SamplingError  # noqa: PLC0415
+    from jaxspec.request import SamplingError  # noqa: PLC0415
     from jaxspec.structured import GrammarError  # noqa: PLC0415
 
     vocabulary = Grammars(llm)

@@ -1,4 +1,4 @@
-"""The logit warping shared by the LLM and every SSM, over a request's ``SamplingParams`` (``jaxspec.request``).
+"""The logit warping shared by the LLM and every SSM, over a request's ``SamplerParams`` (``jaxspec.request``).
 
 The same warp (temperature, then top-k, then top-p) is applied to the LLM's and the
 SSMs' logits, so speculative sampling compares the distributions a user asked for.
@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.request import (MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, MIN_TOP_P,  # noqa: F401 (importable from
-                             SamplingError, SamplingParams, seed_words)  # here as before)
+from jaxspec.request import SamplerParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +25,7 @@ class WarpSpec:
     use_top_p: bool = False
 
     @classmethod
-    def of(cls, params: SamplingParams) -> "WarpSpec":
+    def of(cls, params: SamplerParams) -> "WarpSpec":
         return cls(params.greedy, not params.greedy and params.top_k > 0, not params.greedy and params.top_p < 1.0)
 
     @property
@@ -45,7 +44,7 @@ sort of the vocabulary at every tree node) runs only in an iteration where some 
 BATCH_WARPS = (WarpSpec(), MIXED)  # what a batch of rows can run (``batch_warp``): one executable set each
 
 
-def batch_warp(rows: Sequence[SamplingParams]) -> WarpSpec:
+def batch_warp(rows: Sequence[SamplerParams]) -> WarpSpec:
     """The warp of ``BATCH_WARPS`` that serves every row: greedy, or every stage (``MIXED``).
 
     One sampled warp rather than one per stage subset halves what a server prepares; a row that asks for
@@ -57,12 +56,12 @@ def batch_warp(rows: Sequence[SamplingParams]) -> WarpSpec:
     return MIXED
 
 
-def warp_arrays(params: SamplingParams, batch: int) -> dict[str, jax.Array]:
+def warp_arrays(params: SamplerParams, batch: int) -> dict[str, jax.Array]:
     """Traced per-row sampling values [B] so changing them never recompiles (one explicit transfer)."""
     return jax.device_put(row_values([params] * batch, 0))
 
 
-def row_values(rows: list[SamplingParams], vocab: int) -> dict[str, np.ndarray]:
+def row_values(rows: list[SamplerParams], vocab: int) -> dict[str, np.ndarray]:
     """Per-row sampling values [B] on the host, for one row per request of a batch.
 
     ``greedy`` rows are argmax rows inside a stochastic executable (``MIXED``); top-k 0

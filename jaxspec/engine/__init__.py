@@ -1,4 +1,4 @@
-"""The engine users drive: ``Engine`` (the device-side ``Runner`` plus ``generate``) and the scheduling loop.
+"""The engine users drive: ``Engine`` (the device-side ``ModelRunner`` plus ``generate``) and the scheduling loop.
 
 Imports run one way: the host-only ``scheduler`` and the device-side ``runner`` / ``executor`` <- ``batch`` (the
 loop) <- ``engine``. The names below load on first use, so ``jaxspec.engine.scheduler`` imports no JAX.
@@ -10,13 +10,13 @@ import importlib
 
 _EXPORTS = {
     "Engine": "jaxspec.engine.engine",
-    "BatchEngine": "jaxspec.engine.batch",
+    "EngineCore": "jaxspec.engine.core",
     "Request": "jaxspec.request",
     "Generation": "jaxspec.request",
     "job_model_len": "jaxspec.engine.scheduler",
     "RequestError": "jaxspec.errors",
     "VocabularyMismatch": "jaxspec.errors",
-    "Runner": "jaxspec.engine.runner",
+    "ModelRunner": "jaxspec.engine.runner",
     "check_vocab": "jaxspec.engine.runner",
     "early_exit": "jaxspec.speculators.early_exit",
     "LoadedModel": "models.loaded",

@@ -5,7 +5,7 @@ and executables meanwhile), in chunk sizes found on the device (``jaxspec.engine
 rows (``Scheduler.pacer``); a short prompt may enter beside a long one being fed. The staging row keeps the K/V of
 the prompt it fed last and the prefix cache keeps blocks of earlier prompts and answers, so a request sharing a
 prefix (``--num-samples``, a common system prompt, a conversation's next turn) starts after it. The loop
-(``BatchEngine``) owns the rows once a request is inserted: ``Admission`` hands it over through ``loop.join``.
+(``EngineCore``) owns the rows once a request is inserted: ``Admission`` hands it over through ``loop.join``.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ class InjectedFailure(RuntimeError):
 
 
 class Loop(Protocol):
-    """What admission reads of the loop it feeds (``jaxspec.engine.batch.BatchEngine``) and calls back."""
+    """What admission reads of the loop it feeds (``jaxspec.engine.core.EngineCore``) and calls back."""
 
     scheduler: Scheduler
     executor: Any  # ``jaxspec.engine.executor.Executor``
     chunks: Any  # ``jaxspec.engine.prefill.ChunkSizer``
-    engine: Any  # ``jaxspec.engine.runner.Runner``
+    engine: Any  # ``jaxspec.engine.runner.ModelRunner``
     clock: Any  # ``jaxspec.engine.clock.LoopClock``
     max_capacity: int
     vocab: int

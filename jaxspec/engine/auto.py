@@ -66,7 +66,7 @@ GLOBAL_CONFIDENCE = 64.0  # ... and as at most this many in how sure the estimat
 # taken to describe the next one. Evidence from a finished request weighs half as much HALF_LIFE requests later.
 HALF_LIFE = 8.0
 DISCOUNT = 0.5 ** (1.0 / HALF_LIFE)  # global counts are multiplied by this at each finished request (~0.917)
-MIN_TIMINGS = 4  # host timings the loop keeps before it prices lost overlap by them (``BatchEngine``)
+MIN_TIMINGS = 4  # host timings the loop keeps before it prices lost overlap by them (``EngineCore``)
 # A member's own iterations price it from its third (the loop leaves each executable's first run out: a one-time cost).
 FIRST_TIMINGS = 3
 # A request's own tries of a kind at a depth after which that depth's rate reads its own counts and the prior only

@@ -1,7 +1,7 @@
 """One way to build an engine: an ``EngineConfig`` in, the loaded LLM and speculators in an ``Engine`` out.
 
 Every entry point (``generate``, ``serve``, the benches, ``repro``, scripts) builds through
-``build_engine`` and ``build_scheduler``, so a mode means the same speculators and trees everywhere.
+``build_engine`` and ``build_core``, so a mode means the same speculators and trees everywhere.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from jax.sharding import Mesh
 
     from jaxspec.engine import Engine
-    from jaxspec.engine.batch import BatchEngine
+    from jaxspec.engine.core import EngineCore
     from models.loaded import LoadedModel
     from models.lowering import Lowering
 
@@ -142,7 +142,7 @@ def prepare(config: EngineConfig, scheduler: SchedulerConfig = SchedulerConfig()
     """Prepares this machine for the loop ``scheduler`` describes (default: ``jaxspec serve``'s with default flags)
     over the engine ``config`` names: the cost curve auto's trees come from (kept in the cost cache;
     ``recalibrate`` measures it again), then every greedy and sampled step, prefill and row executable that loop
-    can reach (``BatchEngine.prepare``, kept in the executable store; grammar steps as ``serve`` prepares them) and
+    can reach (``EngineCore.prepare``, kept in the executable store; grammar steps as ``serve`` prepares them) and
     their measured costs; says what it did."""
     import time  # noqa: PLC0415
 
@@ -150,9 +150,9 @@ def prepare(config: EngineConfig, scheduler: SchedulerConfig = SchedulerConfig()
 
     began = time.perf_counter()
     engine, llm = build_engine(config, log=sys.stderr)
-    batch = build_scheduler(engine, scheduler)
+    batch = build_core(engine, scheduler)
     batch.prepare(grammar=True, callbacks=False, say=lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr))
-    trees = "; ".join(f"{n}: {engine.describe(n)}" for n in engine.family(sampling.SamplingParams()) if n != "none")
+    trees = "; ".join(f"{n}: {engine.describe(n)}" for n in engine.family(sampling.SamplerParams()) if n != "none")
     curve = ""
     if engine.cost_curve is not None:
         from jaxspec.engine.planner import describe  # noqa: PLC0415
@@ -219,13 +219,13 @@ def mesh_of(config: EngineConfig) -> Mesh | None:
     return parse_mesh(config.mesh)
 
 
-def build_scheduler(engine: Engine, config: SchedulerConfig, **hooks: Any) -> BatchEngine:
-    """The scheduling loop over ``engine`` with ``config``'s limits; ``hooks`` are ``BatchEngine``'s callbacks and
+def build_core(engine: Engine, config: SchedulerConfig, **hooks: Any) -> EngineCore:
+    """The scheduling loop over ``engine`` with ``config``'s limits; ``hooks`` are ``EngineCore``'s callbacks and
     run-time companions (``on_iteration``, ``sync``, ``verbose``)."""
-    from jaxspec.engine.batch import BatchEngine  # noqa: PLC0415
+    from jaxspec.engine.core import EngineCore  # noqa: PLC0415
 
     stall = config.prefill_stall or None  # 0: off, as None
-    return BatchEngine(engine, max_batch=config.max_batch, max_model_len=config.max_model_len,
+    return EngineCore(engine, max_batch=config.max_batch, max_model_len=config.max_model_len,
                        max_queue=config.max_queue, prefill_chunk=config.prefill_chunk,
                        prefill_stall=stall, prefix_cache_bytes=config.prefix_cache_bytes, **hooks)
 

@@ -1,4 +1,4 @@
-"""``Engine``: the device-side ``Runner`` plus ``generate``, one request through the scheduling loop."""
+"""``Engine``: the device-side ``ModelRunner`` plus ``generate``, one request through the scheduling loop."""
 
 from __future__ import annotations
 
@@ -6,28 +6,28 @@ import time
 from typing import Callable, Sequence
 
 from jaxspec.decoding import sampling
-from jaxspec.engine.batch import BatchEngine
-from jaxspec.engine.runner import RequestError, Runner
+from jaxspec.engine.core import EngineCore
+from jaxspec.engine.runner import RequestError, ModelRunner
 from jaxspec.engine.scheduler import job_model_len
 from jaxspec.request import Generation, Request
 from jaxspec.structured import Grammar
 
 
-class Engine(Runner):
+class Engine(ModelRunner):
     """Speculative decoding with one LLM and zero or more speculators (incremental / sequence / tree / auto).
 
-    ``Runner`` documents the configuration; ``generate`` runs one request through the same
+    ``ModelRunner`` documents the configuration; ``generate`` runs one request through the same
     scheduling loop as a batch or a server (one slot, a loop per request length bucket: 256, 512, ... tokens);
     ``prepare`` readies those loops for a known set of requests before the first runs.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.solos: dict[int, BatchEngine] = {}  # the one-slot loops behind ``generate``, by request length bucket
+        self.solos: dict[int, EngineCore] = {}  # the one-slot loops behind ``generate``, by request length bucket
 
     # -- generation -------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
-                 params: sampling.SamplingParams = sampling.SamplingParams(),
+                 params: sampling.SamplerParams = sampling.SamplerParams(),
                  stop_ids: Sequence[int] | None = None,
                  stop: Callable[[list[int]], int | None] | None = None,
                  grammar: Grammar | None = None) -> Generation:
@@ -48,7 +48,7 @@ class Engine(Runner):
         return gen
 
     def prepare(self, requests: Sequence[tuple[int, int]],
-                params: Sequence[sampling.SamplingParams] = (sampling.SamplingParams(),), grammar: bool = False,
+                params: Sequence[sampling.SamplerParams] = (sampling.SamplerParams(),), grammar: bool = False,
                 progress: bool = True) -> float:
         """Readies what ``generate`` reaches for requests of these (prompt tokens, max new tokens) under ``params``:
         each length bucket's loop, for the warps they need (``grammar``: its grammar steps too), so no request
@@ -67,8 +67,8 @@ class Engine(Runner):
         """The length bucket of a request of ``prompt`` tokens and ``new`` more (``job_model_len``)."""
         return job_model_len(prompt + new, self.llm.cfg.max_position_embeddings)
 
-    def _solo(self, length: int) -> BatchEngine:
+    def _solo(self, length: int) -> EngineCore:
         """The one-slot loop of the length bucket ``length`` (a cache laid out for it, not the whole context)."""
         if length not in self.solos:
-            self.solos[length] = BatchEngine(self, max_batch=1, max_model_len=length)
+            self.solos[length] = EngineCore(self, max_batch=1, max_model_len=length)
         return self.solos[length]

@@ -23,10 +23,10 @@ from jaxspec.decoding.step import (DecodeConfig, DecodeState, StepOutput, insert
 from jaxspec.engine.executables import Stored
 from jaxspec.engine.prefix import committed, cut_block, paste_block
 from jaxspec.engine.prepare import Job, Ready, check_room, compile_all, describe_set, loads, timed_means
-from jaxspec.engine.runner import Runner, check_fits
+from jaxspec.engine.runner import ModelRunner, check_fits
 from jaxspec.engine.scheduler import IterationPlan
 from jaxspec.parallel.sharding import fetch, pinned
-from jaxspec.request import SamplingParams, seed_words
+from jaxspec.request import SamplerParams, seed_words
 
 
 def _put(v: int) -> jax.Array:
@@ -51,7 +51,7 @@ class Executor:
     are prepared with the rest).
     """
 
-    def __init__(self, runner: Runner, row_buckets: Sequence[int], capacity_buckets: Sequence[int],
+    def __init__(self, runner: ModelRunner, row_buckets: Sequence[int], capacity_buckets: Sequence[int],
                  prefix: bool) -> None:
         self.runner = runner
         self.row_buckets, self.capacity_buckets = tuple(row_buckets), tuple(capacity_buckets)
@@ -266,7 +266,7 @@ class Executor:
         values (default greedy's); ``first_mask`` [1, words] the first token's grammar mask (default: every token
         allowed)."""
         if values is None:
-            values = sampling.row_values([SamplingParams()], self.vocab)
+            values = sampling.row_values([SamplerParams()], self.vocab)
         if first_mask is None:
             first_mask = np.full((1, constrain.words(self.vocab)), -1, np.int32)
         args = jax.device_put((tokens, np.int32(fed), np.int32(count), np.bool_(last), seed_words(seed),

@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxspec.decoding.sampling import SamplingParams
-from jaxspec.engine.batch import BatchEngine, Event, LoopSync, Request, Ticket
+from jaxspec.decoding.sampling import SamplerParams
+from jaxspec.engine.core import EngineCore, Event, LoopSync, Request, Ticket
 from jaxspec.engine.stops import MAX_STOP_CHARS, MAX_STOPS
 from jaxspec.parallel import distributed as cluster
 
@@ -84,7 +84,7 @@ def _decode(msg: list[int], at: int, make_stop: Callable[[list[str]], Any]) -> t
     stops = json.loads("".join(map(chr, msg[at + n: at + n + n_stop]))) if n_stop else []
     stop_ids = msg[at + n + n_stop: at + n + n_stop + n_ids] if has_ids else None
     high, low = np.asarray([high, low], np.int32).view(np.uint32).tolist()  # ``seed_words``
-    params = SamplingParams(_float(temp), top_k, _float(top_p), high << 32 | low)
+    params = SamplerParams(_float(temp), top_k, _float(top_p), high << 32 | low)
     req = Request(prompt, max_new, params, stop_ids=stop_ids, stop=make_stop(stops) if stops else None,
                   id=f"peer-{seq}", stop_strings=tuple(stops))
     return req, seq, at + n + n_stop + n_ids
@@ -99,12 +99,12 @@ class _ServerSync(LockstepSync):
 class LeaderSync(_ServerSync):
     """Process 0's side: moves submissions into the queue and announces them."""
 
-    def __init__(self, batch: BatchEngine) -> None:
+    def __init__(self, batch: EngineCore) -> None:
         self.size = message_size(batch.max_model_len)
         self.next_seq = 0
         batch.sync = self
 
-    def exchange(self, b: BatchEngine, stopping: bool) -> bool:
+    def exchange(self, b: EngineCore, stopping: bool) -> bool:
         cancels = [t for t in b.live_tickets() if t.cancelled.is_set() and not t.agreed_cancel][: 256]
         words = [t.seq for t in cancels]
 
@@ -141,14 +141,14 @@ def _refuse(ticket: Ticket, on_event: Callable[[Event], None], reason: str) -> N
 class FollowerSync(_ServerSync):
     """Another process's side: queues what process 0 announced, cancels what it cancelled."""
 
-    def __init__(self, batch: BatchEngine, make_stop: Callable[[list[str]], Any]) -> None:
+    def __init__(self, batch: EngineCore, make_stop: Callable[[list[str]], Any]) -> None:
         self.make_stop = make_stop
         self.size = message_size(batch.max_model_len)
         self.tickets: dict[int, Ticket] = {}
         batch.sync = self
         batch.on_iteration = None  # metrics live on process 0
 
-    def exchange(self, b: BatchEngine, stopping: bool) -> bool:
+    def exchange(self, b: EngineCore, stopping: bool) -> bool:
         msg = cluster.agree(np.zeros(self.size, np.int32)).tolist()
         stop, n_cancel, n_admit, _ = msg[:HEADER]
         at = HEADER
@@ -173,11 +173,11 @@ class FollowerSync(_ServerSync):
         return on_event
 
 
-def serve_role(batch: BatchEngine, make_stop: Callable[[list[str]], Any]) -> bool:
+def serve_role(batch: EngineCore, make_stop: Callable[[list[str]], Any]) -> bool:
     """Sets a multi-process server's batch up; runs a follower's loop to process 0's stop and returns False there.
 
     Returns True where this process should go on serving HTTP (process 0, or a single-process run).
-    Every process prepares first (``BatchEngine.prepare``: compiles, then calibrates alike), so the loop's
+    Every process prepares first (``EngineCore.prepare``: compiles, then calibrates alike), so the loop's
     broadcasts never interleave with the calibrations' collectives.
     """
     if cluster.active() is None:

@@ -34,7 +34,7 @@ from jaxspec.speculators.ngram import acceptance_priors, speculator_kinds
 
 if TYPE_CHECKING:
     from jaxspec.decoding import sampling
-    from jaxspec.engine.runner import Runner
+    from jaxspec.engine.runner import ModelRunner
 
 # LLM tokens per row whose pass is timed (the largest tree considered: 64): five compiles of the LLM the first time
 # a device runs auto for a model, then read from the cost cache.
@@ -396,14 +396,14 @@ Bucket = tuple  # (warp, rows, capacity)
 class Planner:
     """The members one scheduling loop runs at each bucket and their costs there: every whole tree of the family
     and the cuts the curve makes best at the bucket's rows (``members``), compiled and, under auto, measured as the
-    bucket is readied (``ready``: ``BatchEngine.prepare`` readies every bucket the loop can reach before its first
+    bucket is readied (``ready``: ``EngineCore.prepare`` readies every bucket the loop can reach before its first
     request; one it did not reach is readied at its first use, which ``readies`` counts).
 
     ``sync`` returns the loop's current ``LoopSync`` (a multi-process run installs its own after the loop is made:
     every process then measures its costs itself).
     """
 
-    def __init__(self, engine: Runner, sync: Callable[[], Any]) -> None:
+    def __init__(self, engine: ModelRunner, sync: Callable[[], Any]) -> None:
         self.engine = engine
         self._sync = sync
         self.bucket_costs: dict[Bucket, dict[str, float] | None] = {}  # measured seconds per member (None: not auto)
@@ -515,7 +515,7 @@ class Planner:
     def step_jobs(self, buckets: Sequence[Bucket], grammar: bool = False, callbacks: bool = True,
                   plain: bool = False) -> list[Job]:
         """The compiles that ready ``buckets``' members (``grammar``: their grammar steps too; ``callbacks`` False:
-        but not those that call back into this process, ``Runner.step_jobs``; ``plain``: the plain step's only)."""
+        but not those that call back into this process, ``ModelRunner.step_jobs``; ``plain``: the plain step's only)."""
         jobs = []
         for warp, rows, capacity in buckets:
             names = ["none"] if plain else self.members(warp, rows)

@@ -1,6 +1,6 @@
 """Readying executables before any request: a known, bounded set compiled (or loaded) on the host's cores.
 
-``BatchEngine.prepare`` lists what a loop can reach (every step, prefill chunk, row operation and the prefix
+``EngineCore.prepare`` lists what a loop can reach (every step, prefill chunk, row operation and the prefix
 cache's copies at every bucket); ``compile_all`` readies such a list on a pool of ``host_cores()`` threads (a trace
 holds the interpreter, XLA's compile does not), with a progress bar that says what, how many and how long.
 

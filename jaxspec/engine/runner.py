@@ -1,9 +1,9 @@
 """The device side of the engine: models, the family of compiled steps, their measured costs, auto's chooser.
 
-``Runner`` owns what runs on the device (one jitted ``decode_step`` per family member and
+``ModelRunner`` owns what runs on the device (one jitted ``decode_step`` per family member and
 state shape, the state it runs on) and what each step costs; the one scheduling loop
-(``jaxspec.engine.batch.BatchEngine``: admission, prefill, the iteration, stopping, retirement)
-drives it for ``generate``, ``bench`` and ``serve`` alike. ``Runner.compilations`` counts
+(``jaxspec.engine.core.EngineCore``: admission, prefill, the iteration, stopping, retirement)
+drives it for ``generate``, ``bench`` and ``serve`` alike. ``ModelRunner.compilations`` counts
 traces of model-running executables, so tests can prove that nothing recompiles (an executable
 loaded from disk, ``jaxspec.engine.executables``, is not traced and not counted).
 
@@ -69,7 +69,7 @@ def prompt_bucket(n: int) -> int:
     return max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length())
 
 
-class Runner:
+class ModelRunner:
     """Speculative decoding with one LLM and zero or more speculators (incremental / sequence / tree / auto).
 
     Speculators are SSMs (``LoadedModel``) and at most one ``NGramSpeculator``; each gets
@@ -188,13 +188,13 @@ class Runner:
         if offload and mesh is not None:  # a one-device offload was laid out in host memory already
             self._llm_params = offload_params(self._llm_params)
         self._families: dict[sampling.WarpSpec, dict[str, DecodeConfig]] = {}
-        self.family(sampling.SamplingParams())  # validates every configuration
+        self.family(sampling.SamplerParams())  # validates every configuration
         # The engine runs its own layout: it keeps no reference to the loaded tree, which is freed as soon
         # as the caller drops its LoadedModel (jaxspec.engine.build.build_engine hands back this one).
         self.llm = dataclasses.replace(llm, params=None)
 
     # -- the family of trees ------------------------------------------------------------
-    def family(self, params: sampling.SamplingParams | sampling.WarpSpec) -> dict[str, DecodeConfig]:
+    def family(self, params: sampling.SamplerParams | sampling.WarpSpec) -> dict[str, DecodeConfig]:
         """Member name -> compiled configuration: one member, or the ``auto`` family.
 
         ``params`` is a request's sampling parameters or directly a warp (``sampling.MIXED``
@@ -246,7 +246,7 @@ class Runner:
         tokens and count are arguments: one executable serves every chain up to that depth)."""
         return self.forced_depth if longest > 0 else 0
 
-    def grammar_members(self, params: sampling.SamplingParams | sampling.WarpSpec,
+    def grammar_members(self, params: sampling.SamplerParams | sampling.WarpSpec,
                         names: Sequence[str] | None = None) -> list[str]:
         """The members (of ``names``, default all) a constrained iteration may run: every one, but under auto only
         those without SSM drafts, whose masks come in as arguments (a mid-step callback cannot be stored, and each
@@ -255,7 +255,7 @@ class Runner:
         names = list(family) if names is None else list(names)
         return [n for n in names if not (self.auto and family[n].active)]
 
-    def forced_depths(self, params: sampling.SamplingParams | sampling.WarpSpec,
+    def forced_depths(self, params: sampling.SamplerParams | sampling.WarpSpec,
                       names: Sequence[str] | None = None) -> dict[str, tuple[int, ...]]:
         """Per member a constrained iteration may run, the forced-chain depths its grammar steps compile for:
         (0, ``forced_depth``), but under auto only the plain member gets the chain (one executable more per bucket;
@@ -283,7 +283,7 @@ class Runner:
 
     def describe(self, name: str) -> str:
         """A member's tree in words, e.g. ``ssm <1,1,3,1> + ngram <1x6>``."""
-        cfg = self.family(sampling.SamplingParams())[name]
+        cfg = self.family(sampling.SamplerParams())[name]
         parts = []
         if cfg.active:
             shown = sorted({t.label for t in cfg.topologies if t is not None})
@@ -318,7 +318,7 @@ class Runner:
             accepted[name] = accepted.get(name, 0) + min(int(depths[p]), emitted - 1, count)
         return drafted, accepted
 
-    def members(self, params: sampling.SamplingParams | sampling.WarpSpec) -> list[Member]:
+    def members(self, params: sampling.SamplerParams | sampling.WarpSpec) -> list[Member]:
         """The family as the chooser sees it: per member, each kind's depth and source columns."""
         out = []
         for name, cfg in self.family(params).items():
@@ -396,7 +396,7 @@ class Runner:
         }
 
     # -- costs and the chooser -------------------------------------------------------------
-    def calibrate(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, refresh: bool = False,
+    def calibrate(self, params: sampling.SamplerParams | sampling.WarpSpec, capacity: int, refresh: bool = False,
                   batch: int = 1, names: Sequence[str] | None = None) -> dict[str, float]:
         """Seconds per iteration of family members (default: all) at this capacity and batch, measured once and cached.
 
@@ -412,7 +412,7 @@ class Runner:
         shared: list[DecodeState | None] = [None]
         return {n: self.member_cost(params, n, capacity, batch, refresh, shared) for n in names}
 
-    def member_cost(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
+    def member_cost(self, params: sampling.SamplerParams | sampling.WarpSpec, name: str, capacity: int,
                     batch: int = 1, refresh: bool = False, shared: list | None = None) -> float:
         """Seconds per iteration of one family member on ``batch`` rows of ``capacity`` slots (cached: calibrate);
         ``shared`` holds the bucket's timing state where the caller measures several members (``_timed_step``)."""
@@ -428,7 +428,7 @@ class Runner:
             ident, lambda: self._measure(params, capacity, batch=batch, names=[name], shared=shared)[name], refresh)
         return self._costs[key]
 
-    def costs_known(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int,
+    def costs_known(self, params: sampling.SamplerParams | sampling.WarpSpec, capacity: int, batch: int,
                     names: Sequence[str]) -> bool:
         """Whether every member of ``names`` has its cost at this bucket without measuring it (injected, held, or
         recorded on this machine): then its step need not run before the loop's first request."""
@@ -440,7 +440,7 @@ class Runner:
         return all((warp, capacity, batch, n) in self._costs
                    or costs.load(self._member_ident(params, n, capacity, batch)) is not None for n in names)
 
-    def _member_ident(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
+    def _member_ident(self, params: sampling.SamplerParams | sampling.WarpSpec, name: str, capacity: int,
                       batch: int) -> dict:
         """What a member's measurements at a bucket are kept under (the calibration cache's key, beside the machine's
         ``jaxspec.cache.speed_key``)."""
@@ -461,7 +461,7 @@ class Runner:
             **({"program": program} if (program := self._step_program(params, name, capacity, batch)) else {}),
         }
 
-    def _step_program(self, params: sampling.SamplingParams | sampling.WarpSpec, name: str, capacity: int,
+    def _step_program(self, params: sampling.SamplerParams | sampling.WarpSpec, name: str, capacity: int,
                       batch: int) -> str | None:
         """The digest of a member's step program at a bucket where the executable store knows it without a trace
         (``Stored.program``): its measured cost is kept under it, so a code edit that leaves the step's program
@@ -483,7 +483,7 @@ class Runner:
             return costs.load(ident)
         return costs.load_or_measure(ident, lambda: found, refresh=True)
 
-    def _measure(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, reps: int = MEMBER_REPEATS,
+    def _measure(self, params: sampling.SamplerParams | sampling.WarpSpec, capacity: int, reps: int = MEMBER_REPEATS,
                  batch: int = 1, names: Sequence[str] | None = None, shared: list | None = None) -> dict[str, float]:
         """Seconds per iteration of members (default all) on ``batch`` rows of ``capacity`` slots (reps 0: one run).
 
@@ -512,7 +512,7 @@ class Runner:
             self._warmed.add((warp, capacity, batch, name))
         return out
 
-    def _timed_step(self, params: sampling.SamplingParams | sampling.WarpSpec, cfg: DecodeConfig, batch: int,
+    def _timed_step(self, params: sampling.SamplerParams | sampling.WarpSpec, cfg: DecodeConfig, batch: int,
                     capacity: int, shared: list | None = None) -> Callable[[], float]:
         """A callable that runs one iteration of ``cfg`` and returns its seconds: on ``shared[0]``, the state every
         run of a measurement steps on (made at the first run), else on a state of its own; before each run its caches
@@ -537,16 +537,16 @@ class Runner:
 
         return run
 
-    def warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int = 1,
+    def warm(self, params: sampling.SamplerParams | sampling.WarpSpec, capacity: int, batch: int = 1,
              names: Sequence[str] | None = None, grammar: bool = False) -> int:
         """Compiles family members' steps (default all; ``grammar``: their grammar steps) for this bucket now, on
-        this thread; returns how many compiled. ``BatchEngine.prepare`` compiles every bucket's in parallel."""
+        this thread; returns how many compiled. ``EngineCore.prepare`` compiles every bucket's in parallel."""
         jobs = self.step_jobs(params, capacity, batch, names, grammar)
         for _, job in jobs:
             job()
         return len(jobs)
 
-    def step_jobs(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int = 1,
+    def step_jobs(self, params: sampling.SamplerParams | sampling.WarpSpec, capacity: int, batch: int = 1,
                   names: Sequence[str] | None = None, grammar: bool = False, callbacks: bool = True) -> list[Job]:
         """(what, a call compiling it) for each member's step at this bucket not compiled yet (``names``: default
         all; ``grammar``: instead the grammar steps a constrained iteration adds to them, ``forced_depths``: none for
@@ -603,7 +603,7 @@ class Runner:
                 shapes, placed)
         return self._compiled[key]
 
-    def _measured_state(self, params: sampling.SamplingParams | sampling.WarpSpec, batch: int,
+    def _measured_state(self, params: sampling.SamplerParams | sampling.WarpSpec, batch: int,
                         capacity: int, state: DecodeState | None = None) -> DecodeState:
         """A state of ``batch`` rows whose caches hold a shortest prompt, what timing runs on: ``state`` set back to
         that (donated), else a fresh one."""
@@ -621,12 +621,12 @@ class Runner:
         """How many (warp, bucket, member) steps are compiled or loaded: grows as members are readied."""
         return len(self._warmed)
 
-    def is_warm(self, params: sampling.SamplingParams | sampling.WarpSpec, capacity: int, batch: int,
+    def is_warm(self, params: sampling.SamplerParams | sampling.WarpSpec, capacity: int, batch: int,
                 name: str) -> bool:
         """Whether member ``name`` is compiled for this bucket."""
         return (_warp(params), capacity, batch, name) in self._warmed
 
-    def chooser(self, params: sampling.SamplingParams | sampling.WarpSpec) -> TreeChooser:
+    def chooser(self, params: sampling.SamplerParams | sampling.WarpSpec) -> TreeChooser:
         """Auto's running chooser for this warp: acceptance statistics shared by every batch and length bucket."""
         warp = _warp(params)
         if warp not in self._choosers:
@@ -644,11 +644,11 @@ class Runner:
     def step_bounds(self) -> tuple[int, int]:
         """(most cache slots, most committed tokens) one step writes per row, over every member greedy or
         sampled: a sampled request drafts a dynamic tree's fixed fallback, which can outgrow its budget."""
-        family = [*self.family(sampling.SamplingParams()).values(), *self.family(sampling.MIXED).values()]
+        family = [*self.family(sampling.SamplerParams()).values(), *self.family(sampling.MIXED).values()]
         family += [self.constrained(c) for c in family]
         return max(c.num_nodes for c in family), max(c.max_emit for c in family)
 
-    def init_state(self, batch: int, capacity: int, params: sampling.SamplingParams | sampling.WarpSpec,
+    def init_state(self, batch: int, capacity: int, params: sampling.SamplerParams | sampling.WarpSpec,
                    active: bool = True) -> DecodeState:
         """A fresh state for B slots, built on the device (explicit transfers only: seed and warp values).
 
@@ -657,12 +657,12 @@ class Runner:
         """
         return self._init_fn(batch, capacity)(*jax.device_put(self._init_args(batch, params, active)))
 
-    def _init_args(self, batch: int, params: sampling.SamplingParams | sampling.WarpSpec,
+    def _init_args(self, batch: int, params: sampling.SamplerParams | sampling.WarpSpec,
                    active: bool = False) -> tuple[np.ndarray, dict, np.ndarray]:
         """The host arrays a state's init reads: each row's PRNG key words [B, 2], its sampling values, active [B]."""
         if isinstance(params, sampling.WarpSpec):
-            values = sampling.row_values([sampling.SamplingParams(1.0)] * batch, self.llm.cfg.vocab_size)
-            params = sampling.SamplingParams(1.0)
+            values = sampling.row_values([sampling.SamplerParams(1.0)] * batch, self.llm.cfg.vocab_size)
+            params = sampling.SamplerParams(1.0)
         else:
             values = sampling.row_values([params] * batch, 0)
         return np.tile(params.seed_words, (batch, 1)), values, np.full((batch,), active, bool)
@@ -724,7 +724,7 @@ def _stacked_llm(llm: LoadedModel, mesh: Mesh | None, offload: bool, lowering: L
     return (offload_layout(llm.params) if offload and mesh is None else stacked_layout(llm.params)), forward
 
 
-def _warp(params: sampling.SamplingParams | sampling.WarpSpec) -> sampling.WarpSpec:
+def _warp(params: sampling.SamplerParams | sampling.WarpSpec) -> sampling.WarpSpec:
     return params if isinstance(params, sampling.WarpSpec) else sampling.WarpSpec.of(params)
 
 

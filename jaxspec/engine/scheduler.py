@@ -1,7 +1,7 @@
 """The host side of the loop: the queue, which request owns which state row, the buckets the rows need, the pacing of
 prompt chunks beside decoding rows, the stop rule and retirement's row moves. No JAX and no device.
 
-The loop (``jaxspec.engine.batch.BatchEngine``) asks the ``Scheduler`` what to do next and has the executor
+The loop (``jaxspec.engine.core.EngineCore``) asks the ``Scheduler`` what to do next and has the executor
 (``jaxspec.engine.executor.Executor``) carry it out on the device, after vLLM's Scheduler / EngineCore split and
 JetStream's engine API. Everything here is decided from host data alone (requests are plain data:
 ``jaxspec.request``), so it is unit-tested without a device (``tests/test_scheduler.py``).
@@ -108,7 +108,7 @@ class IterationStats:
     queued: int
     emitted: list[int]  # tokens emitted per active slot
     drafted: list[int]  # draft tokens verified per active slot, a grammar's forced ones included (0 without
-    #                     speculation; the sum of the slot's ``Runner.row_drafts``, no padding node)
+    #                     speculation; the sum of the slot's ``ModelRunner.row_drafts``, no padding node)
     accepted_depth: list[int]  # per active slot: draft tokens accepted (depths 1..a)
 
 
@@ -360,7 +360,7 @@ class Scheduler:
 class IterationPlan:
     """One decoding iteration as decided on the host, before the device runs it (``Executor.execute``): the member
     and its configuration at the bucket (rows x capacity), the live rows, and what the host proposed for each row.
-    Read back when its tokens are (``BatchEngine._account``)."""
+    Read back when its tokens are (``EngineCore._account``)."""
 
     member: str  # the family member that runs
     cfg: Any  # its ``jaxspec.decoding.step.DecodeConfig`` (a grammar's forced chain included)

@@ -207,7 +207,7 @@ class Lab:
         return cached(self.setup, key, lambda: self._decode(width, verify, temperature))
 
     def _decode(self, width: int | None, verify: str, temperature: float) -> list[dict]:
-        from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
+        from jaxspec.decoding.sampling import SamplerParams  # noqa: PLC0415
         from jaxspec.config import EngineConfig  # noqa: PLC0415
         from jaxspec.engine.build import engine_from  # noqa: PLC0415
 
@@ -222,13 +222,13 @@ class Lab:
         engine = engine_from(config, self.llm, [self.ssm] if width else [])
         ids = self.prompt_ids
         n = self.setup.scale.tokens
-        engine.prepare([(len(p), n) for p in ids], [SamplingParams(temperature)])
+        engine.prepare([(len(p), n) for p in ids], [SamplerParams(temperature)])
         for k in {min(range(len(ids)), key=lambda i: len(ids[i])), max(range(len(ids)), key=lambda i: len(ids[i]))}:
-            engine.generate(ids[k], n, SamplingParams(temperature, seed=self.setup.seed))
+            engine.generate(ids[k], n, SamplerParams(temperature, seed=self.setup.seed))
         rows = []
         for prompt, p in zip(self.setup.prompts, ids):
             began = time.perf_counter()
-            gen = engine.generate(p, n, SamplingParams(temperature, seed=self.setup.seed))
+            gen = engine.generate(p, n, SamplerParams(temperature, seed=self.setup.seed))
             seconds = time.perf_counter() - began
             rows.append({"id": prompt["id"], "tokens": len(gen.token_ids), "llm_steps": gen.llm_steps,
                          "step_tokens": gen.step_tokens, "token_ids": gen.token_ids, "seconds": seconds})

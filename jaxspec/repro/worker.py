@@ -2,7 +2,7 @@
 
 Figures 7, 8 and 10 compare systems the way a user runs them: each system (incremental,
 sequence-based, tree-based at a width, offloaded or not) loads and compiles in its own
-process. Per batch size B the prompts go through ``BatchEngine`` (laid out for the job's longest request and
+process. Per batch size B the prompts go through ``EngineCore`` (laid out for the job's longest request and
 prepared before its first) in groups of B, every group once as a warm-up (reported, excluded), then once
 timed. Every request generates exactly ``max_new_tokens`` (EOS ignored), as transformers' baseline does.
 """
@@ -26,9 +26,9 @@ def run(job: dict) -> dict:
     """Loads the job's system, then per batch size: warm-up groups, timed groups; a row per timed group."""
     from jaxspec.cache import device_words  # noqa: PLC0415
     from jaxspec.config import EngineConfig, SchedulerConfig  # noqa: PLC0415
-    from jaxspec.decoding.sampling import SamplingParams, batch_warp  # noqa: PLC0415
+    from jaxspec.decoding.sampling import SamplerParams, batch_warp  # noqa: PLC0415
     from jaxspec.request import Request, all_finished  # noqa: PLC0415
-    from jaxspec.engine.build import build_scheduler, engine_from  # noqa: PLC0415
+    from jaxspec.engine.build import build_core, engine_from  # noqa: PLC0415
     from jaxspec.engine.scheduler import job_model_len  # noqa: PLC0415
     from jaxspec.speculators.resolve import load_llm, load_speculators  # noqa: PLC0415
 
@@ -42,13 +42,13 @@ def run(job: dict) -> dict:
     ssms = load_speculators(list(config.speculators), llm, config.dtype)[:1] if expansion else []  # a pool's first SSM
     engine = engine_from(config, llm, ssms)
     load_seconds = time.perf_counter() - start
-    params = SamplingParams(**job["sampling"])
+    params = SamplerParams(**job["sampling"])
     n = job["max_new_tokens"]
     longest = max(len(ids) for ids in job["prompts"])
     length = job_model_len(longest + n, llm.cfg.max_position_embeddings)
     rows = []
     for batch in job["batches"]:
-        loop = build_scheduler(engine, SchedulerConfig(max_batch=batch, max_model_len=length))
+        loop = build_core(engine, SchedulerConfig(max_batch=batch, max_model_len=length))
         loop.prepare(warps=(batch_warp([params]),), longest=longest)
 
         def timed(group):

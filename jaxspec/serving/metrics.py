@@ -80,7 +80,7 @@ class ServerMetrics:
         return self._totals["generated"]
 
     def observe_iteration(self, stats) -> None:
-        """One ``jaxspec.engine.batch.IterationStats``: tree, wall time, per-slot tokens and acceptance."""
+        """One ``jaxspec.engine.core.IterationStats``: tree, wall time, per-slot tokens and acceptance."""
         self.iterations.labels(stats.tree).inc()
         self.iteration_seconds.observe(stats.seconds)
         for emitted, drafted, depth in zip(stats.emitted, stats.drafted, stats.accepted_depth):

@@ -61,7 +61,7 @@ def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: Serve
     """
     import uvicorn  # noqa: PLC0415
 
-    from jaxspec.engine.build import build_engine, build_scheduler  # noqa: PLC0415
+    from jaxspec.engine.build import build_engine, build_core  # noqa: PLC0415
 
     try:
         request_log = open(config.request_log, "a", encoding="utf-8") if config.request_log else None
@@ -73,7 +73,7 @@ def serve(engine_config: EngineConfig, scheduler: SchedulerConfig, config: Serve
     name = config.served_model_name or llm.name
     service: Service | None = None
     say = (lambda text: log.info("%s", text)) if engine_config.verbose else None  # -v: what compiles, loads, builds
-    batch = build_scheduler(engine, scheduler, on_iteration=lambda stats: service.on_iteration(stats), verbose=say)
+    batch = build_core(engine, scheduler, on_iteration=lambda stats: service.on_iteration(stats), verbose=say)
     import jax  # noqa: PLC0415
 
     from jaxspec.engine import lockstep  # noqa: PLC0415

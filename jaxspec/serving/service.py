@@ -1,6 +1,6 @@
 """The bridge between HTTP requests and the engine thread: jobs, their choices' text streams, the warm-up.
 
-One engine loop (``BatchEngine.run``) runs in its own thread, fed by ``submit``; its events come
+One engine loop (``EngineCore.run``) runs in its own thread, fed by ``submit``; its events come
 back to the asyncio side through ``loop.call_soon_threadsafe`` into one queue per HTTP request
 (``Job``), where each choice's tokens become text under the stop rule ``jaxspec generate`` applies
 too (``StopText``). A client that disconnects cancels its requests; their slots free at the next
@@ -158,7 +158,7 @@ class Service:
         self.log_errors = 0  # --request-log lines lost
         self.created = int(time.time())
         self.observing = False  # warm-up iterations are not counted
-        self._traced_seen = 0  # executables compiled before the last iteration observed (``Runner.traced``)
+        self._traced_seen = 0  # executables compiled before the last iteration observed (``ModelRunner.traced``)
         self._compiles_seen = BACKEND.listen()  # XLA's compiles before it (``jaxspec.cache.BACKEND``)
         self.dead: str | None = None
         self._stop = threading.Event()
@@ -170,7 +170,7 @@ class Service:
     def start(self, grammar: bool = False, callbacks: bool = True) -> None:
         """Prepares the loop, then starts its thread: every executable it can reach, greedy and sampled (``grammar``:
         the structured-output steps too, ``callbacks`` False: but not those of SSM drafts, which no store keeps),
-        compiled or loaded before any request (``BatchEngine.prepare``; a
+        compiled or loaded before any request (``EngineCore.prepare``; a
         multi-process run prepared in every process already, ``jaxspec.engine.lockstep.serve_role``)."""
         if self.batch.sync.local:
             self.batch.prepare(grammar=grammar, callbacks=callbacks, say=lambda text: log.info("%s", text))
@@ -213,11 +213,11 @@ class Service:
         return not self._thread.is_alive()
 
     def warm_up(self) -> None:
-        """Runs greedy and sampled requests whose prompts reach every prefill chunk shape (``BatchEngine.buckets``)
+        """Runs greedy and sampled requests whose prompts reach every prefill chunk shape (``EngineCore.buckets``)
         through the prepared loop before serving (the chunk sizes' first timings; their synthetic tokens teach auto's
         chooser nothing: ``learn=False``); from then on a compile is logged as a defect (``on_iteration``)."""
-        from jaxspec.engine.batch import Request  # noqa: PLC0415
-        from jaxspec.decoding.sampling import SamplingParams  # noqa: PLC0415
+        from jaxspec.engine.core import Request  # noqa: PLC0415
+        from jaxspec.decoding.sampling import SamplerParams  # noqa: PLC0415
 
         longest = self.batch.max_model_len - WARMUP_TOKENS
         lengths = sorted({max(1, min(b, longest)) for b in getattr(self.batch, "buckets", (16,))})
@@ -231,7 +231,7 @@ class Service:
 
         for i, n in enumerate(lengths):  # distinct first tokens: no prompt reuses another's prefill
             ids = [(100 + i + 7 * k) % self.vocab_size for k in range(n)]
-            params = SamplingParams(temperature=1.0, seed=i) if i % 2 else SamplingParams()
+            params = SamplerParams(temperature=1.0, seed=i) if i % 2 else SamplerParams()
             self.batch.submit(Request(ids, WARMUP_TOKENS, params, id=f"warmup-{i}", learn=False), on_event)
         for _ in lengths:
             while not done.acquire(timeout=1.0):
@@ -276,9 +276,9 @@ class Service:
 
     def launch(self, prompts: list[list[int]], body: SamplingBody, max_tokens: int | None, grammar=None) -> Job:
         """Checks the request and submits ``n`` choices per prompt; raises APIError (nothing submitted)."""
-        from jaxspec.engine import batch as batch_mod  # noqa: PLC0415
+        from jaxspec.engine.scheduler import QueueFull  # noqa: PLC0415
         from jaxspec.engine import RequestError  # noqa: PLC0415
-        from jaxspec.decoding.sampling import SamplingError, SamplingParams  # noqa: PLC0415
+        from jaxspec.request import Request, SamplerParams, SamplingError  # noqa: PLC0415
 
         if self.dead:
             raise APIError(503, ENGINE_STOPPED, kind="server_error", code="engine_stopped")
@@ -294,7 +294,7 @@ class Service:
         seed = body.seed if body.seed is not None else secrets.randbits(31)  # reported in --request-log only
         seed_from = "request" if body.seed is not None else "server"
         try:
-            params = [SamplingParams(1.0 if body.temperature is None else body.temperature,
+            params = [SamplerParams(1.0 if body.temperature is None else body.temperature,
                                      0 if body.top_k in (None, -1) else body.top_k,
                                      1.0 if body.top_p is None else body.top_p, seed + j) for j in range(body.n)]
         except SamplingError as e:
@@ -303,7 +303,7 @@ class Service:
         for ids in prompts:
             new = self.completion_budget(len(ids), max_tokens)
             for j in range(body.n):
-                requests.append(batch_mod.Request(ids, new, params[j], stop=stop_matcher(self.tokenizer, stops),
+                requests.append(Request(ids, new, params[j], stop=stop_matcher(self.tokenizer, stops),
                                                   stop_strings=tuple(stops), grammar=grammar))
         job = Job(self, asyncio.get_running_loop())
         arrival = time.monotonic()
@@ -325,7 +325,7 @@ class Service:
                 self._live[id(choice)] = (job, choice)
             try:
                 choice.ticket = self.batch.submit(req, job.listener(choice))
-            except batch_mod.QueueFull:
+            except QueueFull:
                 self.retire(choice)
                 job.cancel()
                 raise self.queue_full(self.batch.queue_depth()) from None
@@ -427,7 +427,7 @@ class Service:
             self._live.pop(id(choice), None)
 
     def _fail_live(self, message: str) -> None:
-        from jaxspec.engine.batch import Event  # noqa: PLC0415
+        from jaxspec.engine.core import Event  # noqa: PLC0415
 
         with self._lock:
             live = list(self._live.values())

@@ -1,7 +1,7 @@
 """The one scheduling loop: continuous batching of every request, one jitted iteration for all of them.
 
 ``jaxspec generate`` (every ``--max-batch``, 1 included), ``Engine.generate``, the benches
-and ``jaxspec serve`` all run requests through ``BatchEngine``. The device state (KV
+and ``jaxspec serve`` all run requests through ``EngineCore``. The device state (KV
 caches, histories, roots, one PRNG key and sampling values per row, an active mask) is
 donated to every call. Its shape follows the work: the live rows are kept contiguous
 (a retired row's place is taken by the last live row) and the state is laid out for
@@ -60,7 +60,7 @@ from jaxspec.engine.planner import Planner
 from jaxspec.engine.prefill import ChunkSizer
 from jaxspec.engine.prepare import Job, describe_timings
 from jaxspec.engine.prefix import PrefixCache, default_bytes
-from jaxspec.engine.runner import RequestError, Runner
+from jaxspec.engine.runner import RequestError, ModelRunner
 from jaxspec.engine.scheduler import (IterationPlan, IterationStats, Scheduler, Slot, Staging, Ticket, batch_buckets,
                                       capacity_buckets, cut_tokens, deliver, reason_of)
 from jaxspec.engine.stops import check_stops
@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 # other threads).
 WANT_EVERY = 4  # iterations between two looks at which members beside the loop would pay
 DEFAULT_MAX_MODEL_LEN = 1024  # the longest request a server holds (prompt + new tokens)
-def filled_only(engine: Runner) -> bool:
+def filled_only(engine: ModelRunner) -> bool:
     """Whether the LLM's attention reads only a cache's filled slots (``blocks`` over the unrolled layout, where the
     cache is written in place): a step's cost then follows what its rows hold, not the capacity."""
     return engine.lowering.attention == "blocks" and engine.unroll and not engine.stacked
@@ -99,7 +99,7 @@ class LoopSync:
     local = True
     shared = False  # several processes run this loop: every decision must be the same in each
 
-    def exchange(self, batch: "BatchEngine", stopping: bool) -> bool:
+    def exchange(self, batch: "EngineCore", stopping: bool) -> bool:
         return stopping
 
     def agree_pick(self, name: str, names: list[str]) -> str:
@@ -113,7 +113,7 @@ class LoopSync:
         """Called before the loop handles a failure locally; a multi-process sync ends the process here."""
 
 
-class BatchEngine:
+class EngineCore:
     """Slots, admission, one jitted iteration for every live row, retirement: the one scheduling loop.
 
     It drives the engine contract: ``scheduler`` (host-only: queue, rows, layout, pacing) decides and ``executor``
@@ -122,7 +122,7 @@ class BatchEngine:
 
     def __init__(
         self,
-        engine: Runner,
+        engine: ModelRunner,
         max_batch: int = 16,
         max_model_len: int | None = None,
         max_queue: int = 256,
@@ -267,7 +267,7 @@ class BatchEngine:
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.vocab}")
         check_stops(req.stop_strings)
-        sampling.SamplingParams(req.params.temperature, req.params.top_k, req.params.top_p, req.params.seed)
+        sampling.SamplerParams(req.params.temperature, req.params.top_k, req.params.top_p, req.params.seed)
         if req.grammar is not None:
             self._check_structured()
             try:
