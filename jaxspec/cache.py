@@ -2,9 +2,9 @@
 
 The root is ``$JAXSPEC_CACHE`` when set, else ``~/.cache/jaxspec``. The persistent XLA
 compilation cache under ``<root>/xla`` lets a second run of the same command skip
-compilation; ``jaxspec.engine.costs`` keeps measured step costs under ``<root>/costs``; converted
+compilation; ``jaxspec.engine.device.costs`` keeps measured step costs under ``<root>/costs``; converted
 checkpoints (``models.weight_cache``) live under ``<root>/weights``; serialized executables
-(``jaxspec.engine.executables``) under ``<compile cache>/executables``. Every such per-machine record of a
+(``jaxspec.engine.device.executables``) under ``<compile cache>/executables``. Every such per-machine record of a
 measurement or an executable is keyed by ``speed_key``: what makes the same work run at another speed here.
 """
 
@@ -59,7 +59,7 @@ def weight_cache_dir() -> Path | None:
 
 class CompileCacheStats:
     """Counts persistent-cache hits and misses (fresh compilations written) in this process, and the serialized
-    executables it loaded and stored (``jaxspec.engine.executables``: a load is neither, nothing is compiled)."""
+    executables it loaded and stored (``jaxspec.engine.device.executables``: a load is neither, nothing is compiled)."""
 
     def __init__(self) -> None:
         self.hits = 0
@@ -176,7 +176,7 @@ PLATFORM_OPTIONS = {"cpu": {"xla_backend_optimization_level": 1}}
 
 def compiler_options() -> dict:
     """``PLATFORM_OPTIONS`` of this process's platform, less any option ``$XLA_FLAGS`` sets (the user's word wins):
-    what every executable jaxspec compiles is compiled with (``jaxspec.engine.executables.Stored``)."""
+    what every executable jaxspec compiles is compiled with (``jaxspec.engine.device.executables.Stored``)."""
     import jax  # noqa: PLC0415
 
     given = {name.lstrip("-") for name in _given_flags()}

@@ -85,14 +85,14 @@ class SchedulerConfig:
     """Requests that may wait for a slot; more are refused."""
     prefill_chunk: int | None = None
     """Most prompt tokens fed per prefill call (``--prefill-chunk``; smaller chunks 16, 64, ... below it); None: found
-    on the device (``jaxspec.engine.prefill``: the largest chunk that still feeds tokens faster per token)."""
+    on the device (``jaxspec.engine.policy.prefill``: the largest chunk that still feeds tokens faster per token)."""
     prefill_stall: float | None = None
     """While requests decode, a long prompt's chunks take at most this fraction of their decoding time
     (``--prefill-stall``: 0.5 keeps the decoding rows' median per-token latency within about 1.5x while it enters,
     at the cost of that prompt's time to first token); None or 0: off, one chunk every iteration (``jaxspec serve``
     passes 0.5 unless told otherwise; offline ``generate`` keeps its rows batched and its throughput)."""
     prefix_cache_bytes: int | None = None
-    """Bound of the prefix cache (``--prefix-cache-gb``; ``jaxspec.engine.prefix``): prompts' K/V kept in blocks a
+    """Bound of the prefix cache (``--prefix-cache-gb``; ``jaxspec.engine.device.prefix``): prompts' K/V kept in blocks a
     later prompt sharing the prefix starts after; None: a share of free memory; 0: off."""
 
 

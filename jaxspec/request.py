@@ -2,7 +2,7 @@
 got (``Generation``, ``SpecStats``).
 
 Below every layer beside ``jaxspec.errors`` and ``jaxspec.config``: it imports no JAX, so the host-only scheduler
-(``jaxspec.engine.scheduler``), the server's request parsing and the Python API share these types with the device
+(``jaxspec.engine.policy.scheduler``), the server's request parsing and the Python API share these types with the device
 side without loading a device.
 """
 

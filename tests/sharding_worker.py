@@ -273,8 +273,8 @@ def abstract_states() -> dict:
     bucket, leaf by leaf as the executable store describes them (shape, dtype, weak type, placement): a mismatch
     would make every prepared executable miss its call and compile again."""
     from jaxspec.decoding import sampling
-    from jaxspec.engine.executables import _described
-    from jaxspec.engine.prepare import abstract
+    from jaxspec.engine.device.executables import _described
+    from jaxspec.engine.device.prepare import abstract
 
     m = model("llama")
     out: dict = {}

@@ -10,7 +10,7 @@ import pytest
 from conftest import random_prompts
 from jaxspec.decoding import sampling
 from jaxspec.engine import Engine, early_exit
-from jaxspec.engine.auto import DISCOUNT, HALF_LIFE, Member, TreeChooser
+from jaxspec.engine.policy.auto import DISCOUNT, HALF_LIFE, Member, TreeChooser
 from jaxspec.engine.core import EngineCore, Request
 
 SSM = [Member("none", {}, {}), Member("ssm", {"ssm": 3}, {"ssm": (0,)})]
@@ -213,7 +213,7 @@ def test_a_stale_plain_price_is_re_timed_at_its_bucket():
     """A plain step not run at a bucket for ``RETIME_AFTER`` launches runs ``RETIME_BURST`` times, and its first new
     timing there replaces the old ones (taken at another moment), so a tree priced by fresh spans is compared with a
     fresh plain span."""
-    from jaxspec.engine import auto  # noqa: PLC0415
+    from jaxspec.engine.policy import auto  # noqa: PLC0415
 
     chooser = TreeChooser(SSM, {"none": 1.0, "ssm": 1.2}, explore=False)
     for _ in range(5):
@@ -232,7 +232,7 @@ def test_a_stale_plain_price_is_re_timed_at_its_bucket():
 def test_a_load_beside_the_loop_that_fails_leaves_only_its_member_out(capsys):
     """``Beside`` runs queued jobs on a host thread; one that raises is recorded and said once on stderr, the next job
     still runs, and ``stop`` drops what was not started."""
-    from jaxspec.engine.prepare import Beside  # noqa: PLC0415
+    from jaxspec.engine.device.prepare import Beside  # noqa: PLC0415
 
     heard, done = [], []
 

@@ -14,9 +14,9 @@ import pytest
 from conftest import DEV_PROMPTS, random_prompts, tiny_model
 from jaxspec.decoding import sampling
 from jaxspec.request import SamplingError
-from jaxspec.engine.auto import Member, TreeChooser
+from jaxspec.engine.policy.auto import Member, TreeChooser
 from jaxspec.engine.core import EngineCore, Event, LoopSync, Request
-from jaxspec.engine.scheduler import QueueFull
+from jaxspec.engine.policy.scheduler import QueueFull
 from jaxspec.engine import Engine, RequestError, early_exit
 from jaxspec.speculators.ngram import NGramSpeculator
 
@@ -276,7 +276,7 @@ def test_replayed_gpu_measurements_make_auto_speculate_from_the_first_request(ll
     4-node tree with its draft levels 1.56x of it; the shipped drafter's held-out top-1 acceptance 0.49 / 0.44 /
     0.41 by depth): auto runs the tree from the first request's first step, and nothing compiles; the same
     acceptance with the tree at 2.5x a plain step runs plain."""
-    from jaxspec.engine.auto import KINDS
+    from jaxspec.engine.policy.auto import KINDS
 
     engine = Engine(llm, speculators=[llm], expansion=[(1, 1, 1)], auto=True)
     greedy = sampling.WarpSpec.of(sampling.SamplerParams())

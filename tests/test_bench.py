@@ -12,7 +12,7 @@ import pytest
 from jaxspec import cli
 from jaxspec.cli.bench import coverage_rates
 from jaxspec.cli.bench_modes import modes_tables, warmup_prompts
-from jaxspec.engine.costs import calibration_key, load_or_measure, random_model
+from jaxspec.engine.device.costs import calibration_key, load_or_measure, random_model
 
 
 def _prompts(tmp_path, n=1):

@@ -14,7 +14,7 @@ import pytest
 
 from jaxspec import cli
 from jaxspec.cache import compile_cache_dir
-from jaxspec.engine.runner import is_cut
+from jaxspec.engine.device.runner import is_cut
 
 
 def run_cli(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:

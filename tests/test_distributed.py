@@ -303,7 +303,7 @@ def test_an_announced_admission_reaches_the_other_processes_whole() -> None:
     from jaxspec.decoding.sampling import SamplerParams
     from jaxspec.engine import lockstep
     from jaxspec.engine.core import Request
-    from jaxspec.engine.scheduler import Ticket
+    from jaxspec.engine.policy.scheduler import Ticket
 
     seen = []
     for k, seed in enumerate([0, 7, 7 + 2**32, 2**63 - 1, -1, -(2**63), 2**64 - 1]):

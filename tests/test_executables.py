@@ -1,4 +1,4 @@
-"""Serialized executables (``jaxspec.engine.executables``): a second engine of the same configuration loads its
+"""Serialized executables (``jaxspec.engine.device.executables``): a second engine of the same configuration loads its
 steps and prefills from disk and traces nothing, with the same tokens; a damaged entry is rebuilt, never trusted."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_compiled_returns_a_ready_executable_once_per_signature(tmp_path, monkey
     without the store, and compiled once per signature, not at every call."""
     import jax.numpy as jnp
 
-    from jaxspec.engine.executables import Stored
+    from jaxspec.engine.device.executables import Stored
 
     for setting in ("off", str(tmp_path / "executables")):
         monkeypatch.setenv("JAXSPEC_EXECUTABLE_CACHE", setting)
@@ -85,7 +85,7 @@ def test_an_unused_argument_of_another_shape_is_another_executable(tmp_path, mon
     (``--draft-vocab 16384`` after a run at 8192 failed with "compiled with float32[8192,576]")."""
     import jax.numpy as jnp
 
-    from jaxspec.engine.executables import Stored
+    from jaxspec.engine.device.executables import Stored
 
     monkeypatch.setenv("JAXSPEC_EXECUTABLE_CACHE", str(tmp_path / "executables"))
     x = jnp.arange(4.0)
@@ -103,7 +103,7 @@ def test_an_interrupted_preparation_drops_the_jobs_not_yet_started():
     import time
 
     from jaxspec.cache import host_cores
-    from jaxspec.engine.prepare import compile_all
+    from jaxspec.engine.device.prepare import compile_all
 
     workers = host_cores()  # the pool's threads (``compile_all`` runs min(cores, jobs) of them)
     started = []
@@ -134,7 +134,7 @@ def test_the_store_is_bounded_least_recently_used_first_and_a_load_counts_as_a_u
 
     import jax.numpy as jnp
 
-    from jaxspec.engine import executables
+    from jaxspec.engine.device import executables
 
     store = tmp_path / "executables"
     monkeypatch.setenv("JAXSPEC_EXECUTABLE_CACHE", str(store))
@@ -166,7 +166,7 @@ def test_preparing_reports_each_job_once_under_its_kind():
     label's words before its first size), the costliest kind first: what ``-v`` prints after preparing."""
     import time as clock
 
-    from jaxspec.engine.prepare import compile_all, describe_timings
+    from jaxspec.engine.device.prepare import compile_all, describe_timings
 
     def sleep(seconds: float):
         return lambda: clock.sleep(seconds)

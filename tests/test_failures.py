@@ -163,8 +163,8 @@ def test_each_fallback_says_what_failed_and_what_the_run_does_instead(tmp_path, 
     print one warning line, once per cause."""
     import jax.numpy as jnp
 
-    from jaxspec.engine import costs
-    from jaxspec.engine.executables import Stored
+    from jaxspec.engine.device import costs
+    from jaxspec.engine.device.executables import Stored
 
     reset_warnings()
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path / "cache"))

@@ -11,7 +11,7 @@ import pytest
 from conftest import random_prompts, tiny_model
 from jaxspec.decoding import sampling
 from jaxspec.engine import Engine
-from jaxspec.engine.auto import SETTLE_TRIALS, Member, TreeChooser
+from jaxspec.engine.policy.auto import SETTLE_TRIALS, Member, TreeChooser
 from jaxspec.engine.core import EngineCore, Request
 from jaxspec.engine.clock import PARTS
 from jaxspec.speculators.ngram import NGramSpeculator

@@ -15,7 +15,7 @@ from conftest import ragged_forward_case, tiny_config, tiny_model
 from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.engine import Engine
 from jaxspec.engine.core import EngineCore, Request
-from jaxspec.engine.costs import calibration_key, random_model
+from jaxspec.engine.device.costs import calibration_key, random_model
 from models.drafter import drafter_config, init_drafter
 from models.loaded import LoadedModel, forward_for
 from models.lowering import ENV, Lowering, LoweringError, default_lowering, platform_lowering

@@ -1,4 +1,4 @@
-"""Auto's family derived from the device's measured cost curve (``jaxspec.engine.planner``): small trees where a
+"""Auto's family derived from the device's measured cost curve (``jaxspec.engine.policy.planner``): small trees where a
 pass over more tokens costs more (this CPU), wide ones where it costs about the same (the H200), measured once."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from conftest import tiny_model
 from jaxspec.config import EngineConfig
 from jaxspec.decoding import sampling
 from jaxspec.speculators.ngram import NGramSpeculator, acceptance_priors, speculator_kinds
-from jaxspec.engine import costs
+from jaxspec.engine.device import costs
 from jaxspec.engine import Engine
 from jaxspec.engine.core import EngineCore, Request
 from jaxspec.engine.build import engine_from
-from jaxspec.engine import planner as planner_module
-from jaxspec.engine.planner import (CURVE_TOKENS, CUT_ROWS, NGRAM_CONTINUATION, PRIOR_RATE, CostCurve, best_expansion,
+from jaxspec.engine.policy import planner as planner_module
+from jaxspec.engine.policy.planner import (CURVE_TOKENS, CUT_ROWS, NGRAM_CONTINUATION, PRIOR_RATE, CostCurve, best_expansion,
                                     merged_pays, merged_speed_up, speed_up,
                                     cached_curve, curve_passes, derive_expansions, expected_tokens, speculator_cuts,
                                     speculator_trees, time_points, tree_cuts, tree_nodes)
@@ -191,7 +191,7 @@ def test_a_bucket_is_timed_on_one_state_set_back_before_every_run(tiny_llm, monk
     """Timing a bucket's members makes one state of that bucket (at a wide bucket a state is gigabytes: one per
     member, and one more per pairing with the plain step, took most of a server's preparation), and every timed run
     starts from a shortest prompt, whatever the runs before it committed."""
-    from jaxspec.engine.runner import MIN_PROMPT_BUCKET
+    from jaxspec.engine.device.runner import MIN_PROMPT_BUCKET
 
     engine = Engine(tiny_llm, speculators=[early_exit(tiny_llm, 1), NGramSpeculator(2)], expansion=[(1, 1), (1, 1)],
                     auto=True)

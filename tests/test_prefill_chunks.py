@@ -10,11 +10,11 @@ from conftest import tiny_model
 from jaxspec.cli.serve import serve_stall
 from jaxspec.config import SchedulerConfig
 from jaxspec.engine import Engine
-from jaxspec.engine import prefill
+from jaxspec.engine.policy import prefill
 from jaxspec.engine.core import EngineCore, Request
-from jaxspec.engine.scheduler import PREFILL_STALL
+from jaxspec.engine.policy.scheduler import PREFILL_STALL
 from jaxspec.engine.build import build_core
-from jaxspec.engine.prefill import GAIN, SAMPLES, ChunkSizer
+from jaxspec.engine.policy.prefill import GAIN, SAMPLES, ChunkSizer
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from jaxspec.decoding import sampling
 from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.engine import Engine, RequestError, early_exit
 from jaxspec.engine.core import EngineCore, Request
-from jaxspec.engine.prefix import BLOCK, PrefixCache
+from jaxspec.engine.device.prefix import BLOCK, PrefixCache
 from test_drafter import drafter
 
 SYSTEM = [int(t) for t in np.random.default_rng(0).integers(1, 64, 300)]  # longer than the smallest cache bucket

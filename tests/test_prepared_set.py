@@ -15,7 +15,7 @@ import pytest
 from jaxspec.cache import BACKEND, host_cores
 from jaxspec.engine.core import DEFAULT_MAX_MODEL_LEN, EngineCore, Request
 from jaxspec.engine.engine import Engine
-from jaxspec.engine.prepare import Ready, describe_set, kind_of, loads, timed_means
+from jaxspec.engine.device.prepare import Ready, describe_set, kind_of, loads, timed_means
 from models.lowering import platform_lowering
 
 
@@ -107,7 +107,7 @@ def test_a_preparation_is_described_before_it_compiles_and_timed_by_the_last_one
     """``describe_set`` says the set's size by kind and how many of its executables load from the store; with this
     machine's last preparation recorded (``timed_means``), the time to expect. ``Ready.stored`` tells a load from a
     compile without tracing: a second process's object finds what the first stored."""
-    from jaxspec.engine import executables
+    from jaxspec.engine.device import executables
 
     monkeypatch.setenv("JAXSPEC_EXECUTABLE_CACHE", str(tmp_path / "store"))
     fns = [executables.Stored(lambda x, k=k: jnp.cos(x) + k, {"what": f"test-described-{k}"}) for k in range(3)]
@@ -140,7 +140,7 @@ def test_a_code_edit_that_leaves_the_steps_alone_keeps_their_measured_costs(tiny
     loads the same executables and reads every cost instead of measuring the buckets again."""
     from jaxspec import cache
     from jaxspec.decoding import sampling
-    from jaxspec.engine import runner as runner_module
+    from jaxspec.engine.device import runner as runner_module
     from jaxspec.engine.core import EngineCore
     from jaxspec.speculators.ngram import NGramSpeculator
 

@@ -16,8 +16,8 @@ import numpy as np
 
 from jaxspec import cache
 from jaxspec.cache import STATS, speed_key, xla_flags
-from jaxspec.engine import costs
-from jaxspec.engine.executables import Stored
+from jaxspec.engine.device import costs
+from jaxspec.engine.device.executables import Stored
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = {"what": "test-record", "lowering": "dense=plain,kv_write=rows,layers=unroll,attention=dense,proj=fused"}
@@ -84,7 +84,7 @@ def test_an_executable_is_loaded_only_under_the_flags_it_was_stored_under(tmp_pa
 
 def _read_in_a_process(flags: str, home: Path) -> object:
     """``costs.load(KEY)`` in a new process started under ``XLA_FLAGS=flags``."""
-    code = "import json; from jaxspec.engine import costs; print(json.dumps(costs.load(%r)))" % (KEY,)
+    code = "import json; from jaxspec.engine.device import costs; print(json.dumps(costs.load(%r)))" % (KEY,)
     env = {**os.environ, "XLA_FLAGS": flags, "JAXSPEC_CACHE": str(home)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=300, check=True)
@@ -150,7 +150,7 @@ def test_cost_records_are_bounded_least_recently_used_first(tmp_path, monkeypatc
 def test_the_executable_index_is_bounded_and_a_trimmed_index_costs_a_trace_not_a_compile(tmp_path, monkeypatch):
     """``executables/index/`` keeps at most ``MAX_RECORDS`` records, least recently used first (a load is a use); an
     executable whose index record went is found again by its program's digest and loaded, never compiled."""
-    from jaxspec.engine import executables
+    from jaxspec.engine.device import executables
 
     store = tmp_path / "executables"
     monkeypatch.setenv("JAXSPEC_EXECUTABLE_CACHE", str(store))

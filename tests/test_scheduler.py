@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec.engine.scheduler import Pacer, QueueFull, Scheduler, Slot, Staging, Ticket, reason_of
+from jaxspec.engine.policy.scheduler import Pacer, QueueFull, Scheduler, Slot, Staging, Ticket, reason_of
 from jaxspec.request import Generation, Request
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def test_the_scheduler_imports_and_runs_without_jax():
     """What the issue asks of it: host-only. A process that drives it through a request's whole way (queue, staging,
     a row, layout, retirement) never loads JAX."""
     code = ("import sys\n"
-            "from jaxspec.engine.scheduler import Scheduler, Slot, Staging, Ticket\n"
+            "from jaxspec.engine.policy.scheduler import Scheduler, Slot, Staging, Ticket\n"
             "from jaxspec.request import Generation, Request, SamplerParams\n"
             "s = Scheduler(2, 4, (1, 2), (256,), 256, 8)\n"
             "t = Ticket(Request([1, 2, 3], 4, SamplerParams(temperature=0.5, seed=3)))\n"

@@ -31,7 +31,7 @@ httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from jaxspec.cache import compile_cache_dir, weight_cache_dir  # noqa: E402
-from jaxspec.engine.runner import is_cut  # noqa: E402
+from jaxspec.engine.device.runner import is_cut  # noqa: E402
 
 KEY = "test-key"
 FAULT = "<<injected-fault>>"  # JAXSPEC_SERVE_FAULT: a request stopping at it fails inside the engine thread

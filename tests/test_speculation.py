@@ -9,7 +9,7 @@ import pytest
 
 from conftest import dev_prompts, random_prompts, tiny_model
 from jaxspec.decoding import sampling
-from jaxspec.engine.auto import FIRST_TIMINGS, Member, TreeChooser
+from jaxspec.engine.policy.auto import FIRST_TIMINGS, Member, TreeChooser
 from jaxspec.engine.core import EngineCore, Request, cut_tokens
 from jaxspec.engine import Engine, early_exit
 from jaxspec.decoding.ngram import proposal_arrays

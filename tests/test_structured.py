@@ -596,7 +596,7 @@ def test_a_default_server_fits_the_default_map_limit_and_a_set_over_it_is_refuse
     count happens before anything compiles: a set over the limit's share is refused, naming the limit and the flags
     that reduce it; an accelerator's executables are not counted."""
     from jaxspec.engine.core import EngineCore
-    from jaxspec.engine.prepare import DEFAULT_MAX_MAP_COUNT, ROOM, check_room, estimated_maps, mapped
+    from jaxspec.engine.device.prepare import DEFAULT_MAX_MAP_COUNT, ROOM, check_room, estimated_maps, mapped
 
     batch = EngineCore(_auto(llm, tiny_drafter, "ngram:3"), max_batch=16)
     buckets = [(w, r, c) for w in sampling.BATCH_WARPS for r in batch.row_buckets for c in batch.capacity_buckets]
@@ -617,7 +617,7 @@ def test_a_prepared_structured_server_compiles_nothing_and_fits_the_mappings(llm
     """``prepare(grammar=True)`` as a server calls it (both warps, every bucket): JSON-schema and regex requests,
     greedy and sampled, then trace nothing, and the process holds under half of vm.max_map_count's mappings."""
     from jaxspec.engine.core import EngineCore, Request
-    from jaxspec.engine.prepare import map_limit, mapped
+    from jaxspec.engine.device.prepare import map_limit, mapped
     from models.tokenizer import encode_prompt
 
     batch = EngineCore(_auto(llm, tiny_drafter, "ngram:3"), max_batch=2, max_model_len=256)

@@ -290,7 +290,7 @@ def generate_requests(engine, llm, good: list[Row], bad: list[tuple[dict, str]],
     from jaxspec import api
     from jaxspec.config import SchedulerConfig
     from jaxspec.engine import lockstep
-    from jaxspec.engine.scheduler import job_model_len
+    from jaxspec.engine.policy.scheduler import job_model_len
     from jaxspec.engine.build import build_core
 
     total = len(good) + len(bad)

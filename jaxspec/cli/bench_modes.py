@@ -105,7 +105,7 @@ def warmup_prompts(rows: list[dict], lengths: list[int], rounds: int) -> list[di
     prompt length and takes at most two values within one bucket, so these two prompts
     compile every shape the measured prompts will use.
     """
-    from jaxspec.engine.runner import prompt_bucket
+    from jaxspec.engine.device.runner import prompt_bucket
 
     picks: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):

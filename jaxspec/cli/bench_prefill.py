@@ -6,7 +6,7 @@ first request is the cold one (its chunk and cache buckets compile; reported apa
 ``--repeats`` requests of distinct tokens (no prefix is shared, so nothing is reused) give the
 median TTFT, from submission to the first token's event. ``--chunks 64,256,1024`` repeats it for
 each largest chunk size (prefill tokens/s by chunk size and prompt length, one line each in the
-plot); without it the engine feeds the sizes it found on this device (``jaxspec.engine.prefill``).
+plot); without it the engine feeds the sizes it found on this device (``jaxspec.engine.policy.prefill``).
 Compare lowerings or models by running it once per setting (``--lowering attention=dense`` reads
 every cache slot, the old form).
 """

@@ -12,7 +12,7 @@ from typing import Callable
 from jaxspec.cli.common import CliError, add_compile_cache_args, write_csv
 from jaxspec.config import DTYPE_NAMES
 
-DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # jaxspec.engine.costs.DEFAULT_TOKENS, without importing jax here
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # jaxspec.engine.device.costs.DEFAULT_TOKENS, without importing jax here
 DEFAULT_DRAFT_WIDTHS = (1, 2, 4, 8, 16)
 
 
@@ -61,7 +61,7 @@ def step_costs(llm, ssms, tokens: list[int], widths: list[int], capacity: int, b
     platform's). Points are measured smallest T first, each handed to ``on_row`` as soon as it is measured."""
     import jax.numpy as jnp
 
-    from jaxspec.engine.costs import measure_draft_costs, measure_llm_costs, weight_bytes
+    from jaxspec.engine.device.costs import measure_draft_costs, measure_llm_costs, weight_bytes
     from models.lowering import default_lowering
 
     lowering = lowering or default_lowering()
@@ -93,7 +93,7 @@ def step_costs(llm, ssms, tokens: list[int], widths: list[int], capacity: int, b
 def cmd_step_costs(args) -> int:
     import jax
 
-    from jaxspec.engine.costs import SHAPES, random_model, weight_bytes
+    from jaxspec.engine.device.costs import SHAPES, random_model, weight_bytes
     from jaxspec.speculators.resolve import load_llm, load_speculators
     from models.lowering import LoweringError, default_lowering
 

@@ -60,7 +60,7 @@ def serve_stall(flag: float | None) -> float:
     0 (off) in a multi-process run, whose processes cannot pace by one clock (asking for pacing there is refused)."""
     import jax  # noqa: PLC0415 (initialized before the command runs)
 
-    from jaxspec.engine.scheduler import PREFILL_STALL  # noqa: PLC0415
+    from jaxspec.engine.policy.scheduler import PREFILL_STALL  # noqa: PLC0415
 
     if jax.process_count() > 1:
         if flag:

@@ -1,7 +1,9 @@
 """The engine users drive: ``Engine`` (the device-side ``ModelRunner`` plus ``generate``) and the scheduling loop.
 
-Imports run one way: the host-only ``scheduler`` and the device-side ``runner`` / ``executor`` <- ``batch`` (the
-loop) <- ``engine``. The names below load on first use, so ``jaxspec.engine.scheduler`` imports no JAX.
+The folders show the architecture: ``policy`` (decided on the host: scheduler, planner, auto's chooser, prompt chunk
+sizing) and ``device`` (executor, model runner, executables and their preparation, costs, prefix cache), joined by
+``core`` (the loop, ``EngineCore``) with ``admission`` and ``clock``; ``engine`` (``Engine``) sits on the loop. The
+names below load on first use, so ``jaxspec.engine.policy.scheduler`` imports no JAX.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ _EXPORTS = {
     "EngineCore": "jaxspec.engine.core",
     "Request": "jaxspec.request",
     "Generation": "jaxspec.request",
-    "job_model_len": "jaxspec.engine.scheduler",
+    "job_model_len": "jaxspec.engine.policy.scheduler",
     "RequestError": "jaxspec.errors",
     "VocabularyMismatch": "jaxspec.errors",
-    "ModelRunner": "jaxspec.engine.runner",
-    "check_vocab": "jaxspec.engine.runner",
+    "ModelRunner": "jaxspec.engine.device.runner",
+    "check_vocab": "jaxspec.engine.device.runner",
     "early_exit": "jaxspec.speculators.early_exit",
     "LoadedModel": "models.loaded",
 }

@@ -1,7 +1,7 @@
 """The prompt side of the loop: a waiting request staged, its prompt fed chunk by chunk, then inserted into a row.
 
 A prompt is prefilled into a one-row staging state laid out for its own prompt (the live rows keep their buckets
-and executables meanwhile), in chunk sizes found on the device (``jaxspec.engine.prefill``), paced beside decoding
+and executables meanwhile), in chunk sizes found on the device (``jaxspec.engine.policy.prefill``), paced beside decoding
 rows (``Scheduler.pacer``); a short prompt may enter beside a long one being fed. The staging row keeps the K/V of
 the prompt it fed last and the prefix cache keeps blocks of earlier prompts and answers, so a request sharing a
 prefix (``--num-samples``, a common system prompt, a conversation's next turn) starts after it. The loop
@@ -18,9 +18,9 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from jaxspec.decoding import constrain, sampling
-from jaxspec.engine.prefix import BLOCK, PrefixCache
-from jaxspec.engine.runner import check_fits
-from jaxspec.engine.scheduler import Scheduler, Slot, Staging, Ticket, deliver, reason_of
+from jaxspec.engine.device.prefix import BLOCK, PrefixCache
+from jaxspec.engine.device.runner import check_fits
+from jaxspec.engine.policy.scheduler import Scheduler, Slot, Staging, Ticket, deliver, reason_of
 from jaxspec.request import Event
 
 # Request ids (comma-separated, each an ``fnmatch`` pattern: a server's ids are made per request) whose admission
@@ -37,9 +37,9 @@ class Loop(Protocol):
     """What admission reads of the loop it feeds (``jaxspec.engine.core.EngineCore``) and calls back."""
 
     scheduler: Scheduler
-    executor: Any  # ``jaxspec.engine.executor.Executor``
-    chunks: Any  # ``jaxspec.engine.prefill.ChunkSizer``
-    engine: Any  # ``jaxspec.engine.runner.ModelRunner``
+    executor: Any  # ``jaxspec.engine.device.executor.Executor``
+    chunks: Any  # ``jaxspec.engine.policy.prefill.ChunkSizer``
+    engine: Any  # ``jaxspec.engine.device.runner.ModelRunner``
     clock: Any  # ``jaxspec.engine.clock.LoopClock``
     max_capacity: int
     vocab: int

@@ -20,7 +20,7 @@ from jaxspec.config import (
 from jaxspec.errors import CliError
 
 if TYPE_CHECKING:
-    from jaxspec.engine.planner import CostCurve
+    from jaxspec.engine.policy.planner import CostCurve
     from jax.sharding import Mesh
 
     from jaxspec.engine import Engine
@@ -42,7 +42,7 @@ def expansion_for(config: EngineConfig, speculators: Sequence = (),
                   curve: CostCurve | None = None) -> tuple[tuple[int, ...], ...]:
     """The expansion configs: one shared by every speculator, or ";"-separated, one per speculator; under auto
     without ``--expansion``, each speculator's tree derived from this device's cost ``curve``
-    (``jaxspec.engine.planner``; needed only when there are speculators)."""
+    (``jaxspec.engine.policy.planner``; needed only when there are speculators)."""
     from jaxspec.decoding.tree import DynamicTree, parse_expansion  # noqa: PLC0415
 
     if config.mode == "incremental":
@@ -53,8 +53,8 @@ def expansion_for(config: EngineConfig, speculators: Sequence = (),
         if not speculators:
             return ()
         if curve is None:
-            raise ValueError("auto's trees are derived from a cost curve: measure one (jaxspec.engine.planner)")
-        from jaxspec.engine.planner import speculator_trees  # noqa: PLC0415
+            raise ValueError("auto's trees are derived from a cost curve: measure one (jaxspec.engine.policy.planner)")
+        from jaxspec.engine.policy.planner import speculator_trees  # noqa: PLC0415
 
         return speculator_trees(curve, speculators)
     text = config.expansion or (DEFAULT_TREE if config.mode == "tree" else DEFAULT_SEQUENCE)
@@ -108,7 +108,7 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
     expansion = expansion_for(config, speculators, curve)
     cuts = ()
     if curve is not None:  # auto's trees derived from this device's curve: their shallower cuts too
-        from jaxspec.engine.planner import speculator_cuts  # noqa: PLC0415
+        from jaxspec.engine.policy.planner import speculator_cuts  # noqa: PLC0415
 
         cuts = speculator_cuts(curve, speculators, expansion)
     if speculators:
@@ -123,7 +123,7 @@ def engine_from(config: EngineConfig, llm: LoadedModel, speculators: Sequence = 
             print(f"[jaxspec] LLM {llm.name}; speculators: {names}; expansion {shown}; mode {config.mode}",
                   file=announce)
             if curve is not None:
-                from jaxspec.engine.planner import describe  # noqa: PLC0415
+                from jaxspec.engine.policy.planner import describe  # noqa: PLC0415
 
                 print(f"[jaxspec] auto's trees from this device's cost curve (a pass over T tokens vs one: "
                       f"{describe(curve)})", file=announce)
@@ -155,7 +155,7 @@ def prepare(config: EngineConfig, scheduler: SchedulerConfig = SchedulerConfig()
     trees = "; ".join(f"{n}: {engine.describe(n)}" for n in engine.family(sampling.SamplerParams()) if n != "none")
     curve = ""
     if engine.cost_curve is not None:
-        from jaxspec.engine.planner import describe  # noqa: PLC0415
+        from jaxspec.engine.policy.planner import describe  # noqa: PLC0415
 
         curve = f"cost curve of {llm.name} on this device: {describe(engine.cost_curve)}; "
     return (f"{curve}trees: {trees or 'none'}; prepared {batch.max_batch} slots x {batch.max_model_len} tokens "
@@ -181,7 +181,7 @@ def auto_curve(config: EngineConfig, llm: LoadedModel, speculators: Sequence = (
         return None
     import jax  # noqa: PLC0415
 
-    from jaxspec.engine.planner import CostCurve, measure_curve  # noqa: PLC0415
+    from jaxspec.engine.policy.planner import CostCurve, measure_curve  # noqa: PLC0415
 
     learned = learned_of(speculators)
     curve = measure_curve(llm, learned, lowering_of(config), refresh=config.recalibrate, progress=progress)

@@ -12,7 +12,7 @@ import statistics
 
 import numpy as np
 
-from jaxspec.engine import auto
+from jaxspec.engine.policy import auto
 
 PARTS = ("device", "drafting", "host", "waiting")  # a span's parts, in ``LoopClock.parts``' order
 KEEP = 4096  # iterations each record keeps (the newest)

@@ -15,11 +15,11 @@ before the first request (the JetStream / MaxText ``prefill`` / ``insert`` / ``g
 
 * admission: a waiting request is prefilled chunk by chunk into a one-row staging state laid
   out for its own prompt (the live rows keep their buckets and executables meanwhile), in
-  chunk sizes found on the device (``jaxspec.engine.prefill``), paced beside decoding rows
+  chunk sizes found on the device (``jaxspec.engine.policy.prefill``), paced beside decoding rows
   (``prefill_stall``), then inserted into a free slot;
 * the iteration: ONE jitted step for every live row — draft, every slot's tree packed into one
   LLM pass, accept, commit — of the family member the cost model picks for the current
-  batch (``jaxspec.engine.auto``: expected tokens summed over the active slots per second of
+  batch (``jaxspec.engine.policy.auto``: expected tokens summed over the active slots per second of
   that member at this bucket, so speculation shrinks to nothing where it stops paying);
 * retirement: EOS, a stop string, the token limit or a cancellation frees the slot.
 
@@ -29,9 +29,9 @@ warp its rows need (``sampling.batch_warp``: greedy alone, or every sampling sta
 of the vocabulary at every tree node runs only in iterations where a sampled row asks for it). A request's
 output depends on its own seed only: each slot draws from its own key.
 
-Which members each bucket runs, at what measured cost, is ``jaxspec.engine.planner.Planner``. The loop is the
-engine contract's driver: the host-only ``jaxspec.engine.scheduler.Scheduler`` holds the queue, the rows' owners,
-their layout and the pacing, and decides; ``jaxspec.engine.executor.Executor`` owns the device state and the
+Which members each bucket runs, at what measured cost, is ``jaxspec.engine.policy.planner.Planner``. The loop is the
+engine contract's driver: the host-only ``jaxspec.engine.policy.scheduler.Scheduler`` holds the queue, the rows' owners,
+their layout and the pacing, and decides; ``jaxspec.engine.device.executor.Executor`` owns the device state and the
 executables and carries the decisions out; this module joins them with admission (prefix reuse, the chunk search),
 the dispatch and read of an iteration, emission and retirement.
 """
@@ -53,15 +53,15 @@ from jaxspec.cache import STATS
 from jaxspec.decoding import sampling
 from jaxspec.decoding.step import StepOutput
 from jaxspec.engine.admission import Admission
-from jaxspec.engine.auto import TreeChooser
+from jaxspec.engine.policy.auto import TreeChooser
 from jaxspec.engine.clock import LoopClock
-from jaxspec.engine.executor import Executor
-from jaxspec.engine.planner import Planner
-from jaxspec.engine.prefill import ChunkSizer
-from jaxspec.engine.prepare import Job, describe_timings
-from jaxspec.engine.prefix import PrefixCache, default_bytes
-from jaxspec.engine.runner import RequestError, ModelRunner
-from jaxspec.engine.scheduler import (IterationPlan, IterationStats, Scheduler, Slot, Staging, Ticket, batch_buckets,
+from jaxspec.engine.device.executor import Executor
+from jaxspec.engine.policy.planner import Planner
+from jaxspec.engine.policy.prefill import ChunkSizer
+from jaxspec.engine.device.prepare import Job, describe_timings
+from jaxspec.engine.device.prefix import PrefixCache, default_bytes
+from jaxspec.engine.device.runner import RequestError, ModelRunner
+from jaxspec.engine.policy.scheduler import (IterationPlan, IterationStats, Scheduler, Slot, Staging, Ticket, batch_buckets,
                                       capacity_buckets, cut_tokens, deliver, reason_of)
 from jaxspec.engine.stops import check_stops
 from jaxspec.errors import FailureLog
@@ -137,10 +137,10 @@ class EngineCore:
         """``sync`` joins a multi-process run (``jaxspec.parallel.distributed``); ``verbose`` hears what compiles when;
         ``reuse_prefix``: a request sharing a prompt prefix with the one staged before it starts after that prefix;
         ``prefill_chunk``: the
-        largest prompt chunk (None: found on this device, ``jaxspec.engine.prefill``); ``prefill_stall`` R: while
+        largest prompt chunk (None: found on this device, ``jaxspec.engine.policy.prefill``); ``prefill_stall`` R: while
         requests decode, a prompt's later chunks take at most R times the decoding time (a chunk runs, then the
         decoding rows run alone until they made up R times its seconds; None: one chunk every iteration);
-        ``prefix_cache_bytes``: the bound of the prefix cache (``jaxspec.engine.prefix``; None: a share of free
+        ``prefix_cache_bytes``: the bound of the prefix cache (``jaxspec.engine.device.prefix``; None: a share of free
         memory, 0: off; off as well without ``reuse_prefix``)."""
         if max_batch < 1:
             raise RequestError(f"--max-batch must be >= 1, got {max_batch}")

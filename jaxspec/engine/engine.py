@@ -7,8 +7,8 @@ from typing import Callable, Sequence
 
 from jaxspec.decoding import sampling
 from jaxspec.engine.core import EngineCore
-from jaxspec.engine.runner import RequestError, ModelRunner
-from jaxspec.engine.scheduler import job_model_len
+from jaxspec.engine.device.runner import RequestError, ModelRunner
+from jaxspec.engine.policy.scheduler import job_model_len
 from jaxspec.request import Generation, Request
 from jaxspec.structured import Grammar
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from jaxspec.engine.runner import RequestError
+from jaxspec.engine.device.runner import RequestError
 
 MAX_STOPS = 16  # stop strings per request (every entry point: CLI, server, multi-process message)
 MAX_STOP_CHARS = 256  # characters per stop string

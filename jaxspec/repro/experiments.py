@@ -445,7 +445,7 @@ def fig8(setup: Setup, lab: Lab) -> Result:
     """
     import jax  # noqa: PLC0415
 
-    from jaxspec.engine.costs import weight_bytes  # noqa: PLC0415
+    from jaxspec.engine.device.costs import weight_bytes  # noqa: PLC0415
 
     shared = jax.devices()[0].platform == "cpu"
     weights = weight_bytes(lab.llm)
@@ -481,7 +481,7 @@ def fig11(setup: Setup, lab: Lab) -> Result:
     sequence-based (its w root-to-leaf sequences as w rows of 8 tokens, each with its own KV cache)."""
     from jaxspec.decoding.step import DecodeConfig  # noqa: PLC0415
     from jaxspec.decoding.tree import expansion_topology  # noqa: PLC0415
-    from jaxspec.engine.costs import measure_llm_costs  # noqa: PLC0415
+    from jaxspec.engine.device.costs import measure_llm_costs  # noqa: PLC0415
 
     capacity = 256
     key = setup.key("fig11", batches=list(setup.scale.batches), widths=list(setup.scale.widths),

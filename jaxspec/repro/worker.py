@@ -29,7 +29,7 @@ def run(job: dict) -> dict:
     from jaxspec.decoding.sampling import SamplerParams, batch_warp  # noqa: PLC0415
     from jaxspec.request import Request, all_finished  # noqa: PLC0415
     from jaxspec.engine.build import build_core, engine_from  # noqa: PLC0415
-    from jaxspec.engine.scheduler import job_model_len  # noqa: PLC0415
+    from jaxspec.engine.policy.scheduler import job_model_len  # noqa: PLC0415
     from jaxspec.speculators.resolve import load_llm, load_speculators  # noqa: PLC0415
 
     start = time.perf_counter()

@@ -24,7 +24,7 @@ import uuid
 from typing import IO, Any, AsyncIterator, Callable
 
 from jaxspec.cache import BACKEND
-from jaxspec.engine.prefix import BLOCK
+from jaxspec.engine.device.prefix import BLOCK
 from jaxspec.engine.stops import StopText, check_stops
 from jaxspec.errors import FailureLog
 from jaxspec.serving.protocol import (
@@ -276,7 +276,7 @@ class Service:
 
     def launch(self, prompts: list[list[int]], body: SamplingBody, max_tokens: int | None, grammar=None) -> Job:
         """Checks the request and submits ``n`` choices per prompt; raises APIError (nothing submitted)."""
-        from jaxspec.engine.scheduler import QueueFull  # noqa: PLC0415
+        from jaxspec.engine.policy.scheduler import QueueFull  # noqa: PLC0415
         from jaxspec.engine import RequestError  # noqa: PLC0415
         from jaxspec.request import Request, SamplerParams, SamplingError  # noqa: PLC0415
 

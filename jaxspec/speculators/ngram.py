@@ -32,13 +32,13 @@ class NGramSpeculator:
 
 def speculator_kinds(speculators) -> list[str]:
     """Each speculator's kind, in order: "ngram" (this prompt lookup) or "ssm" (a learned one): what auto derives a
-    tree for (``jaxspec.engine.planner.derive_expansions``)."""
+    tree for (``jaxspec.engine.policy.planner.derive_expansions``)."""
     return ["ngram" if isinstance(s, NGramSpeculator) else "ssm" for s in speculators]
 
 
 def acceptance_priors(speculators) -> list[tuple[float, ...]]:
     """Each learned speculator's recorded agreement by depth (``LoadedModel.acceptance``; () where it has none), in
-    order: what auto scores its candidate trees with (``jaxspec.engine.planner.derive_expansions``)."""
+    order: what auto scores its candidate trees with (``jaxspec.engine.policy.planner.derive_expansions``)."""
     return [tuple(getattr(s, "acceptance", ())) for s, kind in zip(speculators, speculator_kinds(speculators))
             if kind == "ssm"]
 

@@ -20,11 +20,11 @@ import numpy as np
 from jaxspec.decoding import constrain, ngram, sampling
 from jaxspec.decoding.step import (DecodeConfig, DecodeState, StepOutput, insert_row, move_row, prefill_row, resize,
                                    set_inactive)
-from jaxspec.engine.executables import Stored
-from jaxspec.engine.prefix import committed, cut_block, paste_block
-from jaxspec.engine.prepare import Job, Ready, check_room, compile_all, describe_set, loads, timed_means
-from jaxspec.engine.runner import ModelRunner, check_fits
-from jaxspec.engine.scheduler import IterationPlan
+from jaxspec.engine.device.executables import Stored
+from jaxspec.engine.device.prefix import committed, cut_block, paste_block
+from jaxspec.engine.device.prepare import Job, Ready, check_room, compile_all, describe_set, loads, timed_means
+from jaxspec.engine.device.runner import ModelRunner, check_fits
+from jaxspec.engine.policy.scheduler import IterationPlan
 from jaxspec.parallel.sharding import fetch, pinned
 from jaxspec.request import SamplerParams, seed_words
 
@@ -123,7 +123,7 @@ class Executor:
         listed (those not ready yet); ``timings`` receives each one's seconds (``compile_all``); ``say`` hears the
         set's size and expected time before anything compiles (``describe_set``). A set that would not fit in this
         process's memory mappings is refused before anything compiles (``check_room``)."""
-        from jaxspec.engine import costs  # noqa: PLC0415
+        from jaxspec.engine.device import costs  # noqa: PLC0415
 
         jobs = self.listed(steps, sizes, rows, capacities)
         check_room(jobs)

@@ -66,7 +66,7 @@ def _leaf(x: Any) -> tuple:
 
 def _described(x: Any) -> tuple:
     """Everything of one argument an executable depends on: shape, dtype, weak type, placement (an array's, or a
-    ``jax.ShapeDtypeStruct`` standing for one: ``jaxspec.engine.prepare.abstract``)."""
+    ``jax.ShapeDtypeStruct`` standing for one: ``jaxspec.engine.device.prepare.abstract``)."""
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
         return (x.shape, str(x.dtype), x.weak_type, repr(x.sharding))
     return _leaf(x)

@@ -6,11 +6,11 @@ What a tree is worth depends on the device: where a pass over more tokens costs 
 costs about one pass over one (a launch-bound accelerator), wide trees pay. Nothing here is one
 machine's constant: ``measure_curve`` times one LLM pass over T tokens and one draft level per learned
 speculator over w frontier nodes on this device (cached per device, models, dtype and lowering by
-``jaxspec.engine.costs``), and ``derive_expansions`` picks, per speculator, the tree with the most
+``jaxspec.engine.device.costs``), and ``derive_expansions`` picks, per speculator, the tree with the most
 expected tokens per second under that curve.
 
 The acceptance it scores with is a prior about speculators, not about machines, and the running
-engine replaces it with what it observes (``jaxspec.engine.auto``): the SSM's top-1 draft agrees
+engine replaces it with what it observes (``jaxspec.engine.policy.auto``): the SSM's top-1 draft agrees
 with the LLM at each depth as its own training eval recorded (``LoadedModel.acceptance``), else with
 ``auto.PRIOR_RATE``, and keeping k candidates per node shrinks the
 miss rate as k^-``WIDTH_DECAY`` (0.18 reproduces the shipped drafter's held-out top-1 0.487 and
@@ -28,13 +28,13 @@ import itertools
 import statistics
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from jaxspec.engine.auto import PRIOR_RATE
-from jaxspec.engine.prepare import Beside, Job, check_room, compile_all
+from jaxspec.engine.policy.auto import PRIOR_RATE
+from jaxspec.engine.device.prepare import Beside, Job, check_room, compile_all
 from jaxspec.speculators.ngram import acceptance_priors, speculator_kinds
 
 if TYPE_CHECKING:
     from jaxspec.decoding import sampling
-    from jaxspec.engine.runner import ModelRunner
+    from jaxspec.engine.device.runner import ModelRunner
 
 # LLM tokens per row whose pass is timed (the largest tree considered: 64): five compiles of the LLM the first time
 # a device runs auto for a model, then read from the cost cache.
@@ -306,7 +306,7 @@ def speculator_trees(curve: CostCurve, speculators: Sequence) -> tuple[tuple[int
 def curve_key(llm, ssms: Sequence = (), lowering=None) -> dict:
     """What a cost curve depends on beyond the machine (``jaxspec.cache.speed_key``): the LLM and the learned
     speculators (``LoadedModel``s), the lowering and the points timed (its key in the cost cache)."""
-    from jaxspec.engine import costs  # noqa: PLC0415 (JAX loads only where a curve is measured)
+    from jaxspec.engine.device import costs  # noqa: PLC0415 (JAX loads only where a curve is measured)
 
     return costs.calibration_key(llm, lowering, what="cost-curve", tokens=list(CURVE_TOKENS),
                                  capacity=CURVE_CAPACITY, fastest_of=CURVE_REPEATS,
@@ -319,10 +319,10 @@ Point = tuple[str, int, int]  # ("llm", 0, tokens) or ("draft", speculator index
 
 
 def curve_passes(llm, ssms: Sequence = (), lowering=None, params=None) -> dict[Point, Callable[[], Any]]:
-    """What makes each point's ``jaxspec.engine.costs.TimedPass``: the LLM over each of ``CURVE_TOKENS`` and each
+    """What makes each point's ``jaxspec.engine.device.costs.TimedPass``: the LLM over each of ``CURVE_TOKENS`` and each
     learned speculator's draft level over each of ``DRAFT_WIDTHS``; ``params``: the LLM's weights already in the
     lowering's layout (an engine's), else laid out from ``llm``'s."""
-    from jaxspec.engine import costs  # noqa: PLC0415
+    from jaxspec.engine.device import costs  # noqa: PLC0415
     from models.lowering import default_lowering  # noqa: PLC0415
     from models.transformer import decoding_layout  # noqa: PLC0415
 
@@ -360,7 +360,7 @@ def measure_curve(llm, ssms: Sequence = (), lowering=None, refresh: bool = False
                   progress: bool = False) -> CostCurve:
     """This device's cost curve for ``llm`` and the learned speculators ``ssms`` (``LoadedModel``s with their
     weights), measured once per device, models, dtype and lowering and then read from the cost cache."""
-    from jaxspec.engine import costs  # noqa: PLC0415
+    from jaxspec.engine.device import costs  # noqa: PLC0415
 
     stored = None if refresh else cached_curve(llm, ssms, lowering)
     if stored is not None:
@@ -374,7 +374,7 @@ def measure_curve(llm, ssms: Sequence = (), lowering=None, refresh: bool = False
 
 def cached_curve(llm, ssms: Sequence = (), lowering=None) -> CostCurve | None:
     """This device's cost curve as the cost cache holds it, or None (nothing is measured)."""
-    from jaxspec.engine import costs  # noqa: PLC0415
+    from jaxspec.engine.device import costs  # noqa: PLC0415
 
     value = costs.load(curve_key(llm, ssms, lowering))
     return None if value is None else curve_of(value)

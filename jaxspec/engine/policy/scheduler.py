@@ -2,7 +2,7 @@
 prompt chunks beside decoding rows, the stop rule and retirement's row moves. No JAX and no device.
 
 The loop (``jaxspec.engine.core.EngineCore``) asks the ``Scheduler`` what to do next and has the executor
-(``jaxspec.engine.executor.Executor``) carry it out on the device, after vLLM's Scheduler / EngineCore split and
+(``jaxspec.engine.device.executor.Executor``) carry it out on the device, after vLLM's Scheduler / EngineCore split and
 JetStream's engine API. Everything here is decided from host data alone (requests are plain data:
 ``jaxspec.request``), so it is unit-tested without a device (``tests/test_scheduler.py``).
 """

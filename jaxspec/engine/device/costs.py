@@ -123,7 +123,7 @@ class TimedPass:
             feats = jnp.zeros(toks.shape + (width,), model.dtype) if width else None
             return call(forward, params, toks, feats, pos, cache, mask)[:2]
 
-        from jaxspec.engine.executables import Stored  # noqa: PLC0415 (the store reads jax's cache settings)
+        from jaxspec.engine.device.executables import Stored  # noqa: PLC0415 (the store reads jax's cache settings)
 
         self.program = Stored(run, {"what": "timed-pass", "model": [repr(model.cfg), str(jnp.dtype(model.dtype))],
                                     "lowering": lowering.label, "unrolled": unrolled}, fixed=1, donate_argnums=(3,))

@@ -9,7 +9,7 @@ climb further). A comparison is fair by construction: a *probe* times the first 
 prompt (``W`` = the larger size; fed from its start, after at most W/16 reused tokens such as a
 cached system prompt) either as one chunk of the larger size or as chunks of the current one, so
 both sizes are timed over the same positions and the same attention work. What was found is kept
-in the cost cache (``jaxspec.engine.costs``) per device, host and engine, so a machine searches
+in the cost cache (``jaxspec.engine.device.costs``) per device, host and engine, so a machine searches
 once; ``--prefill-chunk`` fixes the largest size instead (no search), and a multi-process run
 (whose processes must feed alike, while their clocks differ) feeds from ``START`` without one.
 """

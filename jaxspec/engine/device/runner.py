@@ -5,7 +5,7 @@ state shape, the state it runs on) and what each step costs; the one scheduling 
 (``jaxspec.engine.core.EngineCore``: admission, prefill, the iteration, stopping, retirement)
 drives it for ``generate``, ``bench`` and ``serve`` alike. ``ModelRunner.compilations`` counts
 traces of model-running executables, so tests can prove that nothing recompiles (an executable
-loaded from disk, ``jaxspec.engine.executables``, is not traced and not counted).
+loaded from disk, ``jaxspec.engine.device.executables``, is not traced and not counted).
 
 The family, its compiled steps, their costs and the chooser live together because they share the
 models' layout and the engine's identity; which members each bucket runs lives in ``planner``.
@@ -25,9 +25,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxspec.decoding import constrain, ngram, sampling
-from jaxspec.engine.auto import Member, TreeChooser
-from jaxspec.engine.executables import Stored
-from jaxspec.engine.prepare import Job, Ready
+from jaxspec.engine.policy.auto import Member, TreeChooser
+from jaxspec.engine.device.executables import Stored
+from jaxspec.engine.device.prepare import Job, Ready
 from jaxspec.errors import RequestError, VocabularyMismatch
 from jaxspec.speculators.ngram import NGramSpeculator
 from jaxspec.parallel.offload import make_offload_forward, offload_layout, offload_params
@@ -76,7 +76,7 @@ class ModelRunner:
     an expansion config (the n-gram uses its length: it proposes a chain). With
     ``auto`` the engine compiles a family of trees (no speculation, the n-gram chain,
     the SSMs' trees, both merged) and picks one before every iteration by measured cost
-    and running acceptance (``jaxspec.engine.auto``); ``costs`` injects a cost table (seconds
+    and running acceptance (``jaxspec.engine.policy.auto``); ``costs`` injects a cost table (seconds
     per iteration by member name) instead of measuring one.
     """
 
@@ -105,7 +105,7 @@ class ModelRunner:
         ``offload`` keeps them in host memory and streams them in layer by layer (``jaxspec.parallel.offload``);
         ``forced_tokens``: how many tokens a grammar forces ahead of a constrained request's root ride in its tree
         as a draft chain (0: none); ``cuts``: auto's shallower members, (kind, depth) as
-        ``jaxspec.engine.planner.tree_cuts`` gives them."""
+        ``jaxspec.engine.policy.planner.tree_cuts`` gives them."""
         expansions = _per_ssm(expansion, len(speculators))
         self.speculators = tuple(speculators)
         self.batch_ssms = batch_ssms
@@ -166,7 +166,7 @@ class ModelRunner:
         self.verify = verify
         self.auto = auto
         # this device's cost curve where auto's trees were derived from it (``jaxspec.engine.build.auto_curve``):
-        # which cuts of those trees each row bucket runs (``jaxspec.engine.planner.Planner.members``)
+        # which cuts of those trees each row bucket runs (``jaxspec.engine.policy.planner.Planner.members``)
         self.cost_curve = None
         self.compilations = 0
         self.traced: list[str] = []  # what each of ``compilations`` compiled, e.g. "prefill of 16 tokens, 1 x 256"
@@ -383,7 +383,7 @@ class ModelRunner:
     def identity(self) -> dict:
         """What this engine's executables compute beyond their arguments (weights are arguments): the models'
         configurations and dtypes, the speculators' kinds, the lowering, the layout and the mesh; part of every
-        stored executable's key (``jaxspec.engine.executables``)."""
+        stored executable's key (``jaxspec.engine.device.executables``)."""
         return {
             "llm": [repr(self.llm.cfg), str(jnp.dtype(self.llm.dtype))],
             "ssms": [[repr(s.cfg), str(jnp.dtype(s.dtype)), s.draft_vocab, s.features, list(s.feature_layers),
@@ -400,7 +400,7 @@ class ModelRunner:
                   batch: int = 1, names: Sequence[str] | None = None) -> dict[str, float]:
         """Seconds per iteration of family members (default: all) at this capacity and batch, measured once and cached.
 
-        Each member's cost is cached on its own (``jaxspec.engine.costs``, keyed by device kind,
+        Each member's cost is cached on its own (``jaxspec.engine.device.costs``, keyed by device kind,
         models, dtype, warp, the member's tree, capacity and batch, outside the repository), so
         a loop that compiles only the members worth running measures only those; ``refresh``
         measures again. Every member measured here steps on one state of the bucket (at a wide bucket a state
@@ -421,7 +421,7 @@ class ModelRunner:
         key = (_warp(params), capacity, batch, name)
         if key in self._costs and not refresh:
             return self._costs[key]
-        from jaxspec.engine import costs  # noqa: PLC0415
+        from jaxspec.engine.device import costs  # noqa: PLC0415
 
         ident = self._member_ident(params, name, capacity, batch)
         self._costs[key] = costs.load_or_measure(
@@ -434,7 +434,7 @@ class ModelRunner:
         recorded on this machine): then its step need not run before the loop's first request."""
         if self._injected_costs is not None:
             return all(n in self._injected_costs for n in names)
-        from jaxspec.engine import costs  # noqa: PLC0415
+        from jaxspec.engine.device import costs  # noqa: PLC0415
 
         warp = _warp(params)
         return all((warp, capacity, batch, n) in self._costs
@@ -474,9 +474,9 @@ class ModelRunner:
         return program(self._llm_params, self._group_params, self.abstract_state(batch, capacity), *arrays, **extra)
 
     def prefill_chunks(self, found: dict | None = None) -> dict | None:
-        """What the prompt chunk search found on this device (``jaxspec.engine.prefill.ChunkSizer.state``), kept
+        """What the prompt chunk search found on this device (``jaxspec.engine.policy.prefill.ChunkSizer.state``), kept
         beside the calibrations per machine (``jaxspec.cache.speed_key``) and engine; given ``found``, records it."""
-        from jaxspec.engine import costs  # noqa: PLC0415
+        from jaxspec.engine.device import costs  # noqa: PLC0415
 
         ident = {"what": "prefill-chunks", "revision": STEP_REVISION, **self.identity()}
         if found is None:
@@ -551,7 +551,7 @@ class ModelRunner:
         """(what, a call compiling it) for each member's step at this bucket not compiled yet (``names``: default
         all; ``grammar``: instead the grammar steps a constrained iteration adds to them, ``forced_depths``: none for
         a member without SSM drafts whose plain step serves; ``callbacks`` False leaves out those of SSM drafts, which
-        call back into this process and no store keeps): what ``jaxspec.engine.prepare.compile_all`` runs on the
+        call back into this process and no store keeps): what ``jaxspec.engine.device.prepare.compile_all`` runs on the
         host's cores. A job marks its step warm once compiled."""
         warp, family = _warp(params), self.family(params)
         state = self.abstract_state(batch, capacity)
