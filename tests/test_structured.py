@@ -632,3 +632,48 @@ def test_a_prepared_structured_server_compiles_nothing_and_fits_the_mappings(llm
     for kind, gen in zip(("json_schema", "json_schema", "regex", "regex"), gens):
         text = llm.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         assert gen.finish_reason == "length" or (gen.finish_reason == "eos" and valid(kind, text)), (kind, text)
+
+
+def test_a_server_with_recorded_costs_is_ready_at_its_plain_steps_and_loads_its_members_beside_it(llm, tiny_drafter):
+    """``serve``'s preparation on a machine that recorded every member's cost (injected here, as its records would
+    be): before the first request only the plain step and its grammar step are readied at each bucket; every
+    speculative member then loads on a host thread at once (a server cannot know its requests ahead), unasked, and
+    runs once loaded; structured and plain requests give the tokens a fully prepared loop gives, and nothing traces
+    on the loop's thread after the loads."""
+    import time
+
+    from jaxspec.engine.core import EngineCore, Request
+    from jaxspec.speculators.resolve import load_speculators
+    from models.tokenizer import encode_prompt
+
+    ssms = load_speculators([f"drafter:{tiny_drafter}", "ngram:3"], llm, "float32")
+
+    def core(costs: dict) -> EngineCore:
+        return EngineCore(Engine(llm, ssms, ((1, 1, 1),) * 2, auto=True, forced_tokens=8, costs=costs), max_batch=2,
+                          max_model_len=256)
+
+    warp = sampling.WarpSpec()
+    names = list(core({"none": 1.0}).engine.family(warp))
+    served = core({n: 1.0 if n == "none" else 0.5 for n in names})  # speculation priced to pay: the chooser tries it
+    served.prepare(warps=(warp,), grammar=True, callbacks=False, progress=False, beside=True, load_all=True)
+    engine, cap = served.engine, served.capacity_buckets[0]
+    assert served.planner.loader is not None and not served.planner.later  # every member queued at once
+    members = {r: served.planner.members(warp, r) for r in served.row_buckets}
+    for _ in range(900):  # they load on a host thread; wait for them
+        if all(engine.is_warm(warp, cap, r, n) for r, names_r in members.items() for n in names_r):
+            break
+        assert not served.planner.loader.failed, served.planner.loader.failed
+        time.sleep(0.2)
+    assert all(engine.is_warm(warp, cap, r, n) for r in served.row_buckets for n in ("none", "ssm", "ngram"))
+    beside = [label for label, _ in served.planner.loader.ready]  # each speculative member's step, on the thread
+    expected = sum(len(names_r) - 1 for names_r in members.values())  # every member but the plain step
+    assert len(beside) == expected and not any(b.startswith("step none") for b in beside), beside
+    requests = [Request(encode_prompt(llm.tokenizer, PROMPTS["regex"], True), 24, grammar=GRAMMARS["regex"]),
+                Request(encode_prompt(llm.tokenizer, "Count: one two three one two three one two", True), 24)]
+    before = engine.compilations
+    gens = served.generate(requests)
+    assert engine.compilations == before, engine.traced[before:]
+    assert any(t != "none" for g in gens for t in g.trees), [g.trees for g in gens]  # the loaded members ran
+    plain = EngineCore(Engine(llm, forced_tokens=8), max_batch=2, max_model_len=256)
+    assert [g.token_ids for g in gens] == [g.token_ids for g in plain.generate(requests)]
+    served.planner.stop_readying()

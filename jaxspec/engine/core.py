@@ -331,7 +331,7 @@ class EngineCore:
     def prepare(self, warps: Sequence[sampling.WarpSpec] | None = None, rows: Sequence[int] | None = None,
                 capacities: Sequence[int] | None = None, grammar: bool = False, progress: bool = True,
                 say: Callable[[str], None] | None = None, longest: int | None = None, callbacks: bool = True,
-                beside: bool = False) -> float:
+                beside: bool = False, load_all: bool = False) -> float:
         """Readies every executable the loop can reach before its first request; returns the seconds it took.
 
         Every (warp x row bucket x capacity bucket)'s members (``Planner.members``; ``grammar``: their grammar steps
@@ -345,7 +345,9 @@ class EngineCore:
         False leaves out the grammar steps of SSM drafts (their masks come from a host callback: no store keeps them,
         so every start would compile them again). ``beside``: under auto, where every member's cost at these buckets
         is recorded on this machine already (nothing to measure), only the plain step is readied here and the other
-        members on host threads while the first requests run (``Beside``; the chooser takes each up once loaded).
+        members on host threads while the first requests run (``Beside``; the chooser takes each up once loaded),
+        each where the tokens left can repay its load, or (``load_all``: a server) every one at once; a grammar's
+        steps are readied here with the plain step's, where ``callbacks`` is False (no SSM draft's grammar step).
         """
         began, fresh = time.perf_counter(), STATS.fresh_compiles
         if grammar:
@@ -355,7 +357,7 @@ class EngineCore:
         buckets = [(w, r, c) for w in warps for r in rows for c in caps]
         sizes = self.chunks.reachable(longest)  # the chunk search's next size too; a job's: up to its longest prompt
         timings: list[tuple[str, float]] = []
-        defer = (beside and not grammar and self.planner.loader is None and jax.process_count() == 1
+        defer = (beside and not (grammar and callbacks) and self.planner.loader is None and jax.process_count() == 1
                  and not self.sync.fresh_costs and self.planner.known(buckets))
         told = (lambda text: print(f"[jaxspec] {text}", file=sys.stderr, flush=True)) if progress else self.verbose
         listed = self.executor.prepare(self.planner.step_jobs(buckets, grammar, callbacks, plain=defer), sizes, rows,
@@ -365,7 +367,7 @@ class EngineCore:
                          f"{describe_timings(timings)}")
         self.planner.measure(buckets, progress)  # their steps compiled above; under auto each measured
         if defer:  # every cost read above from this machine's records: members load beside the loop where they pay
-            self.planner.defer(buckets, timings, self.verbose)
+            self.planner.defer(buckets, timings, self.verbose, eager=load_all)
         self.prepared = True
         seconds = time.perf_counter() - began
         made = STATS.fresh_compiles - fresh

@@ -171,9 +171,12 @@ class Service:
         """Prepares the loop, then starts its thread: every executable it can reach, greedy and sampled (``grammar``:
         the structured-output steps too, ``callbacks`` False: but not those of SSM drafts, which no store keeps),
         compiled or loaded before any request (``EngineCore.prepare``; a
-        multi-process run prepared in every process already, ``jaxspec.engine.lockstep.serve_role``)."""
+        multi-process run prepared in every process already, ``jaxspec.engine.lockstep.serve_role``). On a machine
+        that recorded every member's cost, the server is ready once the plain steps are loaded: auto's speculative
+        members load on a host thread while it serves, and the chooser takes each up once it is in."""
         if self.batch.sync.local:
-            self.batch.prepare(grammar=grammar, callbacks=callbacks, say=lambda text: log.info("%s", text))
+            self.batch.prepare(grammar=grammar, callbacks=callbacks, beside=True, load_all=True,
+                               say=lambda text: log.info("%s", text))
         self._thread.start()
 
     def _run(self) -> None:
@@ -208,6 +211,7 @@ class Service:
     def stop(self, timeout: float) -> bool:
         """Stops the engine loop (in-flight requests are cancelled); False if it did not end in time."""
         self._stop.set()
+        self.batch.planner.stop_readying()  # the load in hand ends (an exit mid-load aborts); the rest are dropped
         if self._thread.is_alive():
             self._thread.join(timeout)
         return not self._thread.is_alive()

@@ -73,7 +73,7 @@ def describe_set(jobs: Sequence[Job], loaded: Sequence[bool], seconds: dict | No
         cores = max(1, min(host_cores(), len(jobs)))
         total = sum(n * known[how][kind] for (how, kind), n in counts.items()) / cores
         return text + f", about {total:.0f} s by this machine's last preparation"
-    return text + " (no earlier preparation on this machine to time it by)"
+    return text + " (not timed on this machine yet)"
 
 
 def timed_means(jobs: Sequence[Job], loaded: Sequence[bool], timings: Sequence[tuple[str, float]],

@@ -460,10 +460,10 @@ class Planner:
         return self._ready[key][1]
 
     def defer(self, buckets: Sequence[Bucket], timings: Sequence[tuple[str, float]],
-              verbose: Callable[[str], None] | None = None) -> None:
+              verbose: Callable[[str], None] | None = None, eager: bool = False) -> None:
         """Leaves the speculative members of ``buckets`` (every cost recorded on this machine: nothing to measure) to
-        be readied beside the loop, each only once ``want`` finds it pays; ``timings``: the preparation's, whose
-        plain steps time a load here."""
+        be readied beside the loop, each only once ``want`` finds it pays (``eager``: every one at once, for a server
+        whose requests are not known ahead); ``timings``: the preparation's, whose plain steps time a load here."""
         self.later = {(w, r, c, n): jobs for w, r, c in buckets for n in self.members(w, r)
                       if (jobs := self.engine.step_jobs(w, c, r, [n]))}
         queued = [job for jobs in self.later.values() for job in jobs]
@@ -472,9 +472,14 @@ class Planner:
         self.load_seconds = statistics.fmean(plain) if plain else LOAD_SECONDS
         self.beside, self._verbose = bool(queued), verbose
         self.loader = Beside(self._readied)
+        if eager:
+            for key in list(self.later):
+                for job in self.later.pop(key):
+                    self.loader.add(job)
         if verbose is not None and queued:
-            verbose(f"auto's {len(queued)} speculative steps load beside the loop where the tokens left can repay "
-                    f"them (about {self.load_seconds:.2f} s each)")
+            verbose(f"auto's {len(queued)} speculative steps load beside the loop "
+                    + ("now" if eager else "where the tokens left can repay them")
+                    + f" (about {self.load_seconds:.2f} s each)")
 
     def _readied(self, label: str, seconds: float) -> None:
         """A member's step readied beside the loop: the chooser may pick it from the next iteration."""
