@@ -63,7 +63,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     """A random-weight LLaMA-family HF directory (safetensors, config.json, the tokenizer) of a named shape."""
-    from jaxspec.engine.costs import SHAPES
+    from jaxspec.engine.device.costs import SHAPES
     from models.random_checkpoint import write_random_checkpoint
     from models.tokenizer import load_tokenizer
 
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("checkpoint")
     s.add_argument("dir")
     s.add_argument("--tokenizer", required=True, help="a HF tokenizer directory (``tokenizer``'s output unpacked)")
-    s.add_argument("--shape", default="smollm2-135m", help="a named shape of jaxspec.engine.costs.SHAPES")
+    s.add_argument("--shape", default="smollm2-135m", help="a named shape of jaxspec.engine.device.costs.SHAPES")
     s.add_argument("--layers", type=int, help="fewer layers than the shape (a quick run)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_checkpoint)

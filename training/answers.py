@@ -266,7 +266,7 @@ def _scheduling_loop(llm, spec: AnswerSpec, max_batch: int, mode: str, longest: 
     temperatures' warps reach prepared before the first request (none compiles while answering)."""
     from jaxspec.config import EngineConfig, SchedulerConfig  # noqa: PLC0415
     from jaxspec.decoding import sampling  # noqa: PLC0415
-    from jaxspec.engine.scheduler import job_model_len  # noqa: PLC0415
+    from jaxspec.engine.policy.scheduler import job_model_len  # noqa: PLC0415
     from jaxspec.engine.build import build_core, engine_from, speculator_specs  # noqa: PLC0415
     from jaxspec.speculators.resolve import load_speculators  # noqa: PLC0415
 
