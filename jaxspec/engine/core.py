@@ -6,8 +6,8 @@ caches, histories, roots, one PRNG key and sampling values per row, an active ma
 donated to every call. Its shape follows the work: the live rows are kept contiguous
 (a retired row's place is taken by the last live row) and the state is laid out for
 the smallest batch bucket (1, 2, 4, ... ``max_batch``) holding them and, where attention
-scores every cache slot (``dense``), the smallest capacity bucket (256, 512, ... up to
-``max_model_len`` plus a step's slack) holding their caches, so one request in a 16-slot
+scores every cache slot (``dense``), the smallest capacity bucket (256, 512, ... below
+``max_model_len``, then it plus a step's slack) holding their caches, so one request in a 16-slot
 server costs what it costs alone; where it reads only filled slots (``blocks``, the CPU's)
 there is one capacity, ``max_capacity`` (docs/architecture.md gives the measurements). Each
 (bucket, tree, warp) is one executable, every one of them compiled or loaded by ``prepare``
@@ -32,8 +32,8 @@ output depends on its own seed only: each slot draws from its own key.
 Which members each bucket runs, at what measured cost, is ``jaxspec.engine.policy.planner.Planner``. The loop is the
 engine contract's driver: the host-only ``jaxspec.engine.policy.scheduler.Scheduler`` holds the queue, the rows' owners,
 their layout and the pacing, and decides; ``jaxspec.engine.device.executor.Executor`` owns the device state and the
-executables and carries the decisions out; this module joins them with admission (prefix reuse, the chunk search),
-the dispatch and read of an iteration, emission and retirement.
+executables and carries the decisions out; this module joins them: admission (``jaxspec.engine.admission``), each
+iteration planned (``IterationPlan``), executed (``Executor.execute``) and accounted, emission and retirement.
 """
 
 from __future__ import annotations
