@@ -189,9 +189,11 @@ class Executor:
 
     def _path(self, rows: int, capacity: int, to_rows: int, to_capacity: int) -> list[tuple[int, int]]:
         """The layouts a re-layout from ``rows`` x ``capacity`` to ``to_rows`` x ``to_capacity`` passes through, one
-        neighbouring bucket at a time, shrinks first (the copies never hold more than either end); the target alone
-        where either end lies off the buckets."""
+        neighbouring bucket at a time, shrinks first (the copies never hold more than either end); none where they
+        are one layout, the target alone where either end lies off the buckets."""
         rb, cb = self.row_buckets, self.capacity_buckets
+        if (rows, capacity) == (to_rows, to_capacity):
+            return []
         if rows not in rb or to_rows not in rb or capacity not in cb or to_capacity not in cb:
             return [(to_rows, to_capacity)]
         r, c, r_to, c_to = rb.index(rows), cb.index(capacity), rb.index(to_rows), cb.index(to_capacity)
@@ -226,8 +228,7 @@ class Executor:
     # -- the state's layout -------------------------------------------------------------
     def resize(self, rows: int, capacity: int) -> None:
         """Lays the batched state out for ``rows`` x ``capacity`` (its rows' contents kept)."""
-        for r, c in self._path(self.rows, self.capacity, rows, capacity) if (rows, capacity) != (self.rows,
-                                                                                                 self.capacity) else ():
+        for r, c in self._path(self.rows, self.capacity, rows, capacity):
             self.state = self._resizer(r, c)(self.state)
             self.rows, self.capacity = r, c
             self.resizes += 1
