@@ -90,6 +90,8 @@ class DrafterConfig:
     answer_tokens: int = 160  # tokens per answer; prompts of up to seq_len - answer_tokens tokens
     answer_temperatures: tuple[float, ...] = (0.0, 0.8)  # 0: greedy answers; > 0: sampled ones
     answer_mix: float = 0.5  # the fraction of each batch drawn from the answers (split evenly over temperatures)
+    train_temperatures: tuple[float, ...] | None = None  # the answer temperatures trained on (None: all); the
+    #                                                      others' held-out answers are still evaluated
     answer_dir: str = "runs/answers/smollm2"  # answers and their feature caches, a directory per temperature
     answer_batch: int = 32  # prompts the LLM answers at once (the engine's rows: `--max-batch`)
     answer_generator: str = "engine"  # "engine": the scheduling loop, shards of training.answers; "scan": the
@@ -109,8 +111,9 @@ class DrafterConfig:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown drafter config keys: {', '.join(sorted(unknown))}")
-        if "answer_temperatures" in data:
-            data["answer_temperatures"] = tuple(float(t) for t in data["answer_temperatures"])
+        for key in ("answer_temperatures", "train_temperatures"):
+            if data.get(key) is not None:
+                data[key] = tuple(float(t) for t in data[key])
         cfg = cls(**data)
         if cfg.answers and (cfg.answers <= cfg.eval_sequences or (cfg.answers - cfg.eval_sequences) % 64):
             raise ValueError(f"answers={cfg.answers}: need eval_sequences ({cfg.eval_sequences}) plus a multiple "
@@ -119,6 +122,9 @@ class DrafterConfig:
             raise ValueError(f"block={cfg.block!r}: own, or eagle3 with feature_layers set (the fused form)")
         if not 0.0 <= cfg.answer_mix <= 1.0 or not 0 < cfg.answer_tokens < cfg.seq_len:
             raise ValueError("need answer_mix in [0, 1] and 0 < answer_tokens < seq_len")
+        if cfg.train_temperatures is not None and not set(cfg.train_temperatures) <= set(cfg.answer_temperatures):
+            raise ValueError(f"train_temperatures {list(cfg.train_temperatures)} must be among answer_temperatures "
+                             f"{list(cfg.answer_temperatures)}")
         if cfg.answer_generator not in ("engine", "scan"):
             raise ValueError(f"answer_generator must be engine or scan, got {cfg.answer_generator!r}")
         if cfg.answer_mode not in MODES:

@@ -255,16 +255,19 @@ def answer_rows(cfg, llm, identity: dict, temperature: float) -> np.ndarray:
     return rows
 
 
-def _answer_caches(cfg, llm, identity: dict, spec: CacheSpec) -> list[tuple[str, str, str]]:
-    """(name, training cache, held-out cache) of the LLM's answers at each temperature, built where missing."""
+def _answer_caches(cfg, llm, identity: dict, spec: CacheSpec) -> list[tuple[str, str | None, str]]:
+    """(name, training cache or None where ``train_temperatures`` leaves it out, held-out cache) of the LLM's answers
+    at each temperature, built where missing."""
     make_answers(cfg, llm, identity)
+    trained = cfg.answer_temperatures if cfg.train_temperatures is None else cfg.train_temperatures
     out = []
     for t in cfg.answer_temperatures:
         rows = answer_rows(cfg, llm, identity, t)
         d = Path(cfg.answer_dir) / f"t{t:g}"
-        build_cache(d / "features", llm, identity, rows[: -cfg.eval_sequences], spec)
         build_cache(d / "features_held", llm, identity, rows[-cfg.eval_sequences:], spec)
-        out.append((f"answers{t:g}", str(d / "features"), str(d / "features_held")))
+        if t in trained:
+            build_cache(d / "features", llm, identity, rows[: -cfg.eval_sequences], spec)
+        out.append((f"answers{t:g}", str(d / "features") if t in trained else None, str(d / "features_held")))
     return out
 
 
@@ -339,13 +342,15 @@ def train_fused(cfg, export_only: bool = False) -> Path:
     del llm
     train = FeatureCache(cfg.cache_dir, require_all=False, max_rows=cfg.cache_rows)
     held = {"": FeatureCache(cfg.eval_cache_dir)}
-    sources = [train]
+    sources, names = [train], []
     for name, train_dir, held_dir in answers:
-        sources.append(FeatureCache(train_dir))
+        if train_dir is not None:
+            sources.append(FeatureCache(train_dir))
+            names.append(name)
         held[f"{name}_"] = FeatureCache(held_dir)
-    per_source = batch_counts(cfg.batch_size, cfg.answer_mix, len(answers))  # rows per batch (not token counts)
+    per_source = batch_counts(cfg.batch_size, cfg.answer_mix, len(names))  # rows per batch (not token counts)
     tqdm.write(f"[train] {len(train)} cached ShareGPT rows ({len(train) * cfg.seq_len / 1e6:.2f} M tokens)"
-               + "".join(f", {len(c)} rows of {name}" for (name, _, _), c in zip(answers, sources[1:]))
+               + "".join(f", {len(c)} rows of {name}" for name, c in zip(names, sources[1:]))
                + f"; batch rows {per_source}; {len(held[''])} held out; blocks {list(layers)}")
     step_fn, eval_fn = make_fused_step(dcfg, layers, ids, cfg, opt)
 
