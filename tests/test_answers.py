@@ -4,8 +4,10 @@ their history, and ``train-drafter`` reads the shards as its answer rows. On the
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -238,3 +240,12 @@ def test_train_drafter_trains_on_the_engine_answers(tiny_checkpoint, tiny_checkp
         assert len(cache) == 64 and cache.rows(np.arange(64))["tokens"].tolist() == rows[:64].tolist()
     evaluations = [json.loads(line) for line in (tmp_path / "run" / "acceptance.jsonl").read_text().splitlines()]
     assert evaluations[-1]["step"] == 2 and {"answers0_top1_1", "answers0.8_top1_1"} <= evaluations[-1].keys()
+    # trained on the greedy answers alone: the sampled ones' features are cached only for their held-out rows
+    again = dataclasses.replace(cfg, out=str(tmp_path / "greedy"), train_temperatures=(0.0,),
+                                answer_dir=str(tmp_path / "answers2"))
+    shutil.copytree(tmp_path / "answers", tmp_path / "answers2",
+                    ignore=lambda d, names: [n for n in names if n == "features"] if d.endswith("t0.8") else [])
+    assert (train_drafter(again) / "drafter.json").exists()
+    assert not (tmp_path / "answers2" / "t0.8" / "features").exists()
+    last = json.loads((tmp_path / "greedy" / "acceptance.jsonl").read_text().splitlines()[-1])
+    assert {"answers0_top1_1", "answers0.8_top1_1"} <= last.keys()

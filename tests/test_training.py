@@ -278,8 +278,11 @@ def test_answer_mix_splits_each_batch_and_its_config_is_checked():
     assert batch_counts(8, 1.0, 1) == [0, 8]
     assert DrafterConfig.load(None, ["answers=192", "answer_temperatures=[0, 0.8]"]).answer_temperatures == (0.0, 0.8)
     assert DrafterConfig.load(None, ["block=eagle3", "feature_layers=[]"]).block == "eagle3"
+    assert DrafterConfig.load(None, ["answers=192", "answer_temperatures=[0, 0.8]",
+                                     "train_temperatures=[0]"]).train_temperatures == (0.0,)
     for bad in (["answers=100"], ["answers=64"], ["answers=192", "answer_mix=1.5"], ["answers=192", "answer_tokens=0"],
-                ["block=eagle3"], ["block=eagle4", "feature_layers=[]"]):
+                ["block=eagle3"], ["block=eagle4", "feature_layers=[]"],
+                ["answers=192", "answer_temperatures=[0]", "train_temperatures=[0.8]"]):
         with pytest.raises(ValueError):
             DrafterConfig.load(None, bad)
 
