@@ -362,11 +362,13 @@ def prepare_job(batch: EngineCore, requests: list) -> None:
     (sized by its requests: ``SchedulerConfig``), the one warp its sampling needs, grammar steps only where a
     request has a grammar. On a machine that recorded auto's costs already, the speculative members' steps are
     readied beside the first requests (``EngineCore.prepare``'s ``beside``): auto starts as soon as plain decoding
-    would."""
+    would; on the CPU backend, whose decoding those loads would slow, the ones the job's tokens can repay are
+    loaded before it instead (``owed``)."""
     warp = sampling.batch_warp([r.params for r in requests])
     batch.prepare(warps=(warp,), grammar=any(r.grammar is not None for r in requests),
                   say=lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr),
-                  longest=max(len(r.prompt_ids) for r in requests), beside=True)
+                  longest=max(len(r.prompt_ids) for r in requests), beside=True,
+                  owed=sum(r.max_new_tokens for r in requests))
 
 
 def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list, streaming: bool,

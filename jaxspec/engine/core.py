@@ -331,7 +331,7 @@ class EngineCore:
     def prepare(self, warps: Sequence[sampling.WarpSpec] | None = None, rows: Sequence[int] | None = None,
                 capacities: Sequence[int] | None = None, grammar: bool = False, progress: bool = True,
                 say: Callable[[str], None] | None = None, longest: int | None = None, callbacks: bool = True,
-                beside: bool = False, load_all: bool = False) -> float:
+                beside: bool = False, load_all: bool = False, owed: int | None = None) -> float:
         """Readies every executable the loop can reach before its first request; returns the seconds it took.
 
         Every (warp x row bucket x capacity bucket)'s members (``Planner.members``; ``grammar``: their grammar steps
@@ -348,6 +348,9 @@ class EngineCore:
         members on host threads while the first requests run (``Beside``; the chooser takes each up once loaded),
         each where the tokens left can repay its load, or (``load_all``: a server) every one at once; a grammar's
         steps are readied here with the plain step's, where ``callbacks`` is False (no SSM draft's grammar step).
+        ``owed``: the tokens a job's requests ask for, known ahead: where the device is this host's own cores (the
+        CPU backend), loading beside the loop would take from its decoding, so the members those tokens can repay
+        are loaded here instead (``Planner.load_for_job``), and what that adds to start-up is said apart.
         """
         began, fresh = time.perf_counter(), STATS.fresh_compiles
         if grammar:
@@ -368,6 +371,8 @@ class EngineCore:
         self.planner.measure(buckets, progress)  # their steps compiled above; under auto each measured
         if defer:  # every cost read above from this machine's records: members load beside the loop where they pay
             self.planner.defer(buckets, timings, self.verbose, eager=load_all)
+            if owed is not None and not load_all:
+                self._ready_job(buckets, owed, progress, told)
         self.prepared = True
         seconds = time.perf_counter() - began
         made = STATS.fresh_compiles - fresh
@@ -375,6 +380,17 @@ class EngineCore:
             say(f"prepared this machine for {len(buckets)} step bucket(s) in {seconds:.1f} s ({listed} "
                 f"executables, {made} compiled fresh); later starts load what the executable store kept")
         return seconds
+
+    def _ready_job(self, buckets: list, owed: int, progress: bool, told: Callable[[str], None] | None) -> None:
+        """A job's start under auto with its members deferred (``prepare``'s ``owed``): on the CPU backend the
+        members its tokens can repay are loaded now (``Planner.load_for_job``); then every step ready at the job's
+        buckets runs once on a throwaway state, so no request pays an executable's first run. Said apart."""
+        began = time.perf_counter()
+        loaded = self.planner.load_for_job(owed, progress)[0] if jax.default_backend() == "cpu" else 0
+        ran = sum(self.engine.first_runs(w, c, r, self.planner.members(w, r)) for w, r, c in buckets)
+        if told is not None and (loaded or ran):
+            told(f"auto's start-up for this job's {owed} tokens: {loaded} speculative step(s) loaded (the ones they "
+                 f"can repay), {ran} first run(s), {time.perf_counter() - began:.1f} s")
 
     @property
     def buckets(self) -> tuple[int, ...]:

@@ -175,6 +175,7 @@ class ModelRunner:
         self._injected_costs = dict(costs) if costs else None
         self._choosers: dict = {}
         self._warmed: set = set()  # (warp, capacity, batch, member) compiled
+        self._run_once: set = set()  # ... run at least once in this process (``first_runs``, measuring)
         self.groups = (ssm_groups(self.ssms, self.topologies) if batch_ssms
                        else tuple(SSMGroup((j,), (), self.ssms[j].features) for j in range(len(self.ssms))))
         self._group_params = tuple(stack_params([self.ssms[j].params for j in g.members], g.shared)
@@ -510,7 +511,23 @@ class ModelRunner:
             out[name] = (plain * min(times[name][1:]) / min(times["none"][1:]) if paired
                          else min(times[name][1:]) if reps else times[name][0])
             self._warmed.add((warp, capacity, batch, name))
+            self._run_once.add((warp, capacity, batch, name))
         return out
+
+    def first_runs(self, params: sampling.SamplerParams | sampling.WarpSpec, capacity: int, batch: int,
+                   names: Sequence[str]) -> int:
+        """Runs each member of ``names`` readied for this bucket and not run in this process yet once, on a
+        throwaway state of the bucket (one for them all): an executable's first run carries one-time costs (its code
+        paged in, its buffers first allocated) that would otherwise land on a request's iteration. Returns how many
+        ran."""
+        warp, family = _warp(params), self.family(params)
+        todo = [n for n in names if self.is_warm(params, capacity, batch, n)
+                and (warp, capacity, batch, n) not in self._run_once]
+        shared: list[DecodeState | None] = [None]
+        for name in todo:
+            self._timed_step(params, family[name], batch, capacity, shared)()
+            self._run_once.add((warp, capacity, batch, name))
+        return len(todo)
 
     def _timed_step(self, params: sampling.SamplerParams | sampling.WarpSpec, cfg: DecodeConfig, batch: int,
                     capacity: int, shared: list | None = None) -> Callable[[], float]:

@@ -491,19 +491,41 @@ class Planner:
         """Queues beside the loop each member of this bucket not readied yet whose expected saving over the ``owed``
         tokens its requests may still ask for (the chooser's acceptance means over the rows' ``drafts`` and its
         prices, against the plain step's) repays its loading: auto loads what this job can use and nothing else."""
+        for key in self._repaid(warp, rows, capacity, chooser, drafts, owed):
+            for job in self.later.pop(key):
+                self.loader.add(job)
+
+    def _repaid(self, warp: sampling.WarpSpec, rows: int, capacity: int, chooser: Any, drafts: list[tuple[int, int]],
+                owed: int) -> list[tuple]:
+        """The ``later`` keys of this bucket whose member's expected saving over ``owed`` tokens (the chooser's
+        acceptance means over the rows' ``drafts``, (n-gram length, match) each, and its prices, against the plain
+        step's) repays the member's loading."""
         full = self.bucket_costs.get((warp, rows, capacity))
         if not full or "none" not in full or not drafts:
-            return
+            return []
         plain = chooser.cost("none", full, rows)
         seconds = owed * plain / len(drafts)  # what the plain step would take for them at these rows
+        repaid = []
         for name in full:
             key = (warp, rows, capacity, name)
             if key not in self.later:  # the plain step, or queued already
                 continue
             speed = chooser.mean_tokens(name, drafts) / len(drafts) * plain / chooser.cost(name, full, rows)
             if speed > 1.0 and seconds * (1.0 - 1.0 / speed) > self.load_seconds:
-                for job in self.later.pop(key):
-                    self.loader.add(job)
+                repaid.append(key)
+        return repaid
+
+    def load_for_job(self, owed: int, progress: bool = False) -> tuple[int, float]:
+        """For a job whose device is this host's own cores (the CPU backend: loading beside the loop would take from
+        its decoding), readies now, before the first request, each deferred member that the job's ``owed`` tokens
+        can repay at the chooser's means (``_repaid``, every row drafting), and leaves the rest to ``want``;
+        returns (executables readied, their seconds): what auto adds to the job's start-up."""
+        jobs = []
+        for warp, rows, capacity, _ in list(self.later):
+            drafts = [(self.engine.ngram_depth, 1)] * rows
+            for key in self._repaid(warp, rows, capacity, self.engine.chooser(warp), drafts, owed):
+                jobs += self.later.pop(key)
+        return len(jobs), compile_all(jobs, "loading auto's steps", progress)
 
     def stop_readying(self, wait: bool = True) -> None:
         """Drops what is still to be readied beside the loop (a job that ended needs none of it); ``wait``: until the
