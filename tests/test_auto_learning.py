@@ -209,6 +209,35 @@ def test_a_job_with_recorded_costs_starts_on_the_plain_step_and_loads_a_member_b
     batch.planner.stop_readying()
 
 
+def test_a_job_on_the_cpu_loads_before_its_first_request_what_its_tokens_repay_and_runs_each_step_once(tiny_llm):
+    """``prepare(beside=True, owed=N)`` on the CPU backend (the device is the host's cores: a load beside the loop
+    takes from decoding): a member N tokens can repay is loaded before the first request and nothing is left to load
+    beside the loop; one they cannot repay is not loaded; every step readied at the job's buckets has run once (no
+    request pays a first run: the job compiles nothing more); every token is plain decoding's."""
+    import jax  # noqa: PLC0415
+
+    assert jax.default_backend() == "cpu"
+    warp = sampling.WarpSpec()
+    prompts = random_prompts(2, 64, seed=12)
+    plain = EngineCore(Engine(tiny_llm), max_batch=1, max_model_len=64)
+    want = [g.token_ids for g in plain.generate([Request(p, 12) for p in prompts])]
+    for owed, costs, loads in ((24, {"none": 1.0, "ssm": 1.0}, True), (1, {"none": 1e-4, "ssm": 1e-4}, False)):
+        engine = Engine(tiny_llm, speculators=[early_exit(tiny_llm, 1)], expansion=[(1, 1, 1)], auto=True,
+                        costs=costs)
+        batch = EngineCore(engine, max_batch=1, max_model_len=64)
+        batch.prepare(warps=(warp,), progress=False, beside=True, owed=owed)
+        caps = batch.capacity_buckets
+        assert all(engine.is_warm(warp, c, 1, "ssm") == loads for c in caps), (owed, loads)
+        assert (not batch.planner.later) == loads
+        warm = [(warp, c, 1, n) for c in caps for n in ("none", "ssm") if engine.is_warm(warp, c, 1, n)]
+        assert warm and set(warm) <= engine._run_once  # every step readied has run once
+        compiled = engine.compilations
+        got = batch.generate([Request(p, 12) for p in prompts])
+        assert [g.token_ids for g in got] == want and engine.compilations == compiled
+        assert loads or {t for g in got for t in g.trees} == {"none"}
+        batch.planner.stop_readying()
+
+
 def test_a_stale_plain_price_is_re_timed_at_its_bucket():
     """A plain step not run at a bucket for ``RETIME_AFTER`` launches runs ``RETIME_BURST`` times, and its first new
     timing there replaces the old ones (taken at another moment), so a tree priced by fresh spans is compared with a
