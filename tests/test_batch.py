@@ -244,7 +244,7 @@ def test_sampled_requests_on_a_dynamic_tree_fit_the_cache():
 def test_a_failure_late_in_admission_ends_that_request_and_frees_its_row(llm, monkeypatch):
     """An exception after the staged row went live on the device (here: building the n-gram index) ends that
     request with an error event, leaves no untracked live row, and the loop serves the next request."""
-    import jaxspec.engine.core as batch_module
+    import jaxspec.engine.emission as batch_module  # where an admitted request joins its row
 
     engine = Engine(llm, [NGramSpeculator(3)], [(1, 1, 1)])
     want = [engine.generate(p, 6).token_ids for p in PROMPTS[:2]]
@@ -302,9 +302,9 @@ def test_prefill_stall_paces_a_long_prompt_beside_a_decoding_row_and_changes_no_
     want = [engine.generate(r.prompt_ids, r.max_new_tokens).token_ids for r in requests]
     paced = EngineCore(engine, max_batch=2, max_model_len=320, prefill_chunk=64, prefill_stall=0.01)
     assert [g.token_ids for g in paced.generate(requests)] == want
-    assert paced.prefill_waits > 0  # iterations in which the staged prompt waited for the decoding row
+    assert paced.scheduler.pacer.waits > 0  # iterations in which the staged prompt waited for the decoding row
     plain = EngineCore(engine, max_batch=2, max_model_len=320, prefill_chunk=64)
-    assert [g.token_ids for g in plain.generate(requests)] == want and plain.prefill_waits == 0
+    assert [g.token_ids for g in plain.generate(requests)] == want and plain.scheduler.pacer.waits == 0
     with pytest.raises(RequestError, match="prefill-stall"):
         EngineCore(engine, prefill_stall=0)
 

@@ -130,7 +130,7 @@ def test_a_long_prompt_enters_beside_a_decoding_row_without_changing_its_bucket(
     decode = batch._decode
 
     def watched():
-        seen.append((batch.staging is not None, batch.capacity, batch.staging_capacity))
+        seen.append((batch.staging is not None, batch.capacity, batch.executor.staging_capacity))
         decode()
 
     batch._decode = watched

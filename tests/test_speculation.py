@@ -10,7 +10,8 @@ import pytest
 from conftest import dev_prompts, random_prompts, tiny_model
 from jaxspec.decoding import sampling
 from jaxspec.engine.policy.auto import FIRST_TIMINGS, Member, TreeChooser
-from jaxspec.engine.core import EngineCore, Request, cut_tokens
+from jaxspec.engine.core import EngineCore, Request
+from jaxspec.engine.policy.scheduler import cut_tokens
 from jaxspec.engine import Engine, early_exit
 from jaxspec.decoding.ngram import proposal_arrays
 from jaxspec.speculators.ngram import NGramIndex, NGramSpeculator

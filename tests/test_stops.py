@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxspec.engine.core import cut_tokens
+from jaxspec.engine.policy.scheduler import cut_tokens
 from jaxspec.engine.stops import StopText
 from models.loading import default_model_path
 from models.tokenizer import load_tokenizer

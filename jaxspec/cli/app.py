@@ -128,7 +128,7 @@ def report_calibration(engine, batch, args, prompt_ids: list[int]) -> None:
     from jaxspec.config import bucket  # noqa: PLC0415
 
     warp = sampling.WarpSpec.of(sampling_params(args))
-    capacity = bucket(batch.cache_need(len(prompt_ids)), batch.capacity_buckets)
+    capacity = bucket(batch.scheduler.cache_need(len(prompt_ids)), batch.capacity_buckets)
     costs = engine.calibrate(warp, capacity, refresh=args.recalibrate, batch=1)
     base = costs["none"]
     for name, seconds in costs.items():

@@ -5,7 +5,7 @@ and executables meanwhile), in chunk sizes found on the device (``jaxspec.engine
 rows (``Scheduler.pacer``); a short prompt may enter beside a long one being fed. The staging row keeps the K/V of
 the prompt it fed last and the prefix cache keeps blocks of earlier prompts and answers, so a request sharing a
 prefix (``--num-samples``, a common system prompt, a conversation's next turn) starts after it. The loop
-(``EngineCore``) owns the rows once a request is inserted: ``Admission`` hands it over through ``loop.join``.
+(``EngineCore``) owns the rows once a request is inserted: ``Admission`` hands it over through ``loop.emission.join``.
 """
 
 from __future__ import annotations
@@ -13,15 +13,18 @@ from __future__ import annotations
 import fnmatch
 import os
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from jaxspec.decoding import constrain, sampling
 from jaxspec.engine.device.prefix import BLOCK, PrefixCache
-from jaxspec.engine.device.runner import check_fits
-from jaxspec.engine.policy.scheduler import Scheduler, Slot, Staging, Ticket, deliver, reason_of
-from jaxspec.request import Event
+from jaxspec.engine.loop import Loop
+from jaxspec.engine.device.runner import RequestError, check_fits
+from jaxspec.engine.policy.scheduler import Staging, deliver, reason_of
+from jaxspec.engine.stops import check_stops
+from jaxspec.request import Event, Request
+from jaxspec.structured import GrammarError
 
 # Request ids (comma-separated, each an ``fnmatch`` pattern: a server's ids are made per request) whose admission
 # fails, as a device error or a bug would: how the tests prove that a failed request costs that request only, through
@@ -33,32 +36,11 @@ class InjectedFailure(RuntimeError):
     """The failure ``$JAXSPEC_FAIL_REQUESTS`` asks for at a request's admission."""
 
 
-class Loop(Protocol):
-    """What admission reads of the loop it feeds (``jaxspec.engine.core.EngineCore``) and calls back."""
-
-    scheduler: Scheduler
-    executor: Any  # ``jaxspec.engine.device.executor.Executor``
-    chunks: Any  # ``jaxspec.engine.policy.prefill.ChunkSizer``
-    engine: Any  # ``jaxspec.engine.device.runner.ModelRunner``
-    clock: Any  # ``jaxspec.engine.clock.LoopClock``
-    max_capacity: int
-    vocab: int
-    prepared: bool
-    verbose: Callable[[str], None] | None
-
-    def in_flight(self) -> Any: ...
-    def fit(self, extra_rows: int = 0, need: int = 0) -> None: ...
-    def join(self, st: Staging, row: int) -> Slot: ...
-    def emit_first(self, slot: Slot, first: int) -> None: ...
-    def failed(self, what: str, exc: BaseException) -> None: ...
-    def cancelled(self, ticket: Ticket) -> bool: ...
-
-
 class Admission:
     """Stages waiting requests and feeds their prompts, within the pacer's budget, for ``loop``.
 
-    From the loop it reads its scheduler, executor, chunk sizer and engine, and calls ``join`` (a fed prompt's row
-    and first token), ``fit`` (the rows' layout), ``failed`` (a failure it survived) and ``cancelled``.
+    From the loop it reads its scheduler, executor, chunk sizer and engine, and calls its emission's ``join`` (a fed
+    prompt's row and first token), ``fit`` (the rows' layout), ``failed`` (a failure it survived) and ``cancelled``.
     ``prefix``: the prefix cache (off at 0 bytes); ``reuse``: a request starts after a prefix at hand.
     """
 
@@ -69,6 +51,30 @@ class Admission:
         self.staged: list[int] = []  # the prompt prefix whose K/V the staging row holds
         self.reuses = 0  # requests admitted after a reused prefix
         self.fail_requests = frozenset(filter(None, os.environ.get(FAIL_REQUESTS_ENV, "").split(",")))
+
+    def check(self, req: Request) -> None:
+        """Raises RequestError / SamplingError naming what is wrong with ``req``."""
+        n = len(req.prompt_ids)
+        if n < 1:
+            raise RequestError("the prompt is empty")
+        if req.max_new_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {req.max_new_tokens}")
+        if n + req.max_new_tokens > self.loop.max_model_len:
+            limit = self.loop.engine.llm.cfg.max_position_embeddings
+            what = (f"the model's context of {limit} tokens" if self.loop.max_model_len == limit
+                    else f"--max-model-len {self.loop.max_model_len}")
+            raise RequestError(f"prompt of {n} tokens plus {req.max_new_tokens} new tokens exceeds {what}")
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.loop.vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.loop.vocab}")
+        check_stops(req.stop_strings)
+        sampling.SamplerParams(req.params.temperature, req.params.top_k, req.params.top_p, req.params.seed)
+        if req.grammar is not None:
+            self.loop.check_structured()
+            try:
+                self.loop.engine.row_masks().vocab.compile(req.grammar)
+            except GrammarError as e:
+                raise RequestError(str(e)) from None
 
     @property
     def staging(self) -> Staging | None:
@@ -188,11 +194,11 @@ class Admission:
             self.resize_staging(ex.capacity)
         row = len(sched.slots)
         first = ex.insert(row)
-        slot = loop.join(st, row)  # on failure the row is taken back and ``feed`` ends the staged request
+        slot = loop.emission.join(st, row)  # on failure the row is taken back and ``feed`` ends the staged request
         self.staging = None
         sched.add(slot)
         self.remember(prompt)  # the staging row still holds the prompt's K/V
-        loop.emit_first(slot, first)
+        loop.emission.emit_first(slot, first)
         return size
 
     def _feed_beside(self) -> int:

@@ -19,7 +19,8 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxspec.decoding.sampling import SamplerParams
-from jaxspec.engine.core import EngineCore, Event, LoopSync, Request, Ticket
+from jaxspec.engine.core import EngineCore, Event, Request, Ticket
+from jaxspec.engine.sync import LoopSync
 from jaxspec.engine.stops import MAX_STOP_CHARS, MAX_STOPS
 from jaxspec.parallel import distributed as cluster
 

@@ -638,6 +638,12 @@ class ModelRunner:
         """How many (warp, bucket, member) steps are compiled or loaded: grows as members are readied."""
         return len(self._warmed)
 
+    @property
+    def filled_only(self) -> bool:
+        """Whether the LLM's attention reads only a cache's filled slots (``blocks`` over the unrolled layout, where
+        the cache is written in place): a step's cost then follows what its rows hold, not the capacity."""
+        return self.lowering.attention == "blocks" and self.unroll and not self.stacked
+
     def is_warm(self, params: sampling.SamplerParams | sampling.WarpSpec, capacity: int, batch: int,
                 name: str) -> bool:
         """Whether member ``name`` is compiled for this bucket."""

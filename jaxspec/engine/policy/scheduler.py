@@ -360,7 +360,7 @@ class Scheduler:
 class IterationPlan:
     """One decoding iteration as decided on the host, before the device runs it (``Executor.execute``): the member
     and its configuration at the bucket (rows x capacity), the live rows, and what the host proposed for each row.
-    Read back when its tokens are (``EngineCore._account``)."""
+    Read back when its tokens are (``jaxspec.engine.emission.Emission.account``)."""
 
     member: str  # the family member that runs
     cfg: Any  # its ``jaxspec.decoding.step.DecodeConfig`` (a grammar's forced chain included)
