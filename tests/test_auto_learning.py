@@ -210,7 +210,7 @@ def test_a_job_with_recorded_costs_starts_on_the_plain_step_and_loads_a_member_b
 
 
 def test_a_job_on_the_cpu_loads_before_its_first_request_what_its_tokens_repay_and_runs_each_step_once(tiny_llm):
-    """``prepare(beside=True, owed=N)`` on the CPU backend (the device is the host's cores: a load beside the loop
+    """``prepare(beside=True, owed=[n, ...])`` on the CPU backend (the device is the host's cores: a load beside the loop
     takes from decoding): a member N tokens can repay is loaded before the first request and nothing is left to load
     beside the loop; one they cannot repay is not loaded; every step readied at the job's buckets has run once (no
     request pays a first run: the job compiles nothing more); every token is plain decoding's."""
@@ -221,7 +221,7 @@ def test_a_job_on_the_cpu_loads_before_its_first_request_what_its_tokens_repay_a
     prompts = random_prompts(2, 64, seed=12)
     plain = EngineCore(Engine(tiny_llm), max_batch=1, max_model_len=64)
     want = [g.token_ids for g in plain.generate([Request(p, 12) for p in prompts])]
-    for owed, costs, loads in ((24, {"none": 1.0, "ssm": 1.0}, True), (1, {"none": 1e-4, "ssm": 1e-4}, False)):
+    for owed, costs, loads in (([12, 12], {"none": 1.0, "ssm": 1.0}, True), ([1], {"none": 1e-4, "ssm": 1e-4}, False)):
         engine = Engine(tiny_llm, speculators=[early_exit(tiny_llm, 1)], expansion=[(1, 1, 1)], auto=True,
                         costs=costs)
         batch = EngineCore(engine, max_batch=1, max_model_len=64)

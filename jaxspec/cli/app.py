@@ -368,7 +368,7 @@ def prepare_job(batch: EngineCore, requests: list) -> None:
     batch.prepare(warps=(warp,), grammar=any(r.grammar is not None for r in requests),
                   say=lambda msg: print(f"[jaxspec] {msg}", file=sys.stderr),
                   longest=max(len(r.prompt_ids) for r in requests), beside=True,
-                  owed=sum(r.max_new_tokens for r in requests))
+                  owed=[r.max_new_tokens for r in requests])
 
 
 def _run_jobs(engine, llm, rows: list[dict], args, out, batch, jobs: list, streaming: bool,

@@ -227,7 +227,7 @@ class EngineCore:
     def prepare(self, warps: Sequence[sampling.WarpSpec] | None = None, rows: Sequence[int] | None = None,
                 capacities: Sequence[int] | None = None, grammar: bool = False, progress: bool = True,
                 say: Callable[[str], None] | None = None, longest: int | None = None, callbacks: bool = True,
-                beside: bool = False, load_all: bool = False, owed: int | None = None) -> float:
+                beside: bool = False, load_all: bool = False, owed: Sequence[int] | None = None) -> float:
         """Readies every executable the loop can reach before its first request; returns the seconds it took
         (``jaxspec.engine.preparation.prepare`` says what each argument asks)."""
         return preparation.prepare(self, warps, rows, capacities, grammar, progress, say, longest, callbacks, beside,

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 import jax
 
 from jaxspec.cache import STATS
+from jaxspec.config import bucket
 from jaxspec.decoding import sampling
 from jaxspec.engine.device.prepare import Job, describe_timings
 from jaxspec.engine.loop import Loop
@@ -31,7 +32,7 @@ def prepared_set(loop: Loop, warps: Sequence[sampling.WarpSpec] | None = None, g
 def prepare(loop: Loop, warps: Sequence[sampling.WarpSpec] | None = None, rows: Sequence[int] | None = None,
             capacities: Sequence[int] | None = None, grammar: bool = False, progress: bool = True,
             say: Callable[[str], None] | None = None, longest: int | None = None, callbacks: bool = True,
-            beside: bool = False, load_all: bool = False, owed: int | None = None) -> float:
+            beside: bool = False, load_all: bool = False, owed: Sequence[int] | None = None) -> float:
     """Readies every executable the loop can reach before its first request; returns the seconds it took.
 
     Every (warp x row bucket x capacity bucket)'s members (``Planner.members``; ``grammar``: their grammar steps
@@ -48,9 +49,10 @@ def prepare(loop: Loop, warps: Sequence[sampling.WarpSpec] | None = None, rows: 
     members on host threads while the first requests run (``Beside``; the chooser takes each up once loaded),
     each where the tokens left can repay its load, or (``load_all``: a server) every one at once; a grammar's
     steps are readied here with the plain step's, where ``callbacks`` is False (no SSM draft's grammar step).
-    ``owed``: the tokens a job's requests ask for, known ahead: where the device is this host's own cores (the
-    CPU backend), loading beside the loop would take from its decoding, so the members those tokens can repay
-    are loaded here instead (``Planner.load_for_job``), and what that adds to start-up is said apart.
+    ``owed``: each request's new tokens, for a job known ahead: where the device is this host's own cores (the CPU
+    backend), loading beside the loop would take from its decoding, so the members of the row bucket the job starts
+    at that its tokens can repay are loaded here instead (``Planner.load_for_job``), each step of that bucket runs
+    once, and what that adds to start-up is said apart.
     """
     began, fresh = time.perf_counter(), STATS.fresh_compiles
     if grammar:
@@ -81,13 +83,16 @@ def prepare(loop: Loop, warps: Sequence[sampling.WarpSpec] | None = None, rows: 
             f"executables, {made} compiled fresh); later starts load what the executable store kept")
     return seconds
 
-def _ready_job(loop: Loop, buckets: list, owed: int, progress: bool, told: Callable[[str], None] | None) -> None:
-    """A job's start under auto with its members deferred (``prepare``'s ``owed``): on the CPU backend the
-    members its tokens can repay are loaded now (``Planner.load_for_job``); then every step ready at the job's
-    buckets runs once on a throwaway state, so no request pays an executable's first run. Said apart."""
-    began = time.perf_counter()
-    loaded = loop.planner.load_for_job(owed, progress)[0] if jax.default_backend() == "cpu" else 0
-    ran = sum(loop.engine.first_runs(w, c, r, loop.planner.members(w, r)) for w, r, c in buckets)
+def _ready_job(loop: Loop, buckets: list, owed: Sequence[int], progress: bool,
+               told: Callable[[str], None] | None) -> None:
+    """A job's start under auto with its members deferred (``prepare``'s ``owed``): at the row bucket it starts at,
+    on the CPU backend the members its tokens can repay are loaded now (``Planner.load_for_job``); then every step
+    ready there runs once on a throwaway state, so no request pays an executable's first run. Said apart."""
+    began, tokens = time.perf_counter(), sum(owed)
+    rows_now = bucket(min(len(owed), loop.row_buckets[-1]), loop.row_buckets)
+    cpu = jax.default_backend() == "cpu"
+    loaded = loop.planner.load_for_job(tokens, rows_now, progress)[0] if cpu else 0
+    ran = sum(loop.engine.first_runs(w, c, r, loop.planner.members(w, r)) for w, r, c in buckets if r == rows_now)
     if told is not None and (loaded or ran):
-        told(f"auto's start-up for this job's {owed} tokens: {loaded} speculative step(s) loaded (the ones they "
-             f"can repay), {ran} first run(s), {time.perf_counter() - began:.1f} s")
+        told(f"auto's start-up for this job's {tokens} tokens: {loaded} speculative step(s) loaded (the ones they "
+             f"can repay at {rows_now} row(s)), {ran} first run(s), {time.perf_counter() - began:.1f} s")

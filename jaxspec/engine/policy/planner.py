@@ -515,13 +515,14 @@ class Planner:
                 repaid.append(key)
         return repaid
 
-    def load_for_job(self, owed: int, progress: bool = False) -> tuple[int, float]:
+    def load_for_job(self, owed: int, rows_now: int, progress: bool = False) -> tuple[int, float]:
         """For a job whose device is this host's own cores (the CPU backend: loading beside the loop would take from
-        its decoding), readies now, before the first request, each deferred member that the job's ``owed`` tokens
-        can repay at the chooser's means (``_repaid``, every row drafting), and leaves the rest to ``want``;
-        returns (executables readied, their seconds): what auto adds to the job's start-up."""
+        its decoding), readies now, before the first request, each deferred member of the row bucket the job starts
+        at (``rows_now``: where its tokens are spent; the smaller buckets of its tail are left to ``want``) that the
+        job's ``owed`` tokens can repay at the chooser's means (``_repaid``, every row drafting); returns
+        (executables readied, their seconds): what auto adds to the job's start-up."""
         jobs = []
-        for warp, rows, capacity, _ in list(self.later):
+        for warp, rows, capacity, _ in [key for key in self.later if key[1] == rows_now]:
             drafts = [(self.engine.ngram_depth, 1)] * rows
             for key in self._repaid(warp, rows, capacity, self.engine.chooser(warp), drafts, owed):
                 jobs += self.later.pop(key)
