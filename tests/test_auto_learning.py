@@ -10,7 +10,7 @@ import pytest
 from conftest import random_prompts
 from jaxspec.decoding import sampling
 from jaxspec.engine import Engine, early_exit
-from jaxspec.engine.policy.auto import DISCOUNT, HALF_LIFE, Member, TreeChooser
+from jaxspec.engine.policy.auto import DISCOUNT, HALF_LIFE, SPECULATION_MARGIN, Member, TreeChooser
 from jaxspec.engine.core import EngineCore, Request
 
 SSM = [Member("none", {}, {}), Member("ssm", {"ssm": 3}, {"ssm": (0,)})]
@@ -30,6 +30,17 @@ def _run_requests(chooser: TreeChooser, agreed: int, requests: int, length: int)
     return picks
 
 
+def test_a_speculative_member_must_beat_the_plain_step_by_the_margin():
+    """At parity, or within ``SPECULATION_MARGIN`` of the plain step's rate, speculation has nothing to gain and the
+    estimates' noise to lose: the plain step is picked; past the margin the member is."""
+    members = [Member("none", {}, {}), Member("ssm", {"ssm": 1}, {"ssm": (0,)})]
+    chooser = TreeChooser(members, {"none": 1.0, "ssm": 1.0}, explore=False, adapt_costs=False)
+    expected = chooser.expected_tokens("ssm")  # 1 + the prior's rate: 1.6 tokens an iteration
+    for ratio, want in ((1.0, "none"), (1.0 + SPECULATION_MARGIN / 2, "none"), (1.0 + 2 * SPECULATION_MARGIN, "ssm")):
+        chooser.costs["ssm"] = expected / ratio  # the member's tokens per second = ratio x the plain step's
+        assert chooser.pick() == want, ratio
+
+
 @pytest.mark.parametrize("explore", [False, True])
 def test_a_speculator_that_failed_for_long_is_retried_once_traffic_changes(explore):
     """40 requests in which a one-level SSM always failed, then traffic where it always agrees: the chooser must
@@ -44,9 +55,11 @@ def test_a_speculator_that_failed_for_long_is_retried_once_traffic_changes(explo
     if not explore:
         assert chooser.pick() == "none"  # by the means alone it is judged a loss now
     picks = _run_requests(chooser, agreed=1, requests=80, length=10)
-    # bound: the means pick it once its ~117 discounted tries fall below 1 (rate 0.6 / (1 + tries) > 0.3),
-    # log2(117) ~ 6.9 half-lives; requests are 10 iterations each
-    bound = int(8 * HALF_LIFE) * 10
+    # bound: the means pick it once (1 + rate) / 1.3 beats the plain step by SPECULATION_MARGIN, i.e. once its ~117
+    # discounted tries fall below 0.6 / 0.404 - 1 ~ 0.49 (rate 0.6 / (1 + tries) > 1.3 * 1.08 - 1 = 0.404):
+    # log2(117 / 0.49) ~ 7.9 half-lives; requests are 10 iterations each
+    assert SPECULATION_MARGIN == pytest.approx(0.08)
+    bound = int(9 * HALF_LIFE) * 10
     assert "ssm" in picks[:bound]
     assert picks[-100:].count("ssm") >= 95  # once retried, it is learned to pay and kept
 

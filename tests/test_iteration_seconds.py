@@ -70,11 +70,13 @@ def test_auto_settles_on_plain_steps_where_every_draft_is_rejected(tiny_llm):
     plain = EngineCore(Engine(tiny_llm), max_batch=1, max_model_len=96).generate(requests)
     for k, (gen, want) in enumerate(zip(gens, plain)):
         assert gen.token_ids == want.token_ids
-        assert sum(gen.drafted.values()) > 0 and sum(gen.accepted.values()) == 0  # tried, and every draft failed
+        # tried, and its drafts failed (a random model's draft agrees now and then: 1 in 64 tokens a level)
+        assert sum(gen.drafted.values()) > 0 and sum(gen.accepted.values()) <= 1
         tried = [i for i, tree in enumerate(gen.trees) if tree != "none"]
         assert 1 <= len(tried) <= SETTLE_TRIALS + 1, gen.trees
-        if k == 0:
-            assert tried[-1] < 2 * (SETTLE_TRIALS + 1), gen.trees  # settled within its first few iterations
+        if k == 0:  # settled within its first few iterations (a draw must clear the margin to try it, so its tries
+            # spread over a few more)
+            assert tried[-1] < 3 * (SETTLE_TRIALS + 1), gen.trees
 
 
 def test_a_request_whose_drafts_fail_settles_even_after_requests_where_they_agreed():
@@ -104,9 +106,11 @@ def test_a_pick_skips_members_that_lose_even_if_every_draft_agreed():
     chooser = TreeChooser(members, {"none": 1.0, "ssm": 4.0}, seed=1)
     state = chooser.rng.bit_generator.state
     assert chooser.pick_batch([(0, 0)] * 3) == "none" and chooser.rng.bit_generator.state == state
-    cheap = TreeChooser(members, {"none": 1.0, "ssm": 2.9}, seed=1)
+    cheap = TreeChooser(members, {"none": 1.0, "ssm": 2.7}, seed=1)
     cheap.pick_batch([(0, 0)])
-    assert cheap.rng.bit_generator.state != state  # 3 tokens for 2.9x could win: drawn
+    assert cheap.rng.bit_generator.state != state  # 3 tokens for 2.7x could win by the margin: drawn
+    close = TreeChooser(members, {"none": 1.0, "ssm": 2.9}, seed=1)
+    assert close.pick_batch([(0, 0)]) == "none" and close.rng.bit_generator.state == state  # 1.03x: within it
 
 
 def test_jsonl_and_api_carry_the_seconds_per_member(tiny_checkpoint, tmp_path):
@@ -142,4 +146,4 @@ def test_a_settled_request_s_plain_iterations_compute_no_expected_tokens(tiny_ll
     (gen,) = EngineCore(engine, max_batch=1, max_model_len=96).generate([Request(random_prompts(1, 64, 11)[0], 40,
                                                                                   stop_ids=[])])
     assert sum(gen.accepted.values()) == 0 and gen.tree_counts["none"] >= gen.llm_steps - SETTLE_TRIALS - 1
-    assert len(scored) <= 2 * (SETTLE_TRIALS + 1) < gen.llm_steps - 30, (len(scored), gen.trees)
+    assert len(scored) <= 3 * (SETTLE_TRIALS + 1) < gen.llm_steps - 25, (len(scored), gen.trees)

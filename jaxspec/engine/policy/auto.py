@@ -80,6 +80,10 @@ TIMING_WINDOW = 32  # the newest observed/calibrated ratios kept per member
 # loop runs it RETIME_BURST times and prices it by those alone (``TreeChooser.retimed``).
 RETIME_AFTER = 48
 RETIME_BURST = 3
+# A speculative member is picked only where its expected tokens per second beat the plain step's by this share: at
+# parity speculation has nothing to gain and the estimates' noise (acceptance from a few tries, prices from spans
+# taken beside other work) to lose, and auto's promise is never to be slower than plain decoding.
+SPECULATION_MARGIN = 0.08
 FORCED_NODE_PRIOR = 0.12  # a forced-chain node's share of a plain step before a grammar step is timed
 GRAMMAR_PRIOR = 1.1  # a grammar step (host masks, no host/device overlap) over its plain member, before timing
 
@@ -134,6 +138,7 @@ class TreeChooser:
         self.explore = explore
         self.adapt_costs = adapt_costs
         self.discount = discount
+        self.margin = SPECULATION_MARGIN  # the share a speculative pick must win by (``pick_batch``)
         self.rng = np.random.default_rng(seed)
         self.timings = {m.name: collections.deque(maxlen=TIMING_WINDOW) for m in members}
         self._plain_age: dict[int, int] = {}  # row bucket -> launches there since its plain step last ran
@@ -436,7 +441,8 @@ class TreeChooser:
 
         ``rows`` holds each active row's (n-gram proposal length, matched suffix length);
         ``costs`` are those of the bucket the batch runs in (default ``self.costs``), so a
-        large batch (where a tree costs more than it saves) falls back to no speculation;
+        large batch (where a tree costs more than it saves) falls back to no speculation; a speculative member wins
+        only by more than ``margin`` (``SPECULATION_MARGIN``) of the plain step's rate;
         members without a cost there are not candidates. ``keys`` name each row's request,
         whose own counts its rates read (default: none, every open request pooled). One draw
         per (kind, request) serves every member of the pick; ``scores``, when given, receives each
@@ -451,7 +457,7 @@ class TreeChooser:
                  for n in names}
         if scores is None and "none" in price:  # members that lose even if every draft agreed need no draw
             plain = len(rows) / price["none"]
-            names = [n for n in names if n == "none" or self._most_tokens(n, rows) / price[n] > plain]
+            names = [n for n in names if n == "none" or self._most_tokens(n, rows) / price[n] > plain * (1 + self.margin)]
         if len(names) == 1:
             return names[0]  # e.g. only the plain step is ready or can win: nothing to draw
         keys = keys or [None] * len(rows)
@@ -466,7 +472,7 @@ class TreeChooser:
         rate = {n: float(t) / price[n] for n, t in zip(names, tokens)}
         if scores is not None:
             scores.update(rate)
-        return max(rate, key=lambda n: (rate[n], n == "none"))
+        return max(rate, key=lambda n: (rate[n] * (1.0 if n == "none" else 1.0 / (1.0 + self.margin)), n == "none"))
 
     def _most_tokens(self, name: str, rows: Sequence[tuple[int, int]]) -> int:
         """Tokens one iteration of ``name`` emits over ``rows`` ((n-gram length, match) each) if every draft agrees:

@@ -511,7 +511,7 @@ class Planner:
             if key not in self.later:  # the plain step, or queued already
                 continue
             speed = chooser.mean_tokens(name, drafts) / len(drafts) * plain / chooser.cost(name, full, rows)
-            if speed > 1.0 and seconds * (1.0 - 1.0 / speed) > self.load_seconds:
+            if speed > 1.0 + chooser.margin and seconds * (1.0 - 1.0 / speed) > self.load_seconds:
                 repaid.append(key)
         return repaid
 
