@@ -51,7 +51,7 @@ def prepare(loop: Loop, warps: Sequence[sampling.WarpSpec] | None = None, rows: 
     steps are readied here with the plain step's, where ``callbacks`` is False (no SSM draft's grammar step).
     ``owed``: each request's new tokens, for a job known ahead: where the device is this host's own cores (the CPU
     backend), loading beside the loop would take from its decoding, so the members of the row bucket the job starts
-    at that its tokens repay best is loaded here instead (``Planner.load_for_job``), each step of that bucket runs
+    at that its tokens can repay are loaded here instead (``Planner.load_for_job``), each step of that bucket runs
     once, and what that adds to start-up is said apart.
     """
     began, fresh = time.perf_counter(), STATS.fresh_compiles
@@ -86,7 +86,7 @@ def prepare(loop: Loop, warps: Sequence[sampling.WarpSpec] | None = None, rows: 
 def _ready_job(loop: Loop, buckets: list, owed: Sequence[int], progress: bool,
                told: Callable[[str], None] | None) -> None:
     """A job's start under auto with its members deferred (``prepare``'s ``owed``): at the row bucket it starts at,
-    on the CPU backend the member its tokens repay best is loaded now (``Planner.load_for_job``); then every step
+    on the CPU backend the members its tokens can repay are loaded now (``Planner.load_for_job``); then every step
     ready there runs once on a throwaway state, so no request pays an executable's first run. Said apart."""
     began, tokens = time.perf_counter(), sum(owed)
     rows_now = bucket(min(len(owed), loop.row_buckets[-1]), loop.row_buckets)
@@ -94,5 +94,5 @@ def _ready_job(loop: Loop, buckets: list, owed: Sequence[int], progress: bool,
     loaded = loop.planner.load_for_job(tokens, rows_now, progress)[0] if cpu else 0
     ran = sum(loop.engine.first_runs(w, c, r, loop.planner.members(w, r)) for w, r, c in buckets if r == rows_now)
     if told is not None and (loaded or ran):
-        told(f"auto's start-up for this job's {tokens} tokens: {loaded} speculative step(s) loaded (what they "
-             f"repay best at {rows_now} row(s)), {ran} first run(s), {time.perf_counter() - began:.1f} s")
+        told(f"auto's start-up for this job's {tokens} tokens: {loaded} speculative step(s) loaded (the ones they "
+             f"can repay at {rows_now} row(s)), {ran} first run(s), {time.perf_counter() - began:.1f} s")

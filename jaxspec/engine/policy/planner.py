@@ -499,7 +499,7 @@ class Planner:
                 owed: int) -> list[tuple]:
         """The ``later`` keys of this bucket whose member's expected saving over ``owed`` tokens (the chooser's
         acceptance means over the rows' ``drafts``, (n-gram length, match) each, and its prices, against the plain
-        step's) repays the member's loading, the fastest first."""
+        step's) repays the member's loading."""
         full = self.bucket_costs.get((warp, rows, capacity))
         if not full or "none" not in full or not drafts:
             return []
@@ -512,21 +512,19 @@ class Planner:
                 continue
             speed = chooser.mean_tokens(name, drafts) / len(drafts) * plain / chooser.cost(name, full, rows)
             if speed > 1.0 + chooser.margin and seconds * (1.0 - 1.0 / speed) > self.load_seconds:
-                repaid.append((speed, key))
-        return [key for _, key in sorted(repaid, key=lambda pair: -pair[0])]
+                repaid.append(key)
+        return repaid
 
     def load_for_job(self, owed: int, rows_now: int, progress: bool = False) -> tuple[int, float]:
         """For a job whose device is this host's own cores (the CPU backend: loading beside the loop would take from
         its decoding), readies now, before the first request, each deferred member of the row bucket the job starts
         at (``rows_now``: where its tokens are spent; the smaller buckets of its tail are left to ``want``) that the
-        job's ``owed`` tokens repay best at the chooser's means (``_repaid``, every row drafting): one member, as no
-        evidence yet tells the others apart (``want`` loads another beside the loop once the requests' own acceptance
-        says it pays); returns (executables readied, their seconds): what auto adds to the job's start-up."""
+        job's ``owed`` tokens can repay at the chooser's means (``_repaid``, every row drafting); returns
+        (executables readied, their seconds): what auto adds to the job's start-up."""
         jobs = []
-        for warp, rows, capacity in dict.fromkeys(key[:3] for key in self.later if key[1] == rows_now):
+        for warp, rows, capacity, _ in [key for key in self.later if key[1] == rows_now]:
             drafts = [(self.engine.ngram_depth, 1)] * rows
-            best = self._repaid(warp, rows, capacity, self.engine.chooser(warp), drafts, owed)[:1]
-            for key in best:
+            for key in self._repaid(warp, rows, capacity, self.engine.chooser(warp), drafts, owed):
                 jobs += self.later.pop(key)
         return len(jobs), compile_all(jobs, "loading auto's steps", progress)
 
