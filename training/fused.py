@@ -124,6 +124,7 @@ def make_fused_step(dcfg, layers: tuple[int, ...], ids: jax.Array, cfg, opt):
 RETIRED_DRAFTERS = {
     "jaxspec/pools/smollm2_drafter_v1": "d1480a4514d1c86d0540eeb8619bdb612d992375",
     "jaxspec/pools/smollm2_drafter_v2": "d1480a4514d1c86d0540eeb8619bdb612d992375",
+    "jaxspec/pools/smollm2_drafter_v3": "d02361e1efbfea2129d2b90dddf9f9fe23991bee",
 }
 
 
