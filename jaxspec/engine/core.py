@@ -367,7 +367,7 @@ class EngineCore:
         executor; None where the plan needs the tokens in flight (``stale``)."""
         self.fit()
         plan = self.policy.plan(self.slots, self.rows, self.capacity, stale, self.iterations,
-                                self.scheduler.tokens_owed(), self._max_emit)
+                                self.scheduler.tokens_owed, self._max_emit)
         if plan is None:
             return None
         ran = (plan.member, plan.cfg.forced_depth, plan.rows, plan.capacity)  # the executable this launch runs

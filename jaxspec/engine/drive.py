@@ -40,6 +40,7 @@ def generate(loop: Loop, requests: Sequence[Request],
         pass
     return [out[k] for k in range(len(requests))]
 
+
 def stream(loop: Loop, requests: Sequence[Request]) -> Iterator[tuple[int, Event, Generation | None]]:
     """``generate`` as an iterator: (k, event, request k's Generation on its final event, else None) as events
     come, in this thread; closing it early cancels the requests not finished (their rows retired before it
@@ -67,6 +68,7 @@ def stream(loop: Loop, requests: Sequence[Request]) -> Iterator[tuple[int, Event
                 ticket.cancel()
             for _ in run(loop, (), hear):  # the cancelled rows retire; their events go unheard
                 pass
+
 
 def run(loop: Loop, requests: Sequence[Request], hear: Callable[[int], Callable[[Event], None]],
         tickets: list[Ticket] | None = None) -> Iterator[None]:

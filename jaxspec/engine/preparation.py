@@ -29,6 +29,7 @@ def prepared_set(loop: Loop, warps: Sequence[sampling.WarpSpec] | None = None, g
     return loop.executor.listed(loop.planner.step_jobs(buckets, grammar, callbacks),
                                 loop.chunks.reachable(longest), loop.row_buckets, loop.capacity_buckets)
 
+
 def prepare(loop: Loop, warps: Sequence[sampling.WarpSpec] | None = None, rows: Sequence[int] | None = None,
             capacities: Sequence[int] | None = None, grammar: bool = False, progress: bool = True,
             say: Callable[[str], None] | None = None, longest: int | None = None, callbacks: bool = True,
@@ -82,6 +83,7 @@ def prepare(loop: Loop, warps: Sequence[sampling.WarpSpec] | None = None, rows: 
         say(f"prepared this machine for {len(buckets)} step bucket(s) in {seconds:.1f} s ({listed} "
             f"executables, {made} compiled fresh); later starts load what the executable store kept")
     return seconds
+
 
 def _ready_job(loop: Loop, buckets: list, owed: Sequence[int], progress: bool,
                told: Callable[[str], None] | None) -> None:

@@ -457,7 +457,7 @@ class TreeChooser:
                  for n in names}
         if scores is None and "none" in price:  # members that lose even if every draft agreed need no draw
             plain = len(rows) / price["none"]
-            names = [n for n in names if n == "none" or self._most_tokens(n, rows) / price[n] > plain * (1 + self.margin)]
+            names = [n for n in names if n == "none" or self._most_tokens(n, rows) / price[n] > plain * self._bar(n)]
         if len(names) == 1:
             return names[0]  # e.g. only the plain step is ready or can win: nothing to draw
         keys = keys or [None] * len(rows)
@@ -472,7 +472,12 @@ class TreeChooser:
         rate = {n: float(t) / price[n] for n, t in zip(names, tokens)}
         if scores is not None:
             scores.update(rate)
-        return max(rate, key=lambda n: (rate[n] * (1.0 if n == "none" else 1.0 / (1.0 + self.margin)), n == "none"))
+        return max(rate, key=lambda n: (rate[n] / self._bar(n), n == "none"))
+
+    def _bar(self, name: str) -> float:
+        """What a member's rate is divided by before picks compare it: 1 for the plain step, 1 + ``margin`` for a
+        speculative member (it must beat plain decoding by that share)."""
+        return 1.0 if name == "none" else 1.0 + self.margin
 
     def _most_tokens(self, name: str, rows: Sequence[tuple[int, int]]) -> int:
         """Tokens one iteration of ``name`` emits over ``rows`` ((n-gram length, match) each) if every draft agrees:

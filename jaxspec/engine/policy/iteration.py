@@ -30,13 +30,14 @@ class IterationPolicy:
         self.engine, self.planner, self.clock = engine, planner, clock
         self._sync, self._failed = sync, failed
 
-    def plan(self, slots: list[Slot], rows: int, capacity: int, stale: bool, iteration: int, owed: int,
+    def plan(self, slots: list[Slot], rows: int, capacity: int, stale: bool, iteration: int, owed: Callable[[], int],
              max_emit: int) -> IterationPlan | None:
         """The iteration over ``slots`` laid out at (``rows``, ``capacity``): each row's n-gram proposal and
         grammar-forced chain (their seconds go to the span's drafting), the member the chooser picks for them. None
         where ``stale`` (an iteration in flight, which may commit ``max_emit`` tokens per row first) and the pick
         needs its tokens: a grammar's masks, or an n-gram draft. ``iteration``: the loop's count (members beside
-        the loop are weighed every ``WANT_EVERY``); ``owed``: the tokens the rows' requests may still ask for."""
+        the loop are weighed every ``WANT_EVERY``); ``owed()``: the tokens the requests may still ask for (counted
+        only when weighed)."""
         e = self.engine
         live = list(enumerate(slots))
         warp = sampling.batch_warp([s.ticket.request.params for _, s in live])
@@ -69,7 +70,7 @@ class IterationPolicy:
         if self.planner.beside and chooser is not None and not constrained and iteration % WANT_EVERY == 0:
             try:
                 self.planner.want(warp, rows, capacity, chooser, [(len(proposals[i]), matched[i]) for i, _ in live],
-                                  owed)
+                                  owed())
             except Exception as exc:  # noqa: BLE001 — the loop runs on with the members it has
                 self._failed("weighing which members to load", exc)
         name, longest = self._pick(warp, family, chooser, costs, live, proposals, matched, chains, stale, rows)

@@ -522,7 +522,7 @@ class Planner:
         job's ``owed`` tokens can repay at the chooser's means (``_repaid``, every row drafting); returns
         (executables readied, their seconds): what auto adds to the job's start-up."""
         jobs = []
-        for warp, rows, capacity, _ in [key for key in self.later if key[1] == rows_now]:
+        for warp, rows, capacity in dict.fromkeys(key[:3] for key in self.later if key[1] == rows_now):
             drafts = [(self.engine.ngram_depth, 1)] * rows
             for key in self._repaid(warp, rows, capacity, self.engine.chooser(warp), drafts, owed):
                 jobs += self.later.pop(key)
